@@ -1,0 +1,1 @@
+"""The `simloop` CLI, config loading, and (later) chip planning and launchers."""

@@ -1,0 +1,94 @@
+"""The `simloop` command line (also `python -m launch`).
+
+    simloop --help
+    simloop config --config configs/demo_cpu.yaml --agent.model.num_layers 4
+
+Every subcommand takes `--config FILE` plus dotted overrides (`--train.lr 1e-4`), and the whole
+config is validated before anything imports JAX. Subcommands whose component has not landed
+yet say so and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from launch.config import ConfigError, dump_config, load_config
+from launch.schema import SimloopConfig
+
+EXIT_USAGE = 2
+
+# name -> (one-line help, writes a run directory)
+SUBCOMMANDS: dict[str, tuple[str, bool]] = {
+    "demo": ("the whole pipeline on CPU with tiny models, in minutes", True),
+    "collect": ("run agents in real shells (local / E2B) and store trajectories", True),
+    "import": ("convert SWE-agent .traj / chat JSON files into simloop trajectories", True),
+    "train-sim": ("supervised fine-tuning of the simulator on real trajectories", True),
+    "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
+    "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
+    "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
+    "rollout": ("run a rollout job and write trajectories", True),
+    "report": ("write a self-contained report.html for a run directory", False),
+    "serve": ("the OpenAI/vLLM-compatible inference server (JAX engine)", False),
+    "plan-chips": ("plan TPU chip partitions and per-process environments", False),
+    "gke": ("render GKE JobSet manifests from a config", False),
+    "tpu-vm": ("create / ssh / run / copy / delete TPU VMs through gcloud", False),
+    "config": ("validate a config with its overrides and print it resolved", False),
+}
+
+ACTIONS = {"gke": ["render"], "tpu-vm": ["create", "ssh", "run", "copy", "delete"]}
+
+Handler = Callable[[argparse.Namespace, SimloopConfig], int]
+
+
+def _config_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    sys.stdout.write(dump_config(cfg))
+    return 0
+
+
+HANDLERS: dict[str, Handler] = {"config": _config_cmd}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="simloop",
+        description="Train LLM terminal agents with RL against a learned terminal simulator.",
+        epilog="Each subcommand takes --config FILE plus dotted overrides (--section.key VALUE).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, writes_run_dir) in SUBCOMMANDS.items():
+        status = "" if name in HANDLERS else " [not implemented yet]"
+        p = sub.add_parser(name, help=help_text + status, description=help_text + status)
+        p.add_argument("--config", metavar="FILE", help="YAML config (defaults apply if omitted)")
+        if writes_run_dir:
+            p.add_argument("--out", metavar="DIR", help="run directory to write into")
+        if name in ACTIONS:
+            p.add_argument("action", nargs="?", choices=ACTIONS[name])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        cfg = load_config(SimloopConfig, args.config, rest)
+    except ConfigError as e:
+        print(f"simloop {args.command}: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    handler = HANDLERS.get(args.command)
+    if handler is None:
+        print(
+            f"simloop {args.command}: not implemented yet in this version of simloop "
+            f"({SUBCOMMANDS[args.command][0]}). The config validated; nothing was run.",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    return handler(args, cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

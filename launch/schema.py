@@ -1,0 +1,55 @@
+"""The top-level `SimloopConfig` every subcommand reads: one frozen dataclass per component.
+
+Imports no JAX. Sections grow as components land (server, envs, orchestrator, trainers); a
+YAML file only names what it changes from these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl.data.tokenizer import TokenizerConfig
+from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity and seeding of one run."""
+
+    name: str = "simloop"
+    """Shown in logs and reports; tags cloud resources."""
+    seed: int = 0
+    """Root PRNG seed; every component derives its keys from it."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"RunConfig.name={self.name!r} is invalid: a non-empty string")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"RunConfig.seed={self.seed!r} is invalid: an integer >= 0")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One model role (the agent or the simulator): architecture, weights, tokenizer, mesh."""
+
+    model: ModelConfig = field(default_factory=tiny)
+    """Architecture; `preset: NAME` in YAML starts from a preset."""
+    hf_path: str | None = None
+    """Local HF directory to load weights (and the architecture) from; None: random init."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """`byte` for tiny models, `hf` with a local path otherwise."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Sub-mesh shape of this role's trainer (data x fsdp x tensor devices)."""
+
+
+@dataclass(frozen=True)
+class SimloopConfig:
+    """Everything a `simloop` subcommand reads."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    agent: RoleConfig = field(default_factory=RoleConfig)
+    """The policy: issues one shell command per turn."""
+    simulator: RoleConfig = field(default_factory=RoleConfig)
+    """The learned terminal: writes the observation for a command."""
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """Logical-axis -> mesh-axis rules shared by every role."""

@@ -1,0 +1,324 @@
+"""The Qwen3-family decoder (Flax NNX): training forward and KV-cache decode.
+
+`Qwen3(cfg, rngs=...)` holds the parameters; decoder blocks are stacked along a leading
+`layers` axis and run under `jax.lax.scan`, so compile time does not grow with depth.
+
+- `model(tokens_BT, positions_BT=None, segment_ids_BT=None) -> logits_BTV` (float32): the
+  training forward, causal within each segment of a packed row.
+- `model.decode(tokens_BT, cache, num_new_B) -> (logits_BTV, cache)`: append up to T tokens to
+  each slot of a `KVCache` (prefill, a chunk of a long prompt, or one decode step) and attend
+  over everything the slot holds. Slots are independent rows: the serving engine resets one
+  with `cache.reset_slots` and refills it while the others keep decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rl.model.config import ModelConfig
+from rl.model.layers import MLP, RMSNorm, dtype_of, param, rope
+from rl.model.sharding import constrain
+
+NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
+
+CACHE_AXES = ("layers", "cache_batch", "cache_length", "kv_heads", "head_dim")
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys/values of every slot: `k`, `v` are [L, B, S, K, H]; `lengths` [B] counts the valid
+    positions of each slot (entries at or past it are stale and never attended to)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def create(
+        cls, cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None
+    ) -> KVCache:
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        dt = dtype_of(dtype or cfg.dtype)
+        k = constrain(jnp.zeros(shape, dt), CACHE_AXES)
+        v = constrain(jnp.zeros(shape, dt), CACHE_AXES)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset_slots(self, mask_B: jax.Array) -> KVCache:
+        """Empty the slots where `mask_B` is true (their stale keys are masked by length)."""
+        return dataclasses.replace(self, lengths=jnp.where(mask_B, 0, self.lengths))
+
+
+def attend(
+    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array
+) -> jax.Array:
+    """Grouped-query softmax attention; scores and softmax in float32."""
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scores_BKGTS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    )
+    scores_BKGTS = scores_BKGTS * (1.0 / jnp.sqrt(jnp.float32(h)))
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, NEG_INF)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), cfg)
+        self.k = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+        self.v = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+        self.o = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), cfg)
+        if cfg.qkv_bias:
+            self.q_bias = param(rngs, (n, h), ("q_heads", "head_dim"), cfg, init="zeros")
+            self.k_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), cfg, init="zeros")
+            self.v_bias = param(rngs, (k, h), ("kv_heads", "head_dim"), cfg, init="zeros")
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = param(rngs, (d,), ("embed",), cfg, init="zeros") if cfg.o_bias else None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg, axis_name="head_dim")
+            self.k_norm = RMSNorm(h, cfg, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
+        dt = x_BTD.dtype
+        y = jnp.einsum("BTD,DNH->BTNH", x_BTD, w.get_value().astype(dt))
+        return y if b is None else y + b.get_value().astype(dt)
+
+    def qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
+        q_BTNH = self._project(x_BTD, self.q, self.q_bias)
+        k_BTKH = self._project(x_BTD, self.k, self.k_bias)
+        v_BTKH = self._project(x_BTD, self.v, self.v_bias)
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        q_BTNH = rope(q_BTNH, positions_BT, self.cfg.rope_theta)
+        k_BTKH = rope(k_BTKH, positions_BT, self.cfg.rope_theta)
+        q_BTNH = constrain(q_BTNH, ("act_batch", "act_length", "act_heads", None))
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def out(self, attn_BTNH: jax.Array) -> jax.Array:
+        dt = attn_BTNH.dtype
+        y_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.o.get_value().astype(dt))
+        return y_BTD if self.o_bias is None else y_BTD + self.o_bias.get_value().astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        mask_BTS: jax.Array,
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        write_idx_BT: jax.Array | None = None,
+    ):
+        """Without `kv_cache`, attend over this call's own keys; with it, scatter the new keys
+        to `write_idx_BT` (out-of-range indices are dropped) and attend over the cache."""
+        q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(self.attn_norm(x_BTD), positions_BT)
+        if kv_cache is None:
+            k_BSKH, v_BSKH = k_BTKH, v_BTKH
+        else:
+            k_cache, v_cache = kv_cache
+            rows_BT = jnp.broadcast_to(jnp.arange(k_cache.shape[0])[:, None], write_idx_BT.shape)
+            k_BSKH = k_cache.at[rows_BT, write_idx_BT].set(
+                k_BTKH.astype(k_cache.dtype), mode="drop"
+            )
+            v_BSKH = v_cache.at[rows_BT, write_idx_BT].set(
+                v_BTKH.astype(v_cache.dtype), mode="drop"
+            )
+            k_BSKH = constrain(k_BSKH, CACHE_AXES[1:])
+            v_BSKH = constrain(v_BSKH, CACHE_AXES[1:])
+        attn_BTNH = attend(
+            q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS
+        )
+        x_BTD = x_BTD + self.attn.out(attn_BTNH)
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        x_BTD = constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+        return x_BTD, (k_BSKH, v_BSKH)
+
+
+def _is_var(x: object) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every parameter gains a leading `layers` axis."""
+    graphdef = nnx.graphdef(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    stacked = jax.tree.map(
+        lambda *vs: vs[0].replace(
+            jnp.stack([v.get_value() for v in vs]),
+            logical_axes=("layers", *vs[0].logical_axes),
+        ),
+        *states,
+        is_leaf=_is_var,
+    )
+    return nnx.merge(graphdef, stacked)
+
+
+class Qwen3(nnx.Module):
+    """Decoder-only LM of the Qwen3 family (Qwen2/2.5 with `qk_norm=False, qkv_bias=True`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+        self.layers = stack_blocks([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+    # ----- pieces --------------------------------------------------------------------------
+
+    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+        x_BTD = jnp.take(self.embed.get_value(), tokens_BT, axis=0)
+        x_BTD = x_BTD.astype(dtype_of(self.cfg.dtype))
+        return constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+
+    def logits(self, h_BTD: jax.Array) -> jax.Array:
+        """Final norm + LM head; float32 logits."""
+        h_BTD = self.final_norm(h_BTD)
+        dt = h_BTD.dtype
+        if self.lm_head is None:
+            w_VD = self.embed.get_value().astype(dt)
+            logits_BTV = jnp.einsum("BTD,VD->BTV", h_BTD, w_VD, preferred_element_type=jnp.float32)
+        else:
+            w_DV = self.lm_head.get_value().astype(dt)
+            logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
+
+    def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, write_idx_BT=None):
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(x_BTD, xs):
+            layer_state, kv = xs
+            block = nnx.merge(graphdef, layer_state)
+            x_BTD, kv_new = block(x_BTD, positions_BT, mask_BTS, kv, write_idx_BT)
+            return x_BTD, (kv_new if kv is not None else None)
+
+        kv_xs = None if cache is None else (cache.k, cache.v)
+        return jax.lax.scan(body, x_BTD, (stacked, kv_xs))
+
+    # ----- training forward ----------------------------------------------------------------
+
+    def hidden_states(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-block activations [B, T, D] before the final norm (for chunked losses)."""
+        b, t = tokens_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        idx = jnp.arange(t)
+        mask_BTS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (b, t, t))
+        if segment_ids_BT is not None:
+            mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+        h_BTD, _ = self._scan_blocks(self.embed_tokens(tokens_BT), positions_BT, mask_BTS)
+        return h_BTD
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array | None = None,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> jax.Array:
+        """Logits [B, T, V] in float32. Positions default to 0..T-1; with `segment_ids_BT`,
+        tokens attend only within their own segment (packed rows)."""
+        return self.logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+
+    # ----- decode with a KV cache ------------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
+        return KVCache.create(self.cfg, batch, max_len, dtype)
+
+    def decode(
+        self,
+        tokens_BT: jax.Array,
+        cache: KVCache,
+        num_new_B: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Append `num_new_B[b]` tokens (a left-aligned prefix of row b; default all T) to slot
+        b and return their logits [B, T, V] and the updated cache. Rows with `num_new_B == 0`
+        are left untouched (their logits are meaningless). Tokens that would run past the
+        cache's `max_len` are not stored: keep `lengths + num_new <= max_len`."""
+        b, t = tokens_BT.shape
+        if num_new_B is None:
+            num_new_B = jnp.full((b,), t, jnp.int32)
+        num_new_B = num_new_B.astype(jnp.int32)
+        start_B = cache.lengths
+        offsets_T = jnp.arange(t, dtype=jnp.int32)
+        positions_BT = start_B[:, None] + offsets_T[None, :]
+        valid_BT = offsets_T[None, :] < num_new_B[:, None]
+        write_idx_BT = jnp.where(valid_BT, positions_BT, cache.max_len)  # max_len: dropped
+        new_len_B = start_B + num_new_B
+        s_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
+        mask_BTS = (s_idx[None, None, :] <= positions_BT[:, :, None]) & (
+            s_idx[None, None, :] < new_len_B[:, None, None]
+        )
+        h_BTD, (k, v) = self._scan_blocks(
+            self.embed_tokens(tokens_BT), positions_BT, mask_BTS, cache, write_idx_BT
+        )
+        new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
+        return self.logits(h_BTD), new_cache
+
+
+def jit_forward(model: Qwen3):
+    """`forward(tokens_BT, positions_BT=None, segment_ids_BT=None) -> logits_BTV`, jitted over
+    a snapshot of the model's parameters (re-create it after the weights change)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, tokens_BT, positions_BT, segment_ids_BT):
+        return nnx.merge(graphdef, state)(tokens_BT, positions_BT, segment_ids_BT)
+
+    return lambda tokens_BT, positions_BT=None, segment_ids_BT=None: forward(
+        state, tokens_BT, positions_BT, segment_ids_BT
+    )
+
+
+def jit_decode(model: Qwen3, *, donate_cache: bool = True):
+    """`decode(tokens_BT, cache, num_new_B) -> (logits_BTV, cache)`, jitted (the cache donated
+    by default: do not reuse the one passed in)."""
+    graphdef, state = nnx.split(model)
+
+    def decode(state, tokens_BT, cache, num_new_B):
+        return nnx.merge(graphdef, state).decode(tokens_BT, cache, num_new_B)
+
+    jitted = jax.jit(decode, donate_argnums=(2,) if donate_cache else ())
+
+    def call(tokens_BT, cache, num_new_B=None):
+        if num_new_B is None:
+            num_new_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
+        return jitted(state, tokens_BT, cache, num_new_B)
+
+    return call

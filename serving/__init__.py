@@ -1,0 +1,2 @@
+"""Decoding behind one HTTP API: the JAX engine, the aiohttp server, the async client, and the
+vllm-tpu launcher (DESIGN.md §2, §4)."""

@@ -1,0 +1,152 @@
+"""The decoder: KV-cache decode reproduces the training forward; packing; dtypes; jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl.model import KVCache, Qwen3, jit_decode, jit_forward, tiny
+from rl.model.config import ModelConfig
+
+
+def _model(cfg: ModelConfig | None = None, seed: int = 0) -> Qwen3:
+    return Qwen3(cfg or tiny(), rngs=nnx.Rngs(seed))
+
+
+def _tokens(shape, vocab, seed=1):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny(),
+        tiny(num_heads=6, num_kv_heads=1, head_dim=8, tie_word_embeddings=False),
+        tiny(qk_norm=False, qkv_bias=True, architecture="Qwen2ForCausalLM"),
+    ],
+    ids=["tiny", "mqa-untied", "qwen2"],
+)
+def test_prefill_then_decode_matches_training_forward(cfg):
+    model = _model(cfg)
+    forward, decode = jit_forward(model), jit_decode(model)
+    lengths = [5, 9, 3]
+    steps = 10
+    tokens = _tokens((3, max(lengths) + steps + 1), cfg.vocab_size)
+    full_BTV = forward(tokens)
+
+    # Prefill: one padded batch, rows of different prompt lengths.
+    cache = model.init_cache(batch=3, max_len=32)
+    logits_BTV, cache = decode(tokens[:, : max(lengths)], cache, jnp.array(lengths))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(logits_BTV[b, :n], full_BTV[b, :n], atol=1e-5, rtol=0)
+
+    # Then one token per step; each row continues from its own length.
+    for step in range(steps):
+        nxt = jnp.stack([tokens[b, n + step] for b, n in enumerate(lengths)])[:, None]
+        logits_BTV, cache = decode(nxt, cache)
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(logits_BTV[b, 0], full_BTV[b, n + step], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [n + steps for n in lengths])
+
+
+def test_chunked_prefill_equals_one_shot_and_idle_rows_are_untouched():
+    cfg = tiny()
+    model = _model(cfg)
+    decode = jit_decode(model)
+    tokens = _tokens((2, 12), cfg.vocab_size)
+    full_BTV = jit_forward(model)(tokens)
+
+    cache = model.init_cache(batch=2, max_len=16)
+    # Row 1 sits idle (num_new 0) while row 0 prefills in chunks of 4.
+    for start in range(0, 12, 4):
+        logits_BTV, cache = decode(tokens[:, start : start + 4], cache, jnp.array([4, 0]))
+        np.testing.assert_allclose(logits_BTV[0], full_BTV[0, start : start + 4], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 0])
+    # Now row 1 prefills in one go and must see none of row 0's keys.
+    logits_BTV, cache = decode(tokens, cache, jnp.array([0, 12]))
+    np.testing.assert_allclose(logits_BTV[1], full_BTV[1], atol=1e-5)
+
+
+def test_reset_slot_then_refill_gives_fresh_sequence():
+    cfg = tiny()
+    model = _model(cfg)
+    a = _tokens((1, 6), cfg.vocab_size, seed=3)
+    b = _tokens((1, 6), cfg.vocab_size, seed=4)
+    cache = model.init_cache(batch=1, max_len=8)
+    _, cache = model.decode(a, cache)
+    cache = cache.reset_slots(jnp.array([True]))
+    assert int(cache.lengths[0]) == 0
+    logits_BTV, cache = model.decode(b, cache)
+    np.testing.assert_allclose(logits_BTV, model(b), atol=1e-5)
+
+
+def test_tokens_past_cache_capacity_are_dropped_not_wrapped():
+    cfg = tiny()
+    model = _model(cfg)
+    tokens = _tokens((1, 6), cfg.vocab_size)
+    cache = model.init_cache(batch=1, max_len=4)
+    _, cache = model.decode(tokens[:, :3], cache)
+    k_before = np.asarray(cache.k[:, 0, :3])
+    _, cache = model.decode(tokens[:, 3:6], cache)  # only position 3 fits
+    assert int(cache.lengths[0]) == 4
+    np.testing.assert_array_equal(np.asarray(cache.k[:, 0, :3]), k_before)
+
+
+def test_packed_segments_equal_separate_sequences():
+    cfg = tiny()
+    model = _model(cfg)
+    a = _tokens((1, 5), cfg.vocab_size, seed=5)
+    b = _tokens((1, 7), cfg.vocab_size, seed=6)
+    packed = jnp.concatenate([a, b], axis=1)
+    positions = jnp.concatenate([jnp.arange(5), jnp.arange(7)])[None]
+    segments = jnp.array([[1] * 5 + [2] * 7])
+    forward = jit_forward(model)
+    logits_BTV = forward(packed, positions, segments)
+    np.testing.assert_allclose(logits_BTV[:, :5], forward(a), atol=1e-5)
+    np.testing.assert_allclose(logits_BTV[:, 5:], forward(b), atol=1e-5)
+
+
+def test_output_is_float32_under_bfloat16_compute_and_jits_once():
+    cfg = tiny(param_dtype="bfloat16", dtype="bfloat16")
+    model = _model(cfg)
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        assert var.get_value().dtype == jnp.bfloat16
+    graphdef, state = nnx.split(model)
+    traces = []
+
+    @jax.jit
+    def forward(state, tokens_BT):
+        traces.append(1)
+        return nnx.merge(graphdef, state)(tokens_BT)
+
+    tokens = _tokens((2, 8), cfg.vocab_size)
+    logits_BTV = forward(state, tokens)
+    forward(state, tokens + 1)
+    assert logits_BTV.dtype == jnp.float32 and logits_BTV.shape == (2, 8, cfg.vocab_size)
+    assert len(traces) == 1
+    # The same (bf16-rounded) weights computed in float32: bf16 compute stays close.
+    ref = _model(tiny(), seed=1)
+    nnx.update(ref, jax.tree.map(lambda x: x.astype(jnp.float32), state))
+    ref_BTV = jit_forward(ref)(tokens)
+    err = float(jnp.abs(logits_BTV - ref_BTV).max())
+    assert err < 0.05 * float(ref_BTV.std()), (err, float(ref_BTV.std()))
+
+
+def test_eager_calls_match_jitted_helpers():
+    cfg = tiny()
+    model = _model(cfg)
+    tokens = _tokens((2, 4), cfg.vocab_size)
+    np.testing.assert_allclose(model(tokens), jit_forward(model)(tokens), atol=1e-6)
+    eager_BTV, eager_cache = model.decode(tokens, KVCache.create(cfg, batch=2, max_len=8))
+    jit_BTV, jit_cache = jit_decode(model)(tokens, KVCache.create(cfg, batch=2, max_len=8))
+    np.testing.assert_allclose(eager_BTV, jit_BTV, atol=1e-6)
+    np.testing.assert_allclose(eager_cache.k, jit_cache.k, atol=1e-6)
+
+
+def test_param_count_matches_config_formula():
+    for cfg in [tiny(), tiny(tie_word_embeddings=False, qkv_bias=True, qk_norm=False)]:
+        model = _model(cfg)
+        total = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(model)))
+        assert total == cfg.num_params()
