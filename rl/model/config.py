@@ -133,15 +133,18 @@ class ModelConfig:
                 f"config.json architectures={archs!r} is not supported: "
                 f"simloop loads {list(SUPPORTED_ARCHITECTURES)}"
             )
-        if hf.get("rope_scaling"):
+        rope_theta = _hf_rope_theta(hf)
+        if hf.get("use_sliding_window") or any(
+            t != "full_attention" for t in hf.get("layer_types") or []
+        ):
             raise ValueError(
-                f"config.json rope_scaling={hf['rope_scaling']!r} is not supported: "
-                "only plain RoPE (rope_scaling null) is implemented"
+                "config.json asks for sliding-window attention (use_sliding_window / "
+                "layer_types): only full attention is implemented"
             )
         num_heads = hf["num_attention_heads"]
         qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(hf.get("attention_bias", False))
-        dtype_name = _hf_dtype(hf.get("torch_dtype") or hf.get("dtype"))
+        dtype_name = _hf_dtype(hf.get("dtype") or hf.get("torch_dtype"))
         fields: dict[str, Any] = dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -150,7 +153,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(hf.get("rope_theta", 10_000.0)),
+            rope_theta=rope_theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qk_norm=not qwen2,
             qkv_bias=True if qwen2 else attention_bias,
@@ -192,18 +195,38 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "initializer_range": self.initializer_range,
             "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings: transformers >= 5 reads rope_parameters, older readers (and
+            # vLLM releases that predate it) read rope_theta.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "tie_word_embeddings": self.tie_word_embeddings,
             "use_cache": True,
             "use_sliding_window": False,
             "sliding_window": None,
             "attention_dropout": 0.0,
             "torch_dtype": torch_dtype or self.param_dtype,
+            "dtype": torch_dtype or self.param_dtype,
         }
         if not qwen2:
             out["attention_bias"] = self.qkv_bias
         return out
+
+
+def _hf_rope_theta(hf: dict[str, Any]) -> float:
+    """RoPE base from either spelling; anything but plain RoPE is refused."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for spec, key in ((params, "rope_parameters"), (scaling, "rope_scaling")):
+        rope_type = spec.get("rope_type", spec.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"config.json {key}={spec!r} is not supported: only plain RoPE "
+                "(rope_type 'default') is implemented"
+            )
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has no rope_theta (nor rope_parameters.rope_theta)")
+    return float(theta)
 
 
 def _hf_dtype(name: str | None) -> str:
