@@ -258,8 +258,8 @@ def tiny(**overrides: Any) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def _qwen3(**fields: Any) -> ModelConfig:
-    base = dict(
+def _qwen3(published: dict[str, Any], overrides: dict[str, Any]) -> ModelConfig:
+    fields: dict[str, Any] = dict(
         vocab_size=151_936,
         num_heads=32,
         num_kv_heads=8,
@@ -270,50 +270,33 @@ def _qwen3(**fields: Any) -> ModelConfig:
         param_dtype="bfloat16",
         dtype="bfloat16",
     )
-    base.update(fields)
-    return ModelConfig(**base)
+    fields.update(published)
+    fields.update(overrides)
+    return ModelConfig(**fields)
 
 
 def qwen3_0p6b(**overrides: Any) -> ModelConfig:
-    return _qwen3(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_layers=28,
-        num_heads=16,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+    published = dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                     tie_word_embeddings=True)  # fmt: skip
+    return _qwen3(published, overrides)
 
 
 def qwen3_1p7b(**overrides: Any) -> ModelConfig:
-    return _qwen3(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_layers=28,
-        num_heads=16,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+    published = dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                     tie_word_embeddings=True)  # fmt: skip
+    return _qwen3(published, overrides)
 
 
 def qwen3_4b(**overrides: Any) -> ModelConfig:
-    return _qwen3(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_layers=36,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+    published = dict(hidden_size=2560, intermediate_size=9728, num_layers=36,
+                     tie_word_embeddings=True)  # fmt: skip
+    return _qwen3(published, overrides)
 
 
 def qwen3_8b(**overrides: Any) -> ModelConfig:
-    return _qwen3(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=36,
-        tie_word_embeddings=False,
-        **overrides,
-    )
+    published = dict(hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     tie_word_embeddings=False)  # fmt: skip
+    return _qwen3(published, overrides)
 
 
 PRESETS = {

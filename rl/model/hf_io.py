@@ -223,16 +223,13 @@ def load_hf(
 def _checked(reader: _Reader, t: _Tensor, i: int | None, cfg: ModelConfig, want) -> np.ndarray:
     name = t.hf_name.format(i=i)
     raw = reader.get(name)
-    try:
-        ours = t.to_ours(raw, cfg)
-    except ValueError as e:  # reshape of a wrongly sized tensor
-        raise ValueError(f"tensor {name}: shape {raw.shape} does not fit the config ({e})") from e
-    if tuple(ours.shape) != tuple(want):
+    expected = tuple(t.to_hf(np.zeros(want, np.int8), cfg).shape)
+    if tuple(raw.shape) != expected:
         raise ValueError(
             f"tensor {name}: shape {tuple(raw.shape)} does not match the config "
-            f"(expected {tuple(t.to_hf(np.zeros(want), cfg).shape)})"
+            f"(expected {expected})"
         )
-    return ours
+    return t.to_ours(raw, cfg)
 
 
 def save_hf(

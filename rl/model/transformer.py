@@ -288,6 +288,7 @@ class Qwen3(nnx.Module):
         h_BTD, (k, v) = self._scan_blocks(
             self.embed_tokens(tokens_BT), positions_BT, mask_BTS, cache, write_idx_BT
         )
+        k, v = constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
         new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
         return self.logits(h_BTD), new_cache
 

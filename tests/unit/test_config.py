@@ -1,0 +1,132 @@
+"""Config loading and the CLI skeleton: files, dotted overrides, presets, clear errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.cli import SUBCOMMANDS, main
+from launch.config import ConfigError, build_config, dump_config, load_config, parse_overrides
+from launch.schema import SimloopConfig
+from rl.model.config import ModelConfig, preset, qwen3_8b, tiny
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_config_files():
+    assert {p.name for p in CONFIG_FILES} >= {"demo_cpu.yaml", "v6e-8.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_config_file_parses_and_round_trips(path, tmp_path):
+    cfg = load_config(SimloopConfig, path)
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(dump_config(cfg))
+    assert load_config(SimloopConfig, resolved) == cfg
+
+
+def test_defaults_file_and_overrides_compose():
+    cfg = load_config(
+        SimloopConfig,
+        REPO / "configs" / "demo_cpu.yaml",
+        ["--agent.model.num_layers", "4", "--run.seed=7", "--sharding.rules.mlp", "[fsdp]"],
+    )
+    assert cfg.agent.model.num_layers == 4  # override
+    assert cfg.agent.model.hidden_size == tiny().hidden_size  # preset
+    assert cfg.simulator.model.num_layers == 3  # file
+    assert cfg.run.seed == 7
+    assert cfg.sharding.rules["mlp"] == ["fsdp"] and cfg.sharding.rules["vocab"] == ["tensor"]
+
+
+def test_preset_then_field_overrides():
+    cfg = build_config(SimloopConfig, {"agent": {"model": {"preset": "qwen3_8b", "num_layers": 2}}})
+    assert cfg.agent.model == qwen3_8b(num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "tree, message",
+    [
+        ({"agent": {"model": {"nlayers": 3}}}, r"unknown key 'agent.model.nlayers'.*num_layers"),
+        ({"trainer": {}}, r"unknown key 'trainer'.*allowed keys are \['agent'"),
+        ({"agent": {"model": {"num_heads": 5}}}, r"num_kv_heads=2.*divide num_heads=5"),
+        ({"agent": {"model": {"preset": "huge"}}}, r"'agent.model.preset'='huge'.*qwen3_0p6b"),
+        ({"agent": {"model": {"dtype": "float8"}}}, r"dtype='float8'.*one of"),
+        ({"run": {"seed": "abc"}}, r"'run.seed'.*'abc'"),
+        ({"agent": {"tokenizer": {"kind": "spm"}}}, r"'agent.tokenizer.kind'.*byte, hf"),
+        ({"agent": 3}, r"'agent' must be a mapping of RoleConfig fields"),
+        ({"agent": {"mesh": {"fsdp": -1}}}, r"MeshConfig.fsdp=-1"),
+    ],
+)
+def test_bad_config_names_key_value_and_allowed(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(SimloopConfig, tree)
+
+
+def test_bad_files_and_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(SimloopConfig, tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(SimloopConfig, tmp_path / "list.yaml")
+    (tmp_path / "broken.yaml").write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(SimloopConfig, tmp_path / "broken.yaml")
+    with pytest.raises(ConfigError, match="has no value"):
+        parse_overrides(["--run.seed"])
+    with pytest.raises(ConfigError, match="unexpected argument 'seed'"):
+        parse_overrides(["seed", "3"])
+    with pytest.raises(ConfigError, match="'run.seed' is a value, not a section"):
+        load_config(SimloopConfig, None, ["--run.seed", "1", "--run.seed.x", "2"])
+
+
+def test_model_presets_have_published_sizes():
+    # Parameter counts published with Qwen3 (embeddings included).
+    expected = {"qwen3_0p6b": 0.6e9, "qwen3_1p7b": 1.7e9, "qwen3_4b": 4.0e9, "qwen3_8b": 8.2e9}
+    for name, n in expected.items():
+        assert abs(preset(name).num_params() - n) / n < 0.05, name
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("qwen9")
+
+
+def test_hf_config_translation_round_trips():
+    for cfg in [
+        qwen3_8b(),
+        tiny(),
+        tiny(qk_norm=False, qkv_bias=True, architecture="Qwen2ForCausalLM"),
+    ]:
+        hf = cfg.to_hf()
+        assert ModelConfig.from_hf(hf, param_dtype=cfg.param_dtype, dtype=cfg.dtype) == cfg
+    with pytest.raises(ValueError, match="rope_type 'default'"):
+        ModelConfig.from_hf({**tiny().to_hf(), "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+def test_cli_help_lists_every_subcommand():
+    out = subprocess.run(
+        [sys.executable, "-m", "launch", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    stable = "demo collect import train-sim eval-sim train-agent eval-agent rollout report serve"
+    for name in stable.split() + ["plan-chips", "gke", "tpu-vm"]:
+        assert name in SUBCOMMANDS and f"    {name}" in out
+
+
+def test_unimplemented_subcommand_says_so_and_exits_2(capsys):
+    assert main(["train-sim", "--config", str(REPO / "configs/demo_cpu.yaml")]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_config_error_exits_2_with_message(capsys):
+    assert main(["config", "--agent.model.nlayers", "3"]) == 2
+    assert "unknown key 'agent.model.nlayers'" in capsys.readouterr().err
+
+
+def test_config_validation_never_imports_jax():
+    code = (
+        "import sys; from launch.cli import main; "
+        f"rc = main(['config', '--config', {str(REPO / 'configs/v6e-8.yaml')!r}]); "
+        "assert rc == 0, rc; "
+        "bad = [m for m in ('jax', 'flax', 'torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
