@@ -1,0 +1,46 @@
+"""Entry points run as a user runs them: the installed `simloop` script and the bench script."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.slow
+def test_installed_simloop_script_validates_a_config():
+    out = subprocess.run(
+        [BIN / "simloop", "config", "--config", "configs/demo_cpu.yaml", "--run.seed", "3"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "seed: 3" in out and "num_layers: 3" in out
+
+
+@pytest.mark.slow
+def test_demo_is_not_faked_until_it_exists():
+    proc = subprocess.run(
+        [BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml", "--out", "runs/x"],
+        cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not implemented yet" in proc.stderr
+    assert not (REPO / "runs" / "x").exists()
+
+
+@pytest.mark.slow
+def test_model_bench_runs_and_reports_numbers(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    subprocess.run(
+        [sys.executable, "bench/model_forward.py", "--sizes", "tiny", "--repeats", "1",
+         "--seq", "32", "--prompt", "8", "--decode-steps", "4", "--json", str(out)],
+        cwd=REPO, env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())
+    assert row["size"] == "tiny"
+    for key in ["forward_tok_s", "hf_forward_tok_s", "decode_tok_s", "hf_decode_tok_s"]:
+        assert row[key] > 0
