@@ -7,6 +7,8 @@ import os
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# CPU unless the caller chose: on a TPU VM, `JAX_PLATFORMS=tpu,cpu pytest -m tpu` runs the
+# hardware tests (they compare the TPU against the CPU backend).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from pathlib import Path  # noqa: E402
