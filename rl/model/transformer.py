@@ -271,6 +271,17 @@ class Qwen3(nnx.Module):
         b and return their logits [B, T, V] and the updated cache. Rows with `num_new_B == 0`
         are left untouched (their logits are meaningless). Tokens that would run past the
         cache's `max_len` are not stored: keep `lengths + num_new <= max_len`."""
+        h_BTD, new_cache = self._extend(tokens_BT, cache, num_new_B)
+        return self.logits(h_BTD), new_cache
+
+    def prefill(
+        self, tokens_BT: jax.Array, cache: KVCache, num_new_B: jax.Array | None = None
+    ) -> KVCache:
+        """`decode` without the LM head: only writes keys/values (prompt chunks whose logits
+        nobody samples from)."""
+        return self._extend(tokens_BT, cache, num_new_B)[1]
+
+    def _extend(self, tokens_BT, cache, num_new_B):
         b, t = tokens_BT.shape
         if num_new_B is None:
             num_new_B = jnp.full((b,), t, jnp.int32)
@@ -290,7 +301,7 @@ class Qwen3(nnx.Module):
         )
         k, v = constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
         new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
-        return self.logits(h_BTD), new_cache
+        return h_BTD, new_cache
 
 
 def jit_forward(model: Qwen3):

@@ -1,0 +1,88 @@
+"""Serving weights on disk: an Orbax checkpoint of the parameters plus `model_config.json`.
+
+This is the format trainers export and inference servers hot-load (`/admin/load_weights`):
+
+    <dir>/model_config.json   the ModelConfig the params belong to
+    <dir>/params/             Orbax (OCDBT) checkpoint of the parameter tree
+
+Loading restores straight into the placement (shardings) and dtypes of a running model, so a
+server on a sub-mesh never materialises the full tree on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rl.model.config import ModelConfig
+
+CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+
+
+def save_params(model: nnx.Module, path: str | os.PathLike, *, dtype: str | None = None) -> Path:
+    """Write `model`'s parameters (cast to `dtype` if given) and config under `path`."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    cfg: ModelConfig = model.cfg
+    if dtype is not None:
+        cfg = cfg.replace(param_dtype=dtype)
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if dtype is not None:
+        pure = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), pure)
+    path.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path / PARAMS_DIR, pure, force=True)
+    checkpointer.wait_until_finished()
+    (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    return path
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    file = Path(path) / CONFIG_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: not a simloop params checkpoint")
+    return ModelConfig(**json.loads(file.read_text()))
+
+
+def load_params(path: str | os.PathLike, model: nnx.Module) -> dict:
+    """The parameters stored under `path` as a pure dict (`nnx.to_pure_dict` layout), placed
+    and typed like `model`'s current ones; `model` itself is not modified.
+
+    Raises FileNotFoundError when `path` is not a params checkpoint and ValueError when its
+    architecture or shapes do not match `model` (so a server can refuse it and keep serving).
+    """
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    stored = read_model_config(path)
+    ours: ModelConfig = model.cfg
+    skip = ("param_dtype", "dtype", "initializer_range", "max_position_embeddings")
+    arch = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in skip]
+    diff = {
+        k: (getattr(stored, k), getattr(ours, k))
+        for k in arch
+        if getattr(stored, k) != getattr(ours, k)
+    }
+    if diff:
+        raise ValueError(
+            f"{path} holds a different architecture than the served model: "
+            + ", ".join(f"{k}={a!r} (served: {b!r})" for k, (a, b) in sorted(diff.items()))
+        )
+    if not (path / PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"{path / PARAMS_DIR} not found: not a simloop params checkpoint")
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
+    try:
+        return ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+    except ValueError as e:  # shape / structure mismatch, named by Orbax
+        raise ValueError(f"{path}: parameters do not fit the served model: {e}") from e

@@ -1,0 +1,105 @@
+"""Engine and sampling settings (no JAX): slot pool, context, prefill chunking, clamps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_N = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The continuous-batching engine's fixed shapes and limits."""
+
+    num_slots: int = 16
+    """Sequences decoded together; each owns one row of the KV cache."""
+    max_seq_len: int = 2048
+    """Context per slot (prompt + completion), the KV cache length."""
+    prefill_chunk: int = 256
+    """Most prompt tokens one sequence prefills per engine step (long prompts are chunked and
+    interleave with decode steps). A power of two >= 16."""
+    prefill_batch: int = 4
+    """Sequences prefilled together in one step."""
+    max_tokens_cap: int | None = None
+    """Server-wide clamp on every request's max_tokens (the simulator's runaway guard)."""
+    default_max_tokens: int = 256
+    """max_tokens when a request does not say."""
+    max_top_logprobs: int = 20
+    """Largest `logprobs` / `top_logprobs` a request may ask for (a static shape)."""
+    prefix_reuse: bool = True
+    """Reuse the KV of a cached prompt+completion that the new prompt extends."""
+    max_waiting: int = 4096
+    """Sequences allowed to wait for a slot; beyond it requests are refused (HTTP 429)."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"EngineConfig.{field}={getattr(self, field)!r} is invalid: {allowed}"
+            )
+
+        for name in ("num_slots", "max_seq_len", "prefill_batch", "default_max_tokens",
+                     "max_waiting"):  # fmt: skip
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "a positive integer")
+        chunk = self.prefill_chunk
+        if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
+            raise bad("prefill_chunk", "a power of two >= 16")
+        if self.max_tokens_cap is not None and (
+            not isinstance(self.max_tokens_cap, int) or self.max_tokens_cap < 1
+        ):
+            raise bad("max_tokens_cap", "null or a positive integer")
+        if not isinstance(self.max_top_logprobs, int) or not 0 <= self.max_top_logprobs <= 100:
+            raise bad("max_top_logprobs", "an integer in [0, 100]")
+        if self.max_seq_len < 2:
+            raise bad("max_seq_len", ">= 2")
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Padded chunk lengths the prefill step is compiled for."""
+        out, t = [], 16
+        while t <= self.prefill_chunk:
+            out.append(t)
+            t *= 2
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (validated; the server maps errors to HTTP 400)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k truncation."""
+    seed: int | None = None
+    """Same seed, same prompt, same weights -> same tokens, whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends when the text contains one (it is cut from the text)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop tokens besides the tokenizer's end-of-turn (kept in token_ids)."""
+    ignore_eos: bool = False
+    logprobs: int = 0
+    """Alternatives to return per token besides the sampled one's logprob."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: an integer >= 1")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r} is invalid: a number >= 0")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} is invalid: a number in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: 0 (off) or a positive integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed={self.seed!r} is invalid: an integer >= 0")
+        if not isinstance(self.logprobs, int) or self.logprobs < 0:
+            raise ValueError(f"logprobs={self.logprobs!r} is invalid: an integer >= 0")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop={list(self.stop)!r} is invalid: non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

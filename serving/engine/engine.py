@@ -1,0 +1,608 @@
+"""The continuous-batching JAX inference engine.
+
+Components:
+- a pool of `num_slots` sequence slots, one KV-cache row each (`rl.model.KVCache`);
+- three jitted device functions with static shapes: `decode` (one token for every slot, with
+  sampling fused in), `prefill` (up to `prefill_batch` prompt chunks, padded to a bucket), and
+  `copy` (clone slot rows, for prefix reuse and `n` samples);
+- a scheduler that runs in the asyncio event loop: between device steps it admits waiting
+  sequences into slots, picks prefill chunks, applies aborts and weight swaps, and delivers
+  tokens. Device work runs in a worker thread so the loop keeps serving HTTP meanwhile.
+
+A prompt's last token is never prefilled: it is the first decode step's input, so prefill
+needs no LM head, every first token is sampled by the same decode step as all later ones, and
+`n` samples of one prompt share its prefilled KV (the siblings copy the leader's row).
+
+Prefix reuse: a slot keeps the tokens whose keys it holds after its sequence finishes. A new
+prompt that extends them (the next turn of an episode) takes that slot over and only prefills
+the new suffix; a prompt sharing a prefix with a busy slot copies its row instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl.data.tokenizer import Tokenizer
+from rl.model.params_io import load_params
+from rl.model.transformer import KVCache, Qwen3
+from serving.engine.config import MAX_N, EngineConfig, SamplingParams
+from serving.engine.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine refuses; `field` names the offending input."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class EngineBusy(RuntimeError):
+    """Too many sequences are waiting (HTTP 429)."""
+
+
+@dataclass
+class SequenceOutput:
+    """One finished (or aborted) sample."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    versions: list[int]
+    """Weight version that produced each token."""
+    text: str
+    finish_reason: str
+    """`stop`, `length` or `abort`."""
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV was reused rather than prefilled."""
+    queue_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    """A token as it is generated (for streaming)."""
+
+    index: int
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    version: int
+
+
+@dataclass(eq=False)
+class _Seq:
+    request: _Request
+    index: int
+    prompt: list[int]
+    max_tokens: int
+    slot: int | None = None
+    pending: list[int] = field(default_factory=list)
+    next_input: int = 0
+    cached: int = 0
+    admitted_at: float = 0.0
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    output: SequenceOutput | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    seqs: list[_Seq] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: asyncio.Future | None = None
+    created: float = field(default_factory=time.perf_counter)
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: stream tokens and/or await the outputs."""
+
+    def __init__(self, engine: Engine, request: _Request):
+        self._engine, self._request = engine, request
+
+    @property
+    def id(self) -> str:
+        return self._request.id
+
+    async def result(self) -> list[SequenceOutput]:
+        try:
+            return await asyncio.shield(self._request.done)
+        except asyncio.CancelledError:
+            self._engine.abort(self.id)
+            raise
+
+    async def stream(self) -> AsyncIterator[TokenEvent | SequenceOutput]:
+        """Token events as they come, then each sequence's `SequenceOutput` as it finishes;
+        ends after the last sequence. Cancelling the consumer aborts the request."""
+        remaining = len(self._request.seqs)
+        try:
+            while remaining:
+                event = await self._request.events.get()
+                if isinstance(event, BaseException):
+                    remaining = 0
+                    raise event
+                if isinstance(event, SequenceOutput):
+                    remaining -= 1
+                yield event
+        finally:
+            if remaining:
+                self._engine.abort(self.id)
+
+
+class Engine:
+    """`engine = Engine(model, tokenizer, EngineConfig()); await engine.start()`, then
+    `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
+
+    def __init__(self, model: Qwen3, tokenizer: Tokenizer, cfg: EngineConfig, *, version: int = 0):
+        self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
+        self.model_cfg = model.cfg
+        self.version = version
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len)
+        b = cfg.num_slots
+        self._lengths = np.zeros(b, np.int32)
+        self._slot_tokens: list[list[int]] = [[] for _ in range(b)]
+        self._slot_owner: list[_Seq | None] = [None] * b
+        self._slot_used = np.zeros(b, np.float64)
+        self._waiting: deque[_Seq] = deque()
+        self._pending_copies: list[tuple[int, int]] = []
+        self._requests: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.failure: BaseException | None = None
+        """Set when the loop died; every request in flight was failed with it."""
+        self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+        self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0}
+        self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
+                          steps=0, aborted=0)  # fmt: skip
+        self._build_functions()
+
+    # ----- device functions ------------------------------------------------------------------
+
+    def _build_functions(self) -> None:
+        graphdef, num_top = self._graphdef, self.cfg.max_top_logprobs
+        valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
+
+        def decode(state, cache, lengths_B, tokens_B, active_B, temp_B, top_p_B, top_k_B,
+                   seed_B, index_B, counter_B):  # fmt: skip
+            self.traces["decode"] += 1
+            model = nnx.merge(graphdef, state)
+            cache = dataclasses.replace(cache, lengths=lengths_B)
+            logits_BTV, cache = model.decode(tokens_B[:, None], cache, active_B.astype(jnp.int32))
+            out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B, counter_B,
+                         num_top, valid_vocab)  # fmt: skip
+            return cache, out
+
+        def prefill(state, cache, lengths_B, slots_P, tokens_PT, num_new_P):
+            self.traces["prefill"] += 1
+            model = nnx.merge(graphdef, state)
+            sub = KVCache(
+                k=jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0),
+                v=jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0),
+                lengths=jnp.take(lengths_B, slots_P, mode="fill", fill_value=0),
+            )
+            sub = model.prefill(tokens_PT, sub, num_new_P)
+            return KVCache(
+                k=cache.k.at[:, slots_P].set(sub.k, mode="drop"),
+                v=cache.v.at[:, slots_P].set(sub.v, mode="drop"),
+                lengths=lengths_B,
+            )
+
+        def copy(cache, src_P, dst_P):
+            self.traces["copy"] += 1
+            k = jnp.take(cache.k, src_P, axis=1, mode="fill", fill_value=0)
+            v = jnp.take(cache.v, src_P, axis=1, mode="fill", fill_value=0)
+            return dataclasses.replace(
+                cache,
+                k=cache.k.at[:, dst_P].set(k, mode="drop"),
+                v=cache.v.at[:, dst_P].set(v, mode="drop"),
+            )
+
+        self._decode = jax.jit(decode, donate_argnums=(1,))
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._copy = jax.jit(copy, donate_argnums=(0,))
+
+    def warmup(self) -> None:
+        """Compile every shape the engine will use, so no request triggers a compile."""
+        b, p = self.cfg.num_slots, self.cfg.prefill_batch
+        zeros_b = np.zeros(b, np.int32)
+        for t in self.cfg.prefill_buckets:
+            self._cache = self._prefill(self._state, self._cache, zeros_b,
+                                        np.full(p, b, np.int32), np.zeros((p, t), np.int32),
+                                        np.zeros(p, np.int32))  # fmt: skip
+        self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
+        self._cache, _ = self._decode(
+            self._state, self._cache, zeros_b, zeros_b, np.zeros(b, bool),
+            np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b, zeros_b,
+        )  # fmt: skip
+        jax.block_until_ready(self._cache.k)
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, *, warmup: bool = True) -> None:
+        if warmup:
+            await asyncio.to_thread(self.warmup)
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and stop the loop (bounded)."""
+        self._closing = True
+        for rid in list(self._requests):
+            self.abort(rid)
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout_s)
+            except TimeoutError:
+                self._task.cancel()
+            self._task = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ----- requests --------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue `n` samples of `prompt` (token ids). Raises EngineError for bad input."""
+        if self.failure is not None:
+            raise EngineBusy(f"engine failed: {self.failure!r}")
+        if self._closing or not self.running:
+            raise EngineBusy("engine is not running")
+        prompt = [int(t) for t in prompt]
+        s, vocab = self.cfg.max_seq_len, self.model_cfg.vocab_size
+        if not prompt:
+            raise EngineError("prompt is empty: give at least one token", "prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                              "prompt")  # fmt: skip
+        if len(prompt) >= s:
+            raise EngineError(f"prompt has {len(prompt)} tokens; the context is {s} tokens and "
+                              "at least one must be left to generate", "prompt")  # fmt: skip
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise EngineError(f"n={n!r} is invalid: an integer in [1, {MAX_N}]", "n")
+        if params.logprobs > self.cfg.max_top_logprobs:
+            raise EngineError(f"logprobs={params.logprobs} is invalid: at most "
+                              f"{self.cfg.max_top_logprobs}", "logprobs")  # fmt: skip
+        room = s - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise EngineError(f"max_tokens={params.max_tokens} is beyond the context: the prompt "
+                              f"has {len(prompt)} tokens of {s}, so at most {room}",
+                              "max_tokens")  # fmt: skip
+        max_tokens = min(params.max_tokens or self.cfg.default_max_tokens, room)
+        if self.cfg.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, self.cfg.max_tokens_cap)
+        if len(self._waiting) + n > self.cfg.max_waiting:
+            raise EngineBusy(f"{len(self._waiting)} sequences are already waiting for a slot")
+
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.add(self.tokenizer.eos_id)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        request = _Request(
+            id=request_id or f"req-{next(self._ids)}",
+            params=params,
+            seed=seed % (2**31),
+            stop_ids=frozenset(stop_ids),
+            done=asyncio.get_running_loop().create_future(),
+        )
+        if request.id in self._requests:
+            raise EngineError(f"request id {request.id!r} is already in flight", "request_id")
+        request.seqs = [_Seq(request, i, prompt, max_tokens) for i in range(n)]
+        self._requests[request.id] = request
+        self._waiting.extend(request.seqs)
+        self.stats["requests"] += 1
+        self._wake.set()
+        return RequestHandle(self, request)
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, *, n: int = 1
+    ) -> list[SequenceOutput]:
+        return await self.submit(prompt, params, n=n).result()
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request with `abort`; its slots are freed at the next step."""
+        if request_id in self._requests:
+            self._aborts.add(request_id)
+            self._wake.set()
+
+    async def load_weights(self, path: str | os.PathLike, version: int) -> int:
+        """Load a params checkpoint (rl.model.params_io) and serve it as `version`, which must
+        exceed the current one. Sequences in flight continue on the new weights; every token
+        records the version that produced it."""
+        if not isinstance(version, int) or version <= self.version:
+            raise EngineError(f"version={version!r} is invalid: must be an integer greater than "
+                              f"the current version {self.version}", "version")  # fmt: skip
+        model = nnx.merge(self._graphdef, self._state)
+        params = await asyncio.to_thread(load_params, path, model)
+        if version <= self.version:  # another load won the race while this one read
+            raise EngineError(f"version {version} is no longer newer than {self.version}",
+                              "version")  # fmt: skip
+        # A fresh State (new Variable objects): a step running right now keeps the old one.
+        state = jax.tree.map(lambda x: x, self._state)
+        nnx.replace_by_pure_dict(state, params)
+        self._state, self.version = state, version
+        return version
+
+    # ----- metrics ---------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_slots(self) -> int:
+        return sum(o is not None for o in self._slot_owner)
+
+    # ----- the loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:
+            # Surface it: fail every request (streams and futures) instead of hanging them.
+            log.exception("engine loop failed")
+            self.failure = e
+            for request in list(self._requests.values()):
+                request.events.put_nowait(e)
+                if not request.done.done():
+                    request.done.set_exception(e)
+            self._requests.clear()
+            raise
+
+    async def _loop(self) -> None:
+        while True:
+            self._apply_aborts()
+            if self._closing and not self._requests:
+                return
+            self._admit()
+            plan = self._plan()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            version = self.version
+            result = await asyncio.to_thread(self._device_step, self._state, *plan)
+            self._deliver(plan, result, version)
+            self.stats["steps"] += 1
+
+    def _apply_aborts(self) -> None:
+        for rid in list(self._aborts):
+            request = self._requests.get(rid)
+            if request is not None:
+                for seq in request.seqs:
+                    if seq.finish_reason is None:
+                        self._finish(seq, "abort")
+                self.stats["aborted"] += 1
+        self._aborts.clear()
+
+    def _admit(self) -> None:
+        """Give waiting sequences slots (FIFO; a sibling waits for its leader's prefill)."""
+        skipped: deque[_Seq] = deque()
+        while self._waiting:
+            seq = self._waiting.popleft()
+            leader = seq.request.seqs[0]
+            if seq is not leader and (leader.slot is None or leader.pending):
+                skipped.append(seq)
+                continue
+            if not self._place(seq):
+                skipped.append(seq)
+                skipped.extend(self._waiting)
+                self._waiting.clear()
+                break
+        self._waiting = skipped
+
+    def _place(self, seq: _Seq) -> bool:
+        want = seq.prompt[:-1]
+        best, best_len = None, 0
+        if self.cfg.prefix_reuse and want:
+            for slot, tokens in enumerate(self._slot_tokens):
+                m = _common_prefix(tokens, want)
+                if m > best_len:
+                    best, best_len = slot, m
+        free = [s for s in range(self.cfg.num_slots) if self._slot_owner[s] is None]
+        if not free:
+            return False
+        if best is not None and self._slot_owner[best] is None:
+            slot = best  # take the cached slot over in place: no copy
+        else:
+            # An empty slot if any, else the least recently used cached one.
+            slot = min(free, key=lambda s: (len(self._slot_tokens[s]) > 0, self._slot_used[s]))
+            if best is not None:
+                self._pending_copies.append((best, slot))
+        self._slot_tokens[slot] = want[:best_len]
+        self._lengths[slot] = best_len
+        self._slot_owner[slot] = seq
+        self._slot_used[slot] = time.perf_counter()
+        seq.slot, seq.cached = slot, best_len
+        seq.pending = want[best_len:]
+        seq.next_input = seq.prompt[-1]
+        seq.admitted_at = time.perf_counter()
+        self.stats["prompt_tokens"] += len(seq.prompt)
+        self.stats["cached_tokens"] += best_len
+        return True
+
+    def _plan(self):
+        """Host-side inputs of the next device step, or None when there is nothing to do."""
+        b, p, chunk = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.prefill_chunk
+        copies, self._pending_copies = self._pending_copies, []
+        prefilling = [s for s in self._slot_owner if s is not None and s.pending][:p]
+        decoding = [s for s in self._slot_owner if s is not None and not s.pending]
+        if not copies and not prefilling and not decoding:
+            return None
+
+        copy_args = None
+        if copies:
+            src = np.full(max(p, len(copies)), b, np.int32)
+            dst = np.full_like(src, b)
+            for i, (s, d) in enumerate(copies):
+                src[i], dst[i] = s, d
+            copy_args = (src, dst)
+
+        prefill_args, chunks = None, []
+        if prefilling:
+            longest = max(min(len(s.pending), chunk) for s in prefilling)
+            t = next(x for x in self.cfg.prefill_buckets if x >= longest)
+            slots = np.full(p, b, np.int32)
+            tokens = np.zeros((p, t), np.int32)
+            num_new = np.zeros(p, np.int32)
+            for i, seq in enumerate(prefilling):
+                part = seq.pending[:chunk]
+                slots[i], num_new[i] = seq.slot, len(part)
+                tokens[i, : len(part)] = part
+                chunks.append((seq, part))
+            prefill_args = (self._lengths.copy(), slots, tokens, num_new)
+            for seq, part in chunks:  # lengths after the prefill, before the decode
+                self._lengths[seq.slot] += len(part)
+
+        decode_args = None
+        if decoding:
+            tokens, active = np.zeros(b, np.int32), np.zeros(b, bool)
+            temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+            top_k, seed = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            index, counter = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            for seq in decoding:
+                i, prm = seq.slot, seq.request.params
+                tokens[i], active[i] = seq.next_input, True
+                temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
+                seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
+            decode_args = (self._lengths.copy(), tokens, active, temp, top_p, top_k, seed, index,
+                           counter)  # fmt: skip
+        return copy_args, prefill_args, chunks, decode_args, decoding
+
+    def _device_step(self, state, copy_args, prefill_args, chunks, decode_args, decoding):
+        """Runs in a worker thread: the only place device work happens."""
+        cache = self._cache
+        if copy_args is not None:
+            cache = self._copy(cache, *copy_args)
+        if prefill_args is not None:
+            cache = self._prefill(state, cache, *prefill_args)
+        out = None
+        if decode_args is not None:
+            cache, out = self._decode(state, cache, *decode_args)
+            out = jax.device_get(out)
+        self._cache = cache
+        return out
+
+    def _deliver(self, plan, out, version: int) -> None:
+        _, _, chunks, _, decoding = plan
+        for seq, part in chunks:
+            self._slot_tokens[seq.slot].extend(part)
+            del seq.pending[: len(part)]
+        if out is None:
+            return
+        token_B, logprob_B, top_ids_BK, top_logp_BK = out
+        for seq in decoding:
+            if seq.finish_reason is not None:  # aborted while the step ran
+                continue
+            i = seq.slot
+            self._lengths[i] += 1
+            self._slot_tokens[i].append(seq.next_input)
+            tok = int(token_B[i])
+            k = seq.request.params.logprobs
+            top = [
+                (int(a), float(b))
+                for a, b in zip(top_ids_BK[i, :k], top_logp_BK[i, :k], strict=True)
+            ]
+            seq.generated.append(tok)
+            seq.logprobs.append(float(logprob_B[i]))
+            seq.tops.append(top)
+            seq.versions.append(version)
+            seq.next_input = tok
+            self.stats["generated_tokens"] += 1
+            seq.request.events.put_nowait(
+                TokenEvent(seq.index, tok, seq.logprobs[-1], top, version)
+            )
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
+        if tok in seq.request.stop_ids:
+            return "stop"
+        if seq.request.params.stop and self._stop_string_at(seq) is not None:
+            return "stop"
+        if len(seq.generated) >= seq.max_tokens:
+            return "length"
+        if self._lengths[seq.slot] + 1 > self.cfg.max_seq_len:
+            return "length"
+        return None
+
+    def _stop_string_at(self, seq: _Seq) -> int | None:
+        text = self.tokenizer.decode(seq.generated)
+        hits = [text.find(s) for s in seq.request.params.stop if s in text]
+        return min(hits) if hits else None
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.slot is not None:
+            self._slot_owner[seq.slot] = None
+            self._slot_used[seq.slot] = time.perf_counter()
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        ids = seq.generated
+        body = ids[:-1] if ids and reason == "stop" and ids[-1] in seq.request.stop_ids else ids
+        text = self.tokenizer.decode(body)
+        if reason == "stop" and seq.request.params.stop:
+            cut = self._stop_string_at(seq)
+            if cut is not None:
+                text = text[:cut]
+        now = time.perf_counter()
+        created = seq.request.created
+        output = SequenceOutput(
+            index=seq.index, token_ids=list(ids), logprobs=seq.logprobs, top_logprobs=seq.tops,
+            versions=seq.versions, text=text, finish_reason=reason,
+            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached,
+            queue_s=(seq.admitted_at or now) - created, total_s=now - created,
+        )  # fmt: skip
+        seq.output = output
+        request = seq.request
+        request.events.put_nowait(output)
+        if all(s.finish_reason is not None for s in request.seqs):
+            self._requests.pop(request.id, None)
+            if not request.done.done():
+                request.done.set_result([s.output for s in request.seqs])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
