@@ -47,7 +47,13 @@ def _config_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
-HANDLERS: dict[str, Handler] = {"config": _config_cmd}
+def _serve_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import serve
+
+    return serve.run(args, cfg)
+
+
+HANDLERS: dict[str, Handler] = {"config": _config_cmd, "serve": _serve_cmd}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", metavar="DIR", help="run directory to write into")
         if name in ACTIONS:
             p.add_argument("action", nargs="?", choices=ACTIONS[name])
+        if name == "serve":
+            from launch.serve import add_arguments
+
+            add_arguments(p)
     return parser
 
 
@@ -74,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command == "serve":
+        from launch.serve import flag_overrides
+
+        rest = flag_overrides(args) + list(rest)
     try:
         cfg = load_config(SimloopConfig, args.config, rest)
     except ConfigError as e:

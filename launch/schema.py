@@ -7,9 +7,11 @@ YAML file only names what it changes from these defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
+from serving.config import EngineConfig, ServerConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,16 @@ class RoleConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`simloop serve`: which role's model to serve, and how."""
+
+    role: Literal["agent", "simulator"] = "agent"
+    """The role whose model (and tokenizer) the server loads."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
 class SimloopConfig:
     """Everything a `simloop` subcommand reads."""
 
@@ -53,3 +65,5 @@ class SimloopConfig:
     """The learned terminal: writes the observation for a command."""
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     """Logical-axis -> mesh-axis rules shared by every role."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """Inference server settings."""

@@ -1,6 +1,6 @@
 """simloop's JAX inference engine: continuous batching over a slot pool with a KV cache."""
 
-from serving.engine.config import EngineConfig, SamplingParams
+from serving.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine, EngineBusy, EngineError, SequenceOutput, TokenEvent
 
 __all__ = [

@@ -39,7 +39,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
-from serving.engine.config import MAX_N, EngineConfig, SamplingParams
+from serving.config import MAX_N, EngineConfig, SamplingParams
 from serving.engine.sampling import sample
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Engine and sampling settings (no JAX): slot pool, context, prefill chunking, clamps."""
+"""Serving settings (no JAX): the engine's slot pool and limits, sampling parameters, and the
+HTTP server's bind address, admin token and checkpoint root."""
 
 from __future__ import annotations
 
@@ -103,3 +104,34 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings of `simloop serve` (imports no JAX)."""
+
+    host: str = "127.0.0.1"
+    """Bind address; loopback unless you mean to expose the server."""
+    port: int = 8000
+    """0 picks a free port (printed at start)."""
+    model_name: str = "simloop"
+    """Name in /v1/models; requests naming another model get 404."""
+    admin_token: str | None = None
+    """Bearer token for /admin/*; unset disables the admin routes."""
+    checkpoint_root: str | None = None
+    """`/admin/load_weights` paths must resolve (symlinks too) under this directory."""
+    max_body_bytes: int = 8 * 2**20
+    """Larger request bodies are refused with 413."""
+    shutdown_timeout_s: float = 10.0
+    """Grace period for in-flight requests on SIGTERM/SIGINT."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(
+                f"ServerConfig.port={self.port!r} is invalid: an integer in [0, 65535]"
+            )
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise ValueError(f"ServerConfig.max_body_bytes={self.max_body_bytes!r} is invalid: "
+                             "an integer >= 1024")  # fmt: skip
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError("ServerConfig.admin_token is too short: use at least 8 characters")

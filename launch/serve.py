@@ -1,0 +1,114 @@
+"""`simloop serve`: the JAX engine behind the OpenAI/vLLM-compatible HTTP API.
+
+    simloop serve --preset tiny --port 8000                 # random tiny weights, byte tokenizer
+    simloop serve --model /models/Qwen3-0.6B --max-tokens-cap 512
+    simloop serve --config configs/demo_cpu.yaml --role simulator --admin-token $TOKEN \\
+        --checkpoint-root runs/demo/checkpoints
+
+The model comes from `--model DIR` (an HF directory), else `--preset NAME`, else the config's
+role (`agent` or `simulator`): its `hf_path`, or random weights of its architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from launch.schema import SimloopConfig
+
+# flag -> config override key
+FLAG_KEYS = {
+    "role": "serve.role",
+    "host": "serve.server.host",
+    "port": "serve.server.port",
+    "checkpoint_root": "serve.server.checkpoint_root",
+    "model_name": "serve.server.model_name",
+    "max_tokens_cap": "serve.engine.max_tokens_cap",
+    "num_slots": "serve.engine.num_slots",
+    "max_seq_len": "serve.engine.max_seq_len",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", help="random weights of a preset (tiny, qwen3_0p6b, ...)")
+    src.add_argument("--model", metavar="DIR", help="HF model directory to load")
+    p.add_argument("--role", choices=["agent", "simulator"], help="role to serve from --config")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--admin-token", help="bearer token for /admin/* (or $SIMLOOP_ADMIN_TOKEN)")
+    p.add_argument("--checkpoint-root", metavar="DIR", help="where /admin/load_weights may read")
+    p.add_argument("--model-name", help="name served in /v1/models")
+    p.add_argument("--max-tokens-cap", type=int, help="clamp every request's max_tokens")
+    p.add_argument("--num-slots", type=int, help="sequences decoded together")
+    p.add_argument("--max-seq-len", type=int, help="context per sequence")
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The serve flags as config overrides, so they are validated like any other key."""
+    out = []
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out += [f"--{key}", str(value)]
+    token = getattr(args, "admin_token", None) or os.environ.get("SIMLOOP_ADMIN_TOKEN")
+    if token:
+        out += ["--serve.server.admin_token", token]
+    return out
+
+
+def build_model(args: argparse.Namespace, cfg: SimloopConfig):
+    """-> (model, tokenizer, name) per --model / --preset / the config's role."""
+    from flax import nnx
+
+    from rl.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from rl.model import Qwen3, load_hf, preset
+
+    role = getattr(cfg, cfg.serve.role)
+    if args.model:
+        _, model = load_hf(args.model)
+        has_tok = (Path(args.model) / "tokenizer.json").exists()
+        tokenizer = HFTokenizer(args.model) if has_tok else ByteTokenizer()
+        return model, tokenizer, Path(args.model).name
+    if args.preset:
+        model = Qwen3(preset(args.preset), rngs=nnx.Rngs(cfg.run.seed))
+        return model, ByteTokenizer(), args.preset
+    tokenizer = load_tokenizer(role.tokenizer)
+    if role.hf_path:
+        _, model = load_hf(role.hf_path)
+    else:
+        model = Qwen3(role.model, rngs=nnx.Rngs(cfg.run.seed))
+    return model, tokenizer, cfg.serve.role
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from serving.engine import Engine
+    from serving.server import run_server
+
+    model, tokenizer, name = build_model(args, cfg)
+    server_cfg = cfg.serve.server
+    if server_cfg.model_name == "simloop" and args.model_name is None:
+        import dataclasses
+
+        server_cfg = dataclasses.replace(server_cfg, model_name=name)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        print(f"simloop serve: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+              f"{model.cfg.vocab_size} embeddings", file=sys.stderr)  # fmt: skip
+        return 2
+    engine = Engine(model, tokenizer, cfg.serve.engine)
+
+    def ready(port: int) -> None:
+        print(f"simloop serve: listening on http://{server_cfg.host}:{port} "
+              f"(model {server_cfg.model_name!r}, {model.cfg.num_params() / 1e6:.1f}M params, "
+              f"{cfg.serve.engine.num_slots} slots)", flush=True)  # fmt: skip
+
+    asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready))
+    print("simloop serve: stopped", flush=True)
+    return 0

@@ -1,0 +1,374 @@
+"""The aiohttp server: the OpenAI/vLLM-compatible HTTP API in front of the JAX engine.
+
+    simloop serve --preset tiny --port 8000
+    curl -s localhost:8000/v1/completions -d '{"prompt": "hi", "max_tokens": 8}'
+
+Routes (DESIGN.md §4): `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE
+streaming), `GET /v1/models`, `GET /health`, `GET /metrics`, and the bearer-token admin routes
+`POST /admin/load_weights` and `GET /admin/version`. Every error is OpenAI-shaped; a bad
+request never takes the server down, and a client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from rl.data.chat import ChatRenderer
+from rl.data.tokenizer import Tokenizer
+from serving.config import ServerConfig
+from serving.engine import Engine, EngineBusy, EngineError, SequenceOutput, TokenEvent
+from serving.metrics import ServerMetrics
+from serving.protocol import (
+    ApiError,
+    CompletionRequest,
+    build_response,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """Routes bound to one engine."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig):
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.renderer = ChatRenderer(tokenizer)
+        self.metrics = ServerMetrics()
+        self.started = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes,
+                              middlewares=[self._errors])  # fmt: skip
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+            web.post("/admin/load_weights", self.load_weights),
+            web.get("/admin/version", self.version),
+        ])  # fmt: skip
+        return app
+
+    # ----- plumbing --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = web.json_response(e.body(), status=e.status)
+        except web.HTTPRequestEntityTooLarge as e:
+            err = ApiError(413, f"request body is over the {self.cfg.max_body_bytes} byte limit "
+                           f"({e.text or 'too large'})")  # fmt: skip
+            response = web.json_response(err.body(), status=413)
+        except web.HTTPException as e:  # 404/405 from routing
+            err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
+            response = web.json_response(err.body(), status=e.status)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not take the server down
+            log.exception("unhandled error on %s", request.path)
+            err = ApiError(500, f"internal error: {e!r}", type="server_error")
+            response = web.json_response(err.body(), status=500)
+        self.metrics.record_request(endpoint, response.status)
+        return response
+
+    async def _json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from e
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves "
+                           f"{self.cfg.model_name!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+
+    def _submit(self, req: CompletionRequest, request_id: str):
+        handles = []
+        try:
+            for i, prompt in enumerate(req.prompts):
+                handles.append(self.engine.submit(prompt, req.params, n=req.n,
+                                                  request_id=f"{request_id}-{i}"))  # fmt: skip
+        except EngineError as e:
+            for h in handles:
+                self.engine.abort(h.id)
+            raise ApiError(400, str(e), param=e.field) from e
+        except EngineBusy as e:
+            for h in handles:
+                self.engine.abort(h.id)
+            status = 503 if self.engine.failure is not None or not self.engine.running else 429
+            raise ApiError(status, str(e)) from e
+        return handles
+
+    # ----- completions -----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req = parse_completion(body, self.tokenizer, self.engine.cfg.max_top_logprobs)
+        return await self._complete(request, req, "cmpl")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req, _ = parse_chat(body, self.renderer, self.engine.cfg.max_top_logprobs)
+        return await self._complete(request, req, "chatcmpl")
+
+    async def _complete(self, request, req: CompletionRequest, prefix: str):
+        self._check_model(req.model)
+        request_id = new_id(prefix)
+        started = time.perf_counter()
+        handles = self._submit(req, request_id)
+        if req.stream:
+            return await self._stream(request, req, handles, request_id)
+        try:
+            outputs = await asyncio.gather(*(h.result() for h in handles))
+        finally:  # a disconnect cancels us: abort what is left
+            for h in handles:
+                self.engine.abort(h.id)
+        self._record(outputs, started)
+        return web.json_response(build_response(
+            req, outputs, tokenizer=self.tokenizer, model=self.cfg.model_name,
+            version=self.engine.version, request_id=request_id,
+        ))  # fmt: skip
+
+    def _record(self, outputs: list[list[SequenceOutput]], started: float) -> None:
+        self.metrics.latency.observe(time.perf_counter() - started)
+        for outs in outputs:
+            for o in outs:
+                self.metrics.queue_wait.observe(o.queue_s)
+
+    async def _stream(self, request, req: CompletionRequest, handles, request_id: str):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})  # fmt: skip
+        await response.prepare(request)
+        obj = "chat.completion.chunk" if req.chat else "text_completion"
+        created = int(time.time())
+        texts: dict[int, _TextStream] = {}
+        outputs: list[list[SequenceOutput]] = [[] for _ in handles]
+
+        async def send(choice: dict) -> None:
+            chunk = {"id": request_id, "object": obj, "created": created,
+                     "model": self.cfg.model_name, "choices": [choice]}  # fmt: skip
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, handle) -> None:
+            try:
+                async for event in handle.stream():
+                    await queue.put((p, event))
+            except Exception as e:  # noqa: BLE001 - forwarded to the writer below
+                await queue.put((p, e))
+            finally:
+                await queue.put((p, None))
+
+        pumps = [asyncio.create_task(pump(p, h), name=f"{request_id}-pump-{p}")
+                 for p, h in enumerate(handles)]  # fmt: skip
+        try:
+            open_pumps = len(pumps)
+            if req.chat:
+                for p in range(len(handles)):
+                    for j in range(req.n):
+                        first = {"role": "assistant", "content": ""}
+                        await send({"index": p * req.n + j, "delta": first, "logprobs": None,
+                                    "finish_reason": None})  # fmt: skip
+            while open_pumps:
+                p, event = await queue.get()
+                if event is None:
+                    open_pumps -= 1
+                    continue
+                if isinstance(event, Exception):
+                    raise event
+                index = p * req.n + event.index
+                ts = texts.setdefault(index, _TextStream(self.tokenizer, req.params.stop))
+                if isinstance(event, TokenEvent):
+                    delta = ts.push(event.token_id)
+                    lp = None
+                    if req.echo_logprobs:
+                        lp = (chat_logprobs(self.tokenizer, [event.token_id], [event.logprob],
+                                            [event.top_logprobs]) if req.chat
+                              else _stream_completion_logprobs(self.tokenizer, event))  # fmt: skip
+                    if delta or lp:
+                        await send(self._delta(req, index, delta, lp, None))
+                else:
+                    outputs[p].append(event)
+                    rest = ts.finish(event.text)
+                    choice = self._delta(req, index, rest, None, event.finish_reason)
+                    if req.return_token_ids:
+                        choice.update(token_ids=event.token_ids, token_versions=event.versions,
+                                      prompt_token_ids=req.prompts[p])  # fmt: skip
+                    await send(choice)
+            if req.include_usage:
+                flat = [o for outs in outputs for o in outs]
+                chunk = {"id": request_id, "object": obj, "created": created,
+                         "model": self.cfg.model_name, "choices": [],
+                         "usage": usage(req.prompts, flat, req.n)}  # fmt: skip
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            for t in pumps:
+                t.cancel()
+            for h in handles:
+                self.engine.abort(h.id)
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _delta(req, index, text, logprobs, finish_reason) -> dict:
+        if req.chat:
+            delta = {"content": text} if text else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish_reason}  # fmt: skip
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}  # fmt: skip
+
+    # ----- small routes ----------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.cfg.model_name, "object": "model", "created": self.started,
+            "owned_by": "simloop", "max_model_len": self.engine.cfg.max_seq_len,
+        }]})  # fmt: skip
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.failure is not None or not self.engine.running:
+            reason = repr(self.engine.failure) if self.engine.failure else "engine not running"
+            raise ApiError(503, f"unhealthy: {reason}")
+        return web.json_response({"status": "ok", "weight_version": self.engine.version})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.engine),
+                            content_type="text/plain", charset="utf-8")  # fmt: skip
+
+    # ----- admin -----------------------------------------------------------------------------
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.cfg.admin_token:
+            raise ApiError(401, "admin routes are disabled: start the server with --admin-token")
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), self.cfg.admin_token.encode()):
+            raise ApiError(401, "missing or wrong bearer token for an admin route")
+
+    def _checkpoint_path(self, raw: Any) -> Path:
+        if not self.cfg.checkpoint_root:
+            raise ApiError(400, "no checkpoint root is configured: start the server with "
+                           "--checkpoint-root", param="path")  # fmt: skip
+        if not isinstance(raw, str) or not raw:
+            raise ApiError(400, f"'path' must be a non-empty string, got {raw!r}", param="path")
+        root = Path(os.path.realpath(self.cfg.checkpoint_root))
+        candidate = Path(raw) if os.path.isabs(raw) else root / raw
+        resolved = Path(os.path.realpath(candidate))  # follows symlinks: no escape through one
+        if resolved != root and root not in resolved.parents:
+            raise ApiError(400, f"path {raw!r} resolves outside the checkpoint root {str(root)!r}",
+                           param="path")  # fmt: skip
+        if not resolved.exists():
+            raise ApiError(404, f"checkpoint {raw!r} does not exist", param="path")
+        return resolved
+
+    async def load_weights(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        path = self._checkpoint_path(body.get("path"))
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ApiError(400, f"'version' must be an integer, got {version!r}", param="version")
+        started = time.perf_counter()
+        try:
+            await self.engine.load_weights(path, version)
+        except EngineError as e:
+            raise ApiError(400, str(e), param=e.field) from e
+        except FileNotFoundError as e:
+            raise ApiError(404, str(e), param="path") from e
+        except ValueError as e:
+            raise ApiError(422, str(e), param="path") from e
+        return web.json_response({"version": self.engine.version, "path": str(path),
+                                  "load_s": round(time.perf_counter() - started, 4)})  # fmt: skip
+
+    async def version(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response({"version": self.engine.version})
+
+
+def _stream_completion_logprobs(tokenizer, event: TokenEvent) -> dict:
+    out = SequenceOutput(index=event.index, token_ids=[event.token_id], logprobs=[event.logprob],
+                         top_logprobs=[event.top_logprobs], versions=[event.version], text="",
+                         finish_reason="", prompt_tokens=0, cached_tokens=0)  # fmt: skip
+    return completion_logprobs(tokenizer, out)
+
+
+class _TextStream:
+    """Incremental detokenisation for SSE: emits text only once it is final (complete UTF-8,
+    and no longer possibly the start of a stop string)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        safe = len(text) - self.hold
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : safe], safe
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the engine's final text (stop strings and tokens already cut)."""
+        rest = final_text[self.sent :]
+        self.sent = len(final_text)
+        return rest
+
+
+async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
+                     ready=None, stop: asyncio.Event | None = None) -> None:  # fmt: skip
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down within the grace period.
+    `ready(port)` is called once the socket listens."""
+    await engine.start()
+    server = Server(engine, tokenizer, cfg)
+    runner = web.AppRunner(server.app(), handler_cancellation=True,
+                           shutdown_timeout=cfg.shutdown_timeout_s, access_log=None)  # fmt: skip
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the bound port for port 0
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread: `stop` only
+            pass
+    if ready is not None:
+        ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await engine.stop(timeout_s=cfg.shutdown_timeout_s)
