@@ -1,0 +1,333 @@
+"""Configs of the environment side: one frozen dataclass per shell backend, the terminal env and
+the textops task family, plus `ShellConfig`, which picks a backend.
+
+Imports no JAX (and not the e2b SDK), so configs validate instantly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TEXTOPS_OPS = ("reverse", "upper", "sort", "count", "write_read")
+SHELL_BACKENDS = ("local", "e2b", "simulated")
+
+DEFAULT_OBSERVATION_TEMPLATE = "<returncode>{exit_code}</returncode>\n<output>\n{output}\n</output>"
+
+DEFAULT_PROMPT_TEMPLATE = """{instruction}
+
+You work in a Linux shell. Reply with a short thought and EXACTLY ONE bash code block:
+
+```bash
+<command>
+```
+
+Each command runs in a fresh `bash -c` in the task's working directory: only the filesystem \
+persists between commands (cd and variables do not). You see the return code and the output.
+When you are done, submit in one of two ways:
+- a block whose command is `submit <answer>`: the text after `submit ` is your answer, taken \
+literally (it is not run);
+- a block whose first line is `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`, followed by \
+commands that print the final output (for example `git diff`)."""
+
+DEFAULT_FORMAT_ERROR_TEMPLATE = """Format error: {reason}
+
+Reply with EXACTLY ONE bash code block, like this:
+
+```bash
+<command>
+```
+
+To finish, use a block whose command is `submit <answer>`, or whose first line is \
+`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`."""
+
+
+def _check(cls: str, name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(cls: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        _check(cls, name, value, ok, "a positive integer")
+
+
+def _positive_number(cls: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        _check(cls, name, value, ok, "a positive number")
+
+
+@dataclass(frozen=True)
+class LocalShellConfig:
+    """Real bash on this machine, in a throwaway workspace (the embedded default)."""
+
+    workspace_root: str | None = None
+    """Directory that holds the per-episode workspaces; None: the system temp directory."""
+    user: str = "nobody"
+    """Account the commands run as when simloop runs as root (root ignores RLIMIT_NPROC);
+    ignored otherwise: commands then run as the current user."""
+    isolate_network: bool = True
+    """Run commands in a fresh network namespace (`unshare -n`) where that works."""
+    max_output_bytes: int = 65_536
+    """Output kept per command (stdout and stderr merged); the middle of longer output is cut."""
+    kill_after_output_bytes: int = 16 * 2**20
+    """A command that prints more than this is killed (runaway output)."""
+    cpu_time_s: int = 60
+    """RLIMIT_CPU of each process, in CPU seconds."""
+    memory_bytes: int = 4 * 2**30
+    """RLIMIT_AS (address space) of each process."""
+    file_size_bytes: int = 256 * 2**20
+    """RLIMIT_FSIZE: largest file a command may write."""
+    max_processes: int = 512
+    """RLIMIT_NPROC of the command user; counts every process of that user on the machine, so
+    concurrent shells running as the same user share it."""
+    drain_grace_s: float = 0.5
+    """After the command exits, how long to wait for background children that still hold its
+    output pipe before they are killed."""
+    setup_timeout_s: float = 120.0
+    """Timeout of each task setup command."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for commands (the parent's environment is never passed)."""
+
+    def __post_init__(self) -> None:
+        cls = "LocalShellConfig"
+        _positive_int(
+            cls,
+            self,
+            "max_output_bytes",
+            "kill_after_output_bytes",
+            "cpu_time_s",
+            "memory_bytes",
+            "file_size_bytes",
+            "max_processes",
+        )
+        _positive_number(cls, self, "drain_grace_s", "setup_timeout_s")
+        _check(
+            cls,
+            "kill_after_output_bytes",
+            self.kill_after_output_bytes,
+            self.kill_after_output_bytes >= self.max_output_bytes,
+            f"at least max_output_bytes ({self.max_output_bytes})",
+        )
+        _check(cls, "user", self.user, isinstance(self.user, str) and bool(self.user), "a name")
+        _check(
+            cls,
+            "env",
+            self.env,
+            isinstance(self.env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()),
+            "a mapping of strings to strings",
+        )
+
+
+@dataclass(frozen=True)
+class E2BConfig:
+    """Cloud sandboxes from e2b (`AsyncSandbox`); the API key comes from the environment."""
+
+    template: str = "base"
+    """Sandbox template id or name."""
+    sandbox_timeout_s: int = 900
+    """Lifetime of a sandbox: e2b kills it after this even if simloop dies first."""
+    api_key_env: str = "E2B_API_KEY"
+    """Name of the environment variable holding the API key (never the key itself)."""
+    workdir: str = "/home/user/workspace"
+    """Working directory of every command; task files are uploaded relative to it."""
+    user: str = "user"
+    """Sandbox account the commands run as."""
+    allow_internet_access: bool = True
+    """Whether the sandbox may reach the internet."""
+    creation_rate_per_s: float = 5.0
+    """At most this many sandbox creations per second across all episodes of the process."""
+    max_concurrent: int = 100
+    """At most this many live sandboxes across all episodes of the process."""
+    request_timeout_s: float = 30.0
+    """Timeout of one API request (creation, upload, kill), on top of a command's own timeout."""
+    retries: int = 3
+    """Retries of idempotent calls (upload, kill, list) and of refused creations."""
+    backoff_s: float = 0.5
+    """First retry delay; doubles per retry, with jitter."""
+    max_backoff_s: float = 8.0
+    """Cap on one retry delay."""
+    max_output_bytes: int = 65_536
+    """Output kept per command; the middle of longer output is cut."""
+    setup_timeout_s: float = 300.0
+    """Timeout of each task setup command."""
+
+    def __post_init__(self) -> None:
+        cls = "E2BConfig"
+        _check(cls, "template", self.template, bool(self.template), "a template id or name")
+        _check(cls, "api_key_env", self.api_key_env, bool(self.api_key_env), "a variable name")
+        _check(
+            cls,
+            "workdir",
+            self.workdir,
+            isinstance(self.workdir, str) and self.workdir.startswith("/"),
+            "an absolute path",
+        )
+        _positive_int(cls, self, "sandbox_timeout_s", "max_concurrent", "max_output_bytes")
+        _positive_number(
+            cls,
+            self,
+            "creation_rate_per_s",
+            "request_timeout_s",
+            "backoff_s",
+            "max_backoff_s",
+            "setup_timeout_s",
+        )
+        ok = isinstance(self.retries, int) and not isinstance(self.retries, bool)
+        _check(cls, "retries", self.retries, ok and self.retries >= 0, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SimulatedShellConfig:
+    """The learned terminal: observations come from the simulator server."""
+
+    max_tokens: int = 1024
+    """Cap on one observation, in tokens; keep it near the real observation length distribution
+    (`envs.fidelity.suggest_max_tokens`) so a runaway (no end-of-turn) costs little and is
+    counted as `cap_hit`."""
+    temperature: float = 1.0
+    """Sampling temperature of the simulator."""
+    request_timeout_s: float = 120.0
+    """Timeout of one completion request."""
+    max_context_tokens: int | None = None
+    """Simulator context length (prompt + observation); oldest turns are dropped to fit.
+    Needs a tokenizer; None: no limit."""
+    max_history_turns: int | None = None
+    """Keep at most this many earlier (command, observation) pairs in the prompt; None: all."""
+    seed: int | None = None
+    """Base sampling seed (each turn adds its index); None: the server's randomness."""
+    repetition_max_line_share: float = 0.5
+    """`repetition` when one line makes up more than this share of an output's lines..."""
+    repetition_min_lines: int = 8
+    """...and the output has at least this many lines."""
+    repetition_min_compression: float = 0.08
+    """`repetition` when zlib compresses an output of at least 512 bytes below this ratio."""
+
+    def __post_init__(self) -> None:
+        cls = "SimulatedShellConfig"
+        _positive_int(cls, self, "max_tokens", "repetition_min_lines")
+        _positive_number(cls, self, "request_timeout_s")
+        t = self.temperature
+        ok = isinstance(t, int | float) and not isinstance(t, bool) and t >= 0
+        _check(cls, "temperature", t, ok, "a number >= 0")
+        for name in ("max_context_tokens", "max_history_turns"):
+            if getattr(self, name) is not None:
+                _positive_int(cls, self, name)
+        if self.max_context_tokens is not None:
+            _check(
+                cls,
+                "max_context_tokens",
+                self.max_context_tokens,
+                self.max_context_tokens > self.max_tokens,
+                f"greater than max_tokens ({self.max_tokens})",
+            )
+        s = self.seed
+        _check(cls, "seed", s, s is None or (isinstance(s, int) and s >= 0), "None or int >= 0")
+        share = self.repetition_max_line_share
+        _check(cls, "repetition_max_line_share", share, 0 < share <= 1, "a number in (0, 1]")
+        comp = self.repetition_min_compression
+        _check(cls, "repetition_min_compression", comp, 0 <= comp < 1, "a number in [0, 1)")
+
+
+@dataclass(frozen=True)
+class ShellConfig:
+    """Which shell backend episodes use, and the settings of each."""
+
+    backend: str = "local"
+    """`local` (real bash here), `e2b` (cloud sandboxes) or `simulated` (the learned terminal)."""
+    local: LocalShellConfig = field(default_factory=LocalShellConfig)
+    e2b: E2BConfig = field(default_factory=E2BConfig)
+    simulated: SimulatedShellConfig = field(default_factory=SimulatedShellConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            "ShellConfig",
+            "backend",
+            self.backend,
+            self.backend in SHELL_BACKENDS,
+            f"one of {list(SHELL_BACKENDS)}",
+        )
+
+
+@dataclass(frozen=True)
+class TerminalConfig:
+    """The terminal env: action parsing, observation format and episode limits."""
+
+    max_turns: int = 20
+    """Agent turns per episode (format errors count); the episode ends after the last."""
+    command_timeout_s: float = 30.0
+    """Timeout of each command."""
+    max_observation_chars: int = 10_000
+    """Output characters shown per observation; the middle of longer output is cut."""
+    max_total_observation_chars: int = 200_000
+    """The episode ends once the observations shown add up to more than this."""
+    max_format_errors: int = 5
+    """The episode ends after this many malformed replies."""
+    observation_template: str = DEFAULT_OBSERVATION_TEMPLATE
+    """How an observation is shown to the agent; `{exit_code}` and `{output}` are filled in."""
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    """The first user message; `{instruction}` is the task's instruction."""
+    format_error_template: str = DEFAULT_FORMAT_ERROR_TEMPLATE
+    """Shown after a malformed reply; `{reason}` says what was wrong."""
+
+    def __post_init__(self) -> None:
+        cls = "TerminalConfig"
+        _positive_int(
+            cls,
+            self,
+            "max_turns",
+            "max_observation_chars",
+            "max_total_observation_chars",
+            "max_format_errors",
+        )
+        _positive_number(cls, self, "command_timeout_s")
+        for name, keys in (
+            ("observation_template", ("{output}", "{exit_code}")),
+            ("prompt_template", ("{instruction}",)),
+            ("format_error_template", ("{reason}",)),
+        ):
+            value = getattr(self, name)
+            ok = isinstance(value, str) and all(k in value for k in keys)
+            _check(cls, name, value, ok, f"a string containing {' and '.join(keys)}")
+
+
+@dataclass(frozen=True)
+class TextopsConfig:
+    """The seeded `textops` task family (exact rewards, CPU-cheap)."""
+
+    num_tasks: int = 64
+    """How many tasks to generate."""
+    seed: int = 0
+    """Generator seed: the same seed gives the same tasks."""
+    ops: list[str] = field(default_factory=lambda: list(TEXTOPS_OPS))
+    """Which operations to draw from."""
+    min_len: int = 4
+    """Shortest input word."""
+    max_len: int = 12
+    """Longest input word."""
+    from_file_prob: float = 0.25
+    """Probability that the input word sits in a setup file (`input.txt`) instead of the
+    instruction, so the agent (and the simulator) must read it."""
+
+    def __post_init__(self) -> None:
+        cls = "TextopsConfig"
+        _positive_int(cls, self, "num_tasks", "min_len", "max_len")
+        ok = isinstance(self.seed, int) and self.seed >= 0
+        _check(cls, "seed", self.seed, ok, "an integer >= 0")
+        ops = self.ops
+        ok = isinstance(ops, list | tuple) and bool(ops) and all(o in TEXTOPS_OPS for o in ops)
+        _check(cls, "ops", ops, ok, f"a non-empty list drawn from {list(TEXTOPS_OPS)}")
+        _check(
+            cls,
+            "max_len",
+            self.max_len,
+            self.max_len >= self.min_len,
+            f"at least min_len ({self.min_len})",
+        )
+        p = self.from_file_prob
+        _check(cls, "from_file_prob", p, 0 <= p <= 1, "a probability in [0, 1]")

@@ -1,0 +1,81 @@
+"""Reward functions by name: a task's `RewardSpec.name` picks one, its `params` configure it.
+
+A reward function is `async fn(task, submission, ctx) -> float`: `submission` is the agent's
+final answer (None when it never submitted), `ctx` gives what some rewards need, such as a
+factory for a fresh shell. Built in: `exact_match` (here), `textops` (envs.textops) and
+`swe_tests` (envs.swe); `register_reward` adds more.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from envs.shell import Shell, TaskSetup
+from envs.tasks import Task
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What a reward function may use besides the task and the submission."""
+
+    shell_factory: Callable[[TaskSetup], Shell] | None = None
+    """Returns a fresh, unstarted shell with the given setup (for rewards that run tests)."""
+    timeout_s: float = 300.0
+    """Budget of each command a reward runs."""
+
+
+RewardFn = Callable[[Task, str | None, RewardContext], Awaitable[float]]
+
+_REGISTRY: dict[str, RewardFn] = {}
+_BUILTIN_MODULES = ("envs.textops", "envs.swe")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make `fn` the reward called `name`."""
+
+    def register(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered ({_REGISTRY[name]!r})")
+        _REGISTRY[name] = fn
+        return fn
+
+    return register
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:  # they register on import
+        importlib.import_module(module)
+
+
+def reward_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFn:
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"reward {name!r} is unknown: one of {sorted(_REGISTRY)}") from None
+
+
+async def compute_reward(
+    task: Task, submission: str | None, ctx: RewardContext | None = None
+) -> float:
+    """The task's reward for `submission` (0.0 when nothing was submitted)."""
+    fn = get_reward(task.reward.name)
+    if submission is None:
+        return 0.0
+    return float(await fn(task, submission, ctx or RewardContext()))
+
+
+@register_reward("exact_match")
+async def exact_match(task: Task, submission: str | None, ctx: RewardContext) -> float:
+    """1.0 when the submission equals `params["expected"]`, surrounding whitespace ignored."""
+    if "expected" not in task.reward.params:
+        raise ValueError(f"task {task.id!r}: reward exact_match needs params.expected")
+    expected = str(task.reward.params["expected"])
+    return 1.0 if submission is not None and submission.strip() == expected.strip() else 0.0

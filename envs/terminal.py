@@ -1,0 +1,196 @@
+"""The terminal environment: one task, one shell, one agent reply per step.
+
+    env = TerminalEnv(task, shell)
+    prompt = await env.reset()
+    result = await env.step(agent_text)   # StepResult(observation, done, reward, info)
+
+Actions (mini-swe-agent convention): a reply must hold EXACTLY ONE ```bash block (think blocks
+are ignored). Anything else is a format error: the observation explains the expected format and
+the error is counted. Two ways to submit:
+
+- `submit <answer>`: a block whose command starts with the word `submit`; the rest of the block
+  is the answer, taken literally and never run. Exact inside a simulator.
+- `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` as the first line of a block: the block runs, and
+  when the output's first line is that marker, the rest of the output is the answer (e.g. the
+  `git diff` of a swe task).
+
+The episode ends on submission, at `max_turns`, when the observations shown exceed
+`max_total_observation_chars`, after `max_format_errors`, or when the shell fails; `info["status"]`
+says which. The reward comes from the task's reward function when the episode ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from envs.config import TerminalConfig
+from envs.rewards import RewardContext, compute_reward
+from envs.shell import Observation, Shell, ShellError, truncate_middle
+from envs.sim_format import strip_think
+from envs.tasks import Task
+
+log = logging.getLogger(__name__)
+
+SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+_BLOCK = re.compile(r"```bash[ \t]*\n(.*?)```", re.S)
+_SUBMIT = re.compile(r"\Asubmit(?:\s|\Z)")
+
+Status = Literal[
+    "running", "submitted", "max_turns", "max_observation_chars", "format_errors", "error"
+]
+
+
+class FormatError(ValueError):
+    """The agent's reply is not exactly one bash block."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["command", "submit"]
+    command: str
+    """The bash block's content."""
+    answer: str | None = None
+    """For `submit <answer>`: the answer."""
+
+
+def parse_action(text: str) -> Action:
+    """The single action in an agent reply; `FormatError` says what is wrong."""
+    visible, _ = strip_think(text)
+    blocks = _BLOCK.findall(visible)
+    if len(blocks) != 1:
+        raise FormatError(f"found {len(blocks)} bash code blocks; expected exactly one")
+    command = blocks[0].strip()
+    if not command:
+        raise FormatError("the bash code block is empty")
+    if _SUBMIT.match(command):
+        return Action("submit", command, answer=command[len("submit") :].strip())
+    return Action("command", command)
+
+
+def marker_submission(output: str) -> str | None:
+    """The answer of a marker submission: the output after a first line equal to the marker."""
+    lines = output.lstrip().splitlines(keepends=True)
+    if lines and lines[0].strip() == SUBMIT_MARKER:
+        return "".join(lines[1:])
+    return None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    """What the agent sees next (empty after a `submit` action)."""
+    done: bool
+    reward: float = 0.0
+    """The task's reward once done; 0.0 before."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class TerminalEnv:
+    """A task in a shell; the caller owns the shell (enters and closes it)."""
+
+    def __init__(
+        self,
+        task: Task,
+        shell: Shell,
+        config: TerminalConfig | None = None,
+        *,
+        reward_context: RewardContext | None = None,
+    ):
+        self.task = task
+        self.shell = shell
+        self.config = config or TerminalConfig()
+        self.reward_context = reward_context or RewardContext()
+        self._reset = False
+        self.turns = 0
+        self.format_errors = 0
+        self.observation_chars = 0
+        self.submission: str | None = None
+        self.status: Status = "running"
+        self.reward = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+    async def reset(self) -> str:
+        """The first user message: the task inside the prompt template."""
+        self._reset = True
+        self.turns = self.format_errors = self.observation_chars = 0
+        self.submission, self.status, self.reward = None, "running", 0.0
+        return self.config.prompt_template.format(instruction=self.task.instruction)
+
+    def render_observation(self, obs: Observation) -> str:
+        """An observation as the agent sees it: the template, with the output's middle cut to
+        `max_observation_chars`, and a note when the command timed out."""
+        output, _ = truncate_middle(obs.output, self.config.max_observation_chars)
+        if obs.info.get("timeout"):
+            output += f"\n[{obs.info.get('reason', 'command timed out and was killed')}]"
+        return self.config.observation_template.format(exit_code=obs.exit_code, output=output)
+
+    async def step(self, text: str) -> StepResult:
+        if not self._reset:
+            raise RuntimeError("call reset() before step()")
+        if self.done:
+            raise RuntimeError(f"the episode is over (status {self.status!r}); call reset()")
+        cfg = self.config
+        self.turns += 1
+        try:
+            action = parse_action(text)
+        except FormatError as e:
+            self.format_errors += 1
+            observation = cfg.format_error_template.format(reason=str(e))
+            info: dict[str, Any] = {"format_error": str(e), "format_errors": self.format_errors}
+            if self.format_errors >= cfg.max_format_errors:
+                return await self._finish("format_errors", observation, info)
+            return self._after_turn(observation, info)
+        if action.kind == "submit":
+            self.submission = action.answer
+            return await self._finish("submitted", "", {"command": action.command})
+        try:
+            obs = await self.shell.run(action.command, timeout_s=cfg.command_timeout_s)
+        except ShellError as e:
+            info = {"command": action.command, "reason": f"{type(e).__name__}: {e}"}
+            return await self._finish("error", "", info)
+        observation = self.render_observation(obs)
+        info = {
+            "command": action.command,
+            "exit_code": obs.exit_code,
+            "truncated": obs.truncated or len(obs.output) > cfg.max_observation_chars,
+            "duration_s": obs.duration_s,
+            "shell": obs.info,
+        }
+        submitted = marker_submission(obs.output)
+        if submitted is not None:
+            self.submission = submitted
+            return await self._finish("submitted", observation, info)
+        return self._after_turn(observation, info)
+
+    def _after_turn(self, observation: str, info: dict[str, Any]) -> StepResult:
+        self.observation_chars += len(observation)
+        if self.observation_chars > self.config.max_total_observation_chars:
+            return self._finish_sync("max_observation_chars", observation, info)
+        if self.turns >= self.config.max_turns:
+            return self._finish_sync("max_turns", observation, info)
+        return StepResult(observation, False, 0.0, info)
+
+    def _finish_sync(self, status: Status, observation: str, info: dict[str, Any]) -> StepResult:
+        # Only limits end here: nothing was submitted, so the reward is 0 without scoring.
+        self.status = status
+        info = {**info, "status": status, "turns": self.turns}
+        return StepResult(observation, True, 0.0, info)
+
+    async def _finish(self, status: Status, observation: str, info: dict[str, Any]) -> StepResult:
+        self.status = status
+        info = {**info, "status": status, "turns": self.turns}
+        if status == "submitted":
+            try:
+                self.reward = await compute_reward(self.task, self.submission, self.reward_context)
+            except ShellError as e:  # the grader's shell failed: no verdict, say so
+                self.status = "error"
+                info["status"] = "error"
+                info["reason"] = f"reward: {type(e).__name__}: {e}"
+                log.warning("task %s: reward failed: %s", self.task.id, e)
+        return StepResult(observation, True, self.reward, info)

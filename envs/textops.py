@@ -1,0 +1,134 @@
+"""The `textops` task family: seeded, CPU-cheap tasks whose answer is computed from the task
+itself (reverse, upper-case, sort characters, count a character, write-then-read a file), so the
+reward stays exact even when the shell is the simulator.
+
+`generate_textops(TextopsConfig)` makes the tasks; the `textops` reward recomputes the truth from
+`reward.params`; `TextopsSolver` is a scripted agent that solves any of them in a real shell
+(for tests and for collecting real trajectories to train the simulator on).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from envs.config import TextopsConfig
+from envs.rewards import RewardContext, register_reward
+from envs.shell import TaskSetup
+from envs.tasks import RewardSpec, Task
+
+INPUT_FILE = "input.txt"
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+_OUTPUT = re.compile(r"<output>\n(.*)\n</output>", re.S)
+
+_DESCRIBE = {
+    "reverse": "reversed (last character first)",
+    "upper": "in upper case",
+    "sort": "with its characters sorted alphabetically",
+}
+
+
+def textops_truth(params: dict) -> str:
+    """The correct answer, from the task's reward params alone."""
+    op, text = params["op"], params["text"]
+    if op == "reverse":
+        return text[::-1]
+    if op == "upper":
+        return text.upper()
+    if op == "sort":
+        return "".join(sorted(text))
+    if op == "count":
+        return str(text.count(params["char"]))
+    if op == "write_read":
+        return text
+    raise ValueError(f"textops op {op!r} is unknown")
+
+
+def _instruction(op: str, params: dict, from_file: bool) -> str:
+    word = f"the word in the file `{INPUT_FILE}`" if from_file else f"the word '{params['text']}'"
+    if op in _DESCRIBE:
+        return f"Submit {word} {_DESCRIBE[op]}."
+    if op == "count":
+        letter = params["char"]
+        return f"Count how many times the letter '{letter}' occurs in {word}; submit the number."
+    path = params["path"]
+    return (
+        f"Create the file `{path}` containing exactly {word} followed by a newline, then read "
+        "the file back and submit its content."
+    )
+
+
+def make_task(index: int, rng: random.Random, cfg: TextopsConfig) -> Task:
+    op = rng.choice(list(cfg.ops))
+    text = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(cfg.min_len, cfg.max_len)))
+    params: dict = {"op": op, "text": text}
+    if op == "count":
+        # Mostly a letter that occurs, sometimes one that does not (answer 0).
+        params["char"] = rng.choice(text) if rng.random() < 0.8 else rng.choice(_ALPHABET)
+    if op == "write_read":
+        params["path"] = f"notes/{rng.choice(['out', 'memo', 'copy'])}_{index}.txt"
+    from_file = rng.random() < cfg.from_file_prob
+    setup = TaskSetup(files={INPUT_FILE: text + "\n"}) if from_file else TaskSetup()
+    return Task(
+        id=f"textops-{cfg.seed}-{index}",
+        instruction=_instruction(op, params, from_file),
+        setup=setup,
+        reward=RewardSpec("textops", {**params, "from_file": from_file}),
+        family="textops",
+    )
+
+
+def generate_textops(cfg: TextopsConfig | None = None) -> list[Task]:
+    """`cfg.num_tasks` tasks; the same config gives the same tasks."""
+    cfg = cfg or TextopsConfig()
+    rng = random.Random(cfg.seed)
+    return [make_task(i, rng, cfg) for i in range(cfg.num_tasks)]
+
+
+@register_reward("textops")
+async def textops_reward(task: Task, submission: str | None, ctx: RewardContext) -> float:
+    """1.0 when the submission (surrounding whitespace ignored) equals the computed truth."""
+    if submission is None:
+        return 0.0
+    return 1.0 if submission.strip() == textops_truth(dict(task.reward.params)) else 0.0
+
+
+def _bash(command: str) -> str:
+    return f"```bash\n{command}\n```"
+
+
+class TextopsSolver:
+    """A scripted agent: one command that computes the answer in the shell, then `submit`
+    with what the shell printed. `act(last_observation)` returns the assistant's text."""
+
+    def __init__(self, task: Task):
+        if task.reward.name != "textops":
+            raise ValueError(f"TextopsSolver solves textops tasks, not {task.reward.name!r}")
+        self.params = dict(task.reward.params)
+        self.plan = self._commands()  # the commands run before submitting
+        self._step = 0
+
+    def _commands(self) -> list[str]:
+        p = self.params
+        src = f"tr -d '\\n' < {INPUT_FILE}" if p["from_file"] else f"printf '%s' '{p['text']}'"
+        op = p["op"]
+        if op == "reverse":
+            return [f"{src} | rev"]
+        if op == "upper":
+            return [f"{src} | tr a-z A-Z"]
+        if op == "sort":
+            return [f"{src} | fold -w1 | sort | tr -d '\\n'"]
+        if op == "count":
+            return [f"{src} | tr -cd '{p['char']}' | wc -c"]
+        path = p["path"]
+        return [f"mkdir -p $(dirname {path}) && {{ {src}; echo; }} > {path}", f"cat {path}"]
+
+    def act(self, last_observation: str | None) -> str:
+        if self._step < len(self.plan):
+            cmd = self.plan[self._step]
+            self._step += 1
+            return f"I run the next step.\n\n{_bash(cmd)}"
+        text = last_observation or ""
+        m = _OUTPUT.search(text)  # the default observation template; else the whole text
+        answer = (m.group(1) if m else text).strip()
+        return f"The shell printed the answer.\n\n{_bash('submit ' + answer)}"
