@@ -1,0 +1,335 @@
+"""Async client for the completion API, used by the orchestrator and the simulated shell.
+
+    async with InferenceClient(ClientConfig("http://127.0.0.1:8000")) as client:
+        out = await client.complete(prompt_ids, max_tokens=64, temperature=1.0, logprobs=0)
+        out.token_ids, out.logprobs, out.finish_reason, out.weight_version
+
+It speaks the subset of the OpenAI API that simloop's server and vllm-tpu's OpenAI server
+share, so the caller cannot tell them apart: token ids come from `return_token_ids` (vLLM's
+extension); simloop's server adds `weight_version` / `token_versions`, which are None from a
+server that does not send them. One aiohttp session with a connection limit; each call has a
+timeout; connection errors, 5xx and 429 are retried with jittered exponential backoff, other
+4xx never; cancelling a call closes its connection, which aborts the request on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Where the server is and how hard to try."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    """Server root (without /v1)."""
+    model: str | None = None
+    """Model name to send; None lets the server use its own."""
+    timeout_s: float = 120.0
+    """Per attempt, for the whole request including generation."""
+    max_retries: int = 3
+    """Extra attempts after a connection error, 5xx or 429."""
+    backoff_s: float = 0.25
+    """First retry delay; doubles per attempt, with full jitter."""
+    max_backoff_s: float = 8.0
+    max_connections: int = 256
+    """Concurrent connections in the shared session."""
+    api_key: str | None = None
+    """Sent as `Authorization: Bearer` on API calls (vLLM's --api-key)."""
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"ClientConfig.base_url={self.base_url!r} is invalid: an http(s) URL")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ClientConfig.timeout_s={self.timeout_s!r} is invalid: > 0")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries={self.max_retries!r} is invalid: >= 0")
+        if self.max_connections < 1:
+            raise ValueError(f"ClientConfig.max_connections={self.max_connections!r}: >= 1")
+
+
+class ClientError(Exception):
+    """The server refused the request (or kept failing): status and its error message."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: Any = None,
+                 attempts: int = 1):  # fmt: skip
+        super().__init__(message)
+        self.status, self.body, self.attempts = status, body, attempts
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status == 429 or self.status >= 500
+
+
+class ClientTimeout(ClientError):
+    """No answer within the timeout (not retried: the generation may still be running)."""
+
+
+@dataclass
+class Completion:
+    """One choice, as the orchestrator consumes it (token-in, token-out)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """`stop`, `length` or `abort`."""
+    logprobs: list[float] | None = None
+    """Logprob of each generated token (None when not requested)."""
+    top_logprobs: list[dict[str, float]] | None = None
+    prompt_token_ids: list[int] | None = None
+    weight_version: int | None = None
+    """Version of the weights at the end of the request (simloop servers)."""
+    token_versions: list[int] | None = None
+    """Version that produced each token (simloop servers; None from vLLM)."""
+    cached_tokens: int | None = None
+    latency_s: float = 0.0
+    attempts: int = 1
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+class InferenceClient:
+    """Async client; satisfies `envs.simulated.CompletionClient`."""
+
+    def __init__(self, config: ClientConfig | str):
+        self.cfg = ClientConfig(config) if isinstance(config, str) else config
+        self._session: aiohttp.ClientSession | None = None
+        self._rng = random.Random()
+
+    async def __aenter__(self) -> InferenceClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.cfg.max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    # ----- transport -------------------------------------------------------------------------
+
+    async def request(self, method: str, path: str, *, json_body: Any = None,
+                      timeout_s: float | None = None, token: str | None = None,
+                      retries: int | None = None) -> tuple[Any, int]:  # fmt: skip
+        """-> (parsed JSON, attempts). Retries connection errors, 5xx and 429 only."""
+        url = self.cfg.base_url.rstrip("/") + path
+        headers = {}
+        bearer = token or self.cfg.api_key
+        if bearer:
+            headers["Authorization"] = f"Bearer {bearer}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.timeout_s)
+        max_retries = self.cfg.max_retries if retries is None else retries
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with self._get_session().request(
+                    method, url, json=json_body, headers=headers, timeout=timeout
+                ) as resp:
+                    text = await resp.text()
+                    body = _json_or_text(text)
+                    if resp.status < 400:
+                        return body, attempt
+                    message = f"{method} {path} -> {resp.status}: {_message(body)}"
+                    error = ClientError(message, status=resp.status, body=body, attempts=attempt)
+            except TimeoutError as e:
+                raise ClientTimeout(f"{method} {path}: no answer within "
+                                    f"{timeout.total:g}s", attempts=attempt) from e  # fmt: skip
+            except aiohttp.ClientError as e:  # connection refused/reset, server gone
+                error = ClientError(f"{method} {path}: {type(e).__name__}: {e}", attempts=attempt)
+            if not error.retryable or attempt > max_retries:
+                raise error
+            delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempt - 1))
+            await asyncio.sleep(self._rng.uniform(0, delay))  # full jitter
+
+    # ----- API -------------------------------------------------------------------------------
+
+    async def complete(
+        self,
+        prompt: list[int] | str,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        timeout_s: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Completion:
+        """One completion of `prompt` (token ids or text) via `POST /v1/completions`."""
+        outs = await self.complete_n(
+            prompt, n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, stop=stop, stop_token_ids=stop_token_ids, seed=seed,
+            logprobs=logprobs, timeout_s=timeout_s, extra=extra,
+        )  # fmt: skip
+        if len(outs) != 1:
+            raise ClientError(f"asked for 1 choice, the server returned {len(outs)}")
+        return outs[0]
+
+    async def complete_n(self, prompt: list[int] | str, *, n: int, max_tokens: int,
+                         temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                         stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
+                         seed: int | None = None, logprobs: int | None = None,
+                         timeout_s: float | None = None,
+                         extra: dict[str, Any] | None = None) -> list[Completion]:  # fmt: skip
+        """`n` samples of one prompt (one request; the server shares the prompt's KV)."""
+        body: dict[str, Any] = {
+            "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": top_p, "return_token_ids": True,
+        }  # fmt: skip
+        if top_k:
+            body["top_k"] = top_k
+        if stop:
+            body["stop"] = list(stop)
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        if seed is not None:
+            body["seed"] = seed
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        body.update(extra or {})
+        started = time.perf_counter()
+        raw, attempts = await self.request("POST", "/v1/completions", json_body=body,
+                                           timeout_s=timeout_s)  # fmt: skip
+        outs = parse_completion_response(raw)
+        for out in outs:
+            out.latency_s, out.attempts = time.perf_counter() - started, attempts
+        return outs
+
+    async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int,
+                   temperature: float = 1.0, top_p: float = 1.0,
+                   enable_thinking: bool | None = None, logprobs: bool = False,
+                   top_logprobs: int = 0, seed: int | None = None,
+                   stop: list[str] | None = None, timeout_s: float | None = None,
+                   extra: dict[str, Any] | None = None) -> Completion:  # fmt: skip
+        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
+                                "temperature": temperature, "top_p": top_p,
+                                "return_token_ids": True}  # fmt: skip
+        if enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
+        if logprobs:
+            body["logprobs"] = True
+            if top_logprobs:
+                body["top_logprobs"] = top_logprobs
+        if seed is not None:
+            body["seed"] = seed
+        if stop:
+            body["stop"] = list(stop)
+        if self.cfg.model:
+            body["model"] = self.cfg.model
+        body.update(extra or {})
+        started = time.perf_counter()
+        raw, attempts = await self.request("POST", "/v1/chat/completions", json_body=body,
+                                           timeout_s=timeout_s)  # fmt: skip
+        (out,) = parse_completion_response(raw)[:1]
+        out.latency_s, out.attempts = time.perf_counter() - started, attempts
+        return out
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            await self.request("GET", "/health", timeout_s=timeout_s, retries=0)
+            return True
+        except ClientError:
+            return False
+
+    async def wait_healthy(self, timeout_s: float = 120.0, poll_s: float = 0.25) -> None:
+        """Poll /health until it answers 200 (a server starting up), or raise ClientTimeout."""
+        deadline = time.monotonic() + timeout_s
+        while not await self.health(timeout_s=min(5.0, timeout_s)):
+            if time.monotonic() > deadline:
+                raise ClientTimeout(f"{self.cfg.base_url} not healthy within {timeout_s:g}s")
+            await asyncio.sleep(poll_s)
+
+    async def models(self) -> list[str]:
+        body, _ = await self.request("GET", "/v1/models")
+        return [m["id"] for m in body.get("data", [])]
+
+    async def load_weights(self, path: str, version: int, *, token: str,
+                           timeout_s: float = 600.0) -> dict[str, Any]:  # fmt: skip
+        """Ask a simloop server to serve the params checkpoint at `path` as `version`."""
+        body, _ = await self.request("POST", "/admin/load_weights",
+                                     json_body={"path": path, "version": version},
+                                     token=token, timeout_s=timeout_s, retries=0)  # fmt: skip
+        return body
+
+    async def version(self, *, token: str) -> int:
+        body, _ = await self.request("GET", "/admin/version", token=token)
+        return int(body["version"])
+
+
+# ----- parsing (simloop and vLLM shapes) -------------------------------------------------------
+
+
+def parse_completion_response(raw: dict[str, Any]) -> list[Completion]:
+    """Choices of a /v1/completions or /v1/chat/completions response, in index order."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("choices"), list):
+        raise ClientError(f"response has no 'choices': {str(raw)[:200]}")
+    version = raw.get("weight_version")
+    cached = ((raw.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    outs = []
+    for choice in sorted(raw["choices"], key=lambda c: c.get("index", 0)):
+        if "message" in choice:
+            text = (choice["message"] or {}).get("content") or ""
+        else:
+            text = choice.get("text", "")
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            raise ClientError(
+                "response carries no token ids: the server must support return_token_ids "
+                "(simloop, or vLLM >= 0.10.2)",
+                body=raw,
+            )
+        logprobs, tops = _parse_logprobs(choice.get("logprobs"))
+        outs.append(Completion(
+            text=text, token_ids=list(token_ids), finish_reason=choice.get("finish_reason") or "",
+            logprobs=logprobs, top_logprobs=tops,
+            prompt_token_ids=choice.get("prompt_token_ids") or raw.get("prompt_token_ids"),
+            weight_version=version, token_versions=choice.get("token_versions"),
+            cached_tokens=cached, raw=raw,
+        ))  # fmt: skip
+    return outs
+
+
+def _parse_logprobs(lp: Any) -> tuple[list[float] | None, list[dict[str, float]] | None]:
+    if not lp:
+        return None, None
+    if "content" in lp:  # chat shape
+        entries = lp["content"] or []
+        logprobs = [e["logprob"] for e in entries]
+        tops = [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries]
+        return logprobs, tops
+    return list(lp.get("token_logprobs") or []), [t or {} for t in lp.get("top_logprobs") or []]
+
+
+def _json_or_text(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _message(body: Any) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    if isinstance(body, dict) and "message" in body:  # vLLM's older error shape
+        return str(body["message"])
+    return str(body)[:300]

@@ -1,0 +1,193 @@
+"""The async client: parsing simloop and vLLM shapes, retry policy, timeouts, cancellation,
+and real requests against a simloop server on 127.0.0.1."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from flax import nnx
+
+from rl.data import ByteTokenizer
+from rl.model import Qwen3, tiny
+from serving.client import (
+    ClientConfig,
+    ClientError,
+    ClientTimeout,
+    InferenceClient,
+    parse_completion_response,
+)
+from serving.config import EngineConfig, ServerConfig
+from serving.engine import Engine
+from serving.server import Server
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def test_parses_vllm_completion_with_token_ids_and_logprobs():
+    raw = json.loads((FIXTURES / "vllm_completion.json").read_text())
+    first, second = parse_completion_response(raw)
+    assert first.token_ids == [27, 689, 1851, 151645] and first.finish_reason == "stop"
+    assert first.logprobs == [-0.2, -0.05, -0.3, -0.1]
+    assert first.prompt_token_ids == [151644, 872, 198]
+    assert first.weight_version is None and first.token_versions is None  # vLLM sends none
+    assert second.finish_reason == "length" and second.top_logprobs[2] == {}
+
+
+def test_parses_vllm_chat_with_top_level_prompt_ids():
+    raw = json.loads((FIXTURES / "vllm_chat.json").read_text())
+    (out,) = parse_completion_response(raw)
+    assert out.text == "```bash\nls\n```" and out.token_ids == [73594, 46216, 151645]
+    assert out.prompt_token_ids == [151644, 872, 198, 1] and out.cached_tokens == 8
+    assert out.logprobs == [-0.5, -0.01] and out.top_logprobs[0] == {"```": -0.5, "I": -1.2}
+
+
+def test_response_without_token_ids_is_a_clear_error():
+    raw = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}
+    with pytest.raises(ClientError, match="return_token_ids"):
+        parse_completion_response(raw)
+
+
+# ----- a scripted HTTP peer on 127.0.0.1 ----------------------------------------------------
+
+
+class Scripted:
+    """Answers /v1/completions from a list of (status, body) and counts attempts."""
+
+    def __init__(self, script, delay_s=0.0):
+        self.script, self.delay_s, self.calls, self.cancelled = list(script), delay_s, 0, 0
+
+    async def handle(self, request):
+        self.calls += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        status, body = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        return web.json_response(body, status=status)
+
+
+@pytest_asyncio.fixture
+async def scripted_server():
+    runners = []
+
+    async def start(script, delay_s=0.0):
+        peer = Scripted(script, delay_s)
+        app = web.Application()
+        app.router.add_post("/v1/completions", peer.handle)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = site._server.sockets[0].getsockname()[1]
+        return peer, f"http://127.0.0.1:{port}"
+
+    yield start
+    for r in runners:
+        await r.cleanup()
+
+
+OK_BODY = json.loads((FIXTURES / "vllm_completion.json").read_text())
+OK_BODY["choices"] = [c for c in OK_BODY["choices"] if c["index"] == 0]
+ERROR = {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}
+
+
+async def test_retries_5xx_and_429_then_succeeds(scripted_server):
+    peer, url = await scripted_server([(503, ERROR), (429, ERROR), (200, OK_BODY)])
+    async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
+        out = await client.complete([1, 2], max_tokens=4)
+    assert peer.calls == 3 and out.attempts == 3 and out.token_ids == [27, 689, 1851, 151645]
+
+
+async def test_other_4xx_is_not_retried(scripted_server):
+    bad = {"error": {"message": "'top_p'=2 is invalid", "type": "invalid_request_error",
+                     "param": "top_p", "code": None}}  # fmt: skip
+    peer, url = await scripted_server([(400, bad)])
+    async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
+        with pytest.raises(ClientError, match="400.*top_p") as info:
+            await client.complete([1], max_tokens=4, top_p=2)
+    assert peer.calls == 1 and info.value.status == 400 and not info.value.retryable
+
+
+async def test_gives_up_after_max_retries(scripted_server):
+    peer, url = await scripted_server([(500, ERROR)])
+    async with InferenceClient(ClientConfig(url, backoff_s=0.01, max_retries=2)) as client:
+        with pytest.raises(ClientError, match="500: boom") as info:
+            await client.complete([1], max_tokens=4)
+    assert peer.calls == 3 and info.value.attempts == 3
+
+
+async def test_connection_refused_is_retried_then_reported():
+    async with InferenceClient(ClientConfig("http://127.0.0.1:9", backoff_s=0.01,
+                                            max_retries=2)) as client:  # fmt: skip
+        with pytest.raises(ClientError, match="Connect") as info:
+            await client.complete([1], max_tokens=4)
+    assert info.value.attempts == 3 and info.value.status is None
+
+
+async def test_timeout_is_not_retried(scripted_server):
+    peer, url = await scripted_server([(200, OK_BODY)], delay_s=5.0)
+    async with InferenceClient(ClientConfig(url, timeout_s=0.3)) as client:
+        with pytest.raises(ClientTimeout, match="within 0.3s"):
+            await client.complete([1], max_tokens=4)
+    assert peer.calls == 1
+
+
+async def test_cancelling_a_call_cancels_the_server_handler(scripted_server):
+    peer, url = await scripted_server([(200, OK_BODY)], delay_s=5.0)
+    async with InferenceClient(ClientConfig(url)) as client:
+        task = asyncio.create_task(client.complete([1], max_tokens=4), name="doomed")
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(50):
+            if peer.cancelled:
+                break
+            await asyncio.sleep(0.05)
+    assert peer.cancelled == 1
+
+
+# ----- against a real simloop server ------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def simloop_url():
+    tok = ByteTokenizer()
+    engine = Engine(Qwen3(tiny(), rngs=nnx.Rngs(0)), tok,
+                    EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32))  # fmt: skip
+    await engine.start()
+    runner = web.AppRunner(Server(engine, tok, ServerConfig(model_name="tiny")).app(),
+                           handler_cancellation=True)  # fmt: skip
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", engine
+    await runner.cleanup()
+    await engine.stop()
+
+
+async def test_round_trip_with_a_simloop_server(simloop_url):
+    url, engine = simloop_url
+    async with InferenceClient(ClientConfig(url, model="tiny")) as client:
+        await client.wait_healthy(timeout_s=10)
+        assert await client.models() == ["tiny"]
+        prompt = ByteTokenizer().encode("hello")
+        out = await client.complete(prompt, max_tokens=6, temperature=0, logprobs=2)
+        assert len(out.token_ids) == len(out.logprobs) == len(out.token_versions) == 6
+        assert out.prompt_token_ids == prompt and out.weight_version == 0
+        assert out.finish_reason == "length"
+        again = await client.complete(prompt, max_tokens=6, temperature=0)
+        assert again.token_ids == out.token_ids
+        many = await client.complete_n(prompt, n=3, max_tokens=4, temperature=1.0, seed=1)
+        assert len(many) == 3 and len({tuple(m.token_ids) for m in many}) > 1
+        chat = await client.chat([{"role": "user", "content": "hi"}], max_tokens=3,
+                                 enable_thinking=False, logprobs=True)  # fmt: skip
+        assert len(chat.token_ids) == 3 and len(chat.logprobs) == 3
+        with pytest.raises(ClientError) as info:
+            await client.complete([10_000], max_tokens=2)
+        assert info.value.status == 400 and info.value.attempts == 1
