@@ -11,6 +11,7 @@ yet say so and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -34,10 +35,15 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "plan-chips": ("plan TPU chip partitions and per-process environments", False),
     "gke": ("render GKE JobSet manifests from a config", False),
     "tpu-vm": ("create / ssh / run / copy / delete TPU VMs through gcloud", False),
+    "e2b": ("E2B sandbox housekeeping: `sweep` kills orphaned simloop sandboxes", False),
     "config": ("validate a config with its overrides and print it resolved", False),
 }
 
-ACTIONS = {"gke": ["render"], "tpu-vm": ["create", "ssh", "run", "copy", "delete"]}
+ACTIONS = {
+    "gke": ["render"],
+    "tpu-vm": ["create", "ssh", "run", "copy", "delete"],
+    "e2b": ["sweep"],
+}
 
 Handler = Callable[[argparse.Namespace, SimloopConfig], int]
 
@@ -53,7 +59,31 @@ def _serve_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return serve.run(args, cfg)
 
 
-HANDLERS: dict[str, Handler] = {"config": _config_cmd, "serve": _serve_cmd}
+def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    import asyncio
+
+    from envs.e2b import sweep
+
+    if args.action != "sweep":
+        print("simloop e2b: say which action: sweep", file=sys.stderr)
+        return EXIT_USAGE
+    if not os.environ.get("E2B_API_KEY"):
+        print("simloop e2b sweep: E2B_API_KEY is not set", file=sys.stderr)
+        return EXIT_USAGE
+    killed = asyncio.run(sweep(args.run_id, config=cfg.env.shell.e2b,
+                               older_than_s=args.older_than_s))  # fmt: skip
+    scope = f"run {args.run_id!r}" if args.run_id else "all simloop runs"
+    print(f"simloop e2b sweep: killed {len(killed)} sandbox(es) of {scope}")
+    for sandbox_id in killed:
+        print(f"  {sandbox_id}")
+    return 0
+
+
+HANDLERS: dict[str, Handler] = {
+    "config": _config_cmd,
+    "serve": _serve_cmd,
+    "e2b": _e2b_cmd,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", metavar="DIR", help="run directory to write into")
         if name in ACTIONS:
             p.add_argument("action", nargs="?", choices=ACTIONS[name])
+        if name == "e2b":
+            p.add_argument("--run-id", help="only sandboxes tagged with this run (default: all)")
+            p.add_argument("--older-than-s", type=float, default=0.0,
+                           help="only sandboxes started at least this long ago")  # fmt: skip
         if name == "serve":
             from launch.serve import add_arguments
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from envs.config import ShellConfig, TerminalConfig, TextopsConfig
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
 from serving.config import EngineConfig, ServerConfig
@@ -55,6 +56,18 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Where episodes run and what they ask."""
+
+    shell: ShellConfig = field(default_factory=ShellConfig)
+    """Backend (`local`, `e2b`, `simulated`) and its settings."""
+    terminal: TerminalConfig = field(default_factory=TerminalConfig)
+    """Action parsing, observation format and episode limits."""
+    textops: TextopsConfig = field(default_factory=TextopsConfig)
+    """The seeded CPU task family."""
+
+
+@dataclass(frozen=True)
 class SimloopConfig:
     """Everything a `simloop` subcommand reads."""
 
@@ -65,5 +78,7 @@ class SimloopConfig:
     """The learned terminal: writes the observation for a command."""
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     """Logical-axis -> mesh-axis rules shared by every role."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Shells, the terminal env and task families."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """Inference server settings."""
