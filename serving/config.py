@@ -21,6 +21,10 @@ class EngineConfig:
     interleave with decode steps). A power of two >= 16."""
     prefill_batch: int = 4
     """Sequences prefilled together in one step."""
+    decode_steps: int = 4
+    """Tokens per device call while the batch is stable (no prefill pending, nobody waiting
+    for a free slot); amortises per-call overhead. Tokens past a stop are computed and
+    dropped. 1 disables it."""
     max_tokens_cap: int | None = None
     """Server-wide clamp on every request's max_tokens (the simulator's runaway guard)."""
     default_max_tokens: int = 256
@@ -39,7 +43,7 @@ class EngineConfig:
             )
 
         for name in ("num_slots", "max_seq_len", "prefill_batch", "default_max_tokens",
-                     "max_waiting"):  # fmt: skip
+                     "max_waiting", "decode_steps"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
         chunk = self.prefill_chunk

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -43,6 +44,10 @@ from serving.config import MAX_N, EngineConfig, SamplingParams
 from serving.engine.sampling import sample
 
 log = logging.getLogger(__name__)
+
+MIN_COPY_PREFIX = 16
+"""A busy slot's prefix is copied for a new sequence only when this long (or the whole
+prompt, as for `n` samples); shorter shared prefixes are cheaper to prefill again."""
 
 
 class EngineError(ValueError):
@@ -192,14 +197,23 @@ class Engine:
         valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
 
         def decode(state, cache, lengths_B, tokens_B, active_B, temp_B, top_p_B, top_k_B,
-                   seed_B, index_B, counter_B):  # fmt: skip
+                   seed_B, index_B, counter_B, *, steps):  # fmt: skip
+            """`steps` tokens for every active slot, each step feeding back its own sample."""
             self.traces["decode"] += 1
             model = nnx.merge(graphdef, state)
-            cache = dataclasses.replace(cache, lengths=lengths_B)
-            logits_BTV, cache = model.decode(tokens_B[:, None], cache, active_B.astype(jnp.int32))
-            out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B, counter_B,
-                         num_top, valid_vocab)  # fmt: skip
-            return cache, out
+            active_i_B = active_B.astype(jnp.int32)
+
+            def one(carry, j):
+                cache, lengths_B, tok_B = carry
+                cache = dataclasses.replace(cache, lengths=lengths_B)
+                logits_BTV, cache = model.decode(tok_B[:, None], cache, active_i_B)
+                out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B,
+                             counter_B + j, num_top, valid_vocab)  # fmt: skip
+                return (cache, lengths_B + active_i_B, out[0]), out
+
+            (cache, _, _), outs = jax.lax.scan(one, (cache, lengths_B, tokens_B),
+                                               jnp.arange(steps, dtype=jnp.int32))  # fmt: skip
+            return cache, outs
 
         def prefill(state, cache, lengths_B, slots_P, tokens_PT, num_new_P):
             self.traces["prefill"] += 1
@@ -226,7 +240,10 @@ class Engine:
                 v=cache.v.at[:, dst_P].set(v, mode="drop"),
             )
 
-        self._decode = jax.jit(decode, donate_argnums=(1,))
+        self._decode = {
+            k: jax.jit(functools.partial(decode, steps=k), donate_argnums=(1,))
+            for k in sorted({1, self.cfg.decode_steps})
+        }
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._copy = jax.jit(copy, donate_argnums=(0,))
 
@@ -239,10 +256,12 @@ class Engine:
                                         np.full(p, b, np.int32), np.zeros((p, t), np.int32),
                                         np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
-        self._cache, _ = self._decode(
-            self._state, self._cache, zeros_b, zeros_b, np.zeros(b, bool),
-            np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b, zeros_b,
-        )  # fmt: skip
+        for decode in self._decode.values():
+            self._cache, _ = decode(
+                self._state, self._cache, zeros_b, zeros_b, np.zeros(b, bool),
+                np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
+                zeros_b,
+            )  # fmt: skip
         jax.block_until_ready(self._cache.k)
 
     # ----- lifecycle -------------------------------------------------------------------------
@@ -444,8 +463,12 @@ class Engine:
         else:
             # An empty slot if any, else the least recently used cached one.
             slot = min(free, key=lambda s: (len(self._slot_tokens[s]) > 0, self._slot_used[s]))
+            if best is not None and best_len < min(MIN_COPY_PREFIX, len(want)):
+                best, best_len = None, 0  # too short to be worth a copy
             if best is not None:
-                self._pending_copies.append((best, slot))
+                # A copy's destination holds nothing until the copy runs: copy from its source.
+                pending = dict((d, s) for s, d in self._pending_copies)
+                self._pending_copies.append((pending.get(best, best), slot))
         self._slot_tokens[slot] = want[:best_len]
         self._lengths[slot] = best_len
         self._slot_owner[slot] = seq
@@ -467,14 +490,14 @@ class Engine:
         if not copies and not prefilling and not decoding:
             return None
 
-        copy_args = None
-        if copies:
-            src = np.full(max(p, len(copies)), b, np.int32)
-            dst = np.full_like(src, b)
-            for i, (s, d) in enumerate(copies):
+        copy_args = []  # fixed-size groups of `prefill_batch` (one compiled shape)
+        for start in range(0, len(copies), p):
+            src, dst = np.full(p, b, np.int32), np.full(p, b, np.int32)
+            for i, (s, d) in enumerate(copies[start : start + p]):
                 src[i], dst[i] = s, d
-            copy_args = (src, dst)
+            copy_args.append((src, dst))
 
+        plan = bool(copies or prefilling)  # busy: keep the step short
         prefill_args, chunks = None, []
         if prefilling:
             longest = max(min(len(s.pending), chunk) for s in prefilling)
@@ -504,54 +527,65 @@ class Engine:
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
             decode_args = (self._lengths.copy(), tokens, active, temp, top_p, top_k, seed, index,
                            counter)  # fmt: skip
-        return copy_args, prefill_args, chunks, decode_args, decoding
+        return copy_args, prefill_args, chunks, decode_args, decoding, self._steps(decoding, plan)
 
-    def _device_step(self, state, copy_args, prefill_args, chunks, decode_args, decoding):
+    def _steps(self, decoding: list[_Seq], busy: bool) -> int:
+        """Decode several tokens per device call while the batch is stable: nothing to
+        prefill or copy, nobody waiting for a free slot, and room in every active slot."""
+        k = self.cfg.decode_steps
+        if k == 1 or busy or not decoding:
+            return 1
+        if self._waiting and any(o is None for o in self._slot_owner):
+            return 1
+        room = self.cfg.max_seq_len
+        if any(self._lengths[s.slot] + k > room for s in decoding):
+            return 1
+        return k
+
+    def _device_step(self, state, copy_args, prefill_args, chunks, decode_args, decoding, steps):
         """Runs in a worker thread: the only place device work happens."""
         cache = self._cache
-        if copy_args is not None:
-            cache = self._copy(cache, *copy_args)
+        for src, dst in copy_args:
+            cache = self._copy(cache, src, dst)
         if prefill_args is not None:
             cache = self._prefill(state, cache, *prefill_args)
         out = None
         if decode_args is not None:
-            cache, out = self._decode(state, cache, *decode_args)
+            cache, out = self._decode[steps](state, cache, *decode_args)
             out = jax.device_get(out)
         self._cache = cache
         return out
 
     def _deliver(self, plan, out, version: int) -> None:
-        _, _, chunks, _, decoding = plan
+        _, _, chunks, _, decoding, steps = plan
         for seq, part in chunks:
             self._slot_tokens[seq.slot].extend(part)
             del seq.pending[: len(part)]
         if out is None:
             return
-        token_B, logprob_B, top_ids_BK, top_logp_BK = out
+        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK = out
         for seq in decoding:
-            if seq.finish_reason is not None:  # aborted while the step ran
-                continue
             i = seq.slot
-            self._lengths[i] += 1
-            self._slot_tokens[i].append(seq.next_input)
-            tok = int(token_B[i])
-            k = seq.request.params.logprobs
-            top = [
-                (int(a), float(b))
-                for a, b in zip(top_ids_BK[i, :k], top_logp_BK[i, :k], strict=True)
-            ]
-            seq.generated.append(tok)
-            seq.logprobs.append(float(logprob_B[i]))
-            seq.tops.append(top)
-            seq.versions.append(version)
-            seq.next_input = tok
-            self.stats["generated_tokens"] += 1
-            seq.request.events.put_nowait(
-                TokenEvent(seq.index, tok, seq.logprobs[-1], top, version)
-            )
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                self._finish(seq, reason)
+            for j in range(steps):  # tokens past a stop were computed, and are dropped here
+                if seq.finish_reason is not None:  # finished, or aborted while the step ran
+                    break
+                self._lengths[i] += 1
+                self._slot_tokens[i].append(seq.next_input)
+                tok = int(token_SB[j, i])
+                k = seq.request.params.logprobs
+                pairs = zip(top_ids_SBK[j, i, :k], top_logp_SBK[j, i, :k], strict=True)
+                top = [(int(a), float(b)) for a, b in pairs]
+                seq.generated.append(tok)
+                seq.logprobs.append(float(logprob_SB[j, i]))
+                seq.tops.append(top)
+                seq.versions.append(version)
+                seq.next_input = tok
+                self.stats["generated_tokens"] += 1
+                event = TokenEvent(seq.index, tok, seq.logprobs[-1], top, version)
+                seq.request.events.put_nowait(event)
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self._finish(seq, reason)
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         if tok in seq.request.stop_ids:
