@@ -59,6 +59,12 @@ def _serve_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return serve.run(args, cfg)
 
 
+def _import_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import import_cmd
+
+    return import_cmd.run(args, cfg)
+
+
 def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     import asyncio
 
@@ -83,6 +89,7 @@ HANDLERS: dict[str, Handler] = {
     "config": _config_cmd,
     "serve": _serve_cmd,
     "e2b": _e2b_cmd,
+    "import": _import_cmd,
 }
 
 
@@ -109,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
             from launch.serve import add_arguments
 
             add_arguments(p)
+        if name == "import":
+            from launch.import_cmd import add_arguments as add_import_arguments
+
+            add_import_arguments(p)
     return parser
 
 

@@ -1,0 +1,306 @@
+"""SFT examples from trajectories (simulator and agent) and grain pipelines that pack them into
+fixed `[B, T]` batches with a checkpointable iterator. `DatasetConfig` imports no JAX (grain,
+which does, is imported when a dataset is built).
+
+Examples are dicts of int32 arrays `tokens` and `loss_mask` (1 on the tokens to learn):
+- simulator: context = the session up to and including the command, rendered by
+  `envs.sim_format` (the format `SimulatedShell` prompts with, thinking disabled, generation
+  prompt included); target = `format_observation(output, exit_code)` + `<|im_end|>`.
+- agent: a trajectory's token view, loss on the agent's generated tokens.
+
+Batch convention (next-token targets are shifted per example, before packing, so that no target
+crosses a segment): for every row b and position t,
+- `tokens[b, t]` is the model input and `positions[b, t]` its position in its segment (0-based,
+  restarting at every segment); `segment_ids[b, t]` is 1, 2, ... per packed example and 0 on
+  padding. Attention must be causal and within one segment id.
+- `targets[b, t]` is the token that follows `tokens[b, t]` in the same example: the trainer's
+  loss is `CE(logits[b, t], targets[b, t])` where `loss_mask[b, t] == 1` (never on padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from envs.sim_format import format_observation, render_sim_messages
+from rl.data.chat import ChatRenderer, generation_prompt, message_text
+from rl.data.tokenizer import IM_END, Tokenizer
+from rl.data.trajectory import Trajectory, render_token_view
+
+if TYPE_CHECKING:
+    import grain
+
+Example = dict[str, np.ndarray]
+FEATURES = ("tokens", "targets", "loss_mask")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """Packing and ordering of an SFT dataset."""
+
+    seq_len: int = 2048
+    """T: tokens per packed row; longer examples are truncated when built."""
+    batch_size: int = 8
+    """B: rows per batch (also the number of first-fit packing bins)."""
+    seed: int = 0
+    """Seeds the example shuffle and the bin shuffle: same seed, same batches."""
+    num_epochs: int | None = 1
+    """Passes over the examples; None repeats forever (reshuffled every epoch)."""
+    shuffle: bool = True
+    """Shuffle examples (and packed rows); False keeps the examples' order."""
+    missing_exit_code: int | None = 0
+    """Simulator examples: the return code written for turns whose source recorded none
+    (SWE-agent does not); None skips trajectories with such turns instead."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("seq_len", 2), ("batch_size", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"DatasetConfig.{name}={value!r} is invalid: an integer >= {low}")
+        epochs = self.num_epochs
+        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+            raise ValueError(
+                f"DatasetConfig.num_epochs={epochs!r} is invalid: an integer >= 1 or null"
+            )
+        code = self.missing_exit_code
+        if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
+            raise ValueError(
+                f"DatasetConfig.missing_exit_code={code!r} is invalid: an integer or null"
+            )
+
+
+@dataclass
+class SFTStats:
+    """What building examples kept, cut and skipped (and why)."""
+
+    examples: int = 0
+    target_tokens: int = 0
+    context_tokens: int = 0
+    truncated: int = 0
+    """Examples whose context (simulator) or tail (agent) was cut to fit."""
+    skipped: Counter = field(default_factory=Counter)
+    """Reason -> count of skipped examples (or trajectories)."""
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "skipped": dict(self.skipped)}
+
+
+@dataclass(frozen=True)
+class _Obs:
+    output: str
+    exit_code: int
+
+
+def _example(context: Sequence[int], target: Sequence[int]) -> Example:
+    tokens = np.asarray([*context, *target], dtype=np.int32)
+    mask = np.zeros(len(tokens), dtype=np.int32)
+    mask[len(context) :] = 1
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def _sim_pairs(traj: Trajectory, missing_exit_code: int | None) -> list[tuple[str, _Obs]] | None:
+    """(command, observation) of the turns that ran a command; None when a return code is
+    missing and there is no stand-in for it."""
+    pairs = []
+    for turn in traj.turns:
+        if turn.command is None or turn.observation is None:
+            continue
+        code = turn.exit_code if turn.exit_code is not None else missing_exit_code
+        if code is None:
+            return None
+        pairs.append((turn.command, _Obs(turn.observation, code)))
+    return pairs
+
+
+def sim_sft_examples(
+    trajectories: Iterable[Trajectory],
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    missing_exit_code: int | None = 0,
+) -> tuple[list[Example], SFTStats]:
+    """One example per command with a real observation. Contexts longer than `max_len` minus
+    the target lose their oldest turns first; the newest turn that no longer fits whole is cut
+    from the left to fill the room; the system/task prefix and the current command are always
+    kept (an example that cannot keep them, or whose target alone is too long, is skipped: a
+    target cut before its end-of-turn token would teach the simulator to run away)."""
+    examples: list[Example] = []
+    stats = SFTStats()
+    enc = tokenizer.encode
+    end_of_turn = tokenizer.token_id(IM_END)
+    gen_prompt = enc(generation_prompt(enable_thinking=False))
+    for traj in trajectories:
+        if traj.env_backend == "simulated":  # observations the simulator wrote itself
+            stats.skipped["simulated_observations"] += 1
+            continue
+        pairs = _sim_pairs(traj, missing_exit_code)
+        if not pairs:
+            stats.skipped["missing_exit_code" if pairs is None else "no_commands"] += 1
+            continue
+        messages = render_sim_messages(
+            traj.instruction, pairs[:-1], pairs[-1][0], setup_files=traj.setup_files
+        )
+        # ChatML messages start and end at special tokens, so encoding them one by one gives
+        # the ids of the whole rendering (the tests check this against ChatRenderer.render).
+        ids = [enc(message_text(m)) for m in messages]
+        system, commands, answers = ids[0], ids[1::2], ids[2::2]
+        for k, (_, obs) in enumerate(pairs):
+            target = enc(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
+            suffix = commands[k] + gen_prompt
+            room = max_len - len(target) - len(system) - len(suffix)
+            if room < 0:
+                stats.skipped["too_long"] += 1
+                continue
+            kept: list[list[int]] = []
+            for j in range(k - 1, -1, -1):  # newest first
+                turn_ids = commands[j] + answers[j]
+                if len(turn_ids) > room:
+                    if room > 0:
+                        kept.append(turn_ids[-room:])
+                    stats.truncated += 1
+                    break
+                kept.append(turn_ids)
+                room -= len(turn_ids)
+            context = system + [t for chunk in reversed(kept) for t in chunk] + suffix
+            examples.append(_example(context, target))
+            stats.examples += 1
+            stats.target_tokens += len(target)
+            stats.context_tokens += len(context)
+    return examples, stats
+
+
+def agent_sft_examples(
+    trajectories: Iterable[Trajectory],
+    *,
+    max_len: int,
+    renderer: ChatRenderer | None = None,
+    enable_thinking: bool = False,
+) -> tuple[list[Example], SFTStats]:
+    """One example per trajectory: its token view, loss on the agent's generated tokens. With
+    a `renderer`, text-only trajectories (`source="rendered"`: imported, scripted) are rendered
+    anew with it, so they match the tokenizer being trained; sampled ids are never re-rendered.
+    Longer token views keep their first `max_len` tokens (a causal prefix stays exact)."""
+    examples: list[Example] = []
+    stats = SFTStats()
+    for traj in trajectories:
+        if renderer is not None and traj.source == "rendered":
+            traj = dataclasses.replace(traj, turns=[dataclasses.replace(t) for t in traj.turns])
+            render_token_view(traj, renderer, enable_thinking=enable_thinking)
+        if not traj.token_ids:
+            stats.skipped["no_token_view"] += 1
+            continue
+        tokens = np.asarray(traj.token_ids[:max_len], dtype=np.int32)
+        mask = np.asarray(traj.loss_mask[:max_len], dtype=np.int32)
+        if not mask.any():
+            stats.skipped["no_target_within_max_len"] += 1
+            continue
+        stats.truncated += len(traj.token_ids) > max_len
+        examples.append({"tokens": tokens, "loss_mask": mask})
+        stats.examples += 1
+        stats.target_tokens += int(mask.sum())
+        stats.context_tokens += int(len(mask) - mask.sum())
+    return examples, stats
+
+
+def shift(example: Example) -> Example:
+    """Next-token form of one example: inputs, the token after each, and the mask of that."""
+    tokens, mask = example["tokens"], example["loss_mask"]
+    return {"tokens": tokens[:-1], "targets": tokens[1:], "loss_mask": mask[1:]}
+
+
+def _row(packed: Example) -> Example:
+    return {
+        "tokens": packed["tokens"],
+        "targets": packed["targets"],
+        "loss_mask": packed["loss_mask"],
+        "segment_ids": packed["tokens_segment_ids"],
+        "positions": packed["tokens_positions"],
+    }
+
+
+def _stack(rows: Sequence[Example], *, batch_size: int, seq_len: int, pad_id: int) -> Example:
+    """Stack rows into `[B, T]`, adding all-padding rows to a short final batch."""
+    batch = {k: np.stack([r[k] for r in rows]).astype(np.int32) for k in rows[0]}
+    missing = batch_size - len(rows)
+    if missing:
+        for k, v in batch.items():
+            fill = pad_id if k in ("tokens", "targets") else 0
+            batch[k] = np.concatenate([v, np.full((missing, seq_len), fill, np.int32)])
+    return batch
+
+
+def packed_dataset(
+    examples: Sequence[Example], cfg: DatasetConfig, *, pad_id: int
+) -> grain.IterDataset:
+    """A `grain.IterDataset` of `[B, T]` batches (see the module docstring for the keys).
+    Deterministic for `cfg.seed`; `iter(ds)` gives a `grain.DatasetIterator` whose
+    `get_state()` / `set_state()` save and restore the position exactly."""
+    import grain  # imports JAX: only here, so that DatasetConfig stays instant to import
+    from grain.experimental import FirstFitPackIterDataset
+
+    if not examples:
+        raise ValueError("packed_dataset: no examples to pack")
+    T = cfg.seq_len
+    for i, ex in enumerate(examples):
+        if not 2 <= len(ex["tokens"]) <= T + 1:
+            raise ValueError(
+                f"examples[{i}] has {len(ex['tokens'])} tokens: build examples with "
+                f"max_len=seq_len+1={T + 1} (shifting drops one), and at least 2"
+            )
+    ds = grain.MapDataset.source(list(examples))
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(cfg.num_epochs).map(shift).to_iter_dataset()
+    ds = FirstFitPackIterDataset(
+        ds,
+        length_struct={k: T for k in FEATURES},
+        num_packing_bins=cfg.batch_size,
+        seed=cfg.seed,
+        shuffle_bins=cfg.shuffle,
+        padding_struct={"tokens": pad_id, "targets": pad_id, "loss_mask": 0},
+    )
+    batch_fn = functools.partial(_stack, batch_size=cfg.batch_size, seq_len=T, pad_id=pad_id)
+    return ds.map(_row).batch(cfg.batch_size, drop_remainder=False, batch_fn=batch_fn)
+
+
+def _check_built(examples: list[Example], stats: SFTStats, kind: str) -> None:
+    if not examples:
+        raise ValueError(
+            f"no {kind} SFT examples: skipped {dict(stats.skipped)} "
+            "(a longer seq_len keeps more; see SFTStats)"
+        )
+
+
+def sim_sft_dataset(
+    trajectories: Iterable[Trajectory], tokenizer: Tokenizer, cfg: DatasetConfig
+) -> tuple[grain.IterDataset, SFTStats]:
+    """Simulator SFT batches from real trajectories."""
+    examples, stats = sim_sft_examples(
+        trajectories,
+        tokenizer,
+        max_len=cfg.seq_len + 1,
+        missing_exit_code=cfg.missing_exit_code,
+    )
+    _check_built(examples, stats, "simulator")
+    return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats
+
+
+def agent_sft_dataset(
+    trajectories: Iterable[Trajectory],
+    renderer: ChatRenderer,
+    cfg: DatasetConfig,
+    *,
+    enable_thinking: bool = False,
+) -> tuple[grain.IterDataset, SFTStats]:
+    """Agent SFT batches (warm start) from trajectories' token views."""
+    examples, stats = agent_sft_examples(
+        trajectories, max_len=cfg.seq_len + 1, renderer=renderer, enable_thinking=enable_thinking
+    )
+    _check_built(examples, stats, "agent")
+    return packed_dataset(examples, cfg, pad_id=renderer.tokenizer.pad_id), stats

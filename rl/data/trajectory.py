@@ -1,0 +1,389 @@
+"""The trajectory: one episode, the unit every stage trades (DESIGN.md §4), with its validator,
+JSON form and atomic JSONL shards.
+
+A trajectory holds the episode's turns as text (what the agent wrote, the command, the real
+observation and return code) and its token view for training. Token-view conventions:
+
+- `token_ids[i]`, `loss_mask[i]`, `behavior_logprobs[i]`, `policy_version[i]` describe the same
+  token. `loss_mask[i]` is 1 exactly on tokens the agent generated: the union of the turns'
+  `token_span`s (half-open `[start, end)`), one span per turn, in order.
+- `source="sampler"`: the ids came from the inference server. `behavior_logprobs[i]` is a finite
+  float where `loss_mask[i]` is 1 and `None` (JSON `null`, never NaN: NaN is not JSON) elsewhere;
+  `policy_version[i]` likewise, an int that never decreases along the episode.
+- `source="rendered"`: the ids were rendered from text (imported or scripted episodes); no
+  sampler ever produced them, so `behavior_logprobs` and `policy_version` are `None` as whole
+  fields. Such trajectories serve SFT, never policy-gradient steps. The `imported` arm must be
+  `rendered`, and only it may end `ok` without a reward (the source recorded no score).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+from rl.data.chat import ROLES, ChatRenderer, Message, generation_prompt
+
+SCHEMA_VERSION = 1
+ARMS = ("real", "replay", "closed_loop", "mixed", "imported")
+STATUSES = ("ok", "truncated", "aborted", "timeout", "error")
+SOURCES = ("sampler", "rendered")
+ENV_ROLES = ("user", "tool")
+
+_CONTAINERS = (
+    ("group_id", str),
+    ("instruction", str),
+    ("setup_files", dict),
+    ("prompt", list),
+    ("turns", list),
+    ("token_ids", list),
+    ("loss_mask", list),
+    ("meta", dict),
+)
+_TURN_CONTAINERS = (
+    ("env_messages", list),
+    ("timings", dict),
+    ("flags", list),
+    ("info", dict),
+)
+
+Arm = Literal["real", "replay", "closed_loop", "mixed", "imported"]
+Status = Literal["ok", "truncated", "aborted", "timeout", "error"]
+Source = Literal["sampler", "rendered"]
+
+
+@dataclass
+class Turn:
+    """One agent reply and what the environment answered."""
+
+    agent_text: str
+    """The agent's reply as generated (the assistant message body)."""
+    command: str | None = None
+    """The command parsed from the reply; None when the reply had none (format error)."""
+    observation: str | None = None
+    """What running the command printed in the episode's env (None: not run, e.g. submit)."""
+    exit_code: int | None = None
+    """The command's return code; None where the source did not record it."""
+    env_messages: list[Message] = field(default_factory=list)
+    """The messages (role user or tool) the agent was shown next, exactly as rendered."""
+    sim_observation: str | None = None
+    """Replay arm: the simulator's output for the same command, beside the real one."""
+    sim_exit_code: int | None = None
+    """Replay arm: the return code the simulator predicted."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase, e.g. `agent_s`, `env_s`."""
+    flags: list[str] = field(default_factory=list)
+    """Pathology flags: `cap_hit`, `think_leak`, `repetition`, `timeout`, `format_error`, ..."""
+    token_span: tuple[int, int] | None = None
+    """`[start, end)` of the agent's generated ids in `token_ids`; None without a token view."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One episode; see the module docstring for the token-view invariants."""
+
+    task_id: str
+    arm: Arm
+    env_backend: str
+    """Where observations came from: `local`, `e2b`, `simulated`, or the import source."""
+    status: Status
+    reason: str | None = None
+    """Why the episode ended as it did; required unless `status` is `ok`."""
+    reward: float | None = None
+    group_id: str = ""
+    """Episodes sampled together for one task (group-relative advantages)."""
+    instruction: str = ""
+    """The task statement (what the simulator's system prompt quotes)."""
+    setup_files: dict[str, str] = field(default_factory=dict)
+    """Files in the working directory at the start."""
+    prompt: list[Message] = field(default_factory=list)
+    """The messages before the first agent turn (system prompt, task)."""
+    turns: list[Turn] = field(default_factory=list)
+    source: Source = "sampler"
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float | None] | None = field(default_factory=list)
+    policy_version: list[int | None] | None = field(default_factory=list)
+    tokenizer: str | None = None
+    """Which tokenizer produced `token_ids` (e.g. `byte`, or an HF path)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for turn in data["turns"]:
+            if turn["token_span"] is not None:
+                turn["token_span"] = list(turn["token_span"])
+        return {"schema": SCHEMA_VERSION, **data}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, check: bool = True) -> Trajectory:
+        """Inverse of `to_dict`; unknown or missing keys raise ValueError naming them."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a trajectory must be a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        schema = data.pop("schema", None)
+        if schema != SCHEMA_VERSION:
+            raise ValueError(f"schema={schema!r} is invalid: this simloop reads {SCHEMA_VERSION}")
+        raw_turns = data.get("turns", [])
+        if not isinstance(raw_turns, list):
+            raise ValueError(f"turns={type(raw_turns).__name__} is invalid: a list")
+        data["turns"] = [_turn_from_dict(t, i) for i, t in enumerate(raw_turns)]
+        traj = cls(**_known(cls, data, "trajectory"))
+        if check:
+            validate(traj)
+        return traj
+
+
+def _known(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed {names}")
+    required = [
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    ]
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"{where}: missing key(s) {missing}")
+    return data
+
+
+def _turn_from_dict(data: Any, i: int) -> Turn:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"turns[{i}] must be a JSON object, got {type(data).__name__}")
+    data = _known(Turn, dict(data), f"turns[{i}]")
+    span = data.get("token_span")
+    if span is not None:
+        if not (isinstance(span, list | tuple) and len(span) == 2):
+            raise ValueError(f"turns[{i}].token_span={span!r} is invalid: [start, end] or null")
+        data["token_span"] = (span[0], span[1])
+    return Turn(**data)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate(traj: Trajectory) -> None:
+    """Check every invariant; ValueError names the field (and the index) that breaks one."""
+
+    def fail(name: str, value: Any, allowed: str) -> NoReturn:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise ValueError(f"trajectory {traj.task_id!r}: {name}={shown} is invalid: {allowed}")
+
+    for name in ("task_id", "env_backend"):
+        if not isinstance(getattr(traj, name), str) or not getattr(traj, name):
+            fail(name, getattr(traj, name), "a non-empty string")
+    if traj.arm not in ARMS:
+        fail("arm", traj.arm, f"one of {list(ARMS)}")
+    if traj.status not in STATUSES:
+        fail("status", traj.status, f"one of {list(STATUSES)}")
+    if traj.reason is not None and not isinstance(traj.reason, str):
+        fail("reason", traj.reason, "a string or null")
+    if traj.status != "ok" and not (traj.reason or "").strip():
+        fail("reason", traj.reason, f"a non-empty string when status is {traj.status!r}")
+    if traj.reward is not None and not _is_finite(traj.reward):
+        fail("reward", traj.reward, "a finite number or null")
+    if traj.status == "ok" and traj.reward is None and traj.arm != "imported":
+        fail("reward", None, "a number when status is 'ok' (only imported episodes may lack one)")
+    for name, kind in _CONTAINERS:
+        if not isinstance(getattr(traj, name), kind):
+            fail(name, getattr(traj, name), f"a {kind.__name__}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in traj.setup_files.items()):
+        fail("setup_files", traj.setup_files, "a mapping path -> text")
+    for i, m in enumerate(traj.prompt):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            fail(f"prompt[{i}]", m, f"a message with role in {list(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            fail(f"prompt[{i}].content", m.get("content"), "a string")
+    if traj.source not in SOURCES:
+        fail("source", traj.source, f"one of {list(SOURCES)}")
+    if traj.arm == "imported" and traj.source != "rendered":
+        fail("source", traj.source, "'rendered' for the imported arm (no sampler made its ids)")
+    for i, turn in enumerate(traj.turns):
+        _validate_turn(traj, turn, i, fail)
+    _validate_tokens(traj, fail)
+
+
+def _validate_turn(traj: Trajectory, turn: Turn, i: int, fail) -> None:
+    where = f"turns[{i}]"
+    if not isinstance(turn, Turn):
+        fail(where, turn, "a Turn")
+    if not isinstance(turn.agent_text, str):
+        fail(f"{where}.agent_text", turn.agent_text, "a string")
+    for name, kind in _TURN_CONTAINERS:
+        if not isinstance(getattr(turn, name), kind):
+            fail(f"{where}.{name}", getattr(turn, name), f"a {kind.__name__}")
+    for name in ("command", "observation", "sim_observation"):
+        value = getattr(turn, name)
+        if value is not None and not isinstance(value, str):
+            fail(f"{where}.{name}", value, "a string or null")
+    for name in ("exit_code", "sim_exit_code"):
+        value = getattr(turn, name)
+        if value is not None and not _is_int(value):
+            fail(f"{where}.{name}", value, "an integer or null")
+    if traj.arm == "replay" and turn.observation is not None and turn.sim_observation is None:
+        fail(f"{where}.sim_observation", None, "the simulated observation on the replay arm")
+    for j, m in enumerate(turn.env_messages):
+        if not isinstance(m, dict) or m.get("role") not in ENV_ROLES:
+            fail(f"{where}.env_messages[{j}]", m, f"a message with role in {list(ENV_ROLES)}")
+        if not isinstance(m.get("content"), str):
+            fail(f"{where}.env_messages[{j}].content", m.get("content"), "a string")
+    for key, value in turn.timings.items():
+        if not (_is_finite(value) and value >= 0):
+            fail(f"{where}.timings[{key!r}]", value, "a finite number of seconds >= 0")
+    for j, flag in enumerate(turn.flags):
+        if not isinstance(flag, str) or not flag:
+            fail(f"{where}.flags[{j}]", flag, "a non-empty string")
+
+
+def _validate_tokens(traj: Trajectory, fail) -> None:
+    ids, mask, n = traj.token_ids, traj.loss_mask, len(traj.token_ids)
+    j = next((j for j, t in enumerate(ids) if not (_is_int(t) and t >= 0)), None)
+    if j is not None:
+        fail(f"token_ids[{j}]", ids[j], "a token id >= 0")
+    if len(mask) != n:
+        fail("loss_mask", f"<{len(mask)} values>", f"{n} values, aligned with token_ids")
+    j = next((j for j, m in enumerate(mask) if not (_is_int(m) and m in (0, 1))), None)
+    if j is not None:
+        fail(f"loss_mask[{j}]", mask[j], "0 or 1")
+    # loss_mask is 1 exactly on the turns' spans: the tokens the agent generated.
+    expected = [0] * n
+    prev_end = 0
+    for i, turn in enumerate(traj.turns):
+        span = turn.token_span
+        if n == 0:
+            if span is not None:
+                fail(f"turns[{i}].token_span", span, "null when there is no token view")
+            continue
+        ok = span is not None and all(_is_int(x) for x in span)
+        if not ok or not prev_end <= span[0] < span[1] <= n:
+            fail(
+                f"turns[{i}].token_span",
+                span,
+                f"[start, end) with {prev_end} <= start < end <= {n}",
+            )
+        expected[span[0] : span[1]] = [1] * (span[1] - span[0])
+        prev_end = span[1]
+    if list(mask) != expected:
+        j = next(k for k in range(n) if mask[k] != expected[k])
+        fail(f"loss_mask[{j}]", mask[j], f"{expected[j]}: 1 only on the turns' generated tokens")
+    if traj.source == "rendered":
+        for name in ("behavior_logprobs", "policy_version"):
+            if getattr(traj, name) is not None:
+                fail(name, "<list>", "null when source is 'rendered' (no sampler produced the ids)")
+        return
+    logp, version = traj.behavior_logprobs, traj.policy_version
+    for name, values in (("behavior_logprobs", logp), ("policy_version", version)):
+        if not isinstance(values, list) or len(values) != n:
+            shown = values if values is None else f"<{len(values)} values>"
+            fail(name, shown, f"{n} values aligned with token_ids (source is 'sampler')")
+    last = -1
+    for j in range(n):
+        if mask[j]:
+            if not _is_finite(logp[j]):
+                fail(f"behavior_logprobs[{j}]", logp[j], "a finite float where loss_mask is 1")
+            if not _is_int(version[j]) or version[j] < 0:
+                fail(f"policy_version[{j}]", version[j], "an int >= 0 where loss_mask is 1")
+            if version[j] < last:
+                fail(f"policy_version[{j}]", version[j], f">= {last}: versions never decrease")
+            last = version[j]
+        else:
+            if logp[j] is not None:
+                fail(f"behavior_logprobs[{j}]", logp[j], "null where loss_mask is 0")
+            if version[j] is not None:
+                fail(f"policy_version[{j}]", version[j], "null where loss_mask is 0")
+
+
+def render_token_view(
+    traj: Trajectory, renderer: ChatRenderer, *, enable_thinking: bool = False
+) -> None:
+    """Fill the token view of a text-only trajectory (`source="rendered"`) append-only: the
+    prompt with the generation prompt, then per turn the agent's text + `<|im_end|>` (loss 1,
+    encoded on its own as a sampler would emit it) and the env messages (loss 0)."""
+    tok = renderer.tokenizer
+    ids = renderer.render(traj.prompt, add_generation_prompt=True, enable_thinking=enable_thinking)
+    mask = [0] * len(ids)
+    for n, turn in enumerate(traj.turns):
+        generated = tok.encode(turn.agent_text) + [renderer.im_end_id]
+        turn.token_span = (len(ids), len(ids) + len(generated))
+        ids += generated
+        mask += [1] * len(generated)
+        for k, message in enumerate(turn.env_messages):
+            more = renderer.append(
+                ids,
+                message,
+                add_generation_prompt=k == len(turn.env_messages) - 1,
+                enable_thinking=enable_thinking,
+            )
+            ids += more
+            mask += [0] * len(more)
+        if not turn.env_messages and n + 1 < len(traj.turns):  # two replies in a row
+            more = renderer.newline_ids + tok.encode(generation_prompt(enable_thinking))
+            ids += more
+            mask += [0] * len(more)
+    traj.token_ids, traj.loss_mask = ids, mask
+    traj.source, traj.behavior_logprobs, traj.policy_version = "rendered", None, None
+
+
+def to_json_line(traj: Trajectory) -> str:
+    validate(traj)
+    return json.dumps(traj.to_dict(), ensure_ascii=False, allow_nan=False)
+
+
+def write_jsonl(path: str | os.PathLike, trajectories: Iterable[Trajectory]) -> Path:
+    """Validate and write one JSONL shard atomically (temp file in the same folder, fsync,
+    rename): a reader never sees a half-written shard, a crash leaves the old one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for i, traj in enumerate(trajectories):
+                try:
+                    f.write(to_json_line(traj) + "\n")
+                except ValueError as e:
+                    raise ValueError(f"{path}: trajectory #{i}: {e}") from e
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def iter_jsonl(path: str | os.PathLike, *, check: bool = True) -> Iterator[Trajectory]:
+    """Trajectories of one shard; errors name the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield Trajectory.from_dict(json.loads(line), check=check)
+            except (json.JSONDecodeError, ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from e
+
+
+def read_jsonl(path: str | os.PathLike, *, check: bool = True) -> list[Trajectory]:
+    return list(iter_jsonl(path, check=check))
+
+
+def load_trajectories(paths: Iterable[str | os.PathLike]) -> list[Trajectory]:
+    """Trajectories from JSONL files and folders (every `*.jsonl` below, in sorted order)."""
+    out: list[Trajectory] = []
+    for p in map(Path, paths):
+        files = sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+        for file in files:
+            out.extend(iter_jsonl(file))
+    return out

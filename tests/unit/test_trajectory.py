@@ -1,0 +1,247 @@
+"""The trajectory schema: one test per invariant the validator enforces, JSON and JSONL round
+trips (atomic writes), and append-only rendering of a text-only token view."""
+
+import copy
+import json
+import math
+
+import pytest
+
+from rl.data import ByteTokenizer, ChatRenderer, render_text
+from rl.data.trajectory import (
+    Trajectory,
+    Turn,
+    read_jsonl,
+    render_token_view,
+    validate,
+    write_jsonl,
+)
+
+RENDERER = ChatRenderer(ByteTokenizer())
+PROMPT = [
+    {"role": "system", "content": "You are a terminal agent."},
+    {"role": "user", "content": "Reverse 'abc'."},
+]
+REPLIES = ["```bash\necho abc | rev\n```", "```bash\nsubmit cba\n```"]
+
+
+def sampled(arm: str = "real") -> Trajectory:
+    """A valid two-turn trajectory built the way the orchestrator builds one: prompt ids, then
+    per turn the generated ids (version 3, then 4) and the appended observation."""
+    tok = RENDERER.tokenizer
+    ids = RENDERER.render(PROMPT, add_generation_prompt=True)
+    logp, version = [None] * len(ids), [None] * len(ids)
+    turns = []
+    for n, reply in enumerate(REPLIES):
+        gen = tok.encode(reply) + [RENDERER.im_end_id]
+        span = (len(ids), len(ids) + len(gen))
+        ids += gen
+        logp += [-0.5] * len(gen)
+        version += [3 + n] * len(gen)
+        env = [{"role": "tool", "content": "cba"}] if n == 0 else []
+        for m in env:
+            more = RENDERER.append(ids, m, add_generation_prompt=True)
+            ids += more
+            logp += [None] * len(more)
+            version += [None] * len(more)
+        turns.append(
+            Turn(
+                agent_text=reply,
+                command="echo abc | rev" if n == 0 else "submit cba",
+                observation="cba" if n == 0 else None,
+                exit_code=0 if n == 0 else None,
+                env_messages=env,
+                sim_observation="cba" if arm == "replay" and n == 0 else None,
+                timings={"agent_s": 0.1, "env_s": 0.02},
+                token_span=span,
+            )
+        )
+    mask = [0 if v is None else 1 for v in version]
+    return Trajectory(
+        task_id="textops-0",
+        arm=arm,
+        env_backend="local",
+        status="ok",
+        reward=1.0,
+        group_id="g0",
+        instruction="Reverse 'abc'.",
+        prompt=PROMPT,
+        turns=turns,
+        token_ids=ids,
+        loss_mask=mask,
+        behavior_logprobs=logp,
+        policy_version=version,
+        tokenizer="byte",
+    )
+
+
+def first_gen(traj: Trajectory) -> int:
+    return traj.turns[0].token_span[0]
+
+
+def test_valid_trajectories_pass():
+    validate(sampled())
+    validate(sampled("replay"))
+
+
+def _set(name, value):
+    def mutate(t):
+        setattr(t, name, value)
+
+    return mutate
+
+
+def _item(name, index, value):
+    def mutate(t):
+        values = getattr(t, name)
+        values[index(t) if callable(index) else index] = value
+
+    return mutate
+
+
+def _turn(i, name, value):
+    def mutate(t):
+        setattr(t.turns[i], name, value)
+
+    return mutate
+
+
+BROKEN = {
+    # token arrays aligned
+    "mask_short": (lambda t: t.loss_mask.pop(), "loss_mask="),
+    "logprobs_short": (lambda t: t.behavior_logprobs.pop(), "behavior_logprobs="),
+    "versions_short": (lambda t: t.policy_version.pop(), "policy_version="),
+    "negative_id": (_item("token_ids", 0, -1), "token_ids[0]"),
+    # loss_mask is 1 only on generated tokens (and on all of them)
+    "mask_on_prompt": (_item("loss_mask", 0, 1), "loss_mask[0]"),
+    "mask_off_generated": (_item("loss_mask", first_gen, 0), "loss_mask["),
+    "mask_not_binary": (_item("loss_mask", 0, 2), "loss_mask[0]"),
+    "span_out_of_range": (_turn(1, "token_span", (10, 10_000)), "turns[1].token_span"),
+    "spans_out_of_order": (lambda t: t.turns.reverse(), "token_span"),
+    "span_missing": (_turn(0, "token_span", None), "turns[0].token_span"),
+    # behavior logprobs finite exactly where loss_mask is 1
+    "logprob_missing": (_item("behavior_logprobs", first_gen, None), "behavior_logprobs["),
+    "logprob_nan": (_item("behavior_logprobs", first_gen, math.nan), "behavior_logprobs["),
+    "logprob_inf": (_item("behavior_logprobs", first_gen, -math.inf), "behavior_logprobs["),
+    "logprob_on_prompt": (_item("behavior_logprobs", 0, -1.0), "behavior_logprobs[0]"),
+    "logprobs_absent": (_set("behavior_logprobs", None), "behavior_logprobs=None"),
+    # policy versions present where loss_mask is 1 and never decreasing
+    "version_missing": (_item("policy_version", first_gen, None), "policy_version["),
+    "version_on_prompt": (_item("policy_version", 0, 3), "policy_version[0]"),
+    "version_decreases": (_item("policy_version", -1, 2), "never decrease"),
+    # status, reason, reward
+    "bad_status": (_set("status", "done"), "status="),
+    "no_reason": (_set("status", "truncated"), "reason=None"),
+    "ok_without_reward": (_set("reward", None), "reward=None"),
+    "nan_reward": (_set("reward", math.nan), "reward=nan"),
+    "bad_arm": (_set("arm", "sim"), "arm="),
+    "empty_task_id": (_set("task_id", ""), "task_id="),
+    # text-only mode must be explicit
+    "rendered_with_logprobs": (_set("source", "rendered"), "behavior_logprobs="),
+    "imported_from_sampler": (_set("arm", "imported"), "source="),
+    # turns
+    "negative_timing": (_turn(0, "timings", {"env_s": -1.0}), "turns[0].timings['env_s']"),
+    "bad_env_role": (_turn(0, "env_messages", [{"role": "system", "content": "x"}]), "env_m"),
+    "exit_code_text": (_turn(0, "exit_code", "0"), "turns[0].exit_code"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_validator_catches_each_broken_invariant(case):
+    mutate, field_name = BROKEN[case]
+    traj = sampled()
+    mutate(traj)
+    with pytest.raises(ValueError, match="is invalid") as err:
+        validate(traj)
+    assert field_name in str(err.value), str(err.value)
+
+
+def test_replay_arm_needs_the_simulated_observation():
+    traj = sampled("replay")
+    traj.turns[0].sim_observation = None
+    with pytest.raises(ValueError, match=r"turns\[0\]\.sim_observation"):
+        validate(traj)
+
+
+def test_text_only_mode_is_explicit_and_valid():
+    traj = sampled()
+    traj.source, traj.behavior_logprobs, traj.policy_version = "rendered", None, None
+    validate(traj)  # e.g. a scripted agent in a real shell: SFT data, never RL data
+    traj.arm, traj.reward = "imported", None
+    validate(traj)  # an imported episode may end ok without a recorded score
+    traj.arm = "real"
+    with pytest.raises(ValueError, match="reward=None"):
+        validate(traj)
+
+
+def test_json_round_trip_uses_null_never_nan():
+    traj = sampled()
+    line = json.dumps(traj.to_dict(), allow_nan=False)
+    assert "NaN" not in line and '"behavior_logprobs": [null' in line
+    again = Trajectory.from_dict(json.loads(line))
+    assert again == traj
+    assert again.turns[0].token_span == traj.turns[0].token_span
+
+
+def test_from_dict_names_unknown_missing_and_schema():
+    data = sampled().to_dict()
+    with pytest.raises(ValueError, match="unknown key.*'rewrd'"):
+        Trajectory.from_dict({**data, "rewrd": 1.0})
+    with pytest.raises(ValueError, match="missing key.*'status'"):
+        Trajectory.from_dict({k: v for k, v in data.items() if k != "status"})
+    bad_turn = copy.deepcopy(data)
+    bad_turn["turns"][1]["cmd"] = "ls"
+    with pytest.raises(ValueError, match=r"turns\[1\]: unknown key.*'cmd'"):
+        Trajectory.from_dict(bad_turn)
+    with pytest.raises(ValueError, match="schema=2"):
+        Trajectory.from_dict({**data, "schema": 2})
+
+
+def test_jsonl_round_trip_and_atomic_write(tmp_path):
+    trajs = [sampled(), sampled("replay")]
+    trajs[1].status, trajs[1].reason, trajs[1].reward = "timeout", "command hung", None
+    path = write_jsonl(tmp_path / "shard.jsonl", trajs)
+    assert read_jsonl(path) == trajs
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.jsonl"]  # no temp file left
+
+    broken = sampled()
+    broken.loss_mask[0] = 1
+    with pytest.raises(ValueError, match=r"trajectory #1: .*loss_mask\[0\]"):
+        write_jsonl(path, [sampled(), broken])
+    assert read_jsonl(path) == trajs  # the old shard is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.jsonl"]
+
+
+def test_read_jsonl_names_file_and_line(tmp_path):
+    good = json.dumps(sampled().to_dict())
+    bad = sampled().to_dict()
+    bad["policy_version"][-1] = 0
+    path = tmp_path / "bad.jsonl"
+    path.write_text(good + "\n\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: .*policy_version"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("replies_in_a_row", [False, True])
+def test_rendered_token_view_is_append_only_render(replies_in_a_row):
+    traj = sampled()
+    if replies_in_a_row:  # a transcript where the env said nothing between two replies
+        traj.turns[0].env_messages = []
+    traj.token_ids, traj.loss_mask = [], []
+    for turn in traj.turns:
+        turn.token_span = None
+    render_token_view(traj, RENDERER, enable_thinking=False)
+    validate(traj)
+    assert traj.source == "rendered" and traj.behavior_logprobs is None
+    messages = list(PROMPT)
+    for turn in traj.turns:
+        messages.append({"role": "assistant", "content": turn.agent_text, "reasoning_content": ""})
+        messages.extend(turn.env_messages)
+    text = RENDERER.tokenizer.decode(traj.token_ids)
+    # The last reply ends at the generated <|im_end|>; the full render adds the newline.
+    assert text + "\n" == render_text(messages, enable_thinking=False)
+    for turn in traj.turns:
+        start, end = turn.token_span
+        assert RENDERER.tokenizer.decode(traj.token_ids[start:end]) == turn.agent_text + (
+            "<|im_end|>"
+        )
