@@ -43,3 +43,54 @@ def build_hf_tokenizer(path: Path, vocab_size: int = 400) -> Path:
         )
     )
     return path
+
+
+class FakeAgentClient:
+    """An in-memory agent server for orchestrator tests: plays `TextopsSolver` for whichever
+    task's instruction is in the prompt, returns token ids / logprobs / versions like the real
+    client, and records every reply so tests can check token-in/token-out."""
+
+    def __init__(self, tasks, *, version: int = 0, fail_task: str | None = None,
+                 delay_s: float = 0.0, never_stop: bool = False):  # fmt: skip
+        from rl.data import ByteTokenizer
+
+        self.tok = ByteTokenizer()
+        self.tasks = {t.instruction: t for t in tasks}
+        self.version, self.fail_task, self.delay_s = version, fail_task, delay_s
+        self.never_stop = never_stop
+        self.replies: list[tuple[list[int], list[int]]] = []  # (prompt, generated)
+        self.calls = 0
+
+    async def complete(self, prompt, *, max_tokens, temperature=1.0, top_p=1.0, seed=None,
+                       logprobs=None, timeout_s=None, **_):  # fmt: skip
+        import asyncio
+        from types import SimpleNamespace
+
+        from envs.textops import TextopsSolver
+        from rl.data.tokenizer import IM_START
+
+        self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        text = self.tok.decode(prompt)
+        task = next(t for instr, t in self.tasks.items() if instr in text)
+        if task.id == self.fail_task:
+            from serving.client import ClientError
+
+            raise ClientError("POST /v1/completions -> 503: engine failed", status=503)
+        solver = TextopsSolver(task)
+        solver._step = text.count(f"{IM_START}assistant") - 1
+        last_user = text.rsplit(f"{IM_START}user\n", 1)[-1]
+        reply = solver.act(last_user)
+        gen = self.tok.encode(reply)[: max_tokens - 1]
+        if self.never_stop:
+            gen = (self.tok.encode("x") * max_tokens)[:max_tokens]
+        else:
+            gen = gen + [self.tok.eos_id]
+        self.replies.append((list(prompt), list(gen)))
+        finish = "length" if self.never_stop else "stop"
+        return SimpleNamespace(
+            text=self.tok.decode([t for t in gen if t != self.tok.eos_id]), token_ids=gen,
+            finish_reason=finish, logprobs=[-0.5] * len(gen),
+            token_versions=[self.version] * len(gen), weight_version=self.version,
+        )  # fmt: skip

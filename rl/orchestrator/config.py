@@ -1,0 +1,84 @@
+"""Rollout settings (no JAX): arms, groups, limits, concurrency and the staleness bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARMS = ("real", "replay", "closed_loop", "mixed")
+FAILED_SIBLING_POLICIES = ("mask_group", "drop_episode")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """How episodes are run."""
+
+    arm: str = "real"
+    """`real` (agent + real shell), `closed_loop` (agent + simulator), `replay` (arm c: recorded
+    commands, simulated observations), `mixed` (a fraction of episodes real, the rest
+    closed loop)."""
+    group_size: int = 1
+    """Episodes per task (group-relative advantages)."""
+    failed_sibling: str = "mask_group"
+    """When an episode of a group ends in error/aborted/timeout: `mask_group` marks the whole
+    group `meta.masked` (the trainer skips it: advantages need every sibling); `drop_episode`
+    marks only that episode. Nothing is ever deleted: masked trajectories are still written."""
+    mixed_real_fraction: float = 0.25
+    """`mixed` arm: share of groups run in the real shell."""
+    max_concurrent_episodes: int = 64
+    """Episodes in flight at once."""
+    max_concurrent_simulated: int = 256
+    """Episodes using the simulator at once (its capacity)."""
+    max_concurrent_real: int = 64
+    """Episodes using real shells at once (local processes or E2B sandboxes)."""
+    episode_timeout_s: float = 600.0
+    """Wall-clock guard per episode; past it the episode ends `timeout`."""
+    request_timeout_s: float = 120.0
+    """Per agent request (the client retries connection errors, 5xx and 429)."""
+    max_tokens_per_turn: int = 256
+    """Cap on one agent reply; the context budget may lower it."""
+    max_context_tokens: int = 4096
+    """Episode context (prompt + all turns); the episode ends `truncated` when it is full."""
+    temperature: float = 1.0
+    """Agent sampling temperature (keep 1 with top_p 1 for unbiased importance ratios)."""
+    top_p: float = 1.0
+    enable_thinking: bool = False
+    """Render the agent's generation prompt with thinking enabled."""
+    seed: int | None = 0
+    """Base sampling seed (per episode and turn); None: the server's randomness."""
+    batch_size: int = 32
+    """Episodes the trainer consumes per step (the admission controller's unit)."""
+    max_staleness: int | None = None
+    """S: an episode may start only while at most S trainer versions old; 0 is synchronous;
+    None: no bound (rollout-only jobs)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"OrchestratorConfig.{name}={getattr(self, name)!r} is invalid: "
+                              f"{allowed}")  # fmt: skip
+
+        if self.arm not in ARMS:
+            raise bad("arm", f"one of {list(ARMS)}")
+        if self.failed_sibling not in FAILED_SIBLING_POLICIES:
+            raise bad("failed_sibling", f"one of {list(FAILED_SIBLING_POLICIES)}")
+        for name in ("group_size", "max_concurrent_episodes", "max_concurrent_simulated",
+                     "max_concurrent_real", "max_tokens_per_turn", "max_context_tokens",
+                     "batch_size"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(name, "a positive integer")
+        for name in ("episode_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "a number > 0")
+        if not 0 <= self.mixed_real_fraction <= 1:
+            raise bad("mixed_real_fraction", "a number in [0, 1]")
+        if self.temperature < 0:
+            raise bad("temperature", "a number >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if self.max_staleness is not None and (
+            not isinstance(self.max_staleness, int) or self.max_staleness < 0
+        ):
+            raise bad("max_staleness", "null or an integer >= 0")
+        if self.max_tokens_per_turn >= self.max_context_tokens:
+            raise bad("max_tokens_per_turn", f"less than max_context_tokens "
+                      f"({self.max_context_tokens})")  # fmt: skip

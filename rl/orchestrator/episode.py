@@ -1,0 +1,276 @@
+"""One episode, token-in / token-out.
+
+Agent episodes (arms `real` and `closed_loop`): the episode's token ids go to the agent server
+as the prompt; the generated ids, their logprobs and weight versions are kept verbatim; the
+reply's text goes to the terminal env; the env's answer is rendered append-only and its ids
+appended with loss mask 0. Nothing is ever re-tokenised, so the trainer sees exactly what the
+sampler saw.
+
+Replay episodes (arm c): the commands of a recorded real trajectory are sent to the simulated
+shell; each turn keeps the real and the simulated observation side by side.
+
+Every abnormal end is a `status` with a `reason`: a server that keeps failing (`error`), a
+request timeout or the episode's wall-clock guard (`timeout`), a full context (`truncated`),
+cancellation at shutdown (`aborted`). A partial episode is never marked `ok`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from envs.config import TerminalConfig
+from envs.fidelity import compare_observations
+from envs.shell import Shell
+from envs.tasks import Task
+from envs.terminal import TerminalEnv
+from rl.data.chat import ChatRenderer, Message
+from rl.data.trajectory import Trajectory, Turn, render_token_view
+from rl.orchestrator.config import OrchestratorConfig
+
+SHELL_FLAGS = ("cap_hit", "think_leak", "repetition", "empty", "malformed", "timeout")
+ENV_STATUS = {
+    "submitted": "ok",
+    "max_turns": "truncated",
+    "max_observation_chars": "truncated",
+    "format_errors": "truncated",
+    "error": "error",
+}
+
+
+class AgentClient(Protocol):
+    """What an agent turn needs of the inference client (`serving.client.InferenceClient`)."""
+
+    async def complete(self, prompt: list[int], *, max_tokens: int, temperature: float,
+                       top_p: float = 1.0, seed: int | None = None, logprobs: int | None = None,
+                       timeout_s: float | None = None) -> Any: ...  # fmt: skip
+
+
+ShellFactory = Callable[[Task], AbstractAsyncContextManager[Shell]]
+
+
+@dataclass
+class EpisodeSpec:
+    task: Task
+    arm: str
+    """`real` or `closed_loop` (agent episodes)."""
+    env_backend: str
+    group_id: str
+    index: int = 0
+    """Position in the group."""
+    seed: int | None = None
+    admitted_version: int = 0
+    """Trainer version when the episode was admitted (for staleness accounting)."""
+
+
+@dataclass
+class TurnTiming:
+    """Per-turn numbers the rollout metrics aggregate."""
+
+    turn: int
+    agent_s: float
+    env_s: float
+    generated: int
+
+
+@dataclass
+class EpisodeResult:
+    trajectory: Trajectory
+    timings: list[TurnTiming] = field(default_factory=list)
+
+
+class _Fatal(Exception):
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def _classify(e: Exception) -> tuple[str, str]:
+    from serving.client import ClientTimeout
+
+    if isinstance(e, ClientTimeout | TimeoutError):
+        return "timeout", f"agent request timed out: {e}"
+    return "error", f"agent request failed: {type(e).__name__}: {e}"
+
+
+async def run_agent_episode(
+    spec: EpisodeSpec,
+    client: AgentClient,
+    shell_factory: ShellFactory,
+    renderer: ChatRenderer,
+    cfg: OrchestratorConfig,
+    terminal: TerminalConfig,
+    *,
+    version_hint: Callable[[], int] = lambda: 0,
+) -> EpisodeResult:
+    """Run one agent episode to its end; always returns a trajectory (never raises for
+    episode-level faults)."""
+    traj = Trajectory(
+        task_id=spec.task.id, arm=spec.arm, env_backend=spec.env_backend, status="aborted",
+        reason="not started", group_id=spec.group_id, instruction=spec.task.instruction,
+        setup_files=dict(spec.task.setup.files), tokenizer=type(renderer.tokenizer).__name__,
+        meta={"group_index": spec.index, "admitted_version": spec.admitted_version},
+    )  # fmt: skip
+    result = EpisodeResult(traj)
+    try:
+        async with asyncio.timeout(cfg.episode_timeout_s):
+            async with shell_factory(spec.task) as shell:
+                await _agent_loop(spec, client, shell, renderer, cfg, terminal, result,
+                                  version_hint)  # fmt: skip
+    except _Fatal as e:
+        traj.status, traj.reason = e.status, e.reason
+    except TimeoutError:
+        traj.status = "timeout"
+        traj.reason = f"episode exceeded its {cfg.episode_timeout_s:g}s wall-clock guard"
+    except asyncio.CancelledError:
+        traj.status, traj.reason = "aborted", "cancelled (rollout shutting down)"
+    except Exception as e:  # noqa: BLE001 - a broken shell/env ends this episode, not the run
+        traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
+    if traj.status != "ok":
+        traj.reward = traj.reward if traj.status == "truncated" else None
+    return result
+
+
+async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, version_hint):
+    traj = result.trajectory
+    env = TerminalEnv(spec.task, shell, terminal)
+    first: Message = {"role": "user", "content": await env.reset()}
+    traj.prompt = [first]
+    ids = renderer.render([first], add_generation_prompt=True,
+                          enable_thinking=cfg.enable_thinking)  # fmt: skip
+    traj.token_ids, traj.loss_mask = list(ids), [0] * len(ids)
+    traj.behavior_logprobs, traj.policy_version = [None] * len(ids), [None] * len(ids)
+    eos = renderer.im_end_id
+    for turn_index in range(terminal.max_turns + 1):
+        budget = min(cfg.max_tokens_per_turn, cfg.max_context_tokens - len(traj.token_ids))
+        if budget <= 0:
+            raise _Fatal("truncated", f"context full ({len(traj.token_ids)} of "
+                         f"{cfg.max_context_tokens} tokens) before turn {turn_index}")  # fmt: skip
+        seed = None if spec.seed is None else (spec.seed * 1000 + turn_index) % 2**31
+        started = time.perf_counter()
+        try:
+            out = await client.complete(list(traj.token_ids), max_tokens=budget,
+                                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
+                                        logprobs=0, timeout_s=cfg.request_timeout_s)  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to the episode's status
+            raise _Fatal(*_classify(e)) from e
+        agent_s = time.perf_counter() - started
+        gen = list(out.token_ids)
+        if out.finish_reason == "abort":
+            raise _Fatal("aborted", "the agent server aborted the request")
+        if not gen:
+            raise _Fatal("error", "the agent server returned no tokens")
+        logprobs = out.logprobs
+        if logprobs is None or len(logprobs) != len(gen):
+            got = None if logprobs is None else len(logprobs)
+            raise _Fatal("error", f"the agent server returned {got} logprobs for {len(gen)} tokens")
+        versions = out.token_versions
+        if versions is None or len(versions) != len(gen):
+            v = out.weight_version if out.weight_version is not None else version_hint()
+            versions = [v] * len(gen)
+        span = (len(traj.token_ids), len(traj.token_ids) + len(gen))
+        traj.token_ids += gen
+        traj.loss_mask += [1] * len(gen)
+        traj.behavior_logprobs += [float(x) for x in logprobs]
+        traj.policy_version += [int(v) for v in versions]
+        flags = []
+        if gen[-1] != eos:  # cut at max_tokens: close the turn (a token nobody sampled: mask 0)
+            flags.append("agent_cap_hit")
+            _append_env(traj, [eos])
+        text = out.text
+        started = time.perf_counter()
+        step = await env.step(text)
+        env_s = time.perf_counter() - started
+        info = step.info
+        shell_info = info.get("shell") or {}
+        flags += [k for k in SHELL_FLAGS if shell_info.get(k)]
+        if "format_error" in info:
+            flags.append("format_error")
+        turn = Turn(agent_text=text, command=info.get("command"), observation=None,
+                    exit_code=info.get("exit_code"), timings={"agent_s": agent_s, "env_s": env_s},
+                    flags=flags, token_span=span,
+                    info={"finish_reason": out.finish_reason})  # fmt: skip
+        if step.observation:
+            turn.observation = step.observation
+        result.timings.append(TurnTiming(turn_index, agent_s, env_s, len(gen)))
+        traj.turns.append(turn)
+        if step.done:
+            env_status = info.get("status", "error")
+            traj.status = ENV_STATUS.get(env_status, "error")
+            traj.reward = float(step.reward)
+            traj.reason = None if traj.status == "ok" else (info.get("reason") or env_status)
+            traj.meta["env_status"] = env_status
+            return
+        message: Message = {"role": "user", "content": step.observation}
+        turn.env_messages = [message]
+        more = renderer.append(traj.token_ids, message, add_generation_prompt=True,
+                               enable_thinking=cfg.enable_thinking)  # fmt: skip
+        if len(traj.token_ids) + len(more) >= cfg.max_context_tokens:
+            # No room for the next reply: end here rather than store a prompt never answered.
+            raise _Fatal("truncated", f"context full: the observation of turn {turn_index} "
+                         f"would leave no room under {cfg.max_context_tokens} tokens")  # fmt: skip
+        _append_env(traj, more)
+    raise _Fatal("truncated", "turn limit reached without the env ending the episode")
+
+
+def _append_env(traj: Trajectory, ids: list[int]) -> None:
+    traj.token_ids += ids
+    traj.loss_mask += [0] * len(ids)
+    traj.behavior_logprobs += [None] * len(ids)
+    traj.policy_version += [None] * len(ids)
+
+
+async def run_replay_episode(
+    real: Trajectory,
+    shell_factory: ShellFactory,
+    task: Task,
+    renderer: ChatRenderer,
+    *,
+    group_id: str = "",
+) -> EpisodeResult:
+    """Arm (c): the recorded commands against the simulator. The trajectory's reward is the
+    mean per-turn similarity of simulated to real observations (the fidelity of this replay)."""
+    traj = Trajectory(
+        task_id=real.task_id, arm="replay", env_backend="simulated", status="aborted",
+        reason="not started", group_id=group_id, instruction=real.instruction,
+        setup_files=dict(real.setup_files), prompt=list(real.prompt), source="rendered",
+        behavior_logprobs=None, policy_version=None,
+        tokenizer=type(renderer.tokenizer).__name__, meta={"replayed": real.task_id},
+    )  # fmt: skip
+    result = EpisodeResult(traj)
+    sims = []
+    try:
+        async with shell_factory(task) as shell:
+            for i, turn in enumerate(real.turns):
+                if turn.command is None or turn.observation is None:
+                    continue
+                started = time.perf_counter()
+                obs = await shell.run(turn.command, timeout_s=30.0)
+                env_s = time.perf_counter() - started
+                pair = compare_observations(obs.output, turn.observation, obs.exit_code,
+                                            turn.exit_code)  # fmt: skip
+                sims.append(pair.similarity)
+                traj.turns.append(Turn(
+                    agent_text=turn.agent_text, command=turn.command,
+                    observation=turn.observation, exit_code=turn.exit_code,
+                    env_messages=list(turn.env_messages), sim_observation=obs.output,
+                    sim_exit_code=obs.exit_code, timings={"env_s": env_s},
+                    flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
+                    info={"similarity": pair.similarity, "exact_masked": pair.exact_masked},
+                ))  # fmt: skip
+                result.timings.append(TurnTiming(i, 0.0, env_s, 0))
+        traj.status, traj.reason = "ok", None
+        traj.reward = sum(sims) / len(sims) if sims else 0.0
+        render_token_view(traj, renderer)
+    except asyncio.CancelledError:
+        traj.status, traj.reason, traj.turns = "aborted", "cancelled (rollout shutting down)", []
+    except Exception as e:  # noqa: BLE001 - one failed replay must not end the run
+        traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
+        traj.turns, traj.token_ids, traj.loss_mask = [], [], []
+    return result

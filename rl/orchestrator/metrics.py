@@ -1,0 +1,77 @@
+"""Rollout metrics: the batch-tail table (episodes still active at each turn index), latency
+split between agent and env, tokens/s, pathology and status counts, success rate."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+class RolloutMetrics:
+    def __init__(self) -> None:
+        self.started_at = time.perf_counter()
+        self.active = 0
+        self.peak_active = 0
+        self.episodes = 0
+        self.turns_reached: Counter[int] = Counter()
+        """turn index -> episodes that played that turn (the tail of the batch)."""
+        self.agent_s: Counter[int] = Counter()
+        self.env_s: Counter[int] = Counter()
+        self.generated_tokens = 0
+        self.flags: Counter[str] = Counter()
+        self.statuses: Counter[str] = Counter()
+        self.rewards: list[float] = []
+        self.masked = 0
+
+    def episode_started(self) -> None:
+        self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
+
+    def episode_ended(self) -> None:
+        self.active -= 1
+
+    def record(self, result) -> None:
+        traj = result.trajectory
+        self.episodes += 1
+        self.statuses[traj.status] += 1
+        if traj.reward is not None and traj.status in ("ok", "truncated"):
+            self.rewards.append(float(traj.reward))
+        for t in result.timings:
+            self.turns_reached[t.turn] += 1
+            self.agent_s[t.turn] += t.agent_s
+            self.env_s[t.turn] += t.env_s
+            self.generated_tokens += t.generated
+        for turn in traj.turns:
+            self.flags.update(turn.flags)
+
+    def summary(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self.started_at
+        turns = sum(self.turns_reached.values())
+        ok = self.statuses.get("ok", 0)
+        return {
+            "episodes": self.episodes,
+            "wall_s": round(wall, 3),
+            "status": dict(self.statuses),
+            "success_rate": (
+                sum(r > 0 for r in self.rewards) / self.episodes if self.episodes else 0.0
+            ),  # fmt: skip
+            "ok_rate": ok / self.episodes if self.episodes else 0.0,
+            "mean_reward": sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
+            "turns": turns,
+            "generated_tokens": self.generated_tokens,
+            "tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,
+            "agent_s_per_turn": sum(self.agent_s.values()) / turns if turns else 0.0,
+            "env_s_per_turn": sum(self.env_s.values()) / turns if turns else 0.0,
+            "active_per_turn": [self.turns_reached[k] for k in sorted(self.turns_reached)],
+            "pathologies": dict(self.flags),
+            "peak_active": self.peak_active,
+        }
+
+    def write(self, path: Path, **extra: Any) -> None:
+        """Append the summary as one line of `metrics.jsonl`."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps({"time": time.time(), **extra, **self.summary()}) + "\n")
