@@ -8,6 +8,7 @@ extensions ride along where vLLM puts its own: `token_ids` / `prompt_token_ids` 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -95,8 +96,8 @@ def _num(body, key, default):
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise bad(key, f"'{key}' must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad(key, f"'{key}' must be a finite number, got {v!r}")
     return float(v)
 
 

@@ -140,7 +140,7 @@ class Server:
         started = time.perf_counter()
         handles = self._submit(req, request_id)
         if req.stream:
-            return await self._stream(request, req, handles, request_id)
+            return await self._stream(request, req, handles, request_id, started)
         try:
             outputs = await asyncio.gather(*(h.result() for h in handles))
         finally:  # a disconnect cancels us: abort what is left
@@ -158,7 +158,8 @@ class Server:
             for o in outs:
                 self.metrics.queue_wait.observe(o.queue_s)
 
-    async def _stream(self, request, req: CompletionRequest, handles, request_id: str):
+    async def _stream(self, request, req: CompletionRequest, handles, request_id: str,
+                      started: float):  # fmt: skip
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})  # fmt: skip
         await response.prepare(request)
@@ -166,6 +167,9 @@ class Server:
         created = int(time.time())
         texts: dict[int, _TextStream] = {}
         outputs: list[list[SequenceOutput]] = [[] for _ in handles]
+        # Tokens that end a sequence and are cut from its text, as the engine decides.
+        eos = set() if req.params.ignore_eos else {self.tokenizer.eos_id}
+        stop_ids = frozenset(req.params.stop_token_ids) | eos
 
         async def send(choice: dict) -> None:
             chunk = {"id": request_id, "object": obj, "created": created,
@@ -201,7 +205,9 @@ class Server:
                 if isinstance(event, Exception):
                     raise event
                 index = p * req.n + event.index
-                ts = texts.setdefault(index, _TextStream(self.tokenizer, req.params.stop))
+                if index not in texts:
+                    texts[index] = _TextStream(self.tokenizer, req.params.stop, stop_ids)
+                ts = texts[index]
                 if isinstance(event, TokenEvent):
                     delta = ts.push(event.token_id)
                     lp = None
@@ -219,6 +225,7 @@ class Server:
                         choice.update(token_ids=event.token_ids, token_versions=event.versions,
                                       prompt_token_ids=req.prompts[p])  # fmt: skip
                     await send(choice)
+            self._record(outputs, started)
             if req.include_usage:
                 flat = [o for outs in outputs for o in outs]
                 chunk = {"id": request_id, "object": obj, "created": created,
@@ -322,18 +329,22 @@ def _stream_completion_logprobs(tokenizer, event: TokenEvent) -> dict:
 
 class _TextStream:
     """Incremental detokenisation for SSE: emits text only once it is final (complete UTF-8,
-    and no longer possibly the start of a stop string)."""
+    and no longer possibly the start of a stop string; never a stop string or stop token)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], stop_ids=frozenset()):
         self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.stop, self.stop_ids = stop, stop_ids
         self.hold = max((len(s) for s in stop), default=1) - 1
 
     def push(self, token_id: int) -> str:
+        if token_id in self.stop_ids:  # ends the sequence; the engine cuts it from the text
+            return ""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
-        safe = len(text) - self.hold
+        hits = [text.find(s) for s in self.stop if s in text]
+        safe = min(hits) if hits else len(text) - self.hold  # a whole stop string: cut there
         if safe <= self.sent:
             return ""
         delta, self.sent = text[self.sent : safe], safe

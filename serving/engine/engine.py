@@ -167,13 +167,19 @@ class Engine:
         self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         self.model_cfg = model.cfg
         self.version = version
-        self._graphdef, self._state = nnx.split(model)
-        self._cache = KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len)
+        self._graphdef, state = nnx.split(model)
+        # Committed where they live, as `load_weights` restores parameters and as the steps
+        # return the cache: otherwise differently placed arguments compile the steps again.
+        commit = functools.partial(jax.tree.map, lambda x: jax.device_put(x, x.sharding))
+        self._state = commit(state)
+        self._cache = commit(KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len))
         b = cfg.num_slots
         self._lengths = np.zeros(b, np.int32)
         self._slot_tokens: list[list[int]] = [[] for _ in range(b)]
         self._slot_owner: list[_Seq | None] = [None] * b
         self._slot_used = np.zeros(b, np.float64)
+        self._slot_version = np.full(b, -1, np.int64)
+        """Weight version a slot's KV was computed with: only the current one is reused."""
         self._waiting: deque[_Seq] = deque()
         self._pending_copies: list[tuple[int, int]] = []
         self._requests: dict[str, _Request] = {}
@@ -304,7 +310,8 @@ class Engine:
         if self._closing or not self.running:
             raise EngineBusy("engine is not running")
         prompt = [int(t) for t in prompt]
-        s, vocab = self.cfg.max_seq_len, self.model_cfg.vocab_size
+        # Ids past the tokenizer's vocabulary are embedding rows with no token (never sampled).
+        s, vocab = self.cfg.max_seq_len, min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
         if not prompt:
             raise EngineError("prompt is empty: give at least one token", "prompt")
         bad = [t for t in prompt if not 0 <= t < vocab]
@@ -452,6 +459,8 @@ class Engine:
         best, best_len = None, 0
         if self.cfg.prefix_reuse and want:
             for slot, tokens in enumerate(self._slot_tokens):
+                if self._slot_version[slot] != self.version:  # KV of older weights
+                    continue
                 m = _common_prefix(tokens, want)
                 if m > best_len:
                     best, best_len = slot, m
@@ -473,6 +482,7 @@ class Engine:
         self._lengths[slot] = best_len
         self._slot_owner[slot] = seq
         self._slot_used[slot] = time.perf_counter()
+        self._slot_version[slot] = self.version
         seq.slot, seq.cached = slot, best_len
         seq.pending = want[best_len:]
         seq.next_input = seq.prompt[-1]

@@ -29,7 +29,8 @@ def _truncate(logp_BV: jax.Array, top_p_B: jax.Array, top_k_B: jax.Array) -> jax
     k_B = jnp.where(top_k_B > 0, top_k_B, vocab)
     keep_k_BV = rank_V[None, :] < k_B[:, None]
     # Keep a token while the mass strictly before it is < top_p: the smallest set reaching p.
-    probs_BV = jnp.exp(sorted_BV)
+    # The mass is the top-k set's, renormalised (top-k, then top-p, as HF and vLLM apply them).
+    probs_BV = jax.nn.softmax(jnp.where(keep_k_BV, sorted_BV, NEG_INF), axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
     keep_p_BV = mass_before_BV < top_p_B[:, None]
     keep_sorted_BV = keep_k_BV & keep_p_BV
