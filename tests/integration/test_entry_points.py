@@ -44,3 +44,17 @@ def test_model_bench_runs_and_reports_numbers(tmp_path):
     assert row["size"] == "tiny"
     for key in ["forward_tok_s", "hf_forward_tok_s", "decode_tok_s", "hf_decode_tok_s"]:
         assert row[key] > 0
+
+
+@pytest.mark.slow
+def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
+    out = tmp_path / "engine.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(
+        [sys.executable, "bench/engine_throughput.py", "--quick", "--json", str(out)],
+        cwd=REPO, env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
+    assert result["batching"]["sequential_s"] > result["batching"]["concurrent_s"] > 0
+    assert result["session"]["cached_tokens"] > 0
