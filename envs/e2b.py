@@ -21,7 +21,6 @@ import time
 import uuid
 import weakref
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any
 
 from envs.config import E2BConfig
@@ -30,6 +29,7 @@ from envs.shell import (
     HeadTailBuffer,
     Observation,
     ShellError,
+    ShellLifecycle,
     TaskSetup,
     TaskSetupError,
     check_relative_path,
@@ -130,7 +130,7 @@ async def _retrying(config: E2BConfig, what: str, call, *, gone_ok: bool = False
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
 
-class E2BShell:
+class E2BShell(ShellLifecycle):
     """One e2b sandbox for one episode; see the module docstring."""
 
     def __init__(
@@ -160,18 +160,6 @@ class E2BShell:
     @property
     def sandbox_id(self) -> str | None:
         return None if self._sandbox is None else self._sandbox.sandbox_id
-
-    async def __aenter__(self) -> E2BShell:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Take a slot, create the sandbox and apply the task setup (idempotent)."""

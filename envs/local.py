@@ -27,7 +27,6 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from envs.config import LocalShellConfig
@@ -35,6 +34,7 @@ from envs.shell import (
     TIMEOUT_EXIT_CODE,
     HeadTailBuffer,
     Observation,
+    ShellLifecycle,
     TaskSetup,
     TaskSetupError,
     check_relative_path,
@@ -235,7 +235,7 @@ class _Collector(asyncio.SubprocessProtocol):
             self.exited.set_result(None)
 
 
-class LocalShell:
+class LocalShell(ShellLifecycle):
     """Real bash in a fresh temporary workspace; see the module docstring."""
 
     def __init__(self, config: LocalShellConfig | None = None, setup: TaskSetup | None = None):
@@ -264,18 +264,6 @@ class LocalShell:
             raise RuntimeError("LocalShell is not started")
         iso = self._iso
         return {"network": iso.network, "pid_namespace": iso.pid_namespace, "user": iso.user}
-
-    async def __aenter__(self) -> LocalShell:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Create the workspace and apply the task setup (idempotent)."""

@@ -37,6 +37,29 @@ class ShellError(RuntimeError):
     """The shell itself failed (not the command): sandbox gone, simulator unreachable."""
 
 
+class ShellLifecycle:
+    """The async-context-manager plumbing every backend shares: entering starts the shell,
+    leaving closes it (on every exit path). Backends implement `start` and `close`."""
+
+    async def start(self) -> None:
+        """Acquire what the shell needs (workspace, sandbox); default: nothing."""
+
+    async def close(self) -> None:  # pragma: no cover - every backend overrides it
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
 class TaskSetupError(ShellError):
     """A task setup command failed; the episode cannot start."""
 

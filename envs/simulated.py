@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 from envs.config import SimulatedShellConfig
 from envs.fidelity import is_repetitive
-from envs.shell import Observation, ShellError, TaskSetup
+from envs.shell import Observation, ShellError, ShellLifecycle, TaskSetup
 from envs.sim_format import (
     ObservationFormatError,
     parse_observation,
@@ -79,7 +78,7 @@ class SimulatorError(ShellError):
     """The simulator could not produce an observation (timeout, abort, server error)."""
 
 
-class SimulatedShell:
+class SimulatedShell(ShellLifecycle):
     """A `Shell` whose observations come from the simulator. `timeout_s` of `run` is not
     enforced on the simulated command (the simulator predicts timeouts as it learned them);
     the request itself is bounded by `config.request_timeout_s`."""
@@ -103,17 +102,6 @@ class SimulatedShell:
         self.history: list[tuple[str, Observation]] = []
         self._lock = asyncio.Lock()
         self._closed = False
-
-    async def __aenter__(self) -> SimulatedShell:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Nothing to release (the client belongs to the caller); later runs fail."""
