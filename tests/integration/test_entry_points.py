@@ -58,3 +58,16 @@ def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
     assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
     assert result["batching"]["sequential_s"] > result["batching"]["concurrent_s"] > 0
     assert result["session"]["cached_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_orchestrator_bench_runs_every_episode_concurrently(tmp_path):
+    out = tmp_path / "orch.json"
+    subprocess.run(
+        [sys.executable, "bench/orchestrator_overhead.py", "--episodes", "100", "--turns", "3",
+         "--json", str(out)],
+        cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert rows[-1]["peak_active"] == 100 and rows[-1]["ok"] == 100
+    assert all(r["turns"] == 3 * r["episodes"] for r in rows)
