@@ -65,6 +65,12 @@ def _import_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return import_cmd.run(args, cfg)
 
 
+def _rollout_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import rollout
+
+    return rollout.run(args, cfg)
+
+
 def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     import asyncio
 
@@ -90,6 +96,7 @@ HANDLERS: dict[str, Handler] = {
     "serve": _serve_cmd,
     "e2b": _e2b_cmd,
     "import": _import_cmd,
+    "rollout": _rollout_cmd,
 }
 
 
@@ -116,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
             from launch.serve import add_arguments
 
             add_arguments(p)
+        if name == "rollout":
+            from launch.rollout import add_arguments as add_rollout_arguments
+
+            add_rollout_arguments(p)
         if name == "import":
             from launch.import_cmd import add_arguments as add_import_arguments
 

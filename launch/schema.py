@@ -12,6 +12,7 @@ from typing import Literal
 from envs.config import ShellConfig, TerminalConfig, TextopsConfig
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
+from rl.orchestrator.config import OrchestratorConfig
 from serving.config import EngineConfig, ServerConfig
 
 
@@ -43,6 +44,9 @@ class RoleConfig:
     """`byte` for tiny models, `hf` with a local path otherwise."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Sub-mesh shape of this role's trainer (data x fsdp x tensor devices)."""
+    server_url: str | None = None
+    """Inference server of this role (simloop serve or vllm-tpu); None: jobs that need one
+    start a local `simloop serve` for it."""
 
 
 @dataclass(frozen=True)
@@ -82,3 +86,5 @@ class SimloopConfig:
     """Shells, the terminal env and task families."""
     serve: ServeConfig = field(default_factory=ServeConfig)
     """Inference server settings."""
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    """Rollouts: arm, groups, limits, concurrency, staleness."""

@@ -1,0 +1,136 @@
+"""`simloop rollout`: run a rollout job and write its trajectories into the run directory.
+
+    simloop rollout --config configs/demo_cpu.yaml --out runs/rollout
+    simloop rollout --config configs/demo_cpu.yaml --out runs/sim --orchestrator.arm closed_loop
+    simloop rollout --config configs/demo_cpu.yaml --out runs/replay --orchestrator.arm replay \\
+        --replay runs/rollout/trajectories
+
+Tasks are the config's `env.textops` family, or `--tasks FILE.jsonl`. Servers come from
+`agent.server_url` / `simulator.server_url`; unset ones are started locally for the job
+(`launch/local.py`). Writes `config.yaml`, `trajectories/rollout-NNNNN.{jsonl,array_record}`,
+`metrics.jsonl` and `logs/` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+from launch.config import write_config
+from launch.schema import SimloopConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tasks", metavar="FILE", help="tasks JSONL (default: the textops family)")
+    p.add_argument("--replay", nargs="+", metavar="PATH",
+                   help="recorded trajectories (JSONL files or folders), replay arm")  # fmt: skip
+
+
+def _needs(arm: str) -> tuple[bool, bool]:
+    """(agent server, simulator server)."""
+    return arm != "replay", arm in ("closed_loop", "replay", "mixed")
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        print("simloop rollout: --out DIR is required", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    arm = cfg.orchestrator.arm
+    if arm == "replay" and not args.replay:
+        print("simloop rollout: the replay arm needs --replay PATH...", file=sys.stderr)
+        return 2
+    write_config(cfg, out)
+    from launch.local import LocalServer
+
+    need_agent, need_sim = _needs(arm)
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for role, needed in (("agent", need_agent), ("simulator", need_sim)):
+            url = getattr(cfg, role).server_url
+            if needed and url is None:
+                print(f"simloop rollout: starting a local {role} server ...", flush=True)
+                url = stack.enter_context(LocalServer.start(role, out)).url
+            urls[role] = url
+        summary = asyncio.run(_rollout(cfg, out, urls, args))
+    print(f"simloop rollout: {summary['episodes']} episodes {summary['status']} "
+          f"success {summary['success_rate']:.2f}, {summary['tokens_per_s']:.0f} tok/s -> "
+          f"{out / 'trajectories'}")  # fmt: skip
+    return 0 if summary["episodes"] else 1
+
+
+async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from envs.config import LocalShellConfig
+    from envs.local import LocalShell
+    from envs.simulated import SimulatedShell
+    from envs.tasks import load_tasks
+    from envs.textops import generate_textops
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.data.trajectory import load_trajectories
+    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.storage import TrajectoryWriter
+    from serving.client import ClientConfig, InferenceClient
+
+    ocfg = cfg.orchestrator
+    tasks = load_tasks(args.tasks) if args.tasks else generate_textops(cfg.env.textops)
+    agent_renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    sim_renderer = ChatRenderer(load_tokenizer(cfg.simulator.tokenizer))
+    timeout = ocfg.request_timeout_s
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {}
+        for role, url in urls.items():
+            if url is not None:
+                client = InferenceClient(ClientConfig(url, timeout_s=timeout))
+                clients[role] = await stack.enter_async_context(client)
+                await client.wait_healthy(timeout_s=120)
+        shell_cfg = cfg.env.shell
+        local_cfg: LocalShellConfig = shell_cfg.local
+
+        def real(task):
+            if shell_cfg.backend == "e2b":
+                from envs.e2b import E2BShell
+
+                return E2BShell(shell_cfg.e2b, run_id=cfg.run.name, episode_id=task.id,
+                                setup=task.setup)  # fmt: skip
+            return LocalShell(local_cfg, setup=task.setup)
+
+        def simulated(task):
+            return SimulatedShell(clients["simulator"], task_instruction=task.instruction,
+                                  setup=task.setup, config=shell_cfg.simulated,
+                                  renderer=sim_renderer)  # fmt: skip
+
+        real_backend = "e2b" if shell_cfg.backend == "e2b" else "local"
+        sim = simulated if "simulator" in clients else None
+        backends = Backends(real=real, simulated=sim, real_backend=real_backend)
+        replay = load_trajectories(_jsonl(args.replay)) if args.replay else None
+        total = len(replay) if replay is not None else len(tasks) * ocfg.group_size
+        writer = TrajectoryWriter(out)
+        columns = [TextColumn("[bold]rollout[/] {task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
+        with Progress(*columns) as progress:
+            bar = progress.add_task(ocfg.arm, total=total)
+
+            def sink(traj) -> None:
+                writer.add(traj)
+                progress.advance(bar)
+
+            runner = RolloutRunner(ocfg, cfg.env.terminal, agent_renderer, backends,
+                                   client=clients.get("agent"), sink=sink)  # fmt: skip
+            try:
+                await runner.run(tasks, replay=replay)
+            finally:
+                writer.close()
+                runner.metrics.write(out / "metrics.jsonl", stage="rollout", arm=ocfg.arm)
+    return runner.metrics.summary()
+
+
+def _jsonl(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in map(Path, paths):
+        out += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    return out
