@@ -134,3 +134,46 @@ async def test_killed_agent_server_fails_in_flight_episodes_then_the_run_recover
     assert all(t.status not in ("error", "aborted", "timeout") for t in second), [
         (t.status, t.reason) for t in second
     ]
+
+
+class Recording:
+    """Wraps the real client and keeps (prompt, reply ids) exactly as the server sent them."""
+
+    def __init__(self, client):
+        self.client, self.seen = client, []
+
+    async def complete(self, prompt, **kw):
+        out = await self.client.complete(prompt, **kw)
+        self.seen.append((list(prompt), list(out.token_ids)))
+        return out
+
+
+@pytest.mark.slow
+async def test_token_in_token_out_against_a_real_server(servers):
+    renderer = ChatRenderer(ByteTokenizer())
+    tasks = generate_textops(TextopsConfig(num_tasks=4, seed=9))
+    async with InferenceClient(ClientConfig(servers["agent"])) as client:
+        rec = Recording(client)
+        runner = RolloutRunner(
+            OrchestratorConfig(arm="real", max_tokens_per_turn=48),
+            TerminalConfig(max_turns=3, max_format_errors=3), renderer,
+            Backends(real=lambda task: LocalShell(LocalShellConfig(), setup=task.setup)),
+            client=rec,
+        )  # fmt: skip
+        trajs = await runner.run(tasks)
+    replies = {tuple(p): g for p, g in rec.seen}
+    for t in trajs:
+        validate(t)
+        think = dict(enable_thinking=False)  # OrchestratorConfig's default
+        ids = renderer.render(t.prompt, add_generation_prompt=True, **think)
+        for turn in t.turns:
+            start, end = turn.token_span
+            assert t.token_ids[:start] == ids  # the exact prompt the server was sent
+            reply = replies[tuple(ids)]
+            assert t.token_ids[start : start + len(reply)] == reply  # verbatim
+            ids = t.token_ids[: start + len(reply)]
+            if reply[-1] != renderer.im_end_id:  # a cut reply is closed by the env
+                ids = ids + [renderer.im_end_id]
+            for message in turn.env_messages:  # then the rendered observation, append-only
+                ids = ids + renderer.append(ids, message, add_generation_prompt=True, **think)
+        assert ids == t.token_ids
