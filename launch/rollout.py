@@ -120,7 +120,7 @@ async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
                 m = runner.metrics
                 statuses = " ".join(f"{k}={v}" for k, v in sorted(m.statuses.items()))
                 rate = m.summary()["tokens_per_s"]
-                text = f"{ocfg.arm} [{statuses}] active={m.active} tok/s={rate:.0f}"
+                text = f"{ocfg.arm} ({statuses}) active={m.active} tok/s={rate:.0f}"
                 progress.update(bar, advance=1, description=text)
 
             runner = RolloutRunner(ocfg, cfg.env.terminal, agent_renderer, backends,
