@@ -32,8 +32,8 @@ from envs.shell import (
     ShellLifecycle,
     TaskSetup,
     TaskSetupError,
+    buffered_observation,
     check_relative_path,
-    decode_output,
 )
 
 log = logging.getLogger(__name__)
@@ -286,17 +286,8 @@ class E2BShell(ShellLifecycle):
             # e2b returns the two streams apart; their interleaving is lost.
             buf.write((stdout or "").encode())
             buf.write((stderr or "").encode())
-            text, binary = decode_output(buf.getvalue())
             info["output_bytes"] = buf.total
-            if binary:
-                info["binary"] = True
-            return Observation(
-                output=text,
-                exit_code=exit_code,
-                truncated=buf.truncated,
-                duration_s=time.monotonic() - start,
-                info=info,
-            )
+            return buffered_observation(buf, exit_code, start, info)
 
     async def close(self) -> None:
         """Kill the sandbox and free its slot (safe to call twice or before start). A

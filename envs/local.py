@@ -37,8 +37,8 @@ from envs.shell import (
     ShellLifecycle,
     TaskSetup,
     TaskSetupError,
+    buffered_observation,
     check_relative_path,
-    decode_output,
 )
 
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -406,16 +406,7 @@ class LocalShell(ShellLifecycle):
         if proto.limit_hit.done():
             info["killed"] = "output_limit"
             info["reason"] = f"output exceeded {cfg.kill_after_output_bytes} bytes; killed"
-        text, binary = decode_output(buf.getvalue())
-        if binary:
-            info["binary"] = True
-        return Observation(
-            output=text,
-            exit_code=exit_code,
-            truncated=buf.truncated,
-            duration_s=time.monotonic() - start,
-            info=info,
-        )
+        return buffered_observation(buf, exit_code, start, info)
 
     async def close(self) -> None:
         """Delete the workspace (always safe to call, also twice or before start)."""

@@ -183,3 +183,17 @@ def decode_output(data: bytes) -> tuple[str, bool]:
         text = text.replace("\x00", "\ufffd")
     binary = nul or text.count("\ufffd") > max(8, len(text) // 100)
     return text, binary
+
+
+def buffered_observation(
+    buf: HeadTailBuffer, exit_code: int, started: float, info: dict[str, Any]
+) -> Observation:
+    """The Observation of captured output: decoded (binary flagged in `info`), truncated as
+    the buffer was, timed from `started` (a `time.monotonic()` reading)."""
+    import time
+
+    text, binary = decode_output(buf.getvalue())
+    if binary:
+        info["binary"] = True
+    return Observation(output=text, exit_code=exit_code, truncated=buf.truncated,
+                       duration_s=time.monotonic() - started, info=info)  # fmt: skip

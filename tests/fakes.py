@@ -94,3 +94,16 @@ class FakeAgentClient:
             finish_reason=finish, logprobs=[-0.5] * len(gen),
             token_versions=[self.version] * len(gen), weight_version=self.version,
         )  # fmt: skip
+
+
+async def wait_until(cond, timeout_s: float = 10.0, poll_s: float = 0.005) -> bool:
+    """Poll `cond()` until it holds (True) or `timeout_s` passes (False)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True

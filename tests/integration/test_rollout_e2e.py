@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from serving.client import ClientConfig, InferenceClient
+from tests.fakes import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -80,13 +80,6 @@ def test_32_episodes_per_arm_all_validate(servers, tmp_path):
         assert n > 0 and sum(lp is not None for lp in t.behavior_logprobs) == n
 
 
-async def _until(cond, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,12 +107,12 @@ async def test_killed_agent_server_fails_in_flight_episodes_then_the_run_recover
             client=client, admission=admission, sink=delivered.append,
         )  # fmt: skip
         job = asyncio.create_task(runner.run(tasks), name="rollout")
-        await _until(lambda: runner.metrics.active == 8, "8 episodes in flight")
+        assert await wait_until(lambda: runner.metrics.active == 8, 120), "8 in flight"
         await asyncio.sleep(0.2)
         server.proc.send_signal(signal.SIGKILL)  # mid-run, requests in flight
         server.proc.wait(timeout=10)
         # The first batch ends; with S=0 the second waits for the "trainer".
-        await _until(lambda: len(delivered) == 8, "the first batch to end")
+        assert await wait_until(lambda: len(delivered) == 8, 120), "first batch ended"
         server = await asyncio.to_thread(LocalServer.start, "agent", tmp_path, extra_args=args)
         await admission.set_version(1)  # the "trainer" moves on: the second batch starts
         trajs = await asyncio.wait_for(job, 300)

@@ -8,7 +8,6 @@ make every equality below hold vacuously.
 """
 
 import asyncio
-import time
 
 import jax
 import numpy as np
@@ -20,6 +19,7 @@ from rl.data import ByteTokenizer
 from rl.model import Qwen3, jit_forward, tiny
 from rl.model.params_io import save_params
 from serving.engine import Engine, EngineConfig, EngineError, SamplingParams, SequenceOutput
+from tests.fakes import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -96,15 +96,6 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-async def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.005)
-    return True
 
 
 # ----- engines --------------------------------------------------------------------------------

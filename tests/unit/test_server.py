@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from rl.model.params_io import save_params
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig, SamplingParams
 from serving.server import Server, run_server
+from tests.fakes import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -111,15 +111,6 @@ def streamed_texts(chunks: list[dict], chat: bool) -> tuple[dict[int, str], dict
                 assert c["index"] not in reasons
                 reasons[c["index"]] = c["finish_reason"]
     return texts, reasons
-
-
-async def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.005)
-    return True
 
 
 async def assert_healthy(http: aiohttp.ClientSession) -> None:
