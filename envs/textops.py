@@ -16,6 +16,7 @@ from envs.config import TextopsConfig
 from envs.rewards import RewardContext, register_reward
 from envs.shell import TaskSetup
 from envs.tasks import RewardSpec, Task
+from envs.terminal import SUBMIT_MARKER
 
 INPUT_FILE = "input.txt"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
@@ -97,15 +98,27 @@ def _bash(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-class TextopsSolver:
-    """A scripted agent: one command that computes the answer in the shell, then `submit`
-    with what the shell printed. `act(last_observation)` returns the assistant's text."""
+SOLVER_STYLES = ("two_step", "marker")
 
-    def __init__(self, task: Task):
+
+class TextopsSolver:
+    """A scripted agent. `act(last_observation)` returns the assistant's text.
+
+    - `two_step`: the command(s) that compute the answer, then `submit` with what the shell
+      printed (the answer is copied from the observation).
+    - `marker`: one block that starts with `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` and
+      computes the answer, which the env takes from the output: a one-turn episode whose reply
+      depends only on the task's operation (and path), the easiest demonstrations to learn."""
+
+    def __init__(self, task: Task, style: str = "two_step"):
         if task.reward.name != "textops":
             raise ValueError(f"TextopsSolver solves textops tasks, not {task.reward.name!r}")
-        self.params = dict(task.reward.params)
+        if style not in SOLVER_STYLES:
+            raise ValueError(f"TextopsSolver style={style!r} is invalid: one of {SOLVER_STYLES}")
+        self.params, self.style = dict(task.reward.params), style
         self.plan = self._commands()  # the commands run before submitting
+        if style == "marker":
+            self.plan = ["\n".join([f"echo {SUBMIT_MARKER}", " && ".join(self.plan)])]
         self._step = 0
 
     def _commands(self) -> list[str]:
@@ -124,6 +137,8 @@ class TextopsSolver:
         return [f"mkdir -p $(dirname {path}) && {{ {src}; echo; }} > {path}", f"cat {path}"]
 
     def act(self, last_observation: str | None) -> str:
+        if self.style == "marker":
+            return _bash(self.plan[0])
         if self._step < len(self.plan):
             cmd = self.plan[self._step]
             self._step += 1

@@ -91,7 +91,21 @@ def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
+def _train_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import train
+
+    return train.run_train_sim(args, cfg)
+
+
+def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import train
+
+    return train.run_train_agent(args, cfg)
+
+
 HANDLERS: dict[str, Handler] = {
+    "train-sim": _train_sim_cmd,
+    "train-agent": _train_agent_cmd,
     "config": _config_cmd,
     "serve": _serve_cmd,
     "e2b": _e2b_cmd,

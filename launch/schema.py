@@ -13,6 +13,7 @@ from envs.config import ShellConfig, TerminalConfig, TextopsConfig
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
 from rl.orchestrator.config import OrchestratorConfig
+from rl.train.config import TrainAgentConfig, TrainSimConfig
 from serving.config import EngineConfig, ServerConfig
 
 
@@ -40,6 +41,9 @@ class RoleConfig:
     """Architecture; `preset: NAME` in YAML starts from a preset."""
     hf_path: str | None = None
     """Local HF directory to load weights (and the architecture) from; None: random init."""
+    weights: str | None = None
+    """Serving-format weights to start from (`<dir>/params` + `model_config.json`, what
+    trainers export, e.g. `runs/sim/weights/final`); wins over `hf_path`."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """`byte` for tiny models, `hf` with a local path otherwise."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -88,3 +92,7 @@ class SimloopConfig:
     """Inference server settings."""
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     """Rollouts: arm, groups, limits, concurrency, staleness."""
+    train_sim: TrainSimConfig = field(default_factory=TrainSimConfig)
+    """`simloop train-sim`: simulator SFT (mesh: `simulator.mesh`)."""
+    train_agent: TrainAgentConfig = field(default_factory=TrainAgentConfig)
+    """`simloop train-agent`: warm start + RL (mesh: `agent.mesh`)."""

@@ -6,7 +6,8 @@
         --checkpoint-root runs/demo/checkpoints
 
 The model comes from `--model DIR` (an HF directory), else `--preset NAME`, else the config's
-role (`agent` or `simulator`): its `hf_path`, or random weights of its architecture.
+role (`agent` or `simulator`): its `weights` (what trainers export), its `hf_path`, or random
+weights of its architecture.
 """
 
 from __future__ import annotations
@@ -78,7 +79,14 @@ def build_model(args: argparse.Namespace, cfg: SimloopConfig):
         model = Qwen3(preset(args.preset), rngs=nnx.Rngs(cfg.run.seed))
         return model, ByteTokenizer(), args.preset
     tokenizer = load_tokenizer(role.tokenizer)
-    if role.hf_path:
+    if role.weights:
+        from rl.model.params_io import load_params, read_model_config
+
+        model = Qwen3(read_model_config(role.weights), rngs=nnx.Rngs(cfg.run.seed))
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, load_params(role.weights, model))
+        nnx.update(model, state)
+    elif role.hf_path:
         _, model = load_hf(role.hf_path)
     else:
         model = Qwen3(role.model, rngs=nnx.Rngs(cfg.run.seed))

@@ -12,12 +12,14 @@ request never takes the server down, and a client that disconnects aborts its re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -383,3 +385,25 @@ async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
     finally:
         await runner.cleanup()
         await engine.stop(timeout_s=cfg.shutdown_timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def background_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
+                            start_timeout_s: float = 300.0) -> AsyncIterator[str]:  # fmt: skip
+    """Run a server as a task of the current event loop (tests, benches, single-process demos);
+    yields its base URL and shuts it down on exit."""
+    port: asyncio.Future = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_server(engine, tokenizer, cfg, ready=port.set_result,
+                                          stop=stop), name="background-server")  # fmt: skip
+    await asyncio.wait({port, task}, timeout=start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # failed to start: raise its error
+    if not port.done():
+        task.cancel()
+        raise TimeoutError(f"the server did not listen within {start_timeout_s}s")
+    try:
+        yield f"http://{cfg.host}:{port.result()}"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, cfg.shutdown_timeout_s + 30)

@@ -1,0 +1,117 @@
+"""The rollout buffer: live rollouts as the RL trainer's episode source (bounded staleness).
+
+Components: `RolloutBuffer.start()` runs `RolloutRunner.run(tasks)` as a background task; the
+runner delivers whole groups to the buffer's queue (and to an optional writer);
+`next_batch()` hands the trainer `batch_size` episodes; `set_version(v)` moves the admission
+controller, which lets the next episodes start (S = 0: exactly one batch per version).
+The trainer never waits forever: a failed rollout task surfaces its exception from
+`next_batch()`, and `close()` cancels what is left within a bounded grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable, Sequence
+
+from envs.tasks import Task
+from rl.data.trajectory import Trajectory
+from rl.orchestrator.runner import RolloutRunner
+
+CLOSE_GRACE_S = 15.0
+
+
+def task_stream(tasks: Sequence[Task], groups: int, seed: int) -> list[Task]:
+    """`groups` tasks drawn epoch by epoch (each epoch a fresh shuffle of `tasks`)."""
+    if not tasks:
+        raise ValueError("no tasks to roll out")
+    rng = random.Random(seed)
+    out: list[Task] = []
+    while len(out) < groups:
+        epoch = list(tasks)
+        rng.shuffle(epoch)
+        out += epoch
+    return out[:groups]
+
+
+class RolloutBuffer:
+    """`EpisodeSource` (rl/train/rollouts.py) over a `RolloutRunner`."""
+
+    def __init__(
+        self,
+        runner: RolloutRunner,
+        tasks: Sequence[Task],
+        *,
+        steps: int,
+        seed: int = 0,
+        sink: Callable[[Trajectory], None] | None = None,
+        batch_timeout_s: float | None = None,
+    ):
+        cfg = runner.cfg
+        if cfg.batch_size % cfg.group_size:
+            raise ValueError(
+                f"orchestrator.batch_size={cfg.batch_size} must be a multiple of "
+                f"orchestrator.group_size={cfg.group_size}: a batch holds whole groups"
+            )
+        if cfg.max_staleness is None:
+            raise ValueError("RL needs orchestrator.max_staleness (0 = synchronous)")
+        self.runner, self.batch_size = runner, cfg.batch_size
+        groups_per_batch = cfg.batch_size // cfg.group_size
+        # Enough groups for every step plus what the staleness bound lets start early.
+        self.tasks = task_stream(tasks, (steps + cfg.max_staleness + 1) * groups_per_batch, seed)
+        self.sink, self.batch_timeout_s = sink, batch_timeout_s
+        self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        runner.sink = self._deliver
+
+    def _deliver(self, traj: Trajectory) -> None:
+        if self.sink is not None:
+            self.sink(traj)
+        self._queue.put_nowait(traj)
+
+    @property
+    def admission(self):
+        return self.runner.admission
+
+    async def start(self, version: int) -> None:
+        await self.admission.set_version(version)
+        self._task = asyncio.create_task(self.runner.run(self.tasks), name="rollout-buffer")
+
+    async def next_batch(self) -> list[Trajectory]:
+        if self._task is None:
+            raise RuntimeError("RolloutBuffer.start() was not called")
+        batch: list[Trajectory] = []
+        while len(batch) < self.batch_size:
+            if self._queue.empty() and self._task.done():
+                self._task.result()  # raises the rollout's exception, if any
+                raise RuntimeError(
+                    f"rollouts ended after delivering everything ({len(batch)} episodes left "
+                    f"for a batch of {self.batch_size}): more steps than tasks planned"
+                )
+            get = asyncio.create_task(self._queue.get(), name="rollout-buffer-get")
+            done, _ = await asyncio.wait(
+                {get, self._task}, timeout=self.batch_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if get in done:
+                batch.append(get.result())
+                continue
+            get.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await get
+            if not done:
+                raise TimeoutError(
+                    f"no episode arrived within {self.batch_timeout_s}s "
+                    f"({len(batch)}/{self.batch_size} of the batch collected)"
+                )
+        return batch
+
+    async def set_version(self, version: int) -> None:
+        await self.admission.set_version(version)
+
+    async def close(self) -> None:
+        if self._task is None or self._task.done():
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({self._task}, timeout=CLOSE_GRACE_S)

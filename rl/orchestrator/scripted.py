@@ -1,0 +1,106 @@
+"""A scripted (optionally noisy) textops agent behind the `AgentClient` interface.
+
+It stands where the agent server would, so scripted episodes run through the same orchestrator,
+shells and trajectory format as model episodes: `simloop collect` uses it to gather real
+trajectories for the simulator, and the RL warm start uses it for expert demonstrations.
+With probability `noise` a turn's reply is perturbed (another operation's command, a typo, or a
+wrong answer), so the collected data also shows the simulator failing commands and errors.
+Replies are tokenised by the agent's tokenizer and returned with logprob 0 (the script is
+deterministic given its random stream) and `weight_version` None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+from envs.tasks import Task
+from envs.textops import TextopsSolver
+from rl.data.tokenizer import IM_START, Tokenizer
+
+NOISE_KINDS = ("other_op", "typo", "wrong_answer")
+_OPS = {
+    "reverse": "rev",
+    "upper": "tr a-z A-Z",
+    "sort": "fold -w1 | sort | tr -d '\\n'",
+}
+
+
+class ScriptedAgentClient:
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        tokenizer: Tokenizer,
+        *,
+        style: str = "two_step",
+        noise: float = 0.0,
+        seed: int = 0,
+    ):
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
+        # Tasks with the same instruction (e.g. the same operation on a file's word) have the
+        # same script: the plan depends only on what the instruction says.
+        self.tasks = {t.instruction: t for t in tasks}
+        self.tok, self.style, self.noise, self.seed = tokenizer, style, noise, seed
+        self.calls = 0
+
+    def _task(self, text: str) -> Task:
+        for instruction, task in self.tasks.items():
+            if instruction in text:
+                return task
+        raise ValueError("the prompt holds none of the scripted tasks' instructions")
+
+    async def complete(
+        self,
+        prompt,
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs=None,
+        timeout_s=None,
+        **_,
+    ):
+        self.calls += 1
+        text = self.tok.decode(list(prompt))
+        task = self._task(text)
+        solver = TextopsSolver(task, style=self.style)
+        turn = text.count(f"{IM_START}assistant") - 1
+        solver._step = min(turn, len(solver.plan))
+        last_user = text.rsplit(f"{IM_START}user\n", 1)[-1]
+        reply = solver.act(last_user)
+        key = f"{self.seed}:{seed}:{task.id}:{turn}".encode()
+        rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+        if rng.random() < self.noise:
+            reply = perturb(reply, rng)
+        gen = self.tok.encode(reply)[: max_tokens - 1] + [self.tok.eos_id]
+        return SimpleNamespace(
+            text=self.tok.decode(gen[:-1]),
+            token_ids=gen,
+            finish_reason="stop",
+            logprobs=[0.0] * len(gen),
+            token_versions=None,
+            weight_version=None,
+        )
+
+
+def perturb(reply: str, rng: random.Random) -> str:
+    """One plausible mistake in a scripted reply."""
+    kind = rng.choice(NOISE_KINDS)
+    if kind == "other_op":
+        for name, cmd in _OPS.items():
+            if cmd in reply:
+                other = rng.choice([c for n, c in _OPS.items() if n != name])
+                return reply.replace(cmd, other)
+        kind = "typo"
+    if kind == "wrong_answer" and "submit " in reply:
+        return reply.replace("submit ", "submit x", 1)
+    # typo: drop one character inside the code block
+    start, end = reply.find("```bash\n") + 8, reply.rfind("\n```")
+    if end - start < 2:
+        return reply
+    i = rng.randrange(start, end)
+    return reply[:i] + reply[i + 1 :]

@@ -1,0 +1,209 @@
+"""Trainer settings (no JAX): optimizer, losses, checkpoints, and the two training jobs.
+
+`TrainSimConfig` is `simloop train-sim` (simulator SFT); `TrainAgentConfig` is
+`simloop train-agent` (optional SFT warm start, then RL on orchestrator episodes). Both sit in
+`SimloopConfig` as `train_sim` / `train_agent`; the mesh of each trainer is its role's
+`mesh` (`agent.mesh`, `simulator.mesh`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl.data.datasets import DatasetConfig
+
+ADVANTAGES = ("grpo", "drgrpo")
+AGGREGATIONS = ("token_mean", "seq_mean")
+LOSSES = ("sft", "policy")
+
+
+def _bad(cls: str, name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
+
+
+def _int(cls: str, obj: object, name: str, low: int) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise _bad(cls, name, v, f"an integer >= {low}")
+
+
+def _num(cls: str, obj: object, name: str, low: float, *, strict: bool = False) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int | float) or (v <= low if strict else v < low):
+        raise _bad(cls, name, v, f"a number {'>' if strict else '>='} {low}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+    lr: float = 1e-3
+    """Peak learning rate (reached after `warmup_steps`)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to `lr`."""
+    decay_steps: int | None = None
+    """Cosine decay length after warmup; None: the job's remaining steps."""
+    min_lr_ratio: float = 0.1
+    """The cosine ends at `lr * min_lr_ratio`."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW), applied to matrices only (not norms)."""
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float | None = 1.0
+    """Global gradient-norm clip; None disables it."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step: the batch is split along B and the micro-batch
+    gradients combined exactly as one big batch would weigh them."""
+
+    def __post_init__(self) -> None:
+        c = "OptimConfig"
+        _num(c, self, "lr", 0.0, strict=True)
+        _int(c, self, "warmup_steps", 0)
+        if self.decay_steps is not None:
+            _int(c, self, "decay_steps", 1)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise _bad(c, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _num(c, self, "weight_decay", 0.0)
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise _bad(c, name, getattr(self, name), "a number in [0, 1)")
+        _num(c, self, "eps", 0.0, strict=True)
+        if self.clip_norm is not None:
+            _num(c, self, "clip_norm", 0.0, strict=True)
+        _int(c, self, "grad_accum", 1)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy-gradient loss (DESIGN §8: sampler/trainer mismatch, stragglers)."""
+
+    advantage: str = "grpo"
+    """`grpo`: reward minus the group mean (divided by the group std when `std_norm`);
+    `drgrpo`: reward minus the group mean, never std-normalised, and the loss summed over
+    tokens and divided by a constant (rows x seq_len) instead of the token count."""
+    std_norm: bool = True
+    """GRPO only: divide advantages by the group's reward std (+1e-6)."""
+    eps_low: float = 0.2
+    """PPO clip below: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = 0.28
+    """PPO clip above (clip-higher): 1 + eps_high."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling: the trainer/sampler ratio is capped at C; None disables
+    the correction (ratio 1)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference (the weights RL started from); 0
+    skips the reference forward."""
+    truncated_reward: float | None = 0.0
+    """Reward of episodes that ended `truncated` without one (context full, turn limit): 0
+    counts them as failures; None leaves them out of the batch (overlong filtering)."""
+    aggregation: str = "token_mean"
+    """`token_mean`: mean over every generated token of the batch; `seq_mean`: mean per
+    episode, then over episodes. (`drgrpo` overrides both, see `advantage`.)"""
+
+    def __post_init__(self) -> None:
+        c = "PolicyLossConfig"
+        if self.advantage not in ADVANTAGES:
+            raise _bad(c, "advantage", self.advantage, f"one of {list(ADVANTAGES)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise _bad(c, "aggregation", self.aggregation, f"one of {list(AGGREGATIONS)}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise _bad(c, "eps_low", self.eps_low, "a number in [0, 1)")
+        _num(c, self, "eps_high", 0.0)
+        if self.tis_cap is not None:
+            _num(c, self, "tis_cap", 1.0)
+        _num(c, self, "kl_coef", 0.0)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints of a trainer (params, optimizer, step, RNG, data position)."""
+
+    every_steps: int = 50
+    """Save every N optimizer steps (and always after the last step)."""
+    keep: int = 3
+    """Keep the last k checkpoints."""
+    async_save: bool = True
+    """Write in a background thread while training goes on."""
+    export_dtype: str = "float32"
+    """Dtype of exported serving weights (`bfloat16` on TPU)."""
+    export_hf: bool = False
+    """Also write HF safetensors (for vLLM) next to the serving weights."""
+
+    def __post_init__(self) -> None:
+        c = "CheckpointConfig"
+        _int(c, self, "every_steps", 1)
+        _int(c, self, "keep", 1)
+        if self.export_dtype not in ("float32", "bfloat16", "float16"):
+            raise _bad(c, "export_dtype", self.export_dtype, "float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class TrainSimConfig:
+    """`simloop train-sim`: SFT of the simulator on real trajectories."""
+
+    trajectories: list[str] = field(default_factory=list)
+    """JSONL files or folders of real trajectories (`simloop collect` / `import` output)."""
+    heldout_fraction: float = 0.1
+    """Share of trajectories (by task id hash) held out of training for `eval-sim`."""
+    steps: int = 200
+    """Optimizer steps."""
+    data: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_epochs=None))
+    """Packing and order; `batch_size` x `seq_len` tokens per step."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log_every: int = 10
+    """Pull metrics from the device (and print / write them) every N steps."""
+
+    def __post_init__(self) -> None:
+        c = "TrainSimConfig"
+        _int(c, self, "steps", 1)
+        _int(c, self, "log_every", 1)
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise _bad(c, "heldout_fraction", self.heldout_fraction, "a number in [0, 1)")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Agent SFT before RL, on demonstration trajectories (skipped when `steps` is 0)."""
+
+    trajectories: list[str] = field(default_factory=list)
+    """JSONL files or folders of demonstrations; empty: scripted textops demonstrations are
+    collected in the real shell (`num_demos` of them)."""
+    num_demos: int = 64
+    steps: int = 0
+    data: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_epochs=None))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        _int("WarmStartConfig", self, "steps", 0)
+        _int("WarmStartConfig", self, "num_demos", 1)
+
+
+@dataclass(frozen=True)
+class TrainAgentConfig:
+    """`simloop train-agent`: warm start, then RL on episodes from the orchestrator.
+
+    Episodes per step and the staleness bound S are `orchestrator.batch_size` and
+    `orchestrator.max_staleness` (S = 0 is synchronous); the env is `orchestrator.arm`."""
+
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    steps: int = 20
+    """RL optimizer steps (one batch of episodes each)."""
+    seq_len: int | None = None
+    """Row length of RL batches; None: `orchestrator.max_context_tokens`."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=0))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every_steps=5))
+    publish_every: int = 1
+    """Publish new weights to the agent server every N steps (the policy version grows by one
+    per step either way)."""
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        c = "TrainAgentConfig"
+        _int(c, self, "steps", 0)
+        _int(c, self, "publish_every", 1)
+        _int(c, self, "log_every", 1)
+        if self.seq_len is not None:
+            _int(c, self, "seq_len", 2)

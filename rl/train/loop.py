@@ -1,0 +1,298 @@
+"""The training loops: supervised (`sft_loop`) and RL (`rl_loop`), one explicit loop each.
+
+Periodic work are hooks every N steps: metrics are pulled from the device every `log_every`
+steps (never per step), checkpoints every `CheckpointConfig.every_steps`, weight publishing
+every `publish_every`. Phases are timed separately (data wait, step, checkpoint, publish) and
+written to `metrics.jsonl` with the losses.
+
+    resume(trainer, ckpt, iterator)                # continue a run directory's latest checkpoint
+    sft_loop(trainer, iterator, steps=..., ckpt=ckpt, log=MetricsLog(run_dir), stage="sim_sft")
+    await rl_loop(trainer, source, publisher, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from rl.train.checkpoint import Checkpointer, export_path
+from rl.train.config import PolicyLossConfig
+from rl.train.publish import WeightPublisher
+from rl.train.rollouts import EpisodeSource, build_rl_batch
+from rl.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<run>/metrics.jsonl` (flushed every write, so a
+    killed run keeps what it logged)."""
+
+    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl"):
+        self.path = Path(run_dir) / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps({k: _plain(v) for k, v in record.items()})
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class _Progress:
+    """A rich progress bar with a one-line status (disabled when `enabled` is False)."""
+
+    def __init__(self, desc: str, total: int, completed: int, enabled: bool = True):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn(f"[bold]{desc}[/]"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+            )
+            self.task = self.bar.add_task("", total=total, completed=completed)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, completed: int, status: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=completed, description=status)
+
+
+def resume(trainer: Trainer, ckpt: Checkpointer | None, iterator: Any = None) -> dict | None:
+    """Restore the latest committed checkpoint into `trainer` (and the data iterator's
+    position); returns its extra dict, or None when there is nothing to resume."""
+    if ckpt is None:
+        return None
+    step = ckpt.latest_step()
+    if step is None:
+        return None
+    state, extra = ckpt.restore(step, trainer.abstract_state())
+    trainer.state = state
+    if iterator is not None and extra.get("data") is not None:
+        iterator.set_state(extra["data"])
+    logger.info("resumed from %s step %d", ckpt.directory, step)
+    return extra
+
+
+def sft_loop(
+    trainer: Trainer,
+    batches: Iterator[dict],
+    *,
+    steps: int,
+    log: MetricsLog | None = None,
+    stage: str = "sft",
+    log_every: int = 10,
+    ckpt: Checkpointer | None = None,
+    ckpt_every: int = 50,
+    progress: bool = True,
+    on_log: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
+    """Train until `trainer` has taken `steps` optimizer steps (continuing a restored step
+    count). Returns a summary; the last pulled metrics are in `summary["last"]`."""
+    start = trainer.step_count
+    pending: list[tuple[int, dict]] = []
+    times = {"data_s": 0.0, "checkpoint_s": 0.0}
+    tokens = 0
+    last: dict[str, Any] = {}
+    began = time.perf_counter()
+    window = began
+    with _Progress(stage, steps, start, progress) as bar:
+        for step in range(start, steps):
+            t = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                logger.warning("%s: the dataset ran out after %d of %d steps", stage, step, steps)
+                break
+            times["data_s"] += time.perf_counter() - t
+            pending.append((step + 1, trainer.step(batch)))
+            done = step + 1
+            if done % log_every == 0 or done == steps:
+                pulled = jax.device_get([m for _, m in pending])
+                now = time.perf_counter()
+                for (s, _), m in zip(pending, pulled, strict=True):
+                    tokens += int(m.get("tokens", 0))
+                    last = {"stage": stage, "step": s, **{k: float(v) for k, v in m.items()}}
+                    if log is not None:
+                        log.write(last)
+                last = {**last, "steps_per_s": len(pending) / max(now - window, 1e-9)}
+                window, pending = now, []
+                if on_log is not None:
+                    on_log(last)
+                bar.update(done, f"loss {last['loss']:.4f}")
+            if ckpt is not None and (done % ckpt_every == 0 or done == steps):
+                t = time.perf_counter()
+                data = batches.get_state() if hasattr(batches, "get_state") else None
+                extra = {"stage": stage, "data": data}
+                ckpt.save(done, trainer.state, extra)
+                times["checkpoint_s"] += time.perf_counter() - t
+    if ckpt is not None:
+        t = time.perf_counter()
+        ckpt.wait()
+        times["checkpoint_s"] += time.perf_counter() - t
+    wall = time.perf_counter() - began
+    summary = {
+        "stage": stage,
+        "steps": trainer.step_count,
+        "started_at_step": start,
+        "wall_s": wall,
+        "trained_tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        **times,
+        "last": last,
+    }
+    if log is not None:
+        log.write(
+            {
+                "stage": stage,
+                "event": "summary",
+                **{k: v for k, v in summary.items() if k != "last"},
+            }
+        )
+    return summary
+
+
+async def rl_loop(
+    trainer: Trainer,
+    source: EpisodeSource,
+    publisher: WeightPublisher,
+    *,
+    run_dir: str | Path,
+    steps: int,
+    rows: int,
+    seq_len: int,
+    loss_cfg: PolicyLossConfig,
+    pad_id: int,
+    base_version: int = 1,
+    publish_every: int = 1,
+    export_dtype: str | None = None,
+    log: MetricsLog | None = None,
+    log_every: int = 1,
+    ckpt: Checkpointer | None = None,
+    ckpt_every: int = 5,
+    progress: bool = True,
+    on_log: Callable[[dict], None] | None = None,
+) -> dict[str, Any]:
+    """RL until `trainer` has taken `steps` steps. Policy version = `base_version` + step;
+    `base_version` must already be served (the caller publishes the starting weights).
+
+    Each step: wait for a batch of episodes (the orchestrator keeps sampling meanwhile, up to
+    its staleness bound) -> one optimizer step -> export + publish version v -> tell the
+    source v. Blocking device work runs in a thread so rollouts keep flowing."""
+    start = trainer.step_count
+    times = {"data_s": 0.0, "step_s": 0.0, "publish_s": 0.0, "checkpoint_s": 0.0}
+    pending: list[tuple[int, dict, dict]] = []
+    history: list[dict] = []
+    began = time.perf_counter()
+    with _Progress("rl", steps, start, progress) as bar:
+        for step in range(start, steps):
+            version = base_version + step
+            t = time.perf_counter()
+            episodes = await source.next_batch()
+            data_s = time.perf_counter() - t
+            batch, stats = build_rl_batch(
+                episodes, rows=rows, seq_len=seq_len, cfg=loss_cfg, version=version, pad_id=pad_id
+            )
+            t = time.perf_counter()
+            metrics = await asyncio.to_thread(trainer.step, batch)
+            step_s = time.perf_counter() - t  # dispatch; the device work lands in publish
+            done = step + 1
+            new_version = base_version + done
+            publish: dict[str, Any] = {}
+            if done % publish_every == 0 or done == steps:
+                t = time.perf_counter()
+                path = export_path(run_dir, new_version)
+                await asyncio.to_thread(trainer.export_serving, path, export_dtype)
+                save_s = time.perf_counter() - t
+                report = await publisher.publish(str(path), new_version)
+                publish = {
+                    "export_s": save_s,
+                    "publish_load_s": report.load_s,
+                    "publish_first_token_s": report.first_token_s,
+                    "publish_total_s": time.perf_counter() - t,
+                }
+                times["publish_s"] += publish["publish_total_s"]
+            await source.set_version(new_version)
+            times["data_s"] += data_s
+            times["step_s"] += step_s
+            pending.append(
+                (
+                    done,
+                    metrics,
+                    {"version": new_version, "data_wait_s": data_s, **publish, **stats.to_dict()},
+                )
+            )
+            if done % log_every == 0 or done == steps:
+                pulled = await asyncio.to_thread(jax.device_get, [m for _, m, _ in pending])
+                for (s, _, info), m in zip(pending, pulled, strict=True):
+                    record = {
+                        "stage": "rl",
+                        "step": s,
+                        **{k: float(v) for k, v in m.items()},
+                        **info,
+                    }
+                    history.append(record)
+                    if log is not None:
+                        log.write(record)
+                    if on_log is not None:
+                        on_log(record)
+                pending = []
+                r = history[-1]
+                bar.update(
+                    done,
+                    f"reward {r['reward_mean']:.3f} loss {r['loss']:+.4f} "
+                    f"kl {r['mismatch_kl']:+.1e} stale {r['staleness_mean']:.1f}",
+                )
+            if ckpt is not None and (done % ckpt_every == 0 or done == steps):
+                t = time.perf_counter()
+                await asyncio.to_thread(
+                    ckpt.save, done, trainer.state, {"stage": "rl", "version": new_version}
+                )
+                times["checkpoint_s"] += time.perf_counter() - t
+    if ckpt is not None:
+        await asyncio.to_thread(ckpt.wait)
+    wall = time.perf_counter() - began
+    summary = {
+        "stage": "rl",
+        "steps": trainer.step_count,
+        "started_at_step": start,
+        "wall_s": wall,
+        **times,
+        "history": history,
+    }
+    if log is not None:
+        log.write(
+            {
+                "stage": "rl",
+                "event": "summary",
+                **{k: v for k, v in summary.items() if k != "history"},
+            }
+        )
+    return summary

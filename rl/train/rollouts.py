@@ -1,0 +1,187 @@
+"""From episodes to an RL batch: the `EpisodeSource` Protocol the RL loop pulls from, group
+advantages, and `[B, T]` rows aligned with the SFT batch convention (`rl/data/datasets.py`).
+
+One episode per row (so `seq_mean` aggregation is per episode); rows are padded to a fixed
+count and length, so the train step never recompiles. `rl/orchestrator/buffer.py` implements
+`EpisodeSource` over live rollouts; `InMemoryEpisodeSource` serves tests and benches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from rl.data.trajectory import Trajectory
+from rl.train.config import PolicyLossConfig
+
+USABLE = ("ok", "truncated")
+
+
+class EpisodeSource(Protocol):
+    """Batches of finished episodes for the RL trainer."""
+
+    async def next_batch(self) -> list[Trajectory]:
+        """The next `batch_size` episodes (whole groups); raises if rollouts failed."""
+        ...
+
+    async def set_version(self, version: int) -> None:
+        """The trainer now holds (and servers serve) policy `version`."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class InMemoryEpisodeSource:
+    """`make_batch(version) -> episodes`, called once per `next_batch`."""
+
+    def __init__(self, make_batch: Callable[[int], list[Trajectory]]):
+        self.make_batch, self.version, self.versions_seen = make_batch, 0, [0]
+
+    async def next_batch(self) -> list[Trajectory]:
+        return self.make_batch(self.version)
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+        self.versions_seen.append(version)
+
+    async def close(self) -> None:
+        pass
+
+
+def group_advantages(
+    rewards: Sequence[float], group_ids: Sequence[str], cfg: PolicyLossConfig
+) -> np.ndarray:
+    """Per-episode advantage: reward minus its group's mean (GRPO divides by the group's std
+    + 1e-6 when `std_norm`; Dr.GRPO never does). A group of one gets 0."""
+    rewards_arr = np.asarray(rewards, dtype=np.float64)
+    by_group: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        by_group[g].append(i)
+    adv = np.zeros(len(rewards_arr), dtype=np.float64)
+    for idx in by_group.values():
+        r = rewards_arr[idx]
+        centred = r - r.mean()
+        if cfg.advantage == "grpo" and cfg.std_norm:
+            centred = centred / (r.std() + 1e-6)
+        adv[idx] = centred
+    return adv.astype(np.float32)
+
+
+@dataclass
+class BatchStats:
+    """What went into an RL batch (and what did not, and why)."""
+
+    episodes: int = 0
+    used: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    reward_mean: float = 0.0
+    success_rate: float = 0.0
+    """Share of used episodes with reward >= 1 (textops rewards are 0/1)."""
+    tokens: int = 0
+    """Generated (trained) tokens."""
+    truncated_rows: int = 0
+    staleness_mean: float = 0.0
+    """Mean over generated tokens of (trainer version - version that sampled the token)."""
+    staleness_max: int = 0
+    zero_variance_groups: int = 0
+    """Groups whose episodes all got the same reward (no learning signal)."""
+    episode_tokens_mean: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _reward(t: Trajectory, cfg: PolicyLossConfig) -> float | None:
+    if t.reward is None and t.status == "truncated":
+        return cfg.truncated_reward
+    return t.reward
+
+
+def _skip_reason(t: Trajectory, cfg: PolicyLossConfig) -> str | None:
+    if t.meta.get("masked"):
+        return "masked_group"
+    if t.meta.get("dropped"):
+        return "dropped"
+    if t.status not in USABLE:
+        return f"status_{t.status}"
+    if _reward(t, cfg) is None:
+        return "no_reward"
+    if t.source != "sampler" or t.behavior_logprobs is None:
+        return "no_behavior_logprobs"
+    if not any(t.loss_mask):
+        return "no_generated_tokens"
+    return None
+
+
+def build_rl_batch(
+    episodes: Sequence[Trajectory],
+    *,
+    rows: int,
+    seq_len: int,
+    cfg: PolicyLossConfig,
+    version: int,
+    pad_id: int = 0,
+) -> tuple[dict[str, np.ndarray], BatchStats]:
+    """`[rows, seq_len]` arrays `tokens, targets, loss_mask, segment_ids, positions,
+    behavior_logprobs, advantages` from `episodes` (unusable ones are skipped and counted;
+    extra episodes beyond `rows` are an error, the loop sizes batches)."""
+    stats = BatchStats(episodes=len(episodes))
+    used: list[Trajectory] = []
+    skipped: dict[str, int] = defaultdict(int)
+    for t in episodes:
+        reason = _skip_reason(t, cfg)
+        if reason:
+            skipped[reason] += 1
+        else:
+            used.append(t)
+    if len(used) > rows:
+        raise ValueError(f"{len(used)} usable episodes do not fit in {rows} rows")
+    stats.skipped, stats.used = dict(skipped), len(used)
+    T = seq_len
+    batch = {
+        "tokens": np.full((rows, T), pad_id, np.int32),
+        "targets": np.full((rows, T), pad_id, np.int32),
+        "loss_mask": np.zeros((rows, T), np.int32),
+        "segment_ids": np.zeros((rows, T), np.int32),
+        "positions": np.zeros((rows, T), np.int32),
+        "behavior_logprobs": np.zeros((rows, T), np.float32),
+        "advantages": np.zeros((rows, T), np.float32),
+    }
+    if not used:
+        return batch, stats
+    rewards = [float(_reward(t, cfg)) for t in used]
+    adv = group_advantages(rewards, [t.group_id or t.task_id for t in used], cfg)
+    stale: list[int] = []
+    for row, (t, a) in enumerate(zip(used, adv, strict=True)):
+        ids = t.token_ids
+        if len(ids) - 1 > T:
+            stats.truncated_rows += 1
+        n = min(len(ids) - 1, T)
+        mask = np.asarray(t.loss_mask[1 : n + 1], np.int32)
+        blp = np.asarray(
+            [x if x is not None else 0.0 for x in t.behavior_logprobs[1 : n + 1]], np.float32
+        )
+        batch["tokens"][row, :n] = ids[:n]
+        batch["targets"][row, :n] = ids[1 : n + 1]
+        batch["loss_mask"][row, :n] = mask
+        batch["segment_ids"][row, :n] = 1
+        batch["positions"][row, :n] = np.arange(n)
+        batch["behavior_logprobs"][row, :n] = blp * mask
+        batch["advantages"][row, :n] = a * mask
+        versions = t.policy_version[1 : n + 1]
+        stale += [version - v for v, m in zip(versions, mask, strict=True) if m and v is not None]
+    groups: dict[str, list[float]] = defaultdict(list)
+    for t, r in zip(used, rewards, strict=True):
+        groups[t.group_id or t.task_id].append(r)
+    stats.zero_variance_groups = sum(1 for g in groups.values() if len(set(g)) == 1)
+    stats.reward_mean = float(np.mean(rewards))
+    stats.success_rate = float(np.mean([r >= 1.0 for r in rewards]))
+    stats.tokens = int(batch["loss_mask"].sum())
+    stats.staleness_mean = float(np.mean(stale)) if stale else 0.0
+    stats.staleness_max = int(max(stale)) if stale else 0
+    stats.episode_tokens_mean = float(np.mean([len(t.token_ids) for t in used]))
+    return batch, stats

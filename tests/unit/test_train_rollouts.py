@@ -1,0 +1,322 @@
+"""rl/train/rollouts.py: group advantages against a loop, RL batches from real trajectories."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from rl.data.trajectory import Trajectory, Turn, validate
+from rl.train.config import PolicyLossConfig
+from rl.train.rollouts import (
+    BatchStats,
+    EpisodeSource,
+    InMemoryEpisodeSource,
+    build_rl_batch,
+    group_advantages,
+)
+
+# ----- group advantages ------------------------------------------------------------------------
+
+
+def ref_advantages(rewards, group_ids, cfg):
+    out = []
+    for i, g in enumerate(group_ids):
+        members = [rewards[j] for j in range(len(rewards)) if group_ids[j] == g]
+        mean = sum(members) / len(members)
+        a = rewards[i] - mean
+        if cfg.advantage == "grpo" and cfg.std_norm:
+            std = math.sqrt(sum((r - mean) ** 2 for r in members) / len(members))
+            a = a / (std + 1e-6)
+        out.append(a)
+    return out
+
+
+ADV_CFGS = {
+    "grpo_std": PolicyLossConfig(advantage="grpo", std_norm=True),
+    "grpo_nostd": PolicyLossConfig(advantage="grpo", std_norm=False),
+    "drgrpo": PolicyLossConfig(advantage="drgrpo"),
+    "drgrpo_std_flag_ignored": PolicyLossConfig(advantage="drgrpo", std_norm=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADV_CFGS))
+def test_group_advantages_match_a_loop(name):
+    cfg = ADV_CFGS[name]
+    rng = np.random.default_rng(0)
+    groups = ["a", "b", "a", "c", "b", "a", "c", "c", "d", "b"]  # interleaved, unequal sizes
+    rewards = [float(x) for x in rng.normal(0, 2, len(groups))]
+    got = group_advantages(rewards, groups, cfg)
+    assert got.dtype == np.float32 and got.shape == (len(groups),)
+    np.testing.assert_allclose(got, ref_advantages(rewards, groups, cfg), rtol=1e-5, atol=1e-6)
+
+
+def test_group_advantages_hand_values():
+    # Group of 4 with rewards 1, 0, 0, 1: mean .5, std .5.
+    rewards, groups = [1.0, 0.0, 0.0, 1.0], ["g"] * 4
+    a = 0.5 / (0.5 + 1e-6)
+    np.testing.assert_allclose(
+        group_advantages(rewards, groups, PolicyLossConfig(std_norm=True)),
+        [a, -a, -a, a],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        group_advantages(rewards, groups, PolicyLossConfig(advantage="drgrpo")),
+        [0.5, -0.5, -0.5, 0.5],
+        rtol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ADV_CFGS))
+def test_singleton_groups_and_equal_rewards_get_zero(name):
+    cfg = ADV_CFGS[name]
+    got = group_advantages([3.0, 7.0, 2.0, 2.0, 2.0], ["x", "y", "z", "z", "z"], cfg)
+    np.testing.assert_array_equal(got, np.zeros(5, np.float32))
+    assert np.all(np.isfinite(got))
+
+
+# ----- trajectories ----------------------------------------------------------------------------
+
+
+def make_traj(
+    *,
+    prompt_len=3,
+    gens=((4, 5),),
+    obs_len=2,
+    reward=1.0,
+    group="g0",
+    task="t0",
+    status="ok",
+    reason=None,
+    versions=None,
+    meta=None,
+    first_id=10,
+):
+    """A valid sampler trajectory: `prompt_len` prompt ids, then per turn `n` generated ids
+    (behavior logprob -0.1 * (k + 1) for the k-th generated token of the episode) followed by
+    `obs_len` observation ids (not after the last turn). `gens` is ((n, version), ...)."""
+    ids = list(range(first_id, first_id + prompt_len))
+    mask, logp, version = [0] * prompt_len, [None] * prompt_len, [None] * prompt_len
+    turns = []
+    k = 0
+    for i, (n, v) in enumerate(gens):
+        start = len(ids)
+        ids += [first_id + len(ids) + j for j in range(n)]
+        mask += [1] * n
+        logp += [-0.1 * (k + j + 1) for j in range(n)]
+        version += [v] * n
+        k += n
+        turns.append(Turn(agent_text=f"reply {i}", command="ls", token_span=(start, start + n)))
+        if i + 1 < len(gens):
+            ids += [first_id + len(ids) + j for j in range(obs_len)]
+            mask += [0] * obs_len
+            logp += [None] * obs_len
+            version += [None] * obs_len
+    if versions is not None:
+        version = versions
+    t = Trajectory(
+        task_id=task,
+        arm="closed_loop",
+        env_backend="simulated",
+        status=status,
+        reason=reason,
+        reward=reward,
+        group_id=group,
+        turns=turns,
+        source="sampler",
+        token_ids=ids,
+        loss_mask=mask,
+        behavior_logprobs=logp,
+        policy_version=version,
+        tokenizer="byte",
+        meta=dict(meta or {}),
+    )
+    validate(t)
+    return t
+
+
+CFG = PolicyLossConfig(advantage="drgrpo")  # advantages = reward - group mean, easy to read
+
+
+def test_rows_are_shifted_and_aligned_with_targets():
+    # 3 prompt ids, 2 generated (v1), 2 obs ids, 3 generated (v2): 10 ids.
+    t = make_traj(gens=((2, 1), (3, 2)), reward=1.0, group="g")
+    u = make_traj(gens=((1, 2),), reward=0.0, group="g", first_id=100)
+    batch, stats = build_rl_batch([t, u], rows=4, seq_len=12, cfg=CFG, version=3)
+    assert set(batch) == {"tokens", "targets", "loss_mask", "segment_ids", "positions",
+                          "behavior_logprobs", "advantages"}  # fmt: skip
+    for k, v in batch.items():
+        assert v.shape == (4, 12), k
+    ids = t.token_ids
+    n = len(ids) - 1
+    np.testing.assert_array_equal(batch["tokens"][0, :n], ids[:-1])
+    np.testing.assert_array_equal(batch["targets"][0, :n], ids[1:])
+    np.testing.assert_array_equal(batch["loss_mask"][0, :n], t.loss_mask[1:])
+    assert batch["loss_mask"][0].sum() == 5 == sum(t.loss_mask)
+    np.testing.assert_array_equal(batch["segment_ids"][0], [1] * n + [0] * (12 - n))
+    np.testing.assert_array_equal(batch["positions"][0, :n], np.arange(n))
+    # behavior logprob of target j is the one stored at token j + 1, and 0 where not trained.
+    want_blp = [x if x is not None else 0.0 for x in t.behavior_logprobs[1:]]
+    np.testing.assert_allclose(batch["behavior_logprobs"][0, :n], want_blp, rtol=1e-6)
+    # Advantage (drgrpo: 1 - 0.5) on exactly the trained targets.
+    np.testing.assert_allclose(batch["advantages"][0, :n], 0.5 * np.asarray(t.loss_mask[1:]))
+    np.testing.assert_allclose(batch["advantages"][1, : len(u.token_ids) - 1],
+                               -0.5 * np.asarray(u.loss_mask[1:]))  # fmt: skip
+    # Every generated target in row 0 is a generated id of the trajectory.
+    gen_ids = [i for i, m in zip(ids, t.loss_mask, strict=True) if m]
+    assert list(batch["targets"][0][batch["loss_mask"][0] == 1]) == gen_ids
+    # The tail of the used rows and the two padding rows are all zeros.
+    for k in batch:
+        assert not batch[k][0, n:].any(), k
+        assert not batch[k][2:].any(), k
+    assert stats.used == 2 and stats.episodes == 2 and stats.skipped == {}
+    assert stats.tokens == 6 and stats.truncated_rows == 0
+    assert stats.reward_mean == 0.5 and stats.success_rate == 0.5
+    assert stats.episode_tokens_mean == (10 + 4) / 2
+
+
+def test_pad_id_fills_tokens_and_targets_only():
+    t = make_traj(gens=((2, 0),))
+    batch, _ = build_rl_batch([t], rows=2, seq_len=8, cfg=CFG, version=0, pad_id=7)
+    n = len(t.token_ids) - 1
+    assert (batch["tokens"][0, n:] == 7).all() and (batch["targets"][1] == 7).all()
+    assert not batch["segment_ids"][1].any() and not batch["loss_mask"][1].any()
+
+
+def test_long_episode_is_truncated_to_seq_len():
+    t = make_traj(prompt_len=3, gens=((6, 0),))  # 9 ids -> 8 targets
+    batch, stats = build_rl_batch([t], rows=1, seq_len=5, cfg=CFG, version=2)
+    np.testing.assert_array_equal(batch["tokens"][0], t.token_ids[:5])
+    np.testing.assert_array_equal(batch["targets"][0], t.token_ids[1:6])
+    np.testing.assert_array_equal(batch["loss_mask"][0], [0, 0, 1, 1, 1])
+    assert (batch["segment_ids"][0] == 1).all()
+    assert stats.truncated_rows == 1 and stats.tokens == 3
+    # Staleness only over the tokens that made it into the row.
+    assert stats.staleness_mean == 2.0 and stats.staleness_max == 2
+    # Exactly seq_len + 1 ids fit without truncation.
+    t2 = make_traj(prompt_len=3, gens=((3, 0),))
+    _, stats2 = build_rl_batch([t2], rows=1, seq_len=5, cfg=CFG, version=0)
+    assert stats2.truncated_rows == 0
+
+
+def test_staleness_stats_over_generated_tokens():
+    # 2 tokens at v1 and 3 at v3 in one episode, 1 token at v4 in another; trainer at v5.
+    t = make_traj(gens=((2, 1), (3, 3)), group="a")
+    u = make_traj(gens=((1, 4),), group="b")
+    _, stats = build_rl_batch([t, u], rows=2, seq_len=16, cfg=CFG, version=5)
+    stale = [4, 4, 2, 2, 2, 1]
+    assert stats.staleness_mean == pytest.approx(sum(stale) / len(stale))
+    assert stats.staleness_max == 4
+
+
+def test_skip_reasons_are_counted_and_rows_hold_only_usable_episodes():
+    good = [make_traj(reward=float(i % 2), group="g", first_id=10 + 50 * i) for i in range(3)]
+    bad = [
+        make_traj(meta={"masked": True}),
+        make_traj(meta={"dropped": True}),
+        make_traj(status="error", reason="agent server 503", reward=None),
+        make_traj(status="aborted", reason="shutdown", reward=0.0),
+        make_traj(status="truncated", reason="turn limit", reward=None),
+        make_traj(gens=()),  # no generated tokens
+    ]
+    rendered = make_traj()
+    rendered.source, rendered.behavior_logprobs, rendered.policy_version = "rendered", None, None
+    validate(rendered)
+    episodes = [bad[0], good[0], bad[1], bad[2], good[1], bad[3], bad[4], rendered, bad[5]]
+    episodes.append(good[2])
+    overlong_filtering = dataclasses.replace(CFG, truncated_reward=None)
+    batch, stats = build_rl_batch(episodes, rows=4, seq_len=16, cfg=overlong_filtering, version=0)
+    assert stats.episodes == 10 and stats.used == 3
+    assert stats.skipped == {
+        "masked_group": 1,
+        "dropped": 1,
+        "status_error": 1,
+        "status_aborted": 1,
+        "no_reward": 1,
+        "no_behavior_logprobs": 1,
+        "no_generated_tokens": 1,
+    }
+    for row, t in enumerate(good):  # in order, first rows
+        n = len(t.token_ids) - 1
+        np.testing.assert_array_equal(batch["tokens"][row, :n], t.token_ids[:-1])
+    assert not batch["segment_ids"][3].any()
+    # Advantages come from the usable group members only: rewards 0, 1, 0 -> mean 1/3.
+    np.testing.assert_allclose(batch["advantages"][1].max(), 1 - 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(batch["advantages"][0].min(), -1 / 3, rtol=1e-6)
+
+
+def test_truncated_without_a_reward_counts_as_failure_by_default():
+    good = make_traj(reward=1.0, group="g", first_id=10)
+    cut = make_traj(status="truncated", reason="context full", reward=None, group="g")
+    batch, stats = build_rl_batch([good, cut], rows=2, seq_len=16, cfg=CFG, version=0)
+    assert stats.used == 2 and stats.skipped == {} and stats.reward_mean == 0.5
+    assert batch["advantages"][1].min() < 0 < batch["advantages"][0].max()
+
+
+def test_truncated_status_with_a_reward_is_used():
+    t = make_traj(status="truncated", reason="context full", reward=0.0)
+    _, stats = build_rl_batch([t], rows=1, seq_len=16, cfg=CFG, version=0)
+    assert stats.used == 1 and stats.skipped == {}
+
+
+def test_too_many_usable_episodes_raise():
+    eps = [make_traj(group=f"g{i}") for i in range(3)]
+    with pytest.raises(ValueError, match="3 usable episodes do not fit in 2 rows"):
+        build_rl_batch(eps, rows=2, seq_len=16, cfg=CFG, version=0)
+    # Unusable extras do not count against the rows.
+    eps[2].meta["dropped"] = True
+    _, stats = build_rl_batch(eps, rows=2, seq_len=16, cfg=CFG, version=0)
+    assert stats.used == 2
+
+
+def test_no_usable_episodes_gives_an_all_padding_batch():
+    batch, stats = build_rl_batch([make_traj(meta={"masked": True})], rows=2, seq_len=4,
+                                  cfg=CFG, version=0)  # fmt: skip
+    assert stats.used == 0 and stats.skipped == {"masked_group": 1}
+    assert all(not v.any() for v in batch.values())
+    assert stats.tokens == 0 and stats.staleness_max == 0
+
+
+def test_advantages_use_grpo_std_norm_and_group_falls_back_to_task_id():
+    cfg = PolicyLossConfig(advantage="grpo", std_norm=True)
+    eps = [
+        make_traj(reward=1.0, group="", task="task-a"),
+        make_traj(reward=0.0, group="", task="task-a"),
+        make_traj(reward=1.0, group="", task="task-b"),
+        make_traj(reward=1.0, group="", task="task-b"),
+    ]
+    batch, stats = build_rl_batch(eps, rows=4, seq_len=16, cfg=cfg, version=0)
+    want = group_advantages([1.0, 0.0, 1.0, 1.0], ["task-a", "task-a", "task-b", "task-b"], cfg)
+    for row in range(4):
+        m = batch["loss_mask"][row] == 1
+        np.testing.assert_allclose(batch["advantages"][row][m], want[row], rtol=1e-6)
+    assert want[0] == pytest.approx(1.0, rel=1e-5) and want[2] == 0.0
+    assert stats.zero_variance_groups == 1
+    assert stats.success_rate == 0.75
+
+
+def test_batch_stats_to_dict():
+    s = BatchStats(episodes=3, used=2, skipped={"dropped": 1})
+    d = s.to_dict()
+    assert d["episodes"] == 3 and d["skipped"] == {"dropped": 1} and "staleness_max" in d
+
+
+# ----- episode source --------------------------------------------------------------------------
+
+
+async def test_in_memory_episode_source_passes_the_version():
+    calls = []
+
+    def make(version):
+        calls.append(version)
+        return [make_traj(group=f"v{version}")]
+
+    src: EpisodeSource = InMemoryEpisodeSource(make)
+    first = await src.next_batch()
+    await src.set_version(1)
+    await src.set_version(2)
+    second = await src.next_batch()
+    await src.close()
+    assert calls == [0, 2]
+    assert first[0].group_id == "v0" and second[0].group_id == "v2"
+    assert src.versions_seen == [0, 1, 2]
