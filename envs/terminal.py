@@ -157,6 +157,7 @@ class TerminalEnv:
         observation = self.render_observation(obs)
         info = {
             "command": action.command,
+            "output": obs.output,
             "exit_code": obs.exit_code,
             "truncated": obs.truncated or len(obs.output) > cfg.max_observation_chars,
             "duration_s": obs.duration_s,

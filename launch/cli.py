@@ -91,6 +91,12 @@ def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
+def _collect_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import collect
+
+    return collect.run(args, cfg)
+
+
 def _train_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from launch import train
 
@@ -104,6 +110,7 @@ def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 HANDLERS: dict[str, Handler] = {
+    "collect": _collect_cmd,
     "train-sim": _train_sim_cmd,
     "train-agent": _train_agent_cmd,
     "config": _config_cmd,

@@ -76,6 +76,37 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class CollectConfig:
+    """`simloop collect`: the scripted agent that gathers real trajectories."""
+
+    episodes: int = 128
+    """Episodes to run (tasks are taken in order, repeating)."""
+    style: str = "two_step"
+    """`two_step` (compute, then submit what the shell printed) or `marker` (one turn)."""
+    noise: float = 0.2
+    """Probability that a turn's reply carries a mistake (another operation's command, a typo,
+    a wrong answer), so the data also shows failing commands."""
+
+    def __post_init__(self) -> None:
+        from envs.textops import SOLVER_STYLES
+
+        if (
+            isinstance(self.episodes, bool)
+            or not isinstance(self.episodes, int)
+            or self.episodes < 1
+        ):
+            raise ValueError(
+                f"CollectConfig.episodes={self.episodes!r} is invalid: an integer >= 1"
+            )
+        if self.style not in SOLVER_STYLES:
+            raise ValueError(
+                f"CollectConfig.style={self.style!r} is invalid: one of {list(SOLVER_STYLES)}"
+            )
+        if not 0.0 <= self.noise <= 1.0:
+            raise ValueError(f"CollectConfig.noise={self.noise!r} is invalid: a number in [0, 1]")
+
+
+@dataclass(frozen=True)
 class SimloopConfig:
     """Everything a `simloop` subcommand reads."""
 
@@ -92,6 +123,8 @@ class SimloopConfig:
     """Inference server settings."""
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     """Rollouts: arm, groups, limits, concurrency, staleness."""
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    """`simloop collect`: scripted real trajectories for the simulator."""
     train_sim: TrainSimConfig = field(default_factory=TrainSimConfig)
     """`simloop train-sim`: simulator SFT (mesh: `simulator.mesh`)."""
     train_agent: TrainAgentConfig = field(default_factory=TrainAgentConfig)

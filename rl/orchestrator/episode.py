@@ -196,8 +196,10 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
                     exit_code=info.get("exit_code"), timings={"agent_s": agent_s, "env_s": env_s},
                     flags=flags, token_span=span,
                     info={"finish_reason": out.finish_reason})  # fmt: skip
-        if step.observation:
-            turn.observation = step.observation
+        # The turn keeps the shell's raw output (what a simulator must reproduce, as in
+        # imported trajectories); the rendered message the agent saw is in env_messages.
+        if "output" in info:
+            turn.observation = info["output"]
         result.timings.append(TurnTiming(turn_index, agent_s, env_s, len(gen)))
         traj.turns.append(turn)
         if step.done:

@@ -1,0 +1,91 @@
+"""`simloop collect`: real trajectories from a scripted (optionally noisy) textops agent.
+
+    simloop collect --config configs/demo_cpu.yaml --out runs/collect
+    simloop collect --config configs/demo_cpu.yaml --out runs/collect --collect.noise 0.3
+
+Runs `collect.episodes` episodes of the config's textops tasks in the real shell
+(`env.shell.backend`: local or e2b) through the orchestrator, with `ScriptedAgentClient` in the
+agent's seat, and writes `config.yaml`, `trajectories/collect-NNNNN.{jsonl,array_record}` and
+`metrics.jsonl` into `--out`: the data `simloop train-sim` learns the terminal from. A model
+agent collects with `simloop rollout` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from launch.config import write_config
+from launch.schema import SimloopConfig
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        print("simloop collect: --out DIR is required", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    write_config(cfg, out)
+    summary = asyncio.run(collect(cfg, out))
+    print(
+        f"simloop collect: {summary['episodes']} episodes {summary['status']} "
+        f"success {summary['success_rate']:.2f} -> {out / 'trajectories'}"
+    )
+    return 0 if summary["episodes"] else 1
+
+
+async def collect(cfg: SimloopConfig, out: Path) -> dict:
+    import dataclasses
+
+    from rich.progress import Progress
+
+    from envs.local import LocalShell
+    from envs.textops import generate_textops
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.scripted import ScriptedAgentClient
+    from rl.orchestrator.storage import TrajectoryWriter
+
+    c = cfg.collect
+    tasks = generate_textops(cfg.env.textops)
+    renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    client = ScriptedAgentClient(
+        tasks, renderer.tokenizer, style=c.style, noise=c.noise, seed=cfg.run.seed
+    )
+    shell_cfg = cfg.env.shell
+
+    def real(task):
+        if shell_cfg.backend == "e2b":
+            from envs.e2b import E2BShell
+
+            return E2BShell(
+                shell_cfg.e2b, run_id=cfg.run.name, episode_id=task.id, setup=task.setup
+            )
+        return LocalShell(shell_cfg.local, setup=task.setup)
+
+    ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
+    writer = TrajectoryWriter(out, prefix="collect")
+    episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]
+    with Progress() as progress:
+        bar = progress.add_task("collect", total=len(episodes))
+
+        def sink(traj) -> None:
+            writer.add(traj)
+            progress.advance(bar)
+
+        backend = "e2b" if shell_cfg.backend == "e2b" else "local"
+        runner = RolloutRunner(
+            ocfg,
+            cfg.env.terminal,
+            renderer,
+            Backends(real=real, real_backend=backend),
+            client=client,
+            sink=sink,
+        )
+        try:
+            await runner.run(episodes)
+        finally:
+            writer.close()
+            runner.metrics.write(out / "metrics.jsonl", stage="collect", noise=c.noise)
+    return runner.metrics.summary()

@@ -1,0 +1,158 @@
+"""`simloop collect` -> `simloop train-sim` as a user runs them, including a trainer killed with
+SIGKILL mid-run and restarted with the same command: it continues from its last checkpoint
+and every later loss equals the uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+STEPS = 40
+
+
+def simloop(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch", *args]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def collected(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("collect")
+    cmd = simloop(
+        "collect",
+        "--config",
+        str(CONFIG),
+        "--out",
+        str(out),
+        "--collect.episodes",
+        "24",
+        "--collect.noise",
+        "0.3",
+    )
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "24 episodes" in done.stdout
+    return out / "trajectories"
+
+
+def train_sim_cmd(out: Path, data: Path) -> list[str]:
+    return simloop(
+        "train-sim",
+        "--config",
+        str(CONFIG),
+        "--out",
+        str(out),
+        "--train_sim.trajectories",
+        f"[{data}]",
+        "--train_sim.steps",
+        str(STEPS),
+        "--train_sim.log_every",
+        "1",
+        "--train_sim.checkpoint.every_steps",
+        "4",
+        "--train_sim.data.batch_size",
+        "2",
+        "--train_sim.data.seq_len",
+        "768",
+        "--train_sim.heldout_fraction",
+        "0.2",
+    )
+
+
+def losses(run: Path) -> dict[int, float]:
+    """Step -> loss; a step logged twice (before a kill and after the resume) keeps the last."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("stage") == "sim_sft" and "loss" in r and "step" in r:
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def committed_steps(run: Path) -> list[int]:
+    ckpt = run / "checkpoints"
+    if not ckpt.exists():
+        return []
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+
+
+def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
+    whole = tmp_path / "whole"
+    done = subprocess.run(
+        train_sim_cmd(whole, collected),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = losses(whole)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert expected[STEPS] < expected[1]  # it learns
+    assert (whole / "weights" / "final" / "model_config.json").exists()
+    assert json.loads((whole / "heldout_tasks.json").read_text())  # some tasks held out
+    assert committed_steps(whole)[-1] == STEPS
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        train_sim_cmd(killed, collected),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while not [s for s in committed_steps(killed) if s >= 8]:
+        assert proc.poll() is None, "the trainer ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    at_kill = committed_steps(killed)[-1]
+    assert at_kill < STEPS, "the run finished before the kill landed"
+
+    again = subprocess.run(
+        train_sim_cmd(killed, collected),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming at step {at_kill}" in again.stdout
+    got = losses(killed)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(at_kill + 1, STEPS + 1):
+        assert got[step] == expected[step], (step, got[step], expected[step])
+
+
+def test_train_sim_without_trajectories_says_what_to_set(tmp_path):
+    done = subprocess.run(
+        simloop("train-sim", "--config", str(CONFIG), "--out", str(tmp_path)),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "train_sim.trajectories is empty" in done.stderr
