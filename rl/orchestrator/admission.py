@@ -2,8 +2,9 @@
 
 The trainer consumes `batch_size` episodes per version. An episode started while the trainer
 is at version v is used at a version >= v; it is at most S versions stale if no more than
-`(v + S + 1) * batch_size` episodes have been started in total. `S = 0` is synchronous:
-exactly one batch per version, and the next starts only after the trainer moves on.
+`(v - v0 + S + 1) * batch_size` episodes have been started in total since version v0.
+`S = 0` is synchronous: exactly one batch per version, and the next starts only after the
+trainer moves on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class AdmissionController:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} is invalid: >= 1")
         self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.version = version
+        self.version = self.base_version = version
         self.started = 0
         self._changed = asyncio.Condition()
 
@@ -26,7 +27,7 @@ class AdmissionController:
         """Total episodes that may have started at the current version."""
         if self.max_staleness is None:
             return float("inf")
-        return (self.version + self.max_staleness + 1) * self.batch_size
+        return (self.version - self.base_version + self.max_staleness + 1) * self.batch_size
 
     async def admit(self) -> int:
         """Wait for room; returns the trainer version the episode starts under."""
@@ -34,6 +35,13 @@ class AdmissionController:
             await self._changed.wait_for(lambda: self.started < self.capacity())
             self.started += 1
             return self.version
+
+    def rebase(self, version: int) -> None:
+        """Start counting at `version` (a trainer resumed at step k serves version k + 1):
+        only before any episode was admitted."""
+        if self.started:
+            raise RuntimeError(f"rebase after {self.started} admitted episodes")
+        self.version = self.base_version = version
 
     async def set_version(self, version: int) -> None:
         if version < self.version:

@@ -75,7 +75,8 @@ class RolloutBuffer:
         return self.runner.admission
 
     async def start(self, version: int) -> None:
-        await self.admission.set_version(version)
+        """Start rolling out under policy `version` (the one the servers serve now)."""
+        self.admission.rebase(version)
         self._task = asyncio.create_task(self.runner.run(self.tasks), name="rollout-buffer")
 
     async def next_batch(self) -> list[Trajectory]:
