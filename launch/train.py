@@ -218,7 +218,8 @@ def run_train_agent(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
-    """Scripted expert episodes (marker style, one turn) in the real shell."""
+    """Scripted episodes (marker style, one turn) in the real shell: experts, with
+    `warm_start.noise` of them imperfect (those are kept: they are the demonstrations)."""
     from envs.local import LocalShell
     from rl.orchestrator.config import OrchestratorConfig
     from rl.orchestrator.runner import Backends, RolloutRunner
@@ -233,7 +234,15 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
         seed=cfg.run.seed,
         max_concurrent_episodes=8,
     )
-    client = ScriptedAgentClient(tasks, renderer.tokenizer, style="marker")
+    ws = cfg.train_agent.warm_start
+    client = ScriptedAgentClient(
+        tasks,
+        renderer.tokenizer,
+        style="marker",
+        noise=ws.noise,
+        noise_kinds=ws.noise_kinds,
+        seed=cfg.run.seed,
+    )
     runner = RolloutRunner(
         ocfg,
         cfg.env.terminal,
@@ -242,7 +251,7 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
         client=client,
     )
     demos = await runner.run([tasks[i % len(tasks)] for i in range(n)])
-    return [t for t in demos if t.status == "ok" and (t.reward or 0) >= 1]
+    return [t for t in demos if t.status in ("ok", "truncated") and t.turns]
 
 
 async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:

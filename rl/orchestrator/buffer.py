@@ -2,8 +2,10 @@
 
 Components: `RolloutBuffer.start()` runs `RolloutRunner.run(tasks)` as a background task; the
 runner delivers whole groups to the buffer's queue (and to an optional writer);
-`next_batch()` hands the trainer `batch_size` episodes; `set_version(v)` moves the admission
-controller, which lets the next episodes start (S = 0: exactly one batch per version).
+`next_batch()` hands the trainer `batch_size` episodes (dropping stragglers that finished more
+than S versions late: admission bounds staleness only when an episode starts);
+`set_version(v)` moves the admission controller, which lets the next episodes start (S = 0:
+exactly one batch per version).
 The trainer never waits forever: a failed rollout task surfaces its exception from
 `next_batch()`, and `close()` cancels what is left within a bounded grace period.
 """
@@ -62,6 +64,8 @@ class RolloutBuffer:
         self.tasks = task_stream(tasks, (steps + cfg.max_staleness + 1) * groups_per_batch, seed)
         self.sink, self.batch_timeout_s = sink, batch_timeout_s
         self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
+        self.max_staleness, self.version = cfg.max_staleness, 0
+        self.dropped_stale = 0
         self._task: asyncio.Task | None = None
         runner.sink = self._deliver
 
@@ -77,6 +81,7 @@ class RolloutBuffer:
     async def start(self, version: int) -> None:
         """Start rolling out under policy `version` (the one the servers serve now)."""
         self.admission.rebase(version)
+        self.version = version
         self._task = asyncio.create_task(self.runner.run(self.tasks), name="rollout-buffer")
 
     async def next_batch(self) -> list[Trajectory]:
@@ -95,7 +100,10 @@ class RolloutBuffer:
                 {get, self._task}, timeout=self.batch_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if get in done:
-                batch.append(get.result())
+                traj = get.result()
+                if await self._drop_if_stale(traj):
+                    continue
+                batch.append(traj)
                 continue
             get.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,7 +115,20 @@ class RolloutBuffer:
                 )
         return batch
 
+    async def _drop_if_stale(self, traj: Trajectory) -> bool:
+        """Admission bounds staleness when an episode starts; a straggler can still finish
+        after newer episodes filled later batches. Such an episode is not trained on (it stays
+        in the written trajectories, marked) and its admission slot is given back."""
+        admitted = traj.meta.get("admitted_version", self.version)
+        if admitted >= self.version - self.max_staleness:
+            return False
+        traj.meta["stale"] = True
+        self.dropped_stale += 1
+        await self.admission.release()  # its place goes to a fresh episode
+        return True
+
     async def set_version(self, version: int) -> None:
+        self.version = version
         await self.admission.set_version(version)
 
     async def close(self) -> None:

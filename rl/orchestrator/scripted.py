@@ -36,10 +36,17 @@ class ScriptedAgentClient:
         *,
         style: str = "two_step",
         noise: float = 0.0,
+        noise_kinds: Sequence[str] = NOISE_KINDS,
         seed: int = 0,
     ):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
+        if not noise_kinds or any(k not in NOISE_KINDS for k in noise_kinds):
+            raise ValueError(
+                f"noise_kinds={list(noise_kinds)!r} is invalid: a non-empty subset of "
+                f"{list(NOISE_KINDS)}"
+            )
+        self.noise_kinds = tuple(noise_kinds)
         # Tasks with the same instruction (e.g. the same operation on a file's word) have the
         # same script: the plan depends only on what the instruction says.
         self.tasks = {t.instruction: t for t in tasks}
@@ -75,7 +82,7 @@ class ScriptedAgentClient:
         key = f"{self.seed}:{seed}:{task.id}:{turn}".encode()
         rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
         if rng.random() < self.noise:
-            reply = perturb(reply, rng)
+            reply = perturb(reply, rng, self.noise_kinds)
         gen = self.tok.encode(reply)[: max_tokens - 1] + [self.tok.eos_id]
         return SimpleNamespace(
             text=self.tok.decode(gen[:-1]),
@@ -87,9 +94,9 @@ class ScriptedAgentClient:
         )
 
 
-def perturb(reply: str, rng: random.Random) -> str:
-    """One plausible mistake in a scripted reply."""
-    kind = rng.choice(NOISE_KINDS)
+def perturb(reply: str, rng: random.Random, kinds: Sequence[str] = NOISE_KINDS) -> str:
+    """One plausible mistake (of one of `kinds`) in a scripted reply."""
+    kind = rng.choice(list(kinds))
     if kind == "other_op":
         for name, cmd in _OPS.items():
             if cmd in reply:

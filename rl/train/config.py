@@ -171,6 +171,12 @@ class WarmStartConfig:
     """JSONL files or folders of demonstrations; empty: scripted textops demonstrations are
     collected in the real shell (`num_demos` of them)."""
     num_demos: int = 64
+    noise: float = 0.0
+    """Scripted demonstrations only: the share of imperfect ones (a plausible mistake of
+    `noise_kinds`), kept in the SFT data like any demonstration: the warm-started agent then
+    makes such mistakes at about that rate, which RL has to unlearn."""
+    noise_kinds: list[str] = field(default_factory=lambda: ["other_op"])
+    """`other_op` (another operation's command), `typo`, `wrong_answer`."""
     steps: int = 0
     data: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_epochs=None))
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -178,6 +184,8 @@ class WarmStartConfig:
     def __post_init__(self) -> None:
         _int("WarmStartConfig", self, "steps", 0)
         _int("WarmStartConfig", self, "num_demos", 1)
+        if not 0.0 <= self.noise <= 1.0:
+            raise _bad("WarmStartConfig", "noise", self.noise, "a number in [0, 1]")
 
 
 @dataclass(frozen=True)

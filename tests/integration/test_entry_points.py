@@ -71,3 +71,23 @@ def test_orchestrator_bench_runs_every_episode_concurrently(tmp_path):
     rows = json.loads(out.read_text())
     assert rows[-1]["peak_active"] == 100 and rows[-1]["ok"] == 100
     assert all(r["turns"] == 3 * r["episodes"] for r in rows)
+
+
+@pytest.mark.slow
+def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
+    out = tmp_path / "train.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run(
+        [sys.executable, "bench/train_step.py", "--quick", "--json", str(out)],
+        cwd=REPO, env=env, check=True, capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    (row,) = result["trainer"]
+    assert row["size"] == "tiny" and result["peak_flops"] > 0
+    assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1  # against this machine's peak
+    sync, async_ = result["rl"]["sync"], result["rl"]["async"]
+    assert sync["steps"] == async_["steps"] == 3
+    assert sync["truncated_rows"] == async_["truncated_rows"] == 0
+    assert sync["episodes_finished"] >= 3 * result["rl"]["batch_size"]  # every episode trained ok
+    assert sync["staleness_max"] == 0 and async_["staleness_max"] >= 1  # S=2 sampled meanwhile
+    assert async_["wall_s"] < sync["wall_s"]
