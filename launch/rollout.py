@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -76,7 +77,9 @@ async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
     from rl.orchestrator.storage import TrajectoryWriter
     from serving.client import ClientConfig, InferenceClient
 
-    ocfg = cfg.orchestrator
+    # A rollout job has no trainer to advance versions: the staleness bound (an RL setting)
+    # would stop it after one batch.
+    ocfg = dataclasses.replace(cfg.orchestrator, max_staleness=None)
     tasks = load_tasks(args.tasks) if args.tasks else generate_textops(cfg.env.textops)
     agent_renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     sim_renderer = ChatRenderer(load_tokenizer(cfg.simulator.tokenizer))

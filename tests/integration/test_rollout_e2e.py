@@ -54,7 +54,8 @@ def servers(tmp_path_factory):
 def _rollout(out: Path, servers, *extra: str) -> list:
     cmd = [SIMLOOP, "rollout", "--config", "configs/demo_cpu.yaml", "--out", str(out),
            "--agent.server_url", servers["agent"], "--simulator.server_url",
-           servers["simulator"], "--env.textops.num_tasks", "32", *SMALL, *extra]  # fmt: skip
+           servers["simulator"], "--env.textops.num_tasks", "32", "--orchestrator.group_size", "1",
+           *SMALL, *extra]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     shards = sorted((out / "trajectories").glob("*.jsonl"))
