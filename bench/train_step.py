@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from model_forward import SIZES  # bench/ is on sys.path: the same models as that bench
 from rich.console import Console
 from rich.table import Table
 
@@ -50,14 +51,6 @@ from rl.train.publish import InMemoryPublisher
 from rl.train.rollouts import build_rl_batch
 from rl.train.trainer import Trainer
 
-SIZES = {
-    "tiny": tiny(),
-    # The ~51M config of bench/model_forward.py.
-    "50m": ModelConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=2048, num_layers=12, num_heads=8,
-        num_kv_heads=4, head_dim=64, rope_theta=1_000_000.0, tie_word_embeddings=True,
-    ),
-}  # fmt: skip
 FLOPS_FORMULA = "6·P + 12·L·T·N·H per token (P params incl. tied embedding; causal not halved)"
 TURNS = 3  # agent replies per episode: two commands, then `submit`
 SHORT_PROMPT = (

@@ -22,6 +22,13 @@ INPUT_FILE = "input.txt"
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 _OUTPUT = re.compile(r"<output>\n(.*)\n</output>", re.S)
 
+# The pipeline stage that computes each string-to-string operation from the word on stdin.
+TRANSFORMS = {
+    "reverse": "rev",
+    "upper": "tr a-z A-Z",
+    "sort": "fold -w1 | sort | tr -d '\\n'",
+}
+
 _DESCRIBE = {
     "reverse": "reversed (last character first)",
     "upper": "in upper case",
@@ -125,12 +132,8 @@ class TextopsSolver:
         p = self.params
         src = f"tr -d '\\n' < {INPUT_FILE}" if p["from_file"] else f"printf '%s' '{p['text']}'"
         op = p["op"]
-        if op == "reverse":
-            return [f"{src} | rev"]
-        if op == "upper":
-            return [f"{src} | tr a-z A-Z"]
-        if op == "sort":
-            return [f"{src} | fold -w1 | sort | tr -d '\\n'"]
+        if op in TRANSFORMS:
+            return [f"{src} | {TRANSFORMS[op]}"]
         if op == "count":
             return [f"{src} | tr -cd '{p['char']}' | wc -c"]
         path = p["path"]

@@ -40,10 +40,10 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
 
     from rich.progress import Progress
 
-    from envs.local import LocalShell
     from envs.textops import generate_textops
+    from launch.backends import shell_backends
     from rl.data import ChatRenderer, load_tokenizer
-    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.scripted import ScriptedAgentClient
     from rl.orchestrator.storage import TrajectoryWriter
 
@@ -53,17 +53,6 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     client = ScriptedAgentClient(
         tasks, renderer.tokenizer, style=c.style, noise=c.noise, seed=cfg.run.seed
     )
-    shell_cfg = cfg.env.shell
-
-    def real(task):
-        if shell_cfg.backend == "e2b":
-            from envs.e2b import E2BShell
-
-            return E2BShell(
-                shell_cfg.e2b, run_id=cfg.run.name, episode_id=task.id, setup=task.setup
-            )
-        return LocalShell(shell_cfg.local, setup=task.setup)
-
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")
     episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]
@@ -74,12 +63,11 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
             writer.add(traj)
             progress.advance(bar)
 
-        backend = "e2b" if shell_cfg.backend == "e2b" else "local"
         runner = RolloutRunner(
             ocfg,
             cfg.env.terminal,
             renderer,
-            Backends(real=real, real_backend=backend),
+            shell_backends(cfg),
             client=client,
             sink=sink,
         )

@@ -66,14 +66,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from envs.config import LocalShellConfig
-    from envs.local import LocalShell
-    from envs.simulated import SimulatedShell
     from envs.tasks import load_tasks
     from envs.textops import generate_textops
+    from launch.backends import shell_backends
     from rl.data import ChatRenderer, load_tokenizer
     from rl.data.trajectory import load_trajectories
-    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.storage import TrajectoryWriter
     from serving.client import ClientConfig, InferenceClient
 
@@ -82,7 +80,6 @@ async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
     ocfg = dataclasses.replace(cfg.orchestrator, max_staleness=None)
     tasks = load_tasks(args.tasks) if args.tasks else generate_textops(cfg.env.textops)
     agent_renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
-    sim_renderer = ChatRenderer(load_tokenizer(cfg.simulator.tokenizer))
     timeout = ocfg.request_timeout_s
     async with contextlib.AsyncExitStack() as stack:
         clients = {}
@@ -91,26 +88,8 @@ async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
                 client = InferenceClient(ClientConfig(url, timeout_s=timeout))
                 clients[role] = await stack.enter_async_context(client)
                 await client.wait_healthy(timeout_s=120)
-        shell_cfg = cfg.env.shell
-        local_cfg: LocalShellConfig = shell_cfg.local
-
-        def real(task):
-            if shell_cfg.backend == "e2b":
-                from envs.e2b import E2BShell
-
-                return E2BShell(shell_cfg.e2b, run_id=cfg.run.name, episode_id=task.id,
-                                setup=task.setup)  # fmt: skip
-            return LocalShell(local_cfg, setup=task.setup)
-
-        def simulated(task):
-            return SimulatedShell(clients["simulator"], task_instruction=task.instruction,
-                                  setup=task.setup, config=shell_cfg.simulated,
-                                  renderer=sim_renderer)  # fmt: skip
-
-        real_backend = "e2b" if shell_cfg.backend == "e2b" else "local"
-        sim = simulated if "simulator" in clients else None
-        backends = Backends(real=real, simulated=sim, real_backend=real_backend)
-        replay = load_trajectories(_jsonl(args.replay)) if args.replay else None
+        backends = shell_backends(cfg, clients.get("simulator"))
+        replay = load_trajectories(args.replay) if args.replay else None
         total = len(replay) if replay is not None else len(tasks) * ocfg.group_size
         writer = TrajectoryWriter(out)
         columns = [TextColumn("[bold]rollout[/] {task.description}"), BarColumn(),
@@ -134,10 +113,3 @@ async def _rollout(cfg: SimloopConfig, out: Path, urls: dict, args) -> dict:
                 writer.close()
                 runner.metrics.write(out / "metrics.jsonl", stage="rollout", arm=ocfg.arm)
     return runner.metrics.summary()
-
-
-def _jsonl(paths: list[str]) -> list[Path]:
-    out: list[Path] = []
-    for p in map(Path, paths):
-        out += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
-    return out

@@ -30,43 +30,26 @@ from launch.schema import RoleConfig, SimloopConfig
 ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
 
 
-def _paths(specs: list[str]) -> list[Path]:
-    out: list[Path] = []
-    for p in map(Path, specs):
-        if p.is_dir():
-            out += sorted(p.glob("*.jsonl"))
-        elif p.exists():
-            out.append(p)
-        else:
-            raise FileNotFoundError(f"trajectory path {p} does not exist")
-    return out
-
-
 def is_heldout(task_id: str, fraction: float) -> bool:
     """Stable split by task id: the same task is on the same side in every job."""
     h = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big") / 2**64
     return h < fraction
 
 
-def valid_vocab(role: RoleConfig, tokenizer) -> int:
-    """Ids the sampler may draw (and the trainer normalises over): see serving's sampler."""
-    return min(role.model.vocab_size, tokenizer.vocab_size)
-
-
 def _model_and_params(role: RoleConfig):
-    """The role's architecture, and host params to start from (None: random init)."""
+    """(architecture, host params from `hf_path` or None, serving `weights` dir or None)."""
     if role.weights:
         from rl.model.params_io import read_model_config
 
-        return read_model_config(role.weights), ("serving", role.weights)
+        return read_model_config(role.weights), None, role.weights
     if role.hf_path:
+        from flax import nnx
+
         from rl.model import load_hf
 
         cfg, model = load_hf(role.hf_path)
-        from flax import nnx
-
-        return cfg, ("params", nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    return role.model, None
+        return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), None
+    return role.model, None, None
 
 
 def make_trainer(
@@ -78,36 +61,33 @@ def make_trainer(
     steps: int,
     loss: str,
     loss_cfg=None,
-    mesh=None,
     init_params=None,
     reference=False,
 ):
+    """The role's `Trainer` on its own sub-mesh, starting from `init_params` if given, else
+    from the role's weights / HF checkpoint, else a random init."""
     from rl.train.mesh import role_meshes
     from rl.train.trainer import Trainer
 
-    model_cfg, start = _model_and_params(role)
-    if mesh is None:
-        mesh = role_meshes({"trainer": role.mesh})["trainer"]
-    params = init_params
-    if params is None and start is not None and start[0] == "params":
-        params = start[1]
+    model_cfg, hf_params, weights = _model_and_params(role)
+    params = hf_params if init_params is None else init_params
     trainer = Trainer(
         model_cfg,
         optim,
         total_steps=steps,
         loss=loss,
         loss_cfg=loss_cfg,
-        mesh=mesh,
+        mesh=role_meshes({"trainer": role.mesh})["trainer"],
         rules=cfg.sharding.rules,
-        valid_vocab=valid_vocab(role, tokenizer),
+        # ids the sampler may draw, which the trainer must normalise over (serving's sampler)
+        valid_vocab=min(model_cfg.vocab_size, tokenizer.vocab_size),
         seed=cfg.run.seed,
         init_params=params,
-        reference=False,
+        reference=reference,
     )
-    if init_params is None and start is not None and start[0] == "serving":
-        trainer.state = trainer._init_state(trainer.load_serving(start[1]))  # noqa: SLF001
-    if reference:
-        trainer.reference = trainer.copy_params(trainer.params)
+    if params is None and weights is not None:
+        # Orbax restores straight into the trainer's placement, so load after building it.
+        trainer.reset_params(trainer.load_serving(weights))
     return trainer
 
 
@@ -142,7 +122,7 @@ def run_train_sim(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import MetricsLog, resume, sft_loop
 
-    trajs = load_trajectories(_paths(tcfg.trajectories))
+    trajs = load_trajectories(tcfg.trajectories)
     train = [t for t in trajs if not is_heldout(t.task_id, tcfg.heldout_fraction)]
     heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
     (out / "heldout_tasks.json").write_text(json.dumps(heldout, indent=1))
@@ -220,9 +200,9 @@ def run_train_agent(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
     """Scripted episodes (marker style, one turn) in the real shell: experts, with
     `warm_start.noise` of them imperfect (those are kept: they are the demonstrations)."""
-    from envs.local import LocalShell
+    from launch.backends import shell_backends
     from rl.orchestrator.config import OrchestratorConfig
-    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.scripted import ScriptedAgentClient
 
     o = cfg.orchestrator
@@ -247,7 +227,7 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
         ocfg,
         cfg.env.terminal,
         renderer,
-        Backends(real=lambda t: LocalShell(cfg.env.shell.local, setup=t.setup)),
+        shell_backends(cfg),
         client=client,
     )
     demos = await runner.run([tasks[i % len(tasks)] for i in range(n)])
@@ -274,7 +254,7 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     resuming_rl = rl_ckpt_dir.exists() and any(p.name.isdigit() for p in rl_ckpt_dir.iterdir())
     if ws.steps > 0 and not resuming_rl:
         if ws.trajectories:
-            demos = load_trajectories(_paths(ws.trajectories))
+            demos = load_trajectories(ws.trajectories)
         else:
             demos = await collect_demos(cfg, tasks, renderer, ws.num_demos)
             write_jsonl(out / "trajectories" / "demos.jsonl", demos)
@@ -333,12 +313,10 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
 async def _rl(
     cfg, out, trainer, tasks, renderer, ckpt, metrics, seq_len, start_path, start_version
 ) -> dict:
-    from envs.local import LocalShell
-    from envs.simulated import SimulatedShell
+    from launch.backends import shell_backends
     from launch.local import LocalServer
-    from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.buffer import RolloutBuffer
-    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.storage import TrajectoryWriter
     from rl.train.loop import rl_loop
     from serving.client import ClientConfig, InferenceClient
@@ -377,32 +355,7 @@ async def _rl(
                 f"({report.first_token_s:.2f}s to first token)",
                 flush=True,
             )
-            sim_renderer = ChatRenderer(load_tokenizer(cfg.simulator.tokenizer))
-            shell_cfg = cfg.env.shell
-
-            def real(task):
-                if shell_cfg.backend == "e2b":
-                    from envs.e2b import E2BShell
-
-                    return E2BShell(
-                        shell_cfg.e2b, run_id=cfg.run.name, episode_id=task.id, setup=task.setup
-                    )
-                return LocalShell(shell_cfg.local, setup=task.setup)
-
-            def simulated(task):
-                return SimulatedShell(
-                    clients["simulator"],
-                    task_instruction=task.instruction,
-                    setup=task.setup,
-                    config=shell_cfg.simulated,
-                    renderer=sim_renderer,
-                )
-
-            backends = Backends(
-                real=real,
-                simulated=simulated if "simulator" in clients else None,
-                real_backend="e2b" if shell_cfg.backend == "e2b" else "local",
-            )
+            backends = shell_backends(cfg, clients.get("simulator"))
             runner = RolloutRunner(
                 ocfg, cfg.env.terminal, renderer, backends, client=clients["agent"]
             )

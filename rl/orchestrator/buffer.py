@@ -64,7 +64,6 @@ class RolloutBuffer:
         self.tasks = task_stream(tasks, (steps + cfg.max_staleness + 1) * groups_per_batch, seed)
         self.sink, self.batch_timeout_s = sink, batch_timeout_s
         self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
-        self.max_staleness, self.version = cfg.max_staleness, 0
         self.dropped_stale = 0
         self._task: asyncio.Task | None = None
         runner.sink = self._deliver
@@ -81,7 +80,6 @@ class RolloutBuffer:
     async def start(self, version: int) -> None:
         """Start rolling out under policy `version` (the one the servers serve now)."""
         self.admission.rebase(version)
-        self.version = version
         self._task = asyncio.create_task(self.runner.run(self.tasks), name="rollout-buffer")
 
     async def next_batch(self) -> list[Trajectory]:
@@ -119,8 +117,8 @@ class RolloutBuffer:
         """Admission bounds staleness when an episode starts; a straggler can still finish
         after newer episodes filled later batches. Such an episode is not trained on (it stays
         in the written trajectories, marked) and its admission slot is given back."""
-        admitted = traj.meta.get("admitted_version", self.version)
-        if admitted >= self.version - self.max_staleness:
+        now, bound = self.admission.version, self.admission.max_staleness
+        if traj.meta.get("admitted_version", now) >= now - bound:
             return False
         traj.meta["stale"] = True
         self.dropped_stale += 1
@@ -128,7 +126,6 @@ class RolloutBuffer:
         return True
 
     async def set_version(self, version: int) -> None:
-        self.version = version
         await self.admission.set_version(version)
 
     async def close(self) -> None:

@@ -17,15 +17,10 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 
 from envs.tasks import Task
-from envs.textops import TextopsSolver
+from envs.textops import TRANSFORMS, TextopsSolver
 from rl.data.tokenizer import IM_START, Tokenizer
 
 NOISE_KINDS = ("other_op", "typo", "wrong_answer")
-_OPS = {
-    "reverse": "rev",
-    "upper": "tr a-z A-Z",
-    "sort": "fold -w1 | sort | tr -d '\\n'",
-}
 
 
 class ScriptedAgentClient:
@@ -98,9 +93,9 @@ def perturb(reply: str, rng: random.Random, kinds: Sequence[str] = NOISE_KINDS) 
     """One plausible mistake (of one of `kinds`) in a scripted reply."""
     kind = rng.choice(list(kinds))
     if kind == "other_op":
-        for name, cmd in _OPS.items():
+        for name, cmd in TRANSFORMS.items():
             if cmd in reply:
-                other = rng.choice([c for n, c in _OPS.items() if n != name])
+                other = rng.choice([c for n, c in TRANSFORMS.items() if n != name])
                 return reply.replace(cmd, other)
         kind = "typo"
     if kind == "wrong_answer" and "submit " in reply:

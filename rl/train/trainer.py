@@ -148,6 +148,14 @@ class Trainer:
             self.param_shardings,
         )
 
+    def reset_params(self, params: Mapping) -> None:
+        """Start over from `params` (host or device): fresh optimizer state at step 0, and the
+        frozen reference (when there is one) set to the same weights."""
+        placed = self.place_params(params)
+        self.state = self._init_state(placed)
+        if self.reference is not None:
+            self.reference = self.copy_params(placed)
+
     def copy_params(self, params: Mapping) -> dict:
         return jax.tree.map(lambda x: x.copy(), dict(params))
 

@@ -31,6 +31,12 @@ def _env() -> dict:
     return env
 
 
+def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("collect")
@@ -45,7 +51,7 @@ def collected(tmp_path_factory) -> Path:
         "--collect.noise",
         "0.3",
     )
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    done = run(cmd, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "24 episodes" in done.stdout
     return out / "trajectories"
@@ -94,14 +100,7 @@ def committed_steps(run: Path) -> list[int]:
 
 def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
     whole = tmp_path / "whole"
-    done = subprocess.run(
-        train_sim_cmd(whole, collected),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run(train_sim_cmd(whole, collected))
     assert done.returncode == 0, done.stderr[-3000:]
     expected = losses(whole)
     assert sorted(expected) == list(range(1, STEPS + 1))
@@ -129,14 +128,7 @@ def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
     at_kill = committed_steps(killed)[-1]
     assert at_kill < STEPS, "the run finished before the kill landed"
 
-    again = subprocess.run(
-        train_sim_cmd(killed, collected),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    again = run(train_sim_cmd(killed, collected))
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming at step {at_kill}" in again.stdout
     got = losses(killed)
@@ -146,13 +138,6 @@ def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
 
 
 def test_train_sim_without_trajectories_says_what_to_set(tmp_path):
-    done = subprocess.run(
-        simloop("train-sim", "--config", str(CONFIG), "--out", str(tmp_path)),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run(simloop("train-sim", "--config", str(CONFIG), "--out", str(tmp_path)), 120)
     assert done.returncode == 2
     assert "train_sim.trajectories is empty" in done.stderr

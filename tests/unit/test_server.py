@@ -25,7 +25,7 @@ from rl.model import Qwen3, tiny
 from rl.model.params_io import save_params
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig, SamplingParams
-from serving.server import Server, run_server
+from serving.server import Server, background_server
 from tests.fakes import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -60,15 +60,8 @@ async def served(tmp_path_factory):
     engine = Engine(make_model(0), TOK, ECFG)
     cfg = ServerConfig(host="127.0.0.1", port=0, model_name=NAME, admin_token=TOKEN,
                        checkpoint_root=str(root), shutdown_timeout_s=5.0)  # fmt: skip
-    port: asyncio.Future = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_server(engine, TOK, cfg, ready=port.set_result, stop=stop))
-    await asyncio.wait({port, task}, timeout=180, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()  # the server failed to start: raise its error
-    yield Served(engine, f"http://127.0.0.1:{port.result()}", root, outside)
-    stop.set()
-    await asyncio.wait_for(task, 30)
+    async with background_server(engine, TOK, cfg, start_timeout_s=180) as url:
+        yield Served(engine, url, root, outside)
     assert not engine.running
 
 
