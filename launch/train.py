@@ -234,8 +234,19 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
     return [t for t in demos if t.status in ("ok", "truncated") and t.turns]
 
 
-async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
+def agent_tasks(cfg: SimloopConfig) -> tuple[list, list]:
+    """(training tasks, held-out evaluation tasks): `env.textops.num_tasks` tasks, then
+    `train_agent.eval.tasks` more from the same seeded generator (a prefix-stable stream)."""
+    import dataclasses
+
     from envs.textops import generate_textops
+
+    n, k = cfg.env.textops.num_tasks, cfg.train_agent.eval.tasks
+    tasks = generate_textops(dataclasses.replace(cfg.env.textops, num_tasks=n + k))
+    return tasks[:n], tasks[n:]
+
+
+async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     from rl.data import ChatRenderer, load_tokenizer
     from rl.data.datasets import agent_sft_dataset
     from rl.data.trajectory import load_trajectories, write_jsonl
@@ -245,7 +256,7 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     tcfg, ocfg = cfg.train_agent, cfg.orchestrator
     tok = load_tokenizer(cfg.agent.tokenizer)
     renderer = ChatRenderer(tok)
-    tasks = generate_textops(cfg.env.textops)
+    tasks, eval_tasks = agent_tasks(cfg)
     metrics = MetricsLog(out)
     summary: dict[str, Any] = {}
     rl_ckpt_dir = out / "checkpoints" / "rl"
@@ -303,15 +314,77 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
         start_path = export_path(out, start_version)
         await asyncio.to_thread(trainer.export_serving, start_path, tcfg.checkpoint.export_dtype)
         summary["rl"] = await _rl(
-            cfg, out, trainer, tasks, renderer, ckpt, metrics, seq_len, start_path, start_version
+            cfg,
+            out,
+            trainer,
+            tasks,
+            renderer,
+            ckpt,
+            metrics,
+            seq_len,
+            start_path,
+            start_version,
+            eval_tasks,
         )
     final = _export(trainer, out, "final", tcfg.checkpoint)
     summary["weights"] = str(final)
     return summary
 
 
+async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics) -> dict:
+    """Evaluate the served policy (`version`) on the held-out tasks in every `eval.arms`;
+    results go to `eval.json` (under `label`), `metrics.jsonl` and `trajectories/eval-*`."""
+    from launch.backends import shell_backends
+    from rl.orchestrator.evaluate import evaluate_policy
+    from rl.orchestrator.storage import TrajectoryWriter
+
+    ecfg = cfg.train_agent.eval
+    path = out / "eval.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    results = {}
+    for arm in ecfg.arms:
+        writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
+        try:
+            r = await evaluate_policy(
+                cfg.orchestrator,
+                cfg.env.terminal,
+                renderer,
+                shell_backends(cfg, clients.get("simulator")),
+                clients["agent"],
+                tasks,
+                arm=arm,
+                samples=ecfg.samples,
+                seed=cfg.run.seed + 1_000_003,
+                version=version,
+                sink=writer.add,
+            )
+        finally:
+            writer.close()
+        results[arm] = r.to_dict()
+        metrics.write({"stage": "eval", "label": label, **results[arm]})
+        kinds = " ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.by_kind.items())
+        print(
+            f"simloop train-agent: eval {label} RL, {arm}: policy v{version} success "
+            f"{r.success_rate:.3f} over {r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s",
+            flush=True,
+        )
+    saved[label] = results
+    path.write_text(json.dumps(saved, indent=1))
+    return results
+
+
 async def _rl(
-    cfg, out, trainer, tasks, renderer, ckpt, metrics, seq_len, start_path, start_version
+    cfg,
+    out,
+    trainer,
+    tasks,
+    renderer,
+    ckpt,
+    metrics,
+    seq_len,
+    start_path,
+    start_version,
+    eval_tasks,
 ) -> dict:
     from launch.backends import shell_backends
     from launch.local import LocalServer
@@ -328,7 +401,9 @@ async def _rl(
         urls = {"agent": cfg.agent.server_url}
         if urls["agent"] is None:
             print("simloop train-agent: starting a local agent server ...", flush=True)
-            args = ["--admin-token", token, "--checkpoint-root", str(out.absolute())]
+            # The KV cache holds one episode's context: decode attends over all of it.
+            args = ["--admin-token", token, "--checkpoint-root", str(out.absolute()),
+                    "--max-seq-len", str(ocfg.max_context_tokens)]  # fmt: skip
             urls["agent"] = stack.enter_context(
                 LocalServer.start("agent", out, extra_args=args)
             ).url
@@ -337,7 +412,9 @@ async def _rl(
                 f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's "
                 "admin token) so new weights can be published to it"
             )
-        if _needs_sim(ocfg.arm):
+        ecfg = tcfg.eval
+        evaluating = ecfg.tasks > 0 and bool(eval_tasks)
+        if _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms):
             urls["simulator"] = (
                 cfg.simulator.server_url
                 or stack.enter_context(LocalServer.start("simulator", out)).url
@@ -355,6 +432,13 @@ async def _rl(
                 f"({report.first_token_s:.2f}s to first token)",
                 flush=True,
             )
+            before = None
+            if evaluating:
+                path = out / "eval.json"
+                saved = json.loads(path.read_text()) if path.exists() else {}
+                before = saved.get("before") or await _evaluate(
+                    cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
+                )
             backends = shell_backends(cfg, clients.get("simulator"))
             runner = RolloutRunner(
                 ocfg, cfg.env.terminal, renderer, backends, client=clients["agent"]
@@ -393,6 +477,24 @@ async def _rl(
                 await buffer.close()
                 writer.close()
                 runner.metrics.write(out / "metrics.jsonl", stage="rl_rollout", arm=ocfg.arm)
+            if evaluating:
+                after = await _evaluate(
+                    cfg,
+                    out,
+                    "after",
+                    1 + trainer.step_count,
+                    clients,
+                    renderer,
+                    eval_tasks,
+                    metrics,
+                )
+                summary["eval"] = {
+                    arm: {
+                        "before": before[arm]["success_rate"] if arm in before else None,
+                        "after": after[arm]["success_rate"],
+                    }
+                    for arm in after
+                }
     history = summary.pop("history")
     rewards = [h["reward_mean"] for h in history]
     summary["reward_first"] = rewards[0] if rewards else None

@@ -189,6 +189,27 @@ class WarmStartConfig:
 
 
 @dataclass(frozen=True)
+class AgentEvalConfig:
+    """The policy's success on held-out tasks, before and after RL (`simloop train-agent`)."""
+
+    tasks: int = 48
+    """Held-out textops tasks, generated after the `env.textops.num_tasks` training tasks
+    (so never trained on); 0 skips evaluation."""
+    samples: int = 4
+    """Episodes per task (sampled at the rollout temperature, fixed seed)."""
+    arms: list[str] = field(default_factory=lambda: ["real"])
+    """Where to evaluate: `real` (the real shell) and/or `closed_loop` (the simulator)."""
+
+    def __post_init__(self) -> None:
+        c = "AgentEvalConfig"
+        _int(c, self, "tasks", 0)
+        _int(c, self, "samples", 1)
+        allowed = ("real", "closed_loop")
+        if not self.arms or any(a not in allowed for a in self.arms):
+            raise _bad(c, "arms", self.arms, f"a non-empty list drawn from {list(allowed)}")
+
+
+@dataclass(frozen=True)
 class TrainAgentConfig:
     """`simloop train-agent`: warm start, then RL on episodes from the orchestrator.
 
@@ -207,6 +228,7 @@ class TrainAgentConfig:
     """Publish new weights to the agent server every N steps (the policy version grows by one
     per step either way)."""
     log_every: int = 1
+    eval: AgentEvalConfig = field(default_factory=AgentEvalConfig)
 
     def __post_init__(self) -> None:
         c = "TrainAgentConfig"

@@ -1,0 +1,110 @@
+"""Policy evaluation: a fixed task set, `samples` episodes per task, in one arm (the real shell
+or the simulator), scored by the same reward the trainer sees.
+
+Used by `simloop train-agent` before and after RL (held-out tasks) and by the demo; the
+result is plain JSON (`EvalResult.to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.config import TerminalConfig
+from envs.tasks import Task
+from rl.data.trajectory import Trajectory
+from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.runner import Backends, RolloutRunner
+
+EVAL_ARMS = ("real", "closed_loop")
+
+
+@dataclass
+class EvalResult:
+    """Success of one policy version on one task set in one arm."""
+
+    arm: str
+    version: int | None
+    tasks: int
+    episodes: int
+    success_rate: float
+    """Share of all episodes (errors and truncations count as failures) with reward >= 1."""
+    reward_mean: float
+    statuses: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per task kind (the textops operation, else the task family): episodes and success."""
+    turns_mean: float = 0.0
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def task_kind(task: Task) -> str:
+    op = task.reward.params.get("op") if task.reward is not None else None
+    return str(op or task.family or "task")
+
+
+def score(
+    episodes: Sequence[Trajectory], tasks: Sequence[Task], arm: str, version: int | None
+) -> EvalResult:
+    """Aggregate finished episodes (a missing reward is a failure, never skipped)."""
+    kinds = {t.id: task_kind(t) for t in tasks}
+    rewards = [float(e.reward or 0.0) for e in episodes]
+    wins = [r >= 1.0 for r in rewards]
+    per: dict[str, list[bool]] = defaultdict(list)
+    for e, w in zip(episodes, wins, strict=True):
+        per[kinds.get(e.task_id, "task")].append(w)
+    n = max(len(episodes), 1)
+    return EvalResult(
+        arm=arm,
+        version=version,
+        tasks=len(tasks),
+        episodes=len(episodes),
+        success_rate=sum(wins) / n,
+        reward_mean=sum(rewards) / n,
+        statuses=dict(Counter(e.status for e in episodes)),
+        by_kind={
+            k: {"episodes": len(v), "success_rate": sum(v) / len(v)} for k, v in sorted(per.items())
+        },
+        turns_mean=sum(len(e.turns) for e in episodes) / n,
+    )
+
+
+async def evaluate_policy(
+    ocfg: OrchestratorConfig,
+    terminal: TerminalConfig,
+    renderer,
+    backends: Backends,
+    client,
+    tasks: Sequence[Task],
+    *,
+    arm: str = "real",
+    samples: int = 4,
+    seed: int = 0,
+    version: int | None = None,
+    sink: Callable[[Trajectory], None] | None = None,
+) -> EvalResult:
+    """Run `samples` episodes of every task in `arm` with the policy `client` serves.
+
+    Sampling uses the rollout settings of `ocfg` (temperature, limits) with a fixed seed, so
+    two versions are compared on the same tasks and the same random streams."""
+    if arm not in EVAL_ARMS:
+        raise ValueError(f"evaluation arm {arm!r} is invalid: one of {list(EVAL_ARMS)}")
+    if not tasks:
+        raise ValueError("evaluation needs at least one task")
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples={samples!r} is invalid: a positive integer")
+    cfg = dataclasses.replace(
+        ocfg, arm=arm, group_size=samples, max_staleness=None, seed=seed, mixed_real_fraction=0.0
+    )
+    runner = RolloutRunner(cfg, terminal, renderer, backends, client=client, sink=sink)
+    began = time.perf_counter()
+    episodes = await runner.run(list(tasks))
+    result = score(episodes, tasks, arm, version)
+    result.wall_s = time.perf_counter() - began
+    return result
