@@ -109,7 +109,21 @@ def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return train.run_train_agent(args, cfg)
 
 
+def _plan_chips_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import chips
+
+    return chips.run(args, cfg)
+
+
+def _tpu_vm_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import tpu_vm
+
+    return tpu_vm.run(args, cfg)
+
+
 HANDLERS: dict[str, Handler] = {
+    "tpu-vm": _tpu_vm_cmd,
+    "plan-chips": _plan_chips_cmd,
     "collect": _collect_cmd,
     "train-sim": _train_sim_cmd,
     "train-agent": _train_agent_cmd,
@@ -148,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
             from launch.rollout import add_arguments as add_rollout_arguments
 
             add_rollout_arguments(p)
+        if name == "plan-chips":
+            from launch.chips import add_arguments as add_chips_arguments
+
+            add_chips_arguments(p)
+        if name == "tpu-vm":
+            from launch.tpu_vm import add_arguments as add_tpu_vm_arguments
+
+            add_tpu_vm_arguments(p)
         if name == "import":
             from launch.import_cmd import add_arguments as add_import_arguments
 
@@ -157,7 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    remote_command = None
+    if argv[:1] == ["tpu-vm"] and "--" in argv:
+        # `simloop tpu-vm run ... -- CMD...`: the words after `--` are the remote command, not
+        # config overrides, so they never reach parse_known_args.
+        cut = argv.index("--")
+        argv, remote_command = argv[:cut], argv[cut + 1 :]
     args, rest = parser.parse_known_args(argv)
+    if remote_command is not None:
+        args.remote_command = remote_command
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -28,16 +28,20 @@ class LocalServer:
 
     @classmethod
     def start(cls, role: str, run_dir: str | os.PathLike, *, extra_args: list[str] = (),
-              timeout_s: float = 300.0) -> LocalServer:  # fmt: skip
-        """Start `simloop serve --role ROLE` on a free port and wait until it listens."""
+              timeout_s: float = 300.0, port: int = 0, env: dict[str, str] | None = None,
+              name: str | None = None) -> LocalServer:  # fmt: skip
+        """Start `simloop serve --role ROLE` on `port` (0: a free one) and wait until it
+        listens. `env` is laid over this process's environment (a chip plan's process env);
+        `name` names the log file (default: the role)."""
         run_dir = Path(run_dir)
-        log_path = run_dir / "logs" / f"{role}-server.log"
+        log_path = run_dir / "logs" / f"{name or role}-server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "launch", "serve", "--config", str(run_dir / "config.yaml"),
-               "--role", role, "--port", "0", *extra_args]  # fmt: skip
+               "--role", role, "--port", str(port), *extra_args]  # fmt: skip
         log = log_path.open("w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})  # fmt: skip
         deadline = time.monotonic() + timeout_s
         url = None
         while url is None:

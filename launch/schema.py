@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from envs.config import ShellConfig, TerminalConfig, TextopsConfig
+from launch.deploy_config import ChipsConfig, GkeConfig, TpuVmConfig, VllmConfig
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
 from rl.orchestrator.config import OrchestratorConfig
@@ -129,3 +130,11 @@ class SimloopConfig:
     """`simloop train-sim`: simulator SFT (mesh: `simulator.mesh`)."""
     train_agent: TrainAgentConfig = field(default_factory=TrainAgentConfig)
     """`simloop train-agent`: warm start + RL (mesh: `agent.mesh`)."""
+    chips: ChipsConfig = field(default_factory=ChipsConfig)
+    """Which chips (TPU) or fake devices (CPU) each role gets: `simloop plan-chips`."""
+    tpu_vm: TpuVmConfig = field(default_factory=TpuVmConfig)
+    """`simloop tpu-vm`: the Cloud TPU VM."""
+    gke: GkeConfig = field(default_factory=GkeConfig)
+    """`simloop gke render`: the JobSet."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """vllm-tpu servers for the serving roles."""

@@ -112,10 +112,15 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         return 2
     engine = Engine(model, tokenizer, cfg.serve.engine)
 
+    import jax
+
+    devices = jax.devices()
+
     def ready(port: int) -> None:
         print(f"simloop serve: listening on http://{server_cfg.host}:{port} "
               f"(model {server_cfg.model_name!r}, {model.cfg.num_params() / 1e6:.1f}M params, "
-              f"{cfg.serve.engine.num_slots} slots)", flush=True)  # fmt: skip
+              f"{cfg.serve.engine.num_slots} slots, {len(devices)} {devices[0].platform} "
+              f"device(s))", flush=True)  # fmt: skip
 
     asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready))
     print("simloop serve: stopped", flush=True)

@@ -1,0 +1,372 @@
+"""The chip partition planner: which chips of a TPU slice (or fake CPU devices) each role gets,
+and the environment every process needs to see only its own (DESIGN.md §5).
+
+    simloop plan-chips --accelerator v6e-8 --roles policy_train=4,agent_serve=2,sim_serve=2
+    simloop plan-chips --config configs/v6e-8.yaml --format env
+
+A host's chips form a grid (v6e-8: 2 x 4; chip id = x * 4 + y). A process may own a legal
+rectangular sub-slice of it: 1, 2 or 4 chips along a row (bounds `1,1,1`, `1,2,1`, `1,4,1`),
+or whole rows (`2,4,1`, the host). libtpu refuses other shapes or, worse, treats the process
+as owning the host and takes its lock (`2,2,1` on a v6e-8), so the planner only hands out
+those blocks, aligned, largest first (buddy allocation: any request of legal sizes that fits
+the chips is placed). Multi-host slices (v6e-16 and up: 4-chip hosts in a host grid) give a
+role either a legal block inside one host, or whole hosts forming a rectangle of the host
+grid: one process per host, tied together by `TPU_PROCESS_BOUNDS` and
+`TPU_PROCESS_ADDRESSES`. `cpu-N` plans N fake devices the same way: tests and the CPU demo run
+the plan that a v6e would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Chips per slice -> (x, y) of the slice for the 2D families (v5e, v6e).
+_TOPOLOGY_2D = {
+    1: (1, 1),
+    4: (2, 2),
+    8: (2, 4),
+    16: (4, 4),
+    32: (4, 8),
+    64: (8, 8),
+    128: (8, 16),
+    256: (16, 16),
+}
+_FAMILIES = {
+    # prefix: (generation, GKE accelerator label, TensorCores per chip in the name)
+    "v6e": ("v6e", "tpu-v6e-slice", 1),
+    "v5litepod": ("v5e", "tpu-v5-lite-podslice", 1),
+    "v5p": ("v5p", "tpu-v5p-slice", 2),
+}
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message says what would."""
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A TPU slice type (or `cpu-N`): its chips, hosts and their grids."""
+
+    name: str
+    generation: str
+    """`v6e`, `v5e`, `v5p` or `cpu`."""
+    chips: int
+    host_grid: tuple[int, int, int]
+    """Chips of one host along x, y, z (`TPU_CHIPS_PER_PROCESS_BOUNDS` of a whole host)."""
+    hosts_grid: tuple[int, int, int]
+    """Hosts of the slice along x, y, z."""
+    topology: str
+    """The slice topology as GKE and gcloud write it (`2x4`, `4x4`, `2x2x2`)."""
+    gke_accelerator: str | None = None
+
+    @property
+    def chips_per_host(self) -> int:
+        x, y, z = self.host_grid
+        return x * y * z
+
+    @property
+    def hosts(self) -> int:
+        x, y, z = self.hosts_grid
+        return x * y * z
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.generation != "cpu"
+
+
+def parse_accelerator(name: str) -> Accelerator:
+    """`v6e-8`, `v6e-32`, `v5litepod-4`, `v5p-16` (TensorCores: 8 chips), `cpu-8`."""
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", str(name))
+    known = "v6e-{1,4,8,16,32,64,128,256}, v5litepod-{1,4,8,...,256}, v5p-{8,16,32,...}, cpu-N"
+    if not m:
+        raise PlanError(f"accelerator {name!r} is not understood: one of {known}")
+    family, count = m.group(1), int(m.group(2))
+    if family == "cpu":
+        if count < 1 or count & (count - 1):
+            raise PlanError(f"accelerator {name!r}: cpu-N takes N = 1, 2, 4, 8, ... devices")
+        grid = _TOPOLOGY_2D.get(count, (1, count)) if count <= 8 else (count // 8, 8)
+        return Accelerator(name, "cpu", count, (*grid, 1), (1, 1, 1), f"{grid[0]}x{grid[1]}")
+    if family not in _FAMILIES:
+        raise PlanError(f"accelerator {name!r}: unknown family {family!r}; one of {known}")
+    generation, label, cores_per_chip = _FAMILIES[family]
+    if family == "v5p":
+        chips = count // cores_per_chip
+        if count % 8 or chips & (chips - 1):
+            raise PlanError(
+                f"accelerator {name!r}: v5p-N counts TensorCores (2 per chip): N = 8, 16, "
+                f"32, ... (v5p-8 is 4 chips on one host)"
+            )
+        hosts = chips // 4
+        hx, hy, hz = _split3(hosts)
+        return Accelerator(
+            name, generation, chips, (2, 2, 1), (hx, hy, hz), f"{2 * hx}x{2 * hy}x{hz}", label
+        )
+    if count not in _TOPOLOGY_2D:
+        raise PlanError(f"accelerator {name!r}: {family} slices have {sorted(_TOPOLOGY_2D)} chips")
+    x, y = _TOPOLOGY_2D[count]
+    if count <= 8:  # one host holds the whole slice
+        return Accelerator(name, generation, count, (x, y, 1), (1, 1, 1), f"{x}x{y}", label)
+    return Accelerator(name, generation, count, (2, 2, 1), (x // 2, y // 2, 1), f"{x}x{y}", label)
+
+
+def _split3(n: int) -> tuple[int, int, int]:
+    """Hosts of a v5p slice: a 1 x 1 x n column up to 4, then spread over y (approximate)."""
+    if n <= 4:
+        return (1, 1, n)
+    return (1, n // 4, 4)
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """One process of the plan: where it runs and the environment it must start with."""
+
+    role: str
+    kind: str
+    """`serve` (roles ending in `_serve`) or `train`."""
+    host: int
+    chips: tuple[int, ...]
+    """Chip ids on its host (`TPU_VISIBLE_CHIPS`); on `cpu-N`, device ids."""
+    bounds: tuple[int, int, int]
+    """`TPU_CHIPS_PER_PROCESS_BOUNDS`."""
+    rank: int = 0
+    """Index within its role's process group (`CLOUD_TPU_TASK_ID`)."""
+    group_size: int = 1
+    """Processes of its role (one per host for multi-host roles)."""
+    http_port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["chips"], d["bounds"] = list(self.chips), list(self.bounds)
+        return d
+
+
+@dataclass(frozen=True)
+class ChipPlan:
+    accelerator: Accelerator
+    processes: list[ProcessPlan]
+
+    def role(self, role: str) -> list[ProcessPlan]:
+        return [p for p in self.processes if p.role == role]
+
+    def device_ids(self, role: str) -> list[int]:
+        """Global device ids of a role (host-major): what `rl.train.mesh.role_meshes` takes in
+        CPU mode, where one process holds every fake device."""
+        per_host = self.accelerator.chips_per_host
+        return [p.host * per_host + c for p in self.role(role) for c in p.chips]
+
+    def to_json(self) -> str:
+        return json.dumps([p.to_dict() for p in self.processes], indent=1)
+
+    def to_env_lines(self) -> str:
+        """Per process: a comment naming it, then one `export K=V` line per variable."""
+        out = []
+        for p in self.processes:
+            chips = ",".join(map(str, p.chips))
+            port = f", http port {p.http_port}" if p.http_port else ""
+            out.append(f"# {p.role} [{p.kind}] host {p.host} rank {p.rank}: chips {chips}{port}")
+            out += [f"export {k}={shlex.quote(v)}" for k, v in p.env.items()]
+            out.append("")
+        return "\n".join(out)
+
+
+def _legal_blocks(grid: tuple[int, int, int]) -> dict[int, tuple[int, int, int]]:
+    """Block size -> shape of the legal sub-slices of a grid: part of a y-row (powers of two
+    dividing y), or whole y-rows (powers of two dividing x), or whole x-y planes along z."""
+    x, y, z = grid
+    out = {}
+    s = 1
+    while s <= y:
+        if y % s == 0:
+            out[s] = (1, s, 1)
+        s *= 2
+    m = 2
+    while m <= x:
+        if x % m == 0:
+            out[m * y] = (m, y, 1)
+        m *= 2
+    k = 2
+    while k <= z:
+        if z % k == 0:
+            out[x * y * k] = (x, y, k)
+        k *= 2
+    return out
+
+
+def _is_serve(role: str) -> bool:
+    return role.endswith("_serve") or role == "serve"
+
+
+def plan_chips(
+    accelerator: str | Accelerator,
+    roles: Mapping[str, int],
+    *,
+    tpu_port_base: int = 8476,
+    http_port_base: int = 8000,
+    cache_dir: str = "/tmp/simloop/xla_cache",
+    hostnames: Sequence[str] | None = None,
+) -> ChipPlan:
+    """Place every role on disjoint chips (see the module docstring); PlanError says what
+    would work when the request cannot."""
+    acc = accelerator if isinstance(accelerator, Accelerator) else parse_accelerator(accelerator)
+    if not roles:
+        raise PlanError("no roles to place: give role=chips pairs, e.g. policy_train=4")
+    for role, n in roles.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PlanError(f"role {role!r}: {n!r} chips; give a positive number")
+    total = sum(roles.values())
+    if total > acc.chips:
+        raise PlanError(
+            f"the roles ask for {total} chips ({_fmt(roles)}) but a {acc.name} has {acc.chips}; "
+            f"shrink a role or use a larger slice"
+        )
+    if hostnames is not None and len(hostnames) != acc.hosts:
+        raise PlanError(f"{len(hostnames)} hostnames for a {acc.name} with {acc.hosts} hosts")
+    host_blocks = _legal_blocks(acc.host_grid)
+    slice_blocks = _legal_blocks(acc.hosts_grid)
+    per_host = acc.chips_per_host
+    legal = sorted(host_blocks) + [h * per_host for h in sorted(slice_blocks) if h > 1]
+    for role, n in roles.items():
+        if n not in legal:
+            shapes = ", ".join(f"{s} ({_bounds(b)})" for s, b in sorted(host_blocks.items()))
+            more = (
+                f"; or whole hosts: {[h * per_host for h in sorted(slice_blocks) if h > 1]}"
+                if acc.hosts > 1
+                else ""
+            )
+            raise PlanError(
+                f"role {role!r}: {n} chips is not a legal sub-slice of a {acc.name} "
+                f"(hosts of {_grid(acc.host_grid)} chips). A process takes {shapes}{more}. "
+                f"Other shapes make libtpu refuse the bounds or claim the whole host."
+            )
+        if _is_serve(role) and n > per_host:
+            raise PlanError(
+                f"role {role!r}: a server must fit on one host ({per_host} chips on a "
+                f"{acc.name}); run several server roles instead of one of {n} chips"
+            )
+    # Buddy allocation over the slice's chips in host-major order, largest request first.
+    free = [True] * acc.chips
+    start: dict[str, int] = {}
+    for role in sorted(roles, key=lambda r: -roles[r]):
+        n = roles[role]
+        for s in range(0, acc.chips, n):
+            if all(free[s : s + n]):
+                start[role] = s
+                free[s : s + n] = [False] * n
+                break
+        else:  # cannot happen for power-of-two sizes that fit; kept as a guard
+            raise PlanError(f"role {role!r}: no free aligned block of {n} chips ({_fmt(roles)})")
+
+    def host_name(h: int) -> str:
+        if hostnames is not None:
+            return hostnames[h]
+        return "localhost" if acc.hosts == 1 else f"host-{h}"
+
+    processes: list[ProcessPlan] = []
+    http_port, tpu_port = http_port_base, tpu_port_base
+    for role, n in roles.items():
+        s, kind = start[role], "serve" if _is_serve(role) else "train"
+        if n <= per_host:
+            groups = [(s // per_host, tuple(range(s % per_host, s % per_host + n)))]
+            bounds, pbounds = host_blocks[n], (1, 1, 1)
+        else:
+            first = s // per_host
+            groups = [(first + i, tuple(range(per_host))) for i in range(n // per_host)]
+            bounds, pbounds = acc.host_grid, slice_blocks[n // per_host]
+        port = tpu_port
+        tpu_port += 1
+        addresses = ",".join(f"{host_name(h)}:{port}" for h, _ in groups)
+        for rank, (host, chips) in enumerate(groups):
+            env = _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir)
+            proc = ProcessPlan(role, kind, host, chips, bounds, rank, len(groups), None, env)
+            if kind == "serve":
+                proc = dataclasses.replace(proc, http_port=http_port)
+                proc.env["SIMLOOP_HTTP_PORT"] = str(http_port)
+                http_port += 1
+            processes.append(proc)
+    return ChipPlan(acc, processes)
+
+
+def _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir):
+    if not acc.is_tpu:
+        # One JAX process per server with its own fake devices; trainers share the process
+        # that holds every device and take theirs by id (`ChipPlan.device_ids`).
+        count = len(chips) if kind == "serve" else acc.chips
+        env = {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
+            "SIMLOOP_DEVICE_IDS": ",".join(map(str, chips)),
+        }
+    else:
+        env = {
+            "TPU_VISIBLE_CHIPS": ",".join(map(str, chips)),
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": _bounds(bounds),
+            "TPU_PROCESS_BOUNDS": _bounds(pbounds),
+            "TPU_PROCESS_PORT": str(port),
+            "TPU_PROCESS_ADDRESSES": addresses,
+            "CLOUD_TPU_TASK_ID": str(rank),
+        }
+    if kind == "serve" and acc.is_tpu:
+        env["VLLM_XLA_CACHE_PATH"] = f"{cache_dir.rstrip('/')}/{role}"
+    return env
+
+
+def _bounds(b: tuple[int, int, int]) -> str:
+    return ",".join(map(str, b))
+
+
+def _grid(b: tuple[int, int, int]) -> str:
+    return "x".join(map(str, b[:2] if b[2] == 1 else b))
+
+
+def _fmt(roles: Mapping[str, int]) -> str:
+    return ",".join(f"{r}={n}" for r, n in roles.items())
+
+
+def parse_roles(text: str) -> dict[str, int]:
+    """`policy_train=4,agent_serve=2` -> {"policy_train": 4, "agent_serve": 2}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not re.fullmatch(r"[a-z][a-z0-9_]*", name) or not value.isdigit():
+            raise PlanError(f"--roles {text!r}: write role=chips pairs, e.g. policy_train=4")
+        if name in out:
+            raise PlanError(f"--roles {text!r}: role {name!r} appears twice")
+        out[name] = int(value)
+    return out
+
+
+def run(args, cfg) -> int:
+    """`simloop plan-chips`: print the plan of `--accelerator/--roles` (or `chips:`)."""
+    import sys
+
+    try:
+        acc = args.accelerator or cfg.chips.accelerator
+        roles = parse_roles(args.roles) if args.roles else dict(cfg.chips.roles)
+        hosts = args.hostnames.split(",") if args.hostnames else None
+        plan = plan_chips(
+            acc,
+            roles,
+            tpu_port_base=cfg.chips.tpu_port_base,
+            http_port_base=cfg.chips.http_port_base,
+            cache_dir=cfg.chips.cache_dir,
+            hostnames=hosts,
+        )
+    except PlanError as e:
+        print(f"simloop plan-chips: {e}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.format == "json" else plan.to_env_lines())
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--accelerator", help="v6e-8, v6e-32, v5litepod-4, v5p-8, cpu-8, ...")
+    p.add_argument("--roles", help="role=chips pairs: policy_train=4,agent_serve=2,sim_serve=2")
+    p.add_argument("--format", choices=["json", "env"], default="json")
+    p.add_argument("--hostnames", help="comma-separated host names of a multi-host slice")

@@ -1,0 +1,239 @@
+"""The chip partition planner (`launch/chips.py`, `simloop plan-chips`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from launch.chips import PlanError, parse_accelerator, parse_roles, plan_chips
+from launch.cli import main
+
+
+def _env(plan, role):
+    (p,) = plan.role(role)
+    return p.env
+
+
+@pytest.mark.parametrize(
+    "roles, want",
+    [
+        (
+            {"policy_train": 4, "agent_serve": 2, "sim_serve": 2},
+            {
+                "policy_train": ("0,1,2,3", "1,4,1"),
+                "agent_serve": ("4,5", "1,2,1"),
+                "sim_serve": ("6,7", "1,2,1"),
+            },  # fmt: skip
+        ),
+        (
+            {"policy_train": 2, "sim_train": 2, "agent_serve": 2, "sim_serve": 2},
+            {
+                "policy_train": ("0,1", "1,2,1"),
+                "sim_train": ("2,3", "1,2,1"),
+                "agent_serve": ("4,5", "1,2,1"),
+                "sim_serve": ("6,7", "1,2,1"),
+            },  # fmt: skip
+        ),
+        (
+            {f"r{i}_serve": 1 for i in range(8)},
+            {f"r{i}_serve": (str(i), "1,1,1") for i in range(8)},
+        ),
+        (
+            {"policy_train": 4, "sim_train": 4},
+            {"policy_train": ("0,1,2,3", "1,4,1"), "sim_train": ("4,5,6,7", "1,4,1")},
+        ),
+        ({"policy_train": 8}, {"policy_train": ("0,1,2,3,4,5,6,7", "2,4,1")}),
+    ],
+)
+def test_v6e_8_splits(roles, want):
+    plan = plan_chips("v6e-8", roles)
+    ports = set()
+    for role, (chips, bounds) in want.items():
+        env = _env(plan, role)
+        assert env["TPU_VISIBLE_CHIPS"] == chips
+        assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == bounds
+        assert env["TPU_PROCESS_BOUNDS"] == "1,1,1"
+        assert env["CLOUD_TPU_TASK_ID"] == "0"
+        assert env["TPU_PROCESS_ADDRESSES"] == f"localhost:{env['TPU_PROCESS_PORT']}"
+        ports.add(env["TPU_PROCESS_PORT"])
+        if role.endswith("_serve"):
+            assert env["VLLM_XLA_CACHE_PATH"].endswith(f"/{role}")
+    assert len(ports) == len(roles), "every process needs its own TPU_PROCESS_PORT"
+    servers = [p for p in plan.processes if p.kind == "serve"]
+    assert len({p.http_port for p in servers}) == len(servers)
+    assert len({p.env.get("VLLM_XLA_CACHE_PATH") for p in servers}) == len(servers)
+
+
+def test_the_plan_keeps_the_role_order_but_places_big_blocks_first():
+    plan = plan_chips("v6e-8", {"agent_serve": 2, "policy_train": 4, "sim_serve": 1})
+    assert [p.role for p in plan.processes] == ["agent_serve", "policy_train", "sim_serve"]
+    assert plan.role("policy_train")[0].chips == (0, 1, 2, 3)
+    assert plan.role("agent_serve")[0].chips == (4, 5)
+    assert plan.role("sim_serve")[0].chips == (6,)
+
+
+@pytest.mark.parametrize(
+    "acc, roles, needle",
+    [
+        ("v6e-8", {"policy_train": 3}, "3 chips is not a legal sub-slice of a v6e-8"),
+        ("v6e-8", {"policy_train": 4, "agent_serve": 6}, "ask for 10 chips"),
+        ("v6e-8", {"a_serve": 4, "b_serve": 4, "c_serve": 1}, "a v6e-8 has 8"),
+        ("v6e-4", {"policy_train": 8}, "a v6e-4 has 4"),
+        ("v6e-32", {"agent_serve": 8}, "a server must fit on one host"),
+        ("v6e-32", {"policy_train": 12}, "or whole hosts"),
+        ("v6e-7", {"policy_train": 1}, "v6e slices have"),
+        ("tpu9-8", {"policy_train": 1}, "unknown family"),
+        ("v5p-12", {"policy_train": 1}, "counts TensorCores"),
+        ("v6e-8", {}, "no roles"),
+    ],
+)
+def test_illegal_plans_say_what_would_work(acc, roles, needle):
+    with pytest.raises(PlanError, match=needle):
+        plan_chips(acc, roles)
+
+
+def test_three_chips_message_lists_the_legal_shapes():
+    with pytest.raises(PlanError) as e:
+        plan_chips("v6e-8", {"policy_train": 3})
+    msg = str(e.value)
+    for shape in ("1 (1,1,1)", "2 (1,2,1)", "4 (1,4,1)", "8 (2,4,1)"):
+        assert shape in msg
+    assert "2,2,1" not in msg.split("A process takes")[1]
+
+
+def test_accelerators():
+    v6e8 = parse_accelerator("v6e-8")
+    assert (v6e8.chips, v6e8.hosts, v6e8.host_grid, v6e8.topology) == (8, 1, (2, 4, 1), "2x4")
+    assert v6e8.gke_accelerator == "tpu-v6e-slice"
+    v6e32 = parse_accelerator("v6e-32")
+    assert (v6e32.chips_per_host, v6e32.hosts, v6e32.topology) == (4, 8, "4x8")
+    assert parse_accelerator("v6e-256").hosts == 64
+    v5p = parse_accelerator("v5p-8")  # 8 TensorCores = 4 chips
+    assert (v5p.chips, v5p.hosts, v5p.topology) == (4, 1, "2x2x1")
+    assert parse_accelerator("v5p-32").hosts == 4
+    assert parse_accelerator("v5litepod-4").gke_accelerator == "tpu-v5-lite-podslice"
+    cpu = parse_accelerator("cpu-8")
+    assert not cpu.is_tpu and cpu.host_grid == (2, 4, 1)
+
+
+def test_multi_host_roles_span_whole_hosts_with_one_process_each():
+    names = [f"w{i}.svc" for i in range(8)]
+    plan = plan_chips(
+        "v6e-32",
+        {"policy_train": 16, "sim_train": 8, "agent_serve": 4, "sim_serve": 2},
+        hostnames=names,
+    )
+    policy = plan.role("policy_train")
+    assert [p.host for p in policy] == [0, 1, 2, 3] and [p.rank for p in policy] == [0, 1, 2, 3]
+    port = policy[0].env["TPU_PROCESS_PORT"]
+    for p in policy:
+        assert p.env["TPU_PROCESS_BOUNDS"] == "1,4,1"  # 4 hosts along y of the 2x4 host grid
+        assert p.env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "2,2,1"
+        assert p.env["TPU_PROCESS_ADDRESSES"] == ",".join(f"{n}:{port}" for n in names[:4])
+        assert p.env["CLOUD_TPU_TASK_ID"] == str(p.rank)
+    sim = plan.role("sim_train")
+    assert [p.host for p in sim] == [4, 5] and sim[0].env["TPU_PROCESS_BOUNDS"] == "1,2,1"
+    (serve,) = plan.role("agent_serve")
+    assert serve.host == 6 and serve.bounds == (2, 2, 1)
+    (small,) = plan.role("sim_serve")
+    assert small.host == 7 and small.chips == (0, 1) and small.bounds == (1, 2, 1)
+    with pytest.raises(PlanError, match="2 hostnames for a v6e-32 with 8 hosts"):
+        plan_chips("v6e-32", {"policy_train": 4}, hostnames=["a", "b"])
+
+
+def _legal_sizes(acc):
+    sizes = [1]
+    while sizes[-1] * 2 <= acc.chips:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+@pytest.mark.parametrize(
+    "acc_name", ["v6e-1", "v6e-4", "v6e-8", "v6e-16", "v6e-32", "v5p-16", "cpu-8"]
+)
+def test_property_every_accepted_plan_is_disjoint_and_fits(acc_name):
+    """Random requests (seeded): an accepted plan gives disjoint chips inside the slice,
+    bounds whose product is the chips per process, and process bounds whose product is the
+    role's process count; a refused one is refused with PlanError, never anything else."""
+    acc = parse_accelerator(acc_name)
+    rng = random.Random(acc_name)
+    accepted = 0
+    for _trial in range(300):
+        roles = {}
+        for i in range(rng.randint(1, 5)):
+            kind = rng.choice(["train", "serve"])
+            roles[f"r{i}_{kind}"] = rng.choice(_legal_sizes(acc) + [3, 5, 6])
+        try:
+            plan = plan_chips(acc, roles)
+        except PlanError:
+            continue
+        accepted += 1
+        used = set()
+        for role, n in roles.items():
+            procs = plan.role(role)
+            assert sum(len(p.chips) for p in procs) == n
+            for p in procs:
+                assert math.prod(p.bounds) == len(p.chips)
+                assert all(0 <= c < acc.chips_per_host for c in p.chips)
+                assert 0 <= p.host < acc.hosts
+                if acc.is_tpu:
+                    pb = [int(x) for x in p.env["TPU_PROCESS_BOUNDS"].split(",")]
+                    assert math.prod(pb) == len(procs) == p.group_size
+                    assert p.env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == ",".join(map(str, p.bounds))
+                for c in p.chips:
+                    assert (p.host, c) not in used, f"chip {c} of host {p.host} given twice"
+                    used.add((p.host, c))
+        assert len(used) <= acc.chips
+        ports = [p.env.get("TPU_PROCESS_PORT", p.role) for p in plan.processes if p.rank == 0]
+        assert len(set(ports)) == len(ports)
+    assert accepted >= 10, "the property was checked on too few accepted plans"
+
+
+def test_every_split_of_v6e_8_into_legal_sizes_is_accepted():
+    for k in range(1, 5):
+        for sizes in itertools.product([1, 2, 4, 8], repeat=k):
+            if sum(sizes) <= 8:
+                plan_chips("v6e-8", {f"r{i}": s for i, s in enumerate(sizes)})
+
+
+def test_cpu_plans_give_device_ids_and_server_device_counts():
+    plan = plan_chips(
+        "cpu-8", {"policy_train": 4, "sim_train": 2, "agent_serve": 1, "sim_serve": 1}
+    )
+    assert plan.device_ids("policy_train") == [0, 1, 2, 3]
+    assert plan.device_ids("sim_train") == [4, 5]
+    (agent,) = plan.role("agent_serve")
+    assert agent.env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+    assert agent.env["JAX_PLATFORMS"] == "cpu" and agent.http_port == 8000
+    assert "TPU_VISIBLE_CHIPS" not in agent.env
+
+
+def test_parse_roles():
+    assert parse_roles("policy_train=4, agent_serve=2") == {"policy_train": 4, "agent_serve": 2}
+    for bad in ("policy_train", "policy_train=x", "Policy=2", "a=1,a=2"):
+        with pytest.raises(PlanError):
+            parse_roles(bad)
+
+
+def test_cli_json_and_env(capsys):
+    argv = [
+        "plan-chips",
+        "--accelerator",
+        "v6e-8",
+        "--roles",
+        "policy_train=4,agent_serve=2,sim_serve=2",
+    ]
+    assert main(argv) == 0
+    procs = json.loads(capsys.readouterr().out)
+    assert [p["role"] for p in procs] == ["policy_train", "agent_serve", "sim_serve"]
+    assert procs[0]["env"]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,4,1"
+    assert {"role", "kind", "chips", "env", "http_port", "host"} <= set(procs[0])
+    assert main([*argv, "--format", "env"]) == 0
+    out = capsys.readouterr().out
+    assert "export TPU_VISIBLE_CHIPS=4,5" in out and "# sim_serve [serve]" in out
+    assert main(["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"]) == 2
+    assert "not a legal sub-slice" in capsys.readouterr().err
