@@ -115,6 +115,12 @@ def _plan_chips_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return chips.run(args, cfg)
 
 
+def _gke_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import gke
+
+    return gke.run(args, cfg)
+
+
 def _tpu_vm_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from launch import tpu_vm
 
@@ -122,6 +128,7 @@ def _tpu_vm_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 HANDLERS: dict[str, Handler] = {
+    "gke": _gke_cmd,
     "tpu-vm": _tpu_vm_cmd,
     "plan-chips": _plan_chips_cmd,
     "collect": _collect_cmd,
@@ -166,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
             from launch.chips import add_arguments as add_chips_arguments
 
             add_chips_arguments(p)
+        if name == "gke":
+            from launch.gke import add_arguments as add_gke_arguments
+
+            add_gke_arguments(p)
         if name == "tpu-vm":
             from launch.tpu_vm import add_arguments as add_tpu_vm_arguments
 
@@ -201,6 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"simloop {args.command}: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command in ("train-sim", "train-agent", "demo"):
+        # A cpu-N chip plan: this process holds the N fake devices the trainers are planned
+        # on (before anything imports JAX).
+        from launch.chips import cpu_device_flag
+
+        flag = cpu_device_flag(cfg, os.environ)
+        if flag is not None:
+            os.environ["XLA_FLAGS"] = flag
     handler = HANDLERS.get(args.command)
     if handler is None:
         print(

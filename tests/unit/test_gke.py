@@ -1,0 +1,335 @@
+"""`simloop gke render` (JobSet manifests for v6e slices), its schema check, and the in-pod
+launcher that runs each host's processes."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import gke
+from launch.chips import parse_accelerator, plan_chips
+from launch.cli import main
+from launch.config import load_config
+from launch.k8s_schema import ManifestError, check, validate
+from launch.schema import SimloopConfig
+
+REPO = Path(__file__).resolve().parents[2]
+V6E_8 = REPO / "configs" / "gke-v6e-8.yaml"
+V6E_32 = REPO / "configs" / "gke-v6e-32.yaml"
+TPU_KEYS = (
+    "TPU_VISIBLE_CHIPS",
+    "TPU_CHIPS_PER_PROCESS_BOUNDS",
+    "TPU_PROCESS_BOUNDS",
+    "TPU_PROCESS_PORT",
+    "TPU_PROCESS_ADDRESSES",
+    "CLOUD_TPU_TASK_ID",
+)
+
+
+def _render(path):
+    cfg = load_config(SimloopConfig, path)
+    return cfg, {d["kind"]: d for d in gke.render(cfg)}
+
+
+def _pod(jobset):
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    return job, job["template"]
+
+
+def _planner(cfg):
+    acc = parse_accelerator(cfg.chips.accelerator)
+    names = (
+        None if acc.hosts == 1 else [gke.pod_hostname(cfg.gke.name, i) for i in range(acc.hosts)]
+    )
+    return plan_chips(
+        acc,
+        cfg.chips.roles,
+        tpu_port_base=cfg.chips.tpu_port_base,
+        http_port_base=cfg.chips.http_port_base,
+        cache_dir=cfg.chips.cache_dir,
+        hostnames=names,
+    )
+
+
+@pytest.mark.parametrize("path", [V6E_8, V6E_32], ids=lambda p: p.name)
+def test_example_configs_load_and_plan(path):
+    cfg = load_config(SimloopConfig, path)
+    plan = _planner(cfg)
+    assert sum(len(p.chips) for p in plan.processes) == sum(cfg.chips.roles.values())
+    assert cfg.gke.bucket or cfg.gke.pvc
+
+
+@pytest.mark.parametrize("path", [V6E_8, V6E_32], ids=lambda p: p.name)
+def test_rendered_manifests_validate(path):
+    _, docs = _render(path)
+    assert list(docs) == ["Service", "ConfigMap", "JobSet"]
+    for doc in docs.values():
+        assert validate(doc) == []
+
+
+def test_v6e_8_single_host_with_pvc():
+    cfg, docs = _render(V6E_8)
+    svc, jobset = docs["Service"], docs["JobSet"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {"jobset.sigs.k8s.io/jobset-name": "simloop-v6e-8"}
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert jobset["spec"]["network"]["enableDNSHostnames"] is True
+    assert jobset["spec"]["network"]["subdomain"] == svc["metadata"]["name"]
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == cfg.gke.max_restarts
+    job, pod = _pod(jobset)
+    assert job["parallelism"] == job["completions"] == 1
+    assert job["completionMode"] == "Indexed"
+    assert job["backoffLimit"] == cfg.gke.backoff_limit
+    assert "successPolicy" not in job  # the only host trains
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["restartPolicy"] == "Never"
+    assert spec["serviceAccountName"] == "simloop"
+    (container,) = spec["containers"]
+    assert container["resources"] == {
+        "requests": {"google.com/tpu": 8},
+        "limits": {"google.com/tpu": 8},
+    }
+    assert container["command"][:6] == ["python", "-m", "launch.gke", "--plan", gke.PLAN_PATH, "--"]
+    assert container["command"][6:] == cfg.gke.command
+    assert {"checkpoints", "config"} == {v["name"] for v in spec["volumes"]}
+    ckpt = next(v for v in spec["volumes"] if v["name"] == "checkpoints")
+    assert ckpt == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "simloop-ckpt"}}
+    assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"]
+    assert "annotations" not in pod["metadata"]  # no gcsfuse sidecar without a bucket
+    assert "annotations" not in jobset["metadata"]  # exclusive placement: multi-host only
+    assert [p["containerPort"] for p in container["ports"]] == [8000, 8001]
+
+
+def test_v6e_32_multi_host_with_bucket():
+    cfg, docs = _render(V6E_32)
+    jobset = docs["JobSet"]
+    job, pod = _pod(jobset)
+    spec = pod["spec"]
+    assert job["parallelism"] == job["completions"] == 8
+    assert spec["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "4x8"
+    assert spec["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+    tpu = spec["containers"][0]["resources"]
+    assert tpu["requests"]["google.com/tpu"] == tpu["limits"]["google.com/tpu"] == 4
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    ckpt = next(v for v in spec["volumes"] if v["name"] == "checkpoints")
+    assert ckpt["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+    assert ckpt["csi"]["volumeAttributes"]["bucketName"] == "my-project-simloop"
+    assert pod["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
+    assert jobset["metadata"]["annotations"] == {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"
+    }
+    # Hosts 6 and 7 only serve: the Job succeeds once the training hosts 0-5 have.
+    assert job["successPolicy"] == {"rules": [{"succeededIndexes": "0-5"}]}
+
+
+@pytest.mark.parametrize("path", [V6E_8, V6E_32], ids=lambda p: p.name)
+def test_plan_json_gives_every_host_the_planners_environment(path):
+    cfg, docs = _render(path)
+    layout = json.loads(docs["ConfigMap"]["data"]["plan.json"])
+    planner = _planner(cfg)
+    acc = planner.accelerator
+    assert len(layout["hosts"]) == acc.hosts
+    for host in layout["hosts"]:
+        expected = [p for p in planner.processes if p.host == host["index"]]
+        assert [p["role"] for p in host["processes"]] == [p.role for p in expected]
+        for got, want in zip(host["processes"], expected, strict=True):
+            for key in TPU_KEYS:
+                assert got["env"][key] == want.env[key], (host["index"], want.role, key)
+            assert got["env"]["SIMLOOP_ROLE"] == want.role
+            # GKE's slice-wide worker variables narrowed to the process's own group.
+            assert got["env"]["TPU_WORKER_ID"] == str(want.rank)
+            assert got["env"]["TPU_HOST_BOUNDS"] == want.env["TPU_PROCESS_BOUNDS"]
+            peers = want.env["TPU_PROCESS_ADDRESSES"].split(",")
+            assert got["env"]["TPU_WORKER_HOSTNAMES"].split(",") == [
+                a.rsplit(":", 1)[0] for a in peers
+            ]
+            if want.http_port:
+                assert got["env"]["SIMLOOP_HTTP_PORT"] == str(want.http_port)
+
+
+def test_multi_host_addresses_are_the_jobset_pod_names():
+    cfg, docs = _render(V6E_32)
+    layout = json.loads(docs["ConfigMap"]["data"]["plan.json"])
+    policy = [p for h in layout["hosts"] for p in h["processes"] if p["role"] == "policy_train"]
+    assert len(policy) == 4
+    assert policy[0]["env"]["TPU_PROCESS_ADDRESSES"] == ",".join(
+        f"simloop-v6e-32-slice-0-{i}.simloop-v6e-32:8476" for i in range(4)
+    )
+    # The example config's server URLs point at the hosts and ports the plan gives the servers.
+    serve = {p["role"]: (h["hostname"], p["http_port"])
+             for h in layout["hosts"] for p in h["processes"] if p["kind"] == "serve"}  # fmt: skip
+    assert cfg.agent.server_url == "http://{}:{}".format(*serve["agent_serve"])
+    assert cfg.simulator.server_url == "http://{}:{}".format(*serve["sim_serve"])
+
+
+def test_single_host_processes_address_localhost():
+    cfg, docs = _render(V6E_8)
+    (host,) = json.loads(docs["ConfigMap"]["data"]["plan.json"])["hosts"]
+    for proc in host["processes"]:
+        assert proc["env"]["TPU_PROCESS_ADDRESSES"].startswith("localhost:")
+    agent = next(p for p in host["processes"] if p["role"] == "agent_serve")
+    assert cfg.agent.server_url == f"http://127.0.0.1:{agent['http_port']}"
+
+
+def test_yaml_output_round_trips_and_carries_the_config(tmp_path):
+    cfg, docs = _render(V6E_32)
+    text = gke.to_yaml(list(docs.values()))
+    assert text.count("\n---\n") == 2
+    assert list(yaml.safe_load_all(text)) == list(docs.values())
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(docs["ConfigMap"]["data"]["config.yaml"])
+    assert load_config(SimloopConfig, resolved) == cfg
+
+
+def test_validator_rejects_a_misspelled_field_and_a_wrong_type():
+    _, docs = _render(V6E_32)
+    bad = copy.deepcopy(docs["JobSet"])
+    job, pod = _pod(bad)
+    pod["spec"]["hostNetwrok"] = pod["spec"].pop("hostNetwork")
+    job["parallelism"] = "8"
+    errors = validate(bad)
+    assert any("unknown field 'hostNetwrok'" in e and "'hostNetwork'" in e for e in errors)
+    assert any(e.startswith("spec.replicatedJobs[0].template.spec.parallelism: expected integer")
+               for e in errors)  # fmt: skip
+    with pytest.raises(ManifestError, match="hostNetwrok"):
+        check(bad)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["metadata"].pop("name"), "missing required field 'name'"),
+        (lambda d: d["spec"]["network"].update(enableDNSHostnames="true"), "expected boolean"),
+        (
+            lambda d: _pod(d)[1]["metadata"].update(annotations={"gke-gcsfuse/volumes": True}),
+            "expected string",
+        ),  # fmt: skip
+        (
+            lambda d: _pod(d)[1]["spec"]["containers"][0]["volumeMounts"][1].update(name="ckpt"),
+            "no volume named 'ckpt'",
+        ),  # fmt: skip
+        (
+            lambda d: _pod(d)[1]["spec"]["containers"][0]["resources"]["requests"].update(
+                {"google.com/tpu": 2}
+            ),
+            "needs a limit and any request equal to it",
+        ),  # fmt: skip
+        (lambda d: _pod(d)[1]["spec"]["volumes"][1].update(emptyDir={}), "exactly one of"),
+        (lambda d: _pod(d)[1]["spec"].update(dnsPolicy="ClusterFirst"), "ClusterFirstWithHostNet"),
+        (lambda d: d.update(apiVersion="jobset.x-k8s.io/v1alpha1"), "apiVersion/kind"),
+    ],
+)
+def test_validator_rejects(edit, message):
+    _, docs = _render(V6E_32)
+    bad = copy.deepcopy(docs["JobSet"])
+    edit(bad)
+    assert any(message in e for e in validate(bad)), validate(bad)
+
+
+def _without_volume(tmp_path):
+    tree = yaml.safe_load(V6E_8.read_text())
+    del tree["gke"]["pvc"]
+    path = tmp_path / "no-volume.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_cli_without_a_volume_fails_clearly(tmp_path, capsys):
+    assert main(["gke", "render", "--config", str(_without_volume(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "gke.bucket" in err and "gke.pvc" in err
+
+
+def test_cli_rejects_a_cpu_accelerator(capsys):
+    assert main(["gke", "render", "--config", str(V6E_8), "--chips.accelerator", "cpu-8"]) == 2
+    assert "needs a TPU slice" in capsys.readouterr().err
+
+
+def test_cli_writes_the_manifests(tmp_path, capsys):
+    out = tmp_path / "jobset.yaml"
+    assert main(["gke", "render", "--config", str(V6E_32), "--output", str(out)]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(out.read_text())]
+    assert kinds == ["Service", "ConfigMap", "JobSet"]
+    assert main(["gke", "render", "--config", str(V6E_8)]) == 0
+    assert "kind: JobSet" in capsys.readouterr().out
+
+
+# --- the in-pod launcher --------------------------------------------------------------------
+
+# Each process records its environment; servers then wait to be stopped, trainers wait until
+# every server has recorded its own and exit with $TRAIN_RC.
+_CHILD = r"""
+import json, os, sys, time
+out = sys.argv[1]
+role = os.environ["SIMLOOP_ROLE"]
+keys = ("SIMLOOP_ROLE", "SIMLOOP_PROCESS_KIND", "TPU_VISIBLE_CHIPS", "TPU_WORKER_ID", "JOB_MARK")
+with open(os.path.join(out, role + ".json"), "w") as f:
+    json.dump({k: os.environ.get(k) for k in keys}, f)
+if os.environ["SIMLOOP_PROCESS_KIND"] == "serve":
+    time.sleep(60)
+deadline = time.time() + 20
+while time.time() < deadline and len(os.listdir(out)) < int(os.environ["N_PROCS"]):
+    time.sleep(0.05)
+sys.exit(int(os.environ.get("TRAIN_RC", "0")))
+"""
+
+
+def _layout(tmp_path):
+    cfg = load_config(SimloopConfig, V6E_8)
+    layout = gke.host_layout(cfg, gke.chip_plan(cfg))
+    layout["stagger_s"] = 0.0
+    out = tmp_path / "out"
+    out.mkdir()
+    return layout, out, [sys.executable, "-c", _CHILD, str(out)]
+
+
+def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypatch):
+    layout, out, command = _layout(tmp_path)
+    monkeypatch.setenv("N_PROCS", "3")
+    monkeypatch.setenv("JOB_MARK", "from-the-pod")
+    lock = tmp_path / "libtpu_lockfile"
+    lock.write_text("")
+    rc = gke.launch(layout, 0, command, lockfile=str(lock), grace_s=5, poll_s=0.05)
+    assert rc == 0  # the trainer succeeded; the servers were stopped
+    assert not lock.exists()
+    seen = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
+    assert set(seen) == {"policy_train", "agent_serve", "sim_serve"}
+    for proc in layout["hosts"][0]["processes"]:
+        got = seen[proc["role"]]
+        assert got["TPU_VISIBLE_CHIPS"] == proc["env"]["TPU_VISIBLE_CHIPS"]
+        assert got["SIMLOOP_PROCESS_KIND"] == proc["kind"]
+        assert got["JOB_MARK"] == "from-the-pod"  # the pod's env passes through
+
+
+def test_launcher_fails_when_a_process_fails(tmp_path, monkeypatch):
+    layout, _, command = _layout(tmp_path)
+    monkeypatch.setenv("N_PROCS", "3")
+    monkeypatch.setenv("TRAIN_RC", "3")
+    rc = gke.launch(layout, 0, command, lockfile=str(tmp_path / "lock"), grace_s=5, poll_s=0.05)
+    assert rc == 3
+
+
+def test_launcher_host_without_processes_and_bad_index():
+    layout = {"tpu": True, "stagger_s": 0, "hosts": [{"index": 0, "processes": []}]}
+    assert gke.launch(layout, 0, ["false"]) == 0
+    assert gke.launch(layout, 1, ["false"]) == 2
+
+
+def test_launcher_main_reads_the_host_from_job_completion_index(tmp_path, monkeypatch, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"tpu": False, "hosts": [{"index": 0, "processes": []}] * 2}))
+    monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
+    assert gke.main(["--plan", str(plan), "--", "true"]) == 2
+    assert "JOB_COMPLETION_INDEX" in capsys.readouterr().err
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    assert gke.main(["--plan", str(plan), "--", "true"]) == 0
+    assert "nothing is planned on host 1" in capsys.readouterr().err
+    assert gke.main(["--plan", str(plan)]) == 2  # no command
