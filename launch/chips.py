@@ -370,3 +370,54 @@ def add_arguments(p) -> None:
     p.add_argument("--roles", help="role=chips pairs: policy_train=4,agent_serve=2,sim_serve=2")
     p.add_argument("--format", choices=["json", "env"], default="json")
     p.add_argument("--hostnames", help="comma-separated host names of a multi-host slice")
+
+
+# Model roles of the config -> their trainer / server roles in `chips.roles`.
+TRAIN_ROLE = {"agent": "policy_train", "simulator": "sim_train"}
+SERVE_ROLE = {"agent": "agent_serve", "simulator": "sim_serve"}
+
+
+def config_plan(cfg) -> ChipPlan:
+    c = cfg.chips
+    return plan_chips(
+        c.accelerator,
+        c.roles,
+        tpu_port_base=c.tpu_port_base,
+        http_port_base=c.http_port_base,
+        cache_dir=c.cache_dir,
+    )
+
+
+def trainer_device_ids(cfg, model_role: str, device_count: int) -> list[int] | None:
+    """The device ids a CPU plan gives `model_role`'s trainer (`agent` -> `policy_train`),
+    checked against the devices this process has; None on TPU (a process there sees only
+    its own chips) or when the plan has no such role."""
+    if cfg.chips.accelerator.startswith("cpu-") and TRAIN_ROLE[model_role] in cfg.chips.roles:
+        plan = config_plan(cfg)
+        if device_count < plan.accelerator.chips:
+            raise PlanError(
+                f"the chip plan {cfg.chips.accelerator} needs {plan.accelerator.chips} devices "
+                f"but this process has {device_count}: leave XLA_FLAGS unset (simloop sets "
+                f"--xla_force_host_platform_device_count from the plan) or change chips.roles"
+            )
+        return plan.device_ids(TRAIN_ROLE[model_role])
+    return None
+
+
+def server_env(cfg, model_role: str) -> dict[str, str] | None:
+    """The planned environment of `model_role`'s server process (its devices), or None."""
+    role = SERVE_ROLE[model_role]
+    if role not in cfg.chips.roles:
+        return None
+    (proc,) = config_plan(cfg).role(role)
+    return {k: v for k, v in proc.env.items() if k != "SIMLOOP_HTTP_PORT"}
+
+
+def cpu_device_flag(cfg, environ: Mapping[str, str]) -> str | None:
+    """The XLA_FLAGS value that gives this process the fake devices of a `cpu-N` plan, or None
+    (not a CPU plan, or XLA_FLAGS already chooses a device count)."""
+    flags = environ.get("XLA_FLAGS", "")
+    if not cfg.chips.accelerator.startswith("cpu-") or "device_count" in flags:
+        return None
+    n = parse_accelerator(cfg.chips.accelerator).chips
+    return f"{flags} --xla_force_host_platform_device_count={n}".strip()

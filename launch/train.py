@@ -66,18 +66,24 @@ def make_trainer(
 ):
     """The role's `Trainer` on its own sub-mesh, starting from `init_params` if given, else
     from the role's weights / HF checkpoint, else a random init."""
+    import jax
+
+    from launch.chips import trainer_device_ids
     from rl.train.mesh import role_meshes
     from rl.train.trainer import Trainer
 
     model_cfg, hf_params, weights = _model_and_params(role)
     params = hf_params if init_params is None else init_params
+    model_role = "agent" if role is cfg.agent else "simulator"
+    ids = trainer_device_ids(cfg, model_role, jax.device_count())
+    mesh = role_meshes({"trainer": role.mesh}, device_ids=None if ids is None else {"trainer": ids})
     trainer = Trainer(
         model_cfg,
         optim,
         total_steps=steps,
         loss=loss,
         loss_cfg=loss_cfg,
-        mesh=role_meshes({"trainer": role.mesh})["trainer"],
+        mesh=mesh["trainer"],
         rules=cfg.sharding.rules,
         # ids the sampler may draw, which the trainer must normalise over (serving's sampler)
         valid_vocab=min(model_cfg.vocab_size, tokenizer.vocab_size),
@@ -387,6 +393,7 @@ async def _rl(
     eval_tasks,
 ) -> dict:
     from launch.backends import shell_backends
+    from launch.chips import server_env
     from launch.local import LocalServer
     from rl.orchestrator.buffer import RolloutBuffer
     from rl.orchestrator.runner import RolloutRunner
@@ -405,7 +412,7 @@ async def _rl(
             args = ["--admin-token", token, "--checkpoint-root", str(out.absolute()),
                     "--max-seq-len", str(ocfg.max_context_tokens)]  # fmt: skip
             urls["agent"] = stack.enter_context(
-                LocalServer.start("agent", out, extra_args=args)
+                LocalServer.start("agent", out, extra_args=args, env=server_env(cfg, "agent"))
             ).url
         elif ADMIN_TOKEN_ENV not in os.environ:
             raise SystemExit(
@@ -417,7 +424,9 @@ async def _rl(
         if _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms):
             urls["simulator"] = (
                 cfg.simulator.server_url
-                or stack.enter_context(LocalServer.start("simulator", out)).url
+                or stack.enter_context(
+                    LocalServer.start("simulator", out, env=server_env(cfg, "simulator"))
+                ).url
             )
         async with contextlib.AsyncExitStack() as astack:
             clients = {}

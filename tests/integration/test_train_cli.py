@@ -27,7 +27,8 @@ def simloop(*args: str) -> list[str]:
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    # As a user runs it: simloop gives itself the 8 fake devices of the demo's cpu-8 plan.
+    env.pop("XLA_FLAGS", None)
     return env
 
 

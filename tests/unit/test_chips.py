@@ -6,11 +6,14 @@ import itertools
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from launch.chips import PlanError, parse_accelerator, parse_roles, plan_chips
 from launch.cli import main
+from launch.config import load_config
+from launch.schema import SimloopConfig
 
 
 def _env(plan, role):
@@ -237,3 +240,32 @@ def test_cli_json_and_env(capsys):
     assert "export TPU_VISIBLE_CHIPS=4,5" in out and "# sim_serve [serve]" in out
     assert main(["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"]) == 2
     assert "not a legal sub-slice" in capsys.readouterr().err
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads_and_plans(path):
+    """Each config in configs/ validates and its chip plan is legal; a trainer role's chips
+    equal its model role's mesh size (the trainer builds that mesh over exactly them)."""
+    cfg = load_config(SimloopConfig, path)
+    plan = plan_chips(cfg.chips.accelerator, cfg.chips.roles)
+    for train_role, model_role in (("policy_train", "agent"), ("sim_train", "simulator")):
+        if train_role in cfg.chips.roles:
+            mesh = getattr(cfg, model_role).mesh
+            assert mesh.size == cfg.chips.roles[train_role], (train_role, mesh)
+            assert len(plan.device_ids(train_role)) == mesh.size
+    assert {p.role for p in plan.processes} == set(cfg.chips.roles)
+
+
+def test_the_tpu_configs_are_the_documented_splits():
+    v6e8 = load_config(SimloopConfig, CONFIGS[0].parent / "v6e-8.yaml")
+    assert v6e8.chips.roles == {"policy_train": 4, "agent_serve": 2, "sim_serve": 2}
+    plan = plan_chips(v6e8.chips.accelerator, v6e8.chips.roles)
+    ports = {p.role: p.http_port for p in plan.processes if p.kind == "serve"}
+    assert v6e8.agent.server_url.endswith(f":{ports['agent_serve']}")
+    assert v6e8.simulator.server_url.endswith(f":{ports['sim_serve']}")
+    assert v6e8.agent.model.num_layers == 28  # Qwen3-1.7B
+    v6e32 = load_config(SimloopConfig, CONFIGS[0].parent / "v6e-32.yaml")
+    assert plan_chips(v6e32.chips.accelerator, v6e32.chips.roles).accelerator.hosts == 8
