@@ -37,8 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from envs.config import TerminalConfig, TextopsConfig
-from envs.shell import Observation, ShellLifecycle
-from envs.textops import generate_textops, textops_truth
+from envs.textops import TextopsAnswerShell, generate_textops
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.tokenizer import IM_START
 from rl.model.config import ModelConfig, tiny
@@ -118,20 +117,6 @@ def bench_trainer(name: str, rows: int, seq: int, steps: int, peak: float) -> di
 
 
 # ----- 2. async vs sync RL through the orchestrator ------------------------------------------
-
-
-class OracleShell(ShellLifecycle):
-    """In memory: every command prints the task's answer, so no bash process runs and the
-    agent can submit it (or not)."""
-
-    def __init__(self, task):
-        self.answer = textops_truth(dict(task.reward.params))
-
-    async def run(self, command: str, timeout_s: float) -> Observation:
-        return Observation(output=self.answer, exit_code=0)
-
-    async def close(self) -> None:
-        pass
 
 
 class StragglerAgent:
@@ -236,7 +221,7 @@ async def rl_arm(trainer: Trainer, init_state, staleness: int, a: SimpleNamespac
         max_concurrent_episodes=4 * a.batch_size, max_concurrent_real=4 * a.batch_size,
         seed=a.seed,
     )  # fmt: skip
-    runner = RolloutRunner(ocfg, TERMINAL, ChatRenderer(tok), Backends(real=OracleShell),
+    runner = RolloutRunner(ocfg, TERMINAL, ChatRenderer(tok), Backends(real=TextopsAnswerShell),
                            client=agent)  # fmt: skip
     delivered = []
     tasks = generate_textops(TextopsConfig(num_tasks=64, seed=a.seed))

@@ -14,7 +14,7 @@ import re
 
 from envs.config import TextopsConfig
 from envs.rewards import RewardContext, register_reward
-from envs.shell import TaskSetup
+from envs.shell import Observation, ShellLifecycle, TaskSetup
 from envs.tasks import RewardSpec, Task
 from envs.terminal import SUBMIT_MARKER
 
@@ -150,3 +150,18 @@ class TextopsSolver:
         m = _OUTPUT.search(text)  # the default observation template; else the whole text
         answer = (m.group(1) if m else text).strip()
         return f"The shell printed the answer.\n\n{_bash('submit ' + answer)}"
+
+
+class TextopsAnswerShell(ShellLifecycle):
+    """An in-memory shell for a textops task: every command prints the task's answer, so an
+    agent that submits what it saw succeeds. For tests and benches of the layers above the
+    shell (no bash process runs)."""
+
+    def __init__(self, task: Task):
+        self.answer = textops_truth(dict(task.reward.params))
+
+    async def run(self, command: str, timeout_s: float) -> Observation:
+        return Observation(output=self.answer, exit_code=0)
+
+    async def close(self) -> None:
+        pass

@@ -102,8 +102,8 @@ def parse_accelerator(name: str) -> Accelerator:
                 f"accelerator {name!r}: v5p-N counts TensorCores (2 per chip): N = 8, 16, "
                 f"32, ... (v5p-8 is 4 chips on one host)"
             )
-        hosts = chips // 4
-        hx, hy, hz = _split3(hosts)
+        x, y, z = _v5p_topology(chips)
+        hx, hy, hz = x // 2, y // 2, z
         return Accelerator(
             name, generation, chips, (2, 2, 1), (hx, hy, hz), f"{2 * hx}x{2 * hy}x{hz}", label
         )
@@ -115,11 +115,17 @@ def parse_accelerator(name: str) -> Accelerator:
     return Accelerator(name, generation, count, (2, 2, 1), (x // 2, y // 2, 1), f"{x}x{y}", label)
 
 
-def _split3(n: int) -> tuple[int, int, int]:
-    """Hosts of a v5p slice: a 1 x 1 x n column up to 4, then spread over y (approximate)."""
-    if n <= 4:
-        return (1, 1, n)
-    return (1, n // 4, 4)
+def _v5p_topology(chips: int) -> tuple[int, int, int]:
+    """The 3D torus of a v5p slice: 2x2x1 (one host), 2x2x2, 2x2x4, then y, x and z double in
+    turn (2x4x4, 4x4x4, 4x4x8, 4x8x8, ...). Hosts hold 2x2x1 chips."""
+    dims, turn = [2, 2, 1], 0
+    while dims[0] * dims[1] * dims[2] < chips:
+        if dims[2] < 4:
+            dims[2] *= 2
+        else:
+            dims[(1, 0, 2)[turn % 3]] *= 2
+            turn += 1
+    return dims[0], dims[1], dims[2]
 
 
 @dataclass(frozen=True)
@@ -284,12 +290,13 @@ def plan_chips(
         addresses = ",".join(f"{host_name(h)}:{port}" for h, _ in groups)
         for rank, (host, chips) in enumerate(groups):
             env = _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir)
-            proc = ProcessPlan(role, kind, host, chips, bounds, rank, len(groups), None, env)
+            served = None
             if kind == "serve":
-                proc = dataclasses.replace(proc, http_port=http_port)
-                proc.env["SIMLOOP_HTTP_PORT"] = str(http_port)
-                http_port += 1
-            processes.append(proc)
+                served, http_port = http_port, http_port + 1
+                env["SIMLOOP_HTTP_PORT"] = str(served)
+            processes.append(
+                ProcessPlan(role, kind, host, chips, bounds, rank, len(groups), served, env)
+            )
     return ChipPlan(acc, processes)
 
 
@@ -347,16 +354,11 @@ def run(args, cfg) -> int:
     import sys
 
     try:
-        acc = args.accelerator or cfg.chips.accelerator
-        roles = parse_roles(args.roles) if args.roles else dict(cfg.chips.roles)
-        hosts = args.hostnames.split(",") if args.hostnames else None
-        plan = plan_chips(
-            acc,
-            roles,
-            tpu_port_base=cfg.chips.tpu_port_base,
-            http_port_base=cfg.chips.http_port_base,
-            cache_dir=cfg.chips.cache_dir,
-            hostnames=hosts,
+        plan = config_plan(
+            cfg,
+            accelerator=args.accelerator,
+            roles=parse_roles(args.roles) if args.roles else None,
+            hostnames=args.hostnames.split(",") if args.hostnames else None,
         )
     except PlanError as e:
         print(f"simloop plan-chips: {e}", file=sys.stderr)
@@ -377,14 +379,22 @@ TRAIN_ROLE = {"agent": "policy_train", "simulator": "sim_train"}
 SERVE_ROLE = {"agent": "agent_serve", "simulator": "sim_serve"}
 
 
-def config_plan(cfg) -> ChipPlan:
+def config_plan(
+    cfg,
+    *,
+    accelerator: str | Accelerator | None = None,
+    roles: Mapping[str, int] | None = None,
+    hostnames: Sequence[str] | None = None,
+) -> ChipPlan:
+    """The plan of a config's `chips:` section (accelerator and roles overridable)."""
     c = cfg.chips
     return plan_chips(
-        c.accelerator,
-        c.roles,
+        accelerator or c.accelerator,
+        c.roles if roles is None else roles,
         tpu_port_base=c.tpu_port_base,
         http_port_base=c.http_port_base,
         cache_dir=c.cache_dir,
+        hostnames=hostnames,
     )
 
 

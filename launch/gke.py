@@ -77,7 +77,7 @@ def pod_hostname(name: str, index: int) -> str:
 
 def chip_plan(cfg):
     """The chip plan of `cfg.chips`, with the pods' DNS names as host names."""
-    from launch.chips import PlanError, parse_accelerator, plan_chips
+    from launch.chips import PlanError, config_plan, parse_accelerator
 
     try:
         acc = parse_accelerator(cfg.chips.accelerator)
@@ -92,14 +92,7 @@ def chip_plan(cfg):
     if acc.hosts > 1:
         hostnames = [pod_hostname(cfg.gke.name, i) for i in range(acc.hosts)]
     try:
-        return plan_chips(
-            acc,
-            cfg.chips.roles,
-            tpu_port_base=cfg.chips.tpu_port_base,
-            http_port_base=cfg.chips.http_port_base,
-            cache_dir=cfg.chips.cache_dir,
-            hostnames=hostnames,
-        )
+        return config_plan(cfg, accelerator=acc, hostnames=hostnames)
     except PlanError as e:
         raise GkeError(f"chips: {e}") from e
 

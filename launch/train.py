@@ -337,6 +337,12 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     return summary
 
 
+def _read_evals(out: Path) -> dict:
+    """`eval.json` of a run directory ({label: {arm: result}}), or {} before the first."""
+    path = out / "eval.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics) -> dict:
     """Evaluate the served policy (`version`) on the held-out tasks in every `eval.arms`;
     results go to `eval.json` (under `label`), `metrics.jsonl` and `trajectories/eval-*`."""
@@ -345,8 +351,7 @@ async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics)
     from rl.orchestrator.storage import TrajectoryWriter
 
     ecfg = cfg.train_agent.eval
-    path = out / "eval.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved = _read_evals(out)
     results = {}
     for arm in ecfg.arms:
         writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
@@ -375,7 +380,7 @@ async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics)
             flush=True,
         )
     saved[label] = results
-    path.write_text(json.dumps(saved, indent=1))
+    (out / "eval.json").write_text(json.dumps(saved, indent=1))
     return results
 
 
@@ -443,9 +448,7 @@ async def _rl(
             )
             before = None
             if evaluating:
-                path = out / "eval.json"
-                saved = json.loads(path.read_text()) if path.exists() else {}
-                before = saved.get("before") or await _evaluate(
+                before = _read_evals(out).get("before") or await _evaluate(
                     cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
                 )
             backends = shell_backends(cfg, clients.get("simulator"))

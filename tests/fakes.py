@@ -1,6 +1,8 @@
 """Shared test helpers: small real artifacts the tests build themselves (nothing from a hub)."""
 
 import json
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.data.tokenizer import BYTE_SPECIALS, ENDOFTEXT, IM_END
@@ -107,3 +109,20 @@ async def wait_until(cond, timeout_s: float = 10.0, poll_s: float = 0.005) -> bo
             return False
         await asyncio.sleep(poll_s)
     return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PlannedProcess:
+    """The fields of `launch.chips.ProcessPlan` that server launchers read."""
+
+    role: str
+    chips: tuple[int, ...]
+    http_port: int | None
+    env: dict[str, str] = field(default_factory=dict)

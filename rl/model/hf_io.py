@@ -80,7 +80,9 @@ def _o_to_hf(w, cfg):
     return w.reshape(-1, cfg.hidden_size).T
 
 
-def _tensor_table(cfg: ModelConfig) -> list[_Tensor]:
+def tensor_table(cfg: ModelConfig) -> list[_Tensor]:
+    """Every HF tensor of `cfg` with its simloop parameter path and layout converters (what
+    `save_hf` / `load_hf` walk, and what the vLLM worker extension maps names with)."""
     attn = "model.layers.{i}.self_attn."
     table = [
         _Tensor("model.embed_tokens.weight", ("embed",), _same, _same, per_layer=False),
@@ -172,7 +174,7 @@ def load_hf(
     cfg = ModelConfig.from_hf(json.loads(config_file.read_text()), **overrides)
     reader = _Reader(path)
 
-    table = _tensor_table(cfg)
+    table = tensor_table(cfg)
     expected = {
         t.hf_name.format(i=i)
         for t in table
@@ -247,7 +249,7 @@ def save_hf(
     out_dtype = jnp.dtype(dtype or config.param_dtype)
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     tensors: dict[str, np.ndarray] = {}
-    for t in _tensor_table(config):
+    for t in tensor_table(config):
         value = np.asarray(jax.device_get(flat[t.path].get_value())).astype(out_dtype)
         if t.per_layer:
             for i in range(config.num_layers):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from rl.model.config import ModelConfig
-from rl.model.hf_io import _tensor_table
+from rl.model.hf_io import tensor_table
 from rl.model.params_io import PARAMS_DIR, read_model_config
 
 
@@ -57,7 +57,7 @@ def iter_hf_weights(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, HF-layout array) for every tensor `save_hf` writes for `cfg`, in its order.
     `params` is the nested parameter dict of `save_params` (layers stacked on axis 0)."""
-    for t in _tensor_table(cfg):
+    for t in tensor_table(cfg):
         node: Any = params
         for key in t.path:
             if not isinstance(node, Mapping) or key not in node:

@@ -1,6 +1,6 @@
 """The demo_cpu chip plan, launched for real: two `simloop serve` processes started with their
 planned environment (one fake device each, planned HTTP ports) and both trainers on disjoint
-fake-device sub-meshes of this process, all from `launch.chips.plan_chips` — the code path a
+fake-device sub-meshes of this process, all from `launch.chips.config_plan` — the code path a
 v6e-8 takes with TPU chips."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from launch.chips import plan_chips
+from launch.chips import config_plan
 from launch.config import load_config, write_config
 from launch.local import LocalServer
 from launch.schema import SimloopConfig
@@ -50,7 +50,7 @@ def test_demo_cpu_plan_runs_servers_and_trainers_on_their_own_devices(tmp_path):
     cfg = load_config(SimloopConfig, ROOT / "configs" / "demo_cpu.yaml")
     chips = dataclasses.replace(cfg.chips, http_port_base=_free_port_pair())
     cfg = dataclasses.replace(cfg, chips=chips)
-    plan = plan_chips(chips.accelerator, chips.roles, http_port_base=chips.http_port_base)
+    plan = config_plan(cfg)
     assert set(chips.roles) == set(SERVE_ROLES) | set(TRAIN_ROLES)
     write_config(cfg, tmp_path)
 

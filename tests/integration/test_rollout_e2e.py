@@ -9,7 +9,6 @@ checked is that every episode ends with a valid trajectory and an explained stat
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from serving.client import ClientConfig, InferenceClient
-from tests.fakes import wait_until
+from tests.fakes import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -81,17 +80,11 @@ def test_32_episodes_per_arm_all_validate(servers, tmp_path):
         assert n > 0 and sum(lp is not None for lp in t.behavior_logprobs) == n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 async def test_killed_agent_server_fails_in_flight_episodes_then_the_run_recovers(tmp_path):
     cfg = load_config(SimloopConfig, REPO / "configs/demo_cpu.yaml", SMALL)
     write_config(cfg, tmp_path)
-    port = _free_port()
+    port = free_port()
     args = ["--port", str(port)]
     server = await asyncio.to_thread(LocalServer.start, "agent", tmp_path, extra_args=args)
     tasks = generate_textops(TextopsConfig(num_tasks=16, seed=5))

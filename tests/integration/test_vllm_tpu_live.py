@@ -18,8 +18,6 @@ import asyncio
 import glob
 import importlib.util
 import os
-import socket
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -37,26 +35,13 @@ from rl.model.params_io import save_params  # noqa: E402
 from serving.client import ClientConfig, InferenceClient  # noqa: E402
 from serving.vllm.launcher import ServedModel, launch_servers, stop_servers  # noqa: E402
 from serving.vllm.publisher import VllmPublisher  # noqa: E402
-from tests.fakes import build_hf_tokenizer  # noqa: E402
+from tests.fakes import PlannedProcess as Proc  # noqa: E402
+from tests.fakes import build_hf_tokenizer, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.tpu, pytest.mark.slow]
 
 PROMPT = list(range(1, 13))
 GEN = 8
-
-
-@dataclass
-class Proc:
-    role: str
-    chips: tuple[int, ...]
-    http_port: int | None
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_chip() -> int:
@@ -87,7 +72,7 @@ def test_published_weights_are_the_weights_served(tmp_path):
     ckpt_b = save_params(weights_b, tmp_path / "weights" / "v000002", dtype="bfloat16")
 
     tpu_port = int(os.environ.get("TPU_PROCESS_PORT", "8476")) + 1
-    proc = Proc("agent_serve", (chip,), _free_port(), {
+    proc = Proc("agent_serve", (chip,), free_port(), {
         "TPU_VISIBLE_CHIPS": str(chip), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
         "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_PORT": str(tpu_port),
         "TPU_PROCESS_ADDRESSES": f"localhost:{tpu_port}", "CLOUD_TPU_TASK_ID": "0",

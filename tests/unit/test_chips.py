@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.chips import PlanError, parse_accelerator, parse_roles, plan_chips
+from launch.chips import PlanError, config_plan, parse_accelerator, parse_roles, plan_chips
 from launch.cli import main
 from launch.config import load_config
 from launch.schema import SimloopConfig
@@ -250,7 +250,7 @@ def test_every_shipped_config_loads_and_plans(path):
     """Each config in configs/ validates and its chip plan is legal; a trainer role's chips
     equal its model role's mesh size (the trainer builds that mesh over exactly them)."""
     cfg = load_config(SimloopConfig, path)
-    plan = plan_chips(cfg.chips.accelerator, cfg.chips.roles)
+    plan = config_plan(cfg)
     for train_role, model_role in (("policy_train", "agent"), ("sim_train", "simulator")):
         if train_role in cfg.chips.roles:
             mesh = getattr(cfg, model_role).mesh

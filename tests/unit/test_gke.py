@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from launch import gke
-from launch.chips import parse_accelerator, plan_chips
+from launch.chips import config_plan, parse_accelerator
 from launch.cli import main
 from launch.config import load_config
 from launch.k8s_schema import ManifestError, check, validate
@@ -44,14 +44,7 @@ def _planner(cfg):
     names = (
         None if acc.hosts == 1 else [gke.pod_hostname(cfg.gke.name, i) for i in range(acc.hosts)]
     )
-    return plan_chips(
-        acc,
-        cfg.chips.roles,
-        tpu_port_base=cfg.chips.tpu_port_base,
-        http_port_base=cfg.chips.http_port_base,
-        cache_dir=cfg.chips.cache_dir,
-        hostnames=names,
-    )
+    return config_plan(cfg, hostnames=names)
 
 
 @pytest.mark.parametrize("path", [V6E_8, V6E_32], ids=lambda p: p.name)

@@ -12,8 +12,7 @@ from collections import Counter
 import pytest
 
 from envs.config import TerminalConfig, TextopsConfig
-from envs.shell import Observation, ShellLifecycle
-from envs.textops import generate_textops, textops_truth
+from envs.textops import TextopsAnswerShell, generate_textops
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.tokenizer import IM_START
 from rl.data.trajectory import validate
@@ -26,19 +25,6 @@ from tests.fakes import FakeAgentClient, wait_until
 TOK = ByteTokenizer()
 RENDERER = ChatRenderer(TOK)
 TERMINAL = TerminalConfig(max_turns=4, command_timeout_s=10)
-
-
-class AnswerShell(ShellLifecycle):
-    """In memory: every command prints the task's answer (the agent then submits it)."""
-
-    def __init__(self, task):
-        self.answer = textops_truth(dict(task.reward.params))
-
-    async def run(self, command: str, timeout_s: float) -> Observation:
-        return Observation(output=self.answer, exit_code=0)
-
-    async def close(self) -> None:
-        pass
 
 
 class HangingClient:
@@ -62,7 +48,7 @@ def _cfg(**kw) -> OrchestratorConfig:
 
 
 def _runner(cfg, client) -> RolloutRunner:
-    return RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=AnswerShell), client=client)
+    return RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell), client=client)
 
 
 def _first_turns(client: FakeAgentClient) -> int:

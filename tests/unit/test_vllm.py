@@ -5,12 +5,10 @@ aiohttp fake of vLLM's dev-mode routes that records every request.
 """
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import jax
@@ -40,23 +38,8 @@ from serving.vllm.launcher import (
 )
 from serving.vllm.publisher import VllmPublisher, VllmPublishError
 from serving.vllm.worker_extension import OrbaxWeightLoader
-
-
-@dataclass
-class Proc:
-    """The fields of launch/chips.py's ProcessPlan the launcher reads."""
-
-    role: str
-    chips: tuple[int, ...]
-    http_port: int | None
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.fakes import PlannedProcess as Proc
+from tests.fakes import free_port
 
 # ----- launcher ----------------------------------------------------------------------------------
 
