@@ -201,6 +201,14 @@ class SimulatedShellConfig:
     """Keep at most this many earlier (command, observation) pairs in the prompt; None: all."""
     seed: int | None = None
     """Base sampling seed (each turn adds its index); None: the server's randomness."""
+    system_prompt: str | None = None
+    """The simulator's instructions at the top of its prompt; None: the built-in
+    `envs.sim_format.SIM_SYSTEM_PROMPT`. `simloop train-sim` renders its examples with the
+    same value, so a simulator is served with the prompt it was trained on."""
+    show_task: bool = True
+    """Show the agent's task to the simulator (a hint for what the sandbox holds). Off, the
+    simulator sees only the starting files and the commands, like a real terminal, and
+    cannot learn to answer the task whatever the command."""
     repetition_max_line_share: float = 0.5
     """`repetition` when one line makes up more than this share of an output's lines..."""
     repetition_min_lines: int = 8

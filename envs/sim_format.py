@@ -110,15 +110,20 @@ def render_sim_messages(
     command: str,
     *,
     setup_files: Mapping[str, str] | None = None,
-    system_prompt: str = SIM_SYSTEM_PROMPT,
+    system_prompt: str | None = None,
+    show_task: bool = True,
 ) -> list[Message]:
     """The simulator's chat for predicting the observation of `command`. Render it with
     `add_generation_prompt=True, enable_thinking=False`; the target is
-    `format_observation(output, exit_code)` followed by the end-of-turn token."""
-    system = f"{system_prompt}\n\nThe user is working on this task:\n{task_instruction.strip()}"
+    `format_observation(output, exit_code)` followed by the end-of-turn token.
+    `system_prompt` (None: `SIM_SYSTEM_PROMPT`) and `show_task` come from
+    `SimulatedShellConfig`, and training and serving must use the same values."""
+    system = SIM_SYSTEM_PROMPT if system_prompt is None else system_prompt
+    if show_task:
+        system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
     files = setup_description(setup_files or {})
     if files:
-        system += "\n\n" + files
+        system = f"{system}\n\n{files}" if system else files
     messages: list[Message] = [{"role": "system", "content": system}]
     for past_command, obs in history:
         messages.append({"role": "user", "content": past_command})

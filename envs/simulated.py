@@ -116,7 +116,12 @@ class SimulatedShell(ShellLifecycle):
         dropped = len(self.history) - len(history)
         while True:
             messages = render_sim_messages(
-                self.task_instruction, history, command, setup_files=self.setup.files
+                self.task_instruction,
+                history,
+                command,
+                setup_files=self.setup.files,
+                system_prompt=cfg.system_prompt,
+                show_task=cfg.show_task,
             )
             if self.renderer is None:
                 text = render_text(messages, add_generation_prompt=True, enable_thinking=False)

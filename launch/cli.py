@@ -103,6 +103,24 @@ def _train_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return train.run_train_sim(args, cfg)
 
 
+def _eval_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import eval_sim
+
+    return eval_sim.run(args, cfg)
+
+
+def _demo_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import demo
+
+    return demo.run(args, cfg)
+
+
+def _report_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import report
+
+    return report.run(args, cfg)
+
+
 def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from launch import train
 
@@ -134,6 +152,9 @@ HANDLERS: dict[str, Handler] = {
     "collect": _collect_cmd,
     "train-sim": _train_sim_cmd,
     "train-agent": _train_agent_cmd,
+    "eval-sim": _eval_sim_cmd,
+    "demo": _demo_cmd,
+    "report": _report_cmd,
     "config": _config_cmd,
     "serve": _serve_cmd,
     "e2b": _e2b_cmd,
@@ -161,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--run-id", help="only sandboxes tagged with this run (default: all)")
             p.add_argument("--older-than-s", type=float, default=0.0,
                            help="only sandboxes started at least this long ago")  # fmt: skip
+        if name == "demo":
+            p.add_argument("--quick", action="store_true",
+                           help="a CI-sized run (minutes): demo.quick_overrides")  # fmt: skip
+        if name == "report":
+            p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (`simloop demo`)")
         if name == "serve":
             from launch.serve import add_arguments
 
@@ -198,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = argv.index("--")
         argv, remote_command = argv[:cut], argv[cut + 1 :]
     args, rest = parser.parse_known_args(argv)
+    args.overrides = list(rest)  # the dotted overrides as given (`demo` re-applies them)
     if remote_command is not None:
         args.remote_command = remote_command
     if args.command is None:

@@ -35,6 +35,19 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0 if summary["episodes"] else 1
 
 
+def collect_tasks_config(cfg: SimloopConfig):
+    """The textops family collected on: `env.textops` with `collect.task_seed` /
+    `collect.num_tasks` where set."""
+    import dataclasses
+
+    c, t = cfg.collect, cfg.env.textops
+    return dataclasses.replace(
+        t,
+        seed=t.seed if c.task_seed is None else c.task_seed,
+        num_tasks=t.num_tasks if c.num_tasks is None else c.num_tasks,
+    )
+
+
 async def collect(cfg: SimloopConfig, out: Path) -> dict:
     import dataclasses
 
@@ -48,11 +61,10 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     from rl.orchestrator.storage import TrajectoryWriter
 
     c = cfg.collect
-    tasks = generate_textops(cfg.env.textops)
+    tasks = generate_textops(collect_tasks_config(cfg))
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
-    client = ScriptedAgentClient(
-        tasks, renderer.tokenizer, style=c.style, noise=c.noise, seed=cfg.run.seed
-    )
+    client = ScriptedAgentClient(tasks, renderer.tokenizer, style=c.style, noise=c.noise,
+                                 noise_kinds=c.noise_kinds, seed=cfg.run.seed)  # fmt: skip
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")
     episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]

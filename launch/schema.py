@@ -87,9 +87,18 @@ class CollectConfig:
     noise: float = 0.2
     """Probability that a turn's reply carries a mistake (another operation's command, a typo,
     a wrong answer), so the data also shows failing commands."""
+    noise_kinds: list[str] = field(default_factory=lambda: ["other_op", "typo", "wrong_answer"])
+    """Which mistakes. `other_op` matters most for a simulator: the same file under every
+    command shows it that the output follows the command, not the task."""
+    task_seed: int | None = None
+    """Seed of the textops tasks collected on; None: `env.textops.seed` (the agent's own
+    training tasks). Another seed collects on tasks the agent never trains on."""
+    num_tasks: int | None = None
+    """How many textops tasks to collect on; None: `env.textops.num_tasks`."""
 
     def __post_init__(self) -> None:
         from envs.textops import SOLVER_STYLES
+        from rl.orchestrator.scripted import NOISE_KINDS
 
         if (
             isinstance(self.episodes, bool)
@@ -105,6 +114,88 @@ class CollectConfig:
             )
         if not 0.0 <= self.noise <= 1.0:
             raise ValueError(f"CollectConfig.noise={self.noise!r} is invalid: a number in [0, 1]")
+        if not self.noise_kinds or any(k not in NOISE_KINDS for k in self.noise_kinds):
+            raise ValueError(
+                f"CollectConfig.noise_kinds={self.noise_kinds!r} is invalid: a non-empty list "
+                f"drawn from {list(NOISE_KINDS)}"
+            )
+        for name in ("task_seed", "num_tasks"):
+            v = getattr(self, name)
+            low = 0 if name == "task_seed" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(
+                    f"CollectConfig.{name}={v!r} is invalid: an integer >= {low} or null"
+                )
+
+
+@dataclass(frozen=True)
+class EvalSimConfig:
+    """`simloop eval-sim` (arm c): the recorded commands of real trajectories replayed against
+    the simulator, its observations scored against the real ones."""
+
+    trajectories: list[str] = field(default_factory=list)
+    """Real trajectories (JSONL files or folders from `simloop collect` / `simloop import`)."""
+    heldout_tasks: str | None = None
+    """A JSON list of task ids to keep (`simloop train-sim` writes `heldout_tasks.json`), so
+    the simulator is scored on tasks it never trained on; None: every trajectory."""
+    max_trajectories: int | None = None
+    """Replay at most this many (the first ones, in file order); None: all."""
+    context_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
+    """Bucket edges (prompt tokens) of the fidelity-by-context-length table."""
+
+    def __post_init__(self) -> None:
+        m = self.max_trajectories
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(
+                f"EvalSimConfig.max_trajectories={m!r} is invalid: an integer >= 1 or null"
+            )
+        edges = self.context_edges
+        if any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in edges) or list(
+            edges
+        ) != sorted(set(edges)):
+            raise ValueError(
+                f"EvalSimConfig.context_edges={edges!r} is invalid: increasing positive integers"
+            )
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """`simloop demo`: collect -> train-sim -> eval-sim -> train-agent -> report, each stage in
+    its own subdirectory of the run directory."""
+
+    rl_arm: str = "closed_loop"
+    """Where the agent's RL episodes run: `closed_loop` (the simulator: the point of the
+    demo), `real` or `mixed`."""
+    eval_arms: list[str] = field(default_factory=lambda: ["real", "closed_loop"])
+    """Where the agent is evaluated before and after RL."""
+    sim_max_tokens_from_data: bool = True
+    """Set the simulator's token cap (`env.shell.simulated.max_tokens`) from the collected
+    real observations (`envs.fidelity.suggest_max_tokens`), so a runaway costs little."""
+
+    quick_overrides: list[str] = field(
+        default_factory=lambda: [
+            "--collect.episodes", "96",
+            "--train_sim.steps", "8",
+            "--train_agent.warm_start.num_demos", "16",
+            "--train_agent.warm_start.steps", "6",
+            "--train_agent.steps", "2",
+            "--train_agent.eval.tasks", "6",
+            "--train_agent.eval.samples", "2",
+            "--orchestrator.batch_size", "16",
+            "--eval_sim.max_trajectories", "12",
+        ]
+    )  # fmt: skip
+    """Dotted overrides `--quick` applies on top of the config (a CI-sized run, minutes)."""
+
+    def __post_init__(self) -> None:
+        arms = ("real", "closed_loop", "mixed")
+        if self.rl_arm not in arms:
+            raise ValueError(f"DemoConfig.rl_arm={self.rl_arm!r} is invalid: one of {list(arms)}")
+        if not self.eval_arms or any(a not in ("real", "closed_loop") for a in self.eval_arms):
+            raise ValueError(
+                f"DemoConfig.eval_arms={self.eval_arms!r} is invalid: a non-empty list drawn "
+                "from ['real', 'closed_loop']"
+            )
 
 
 @dataclass(frozen=True)
@@ -128,6 +219,10 @@ class SimloopConfig:
     """`simloop collect`: scripted real trajectories for the simulator."""
     train_sim: TrainSimConfig = field(default_factory=TrainSimConfig)
     """`simloop train-sim`: simulator SFT (mesh: `simulator.mesh`)."""
+    eval_sim: EvalSimConfig = field(default_factory=EvalSimConfig)
+    """`simloop eval-sim`: arm (c) fidelity of the simulator on real trajectories."""
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    """`simloop demo`: the whole pipeline (`--quick`: CI-sized)."""
     train_agent: TrainAgentConfig = field(default_factory=TrainAgentConfig)
     """`simloop train-agent`: warm start + RL (mesh: `agent.mesh`)."""
     chips: ChipsConfig = field(default_factory=ChipsConfig)

@@ -133,7 +133,9 @@ def run_train_sim(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
     (out / "heldout_tasks.json").write_text(json.dumps(heldout, indent=1))
     tok = load_tokenizer(cfg.simulator.tokenizer)
-    ds, stats = sim_sft_dataset(train, tok, tcfg.data)
+    sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
+    ds, stats = sim_sft_dataset(train, tok, tcfg.data, system_prompt=sim_shell.system_prompt,
+                                show_task=sim_shell.show_task)  # fmt: skip
     print(
         f"simloop train-sim: {len(train)} trajectories ({len(heldout)} tasks held out) -> "
         f"{stats.examples} examples, {stats.target_tokens} target tokens",
@@ -164,6 +166,14 @@ def run_train_sim(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 # ----- train-agent ------------------------------------------------------------------------------
+
+
+def sim_server_args(cfg: SimloopConfig) -> list[str]:
+    """Extra `simloop serve` flags of a local simulator server: its KV cache holds one
+    simulator context (`env.shell.simulated.max_context_tokens`) when that is set, since
+    decode attends over the whole cache length."""
+    n = cfg.env.shell.simulated.max_context_tokens
+    return [] if n is None else ["--max-seq-len", str(n)]
 
 
 def _needs_sim(arm: str) -> bool:
@@ -430,7 +440,12 @@ async def _rl(
             urls["simulator"] = (
                 cfg.simulator.server_url
                 or stack.enter_context(
-                    LocalServer.start("simulator", out, env=server_env(cfg, "simulator"))
+                    LocalServer.start(
+                        "simulator",
+                        out,
+                        extra_args=sim_server_args(cfg),
+                        env=server_env(cfg, "simulator"),
+                    )  # fmt: skip
                 ).url
             )
         async with contextlib.AsyncExitStack() as astack:

@@ -124,12 +124,16 @@ def sim_sft_examples(
     *,
     max_len: int,
     missing_exit_code: int | None = 0,
+    system_prompt: str | None = None,
+    show_task: bool = True,
 ) -> tuple[list[Example], SFTStats]:
-    """One example per command with a real observation. Contexts longer than `max_len` minus
-    the target lose their oldest turns first; the newest turn that no longer fits whole is cut
-    from the left to fill the room; the system/task prefix and the current command are always
-    kept (an example that cannot keep them, or whose target alone is too long, is skipped: a
-    target cut before its end-of-turn token would teach the simulator to run away)."""
+    """One example per command with a real observation, rendered as `SimulatedShell` prompts
+    (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). Contexts longer than
+    `max_len` minus the target lose their oldest turns first; the newest turn that no longer
+    fits whole is cut from the left to fill the room; the system/task prefix and the current
+    command are always kept (an example that cannot keep them, or whose target alone is too
+    long, is skipped: a target cut before its end-of-turn token would teach the simulator to
+    run away)."""
     examples: list[Example] = []
     stats = SFTStats()
     enc = tokenizer.encode
@@ -144,7 +148,12 @@ def sim_sft_examples(
             stats.skipped["missing_exit_code" if pairs is None else "no_commands"] += 1
             continue
         messages = render_sim_messages(
-            traj.instruction, pairs[:-1], pairs[-1][0], setup_files=traj.setup_files
+            traj.instruction,
+            pairs[:-1],
+            pairs[-1][0],
+            setup_files=traj.setup_files,
+            system_prompt=system_prompt,
+            show_task=show_task,
         )
         # ChatML messages start and end at special tokens, so encoding them one by one gives
         # the ids of the whole rendering (the tests check this against ChatRenderer.render).
@@ -278,14 +287,21 @@ def _check_built(examples: list[Example], stats: SFTStats, kind: str) -> None:
 
 
 def sim_sft_dataset(
-    trajectories: Iterable[Trajectory], tokenizer: Tokenizer, cfg: DatasetConfig
+    trajectories: Iterable[Trajectory],
+    tokenizer: Tokenizer,
+    cfg: DatasetConfig,
+    *,
+    system_prompt: str | None = None,
+    show_task: bool = True,
 ) -> tuple[grain.IterDataset, SFTStats]:
-    """Simulator SFT batches from real trajectories."""
+    """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
         trajectories,
         tokenizer,
         max_len=cfg.seq_len + 1,
         missing_exit_code=cfg.missing_exit_code,
+        system_prompt=system_prompt,
+        show_task=show_task,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

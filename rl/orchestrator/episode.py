@@ -264,7 +264,9 @@ async def run_replay_episode(
                     env_messages=list(turn.env_messages), sim_observation=obs.output,
                     sim_exit_code=obs.exit_code, timings={"env_s": env_s},
                     flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
-                    info={"similarity": pair.similarity, "exact_masked": pair.exact_masked},
+                    info={"similarity": pair.similarity, "exact_masked": pair.exact_masked,
+                          "prompt_tokens": obs.info.get("prompt_tokens"),
+                          "completion_tokens": obs.info.get("completion_tokens")},
                 ))  # fmt: skip
                 result.timings.append(TurnTiming(i, 0.0, env_s, 0))
         traj.status, traj.reason = "ok", None

@@ -108,3 +108,81 @@ async def evaluate_policy(
     result = score(episodes, tasks, arm, version)
     result.wall_s = time.perf_counter() - began
     return result
+
+
+# ----- arm (c): simulator fidelity from replayed trajectories ---------------------------------
+
+
+def command_key(command: str, max_programs: int = 4) -> str:
+    """A short name for a command, to group fidelity by: the programs of its last non-empty
+    line's pipeline (`tr -d '\\n' < input.txt | rev` -> `tr | rev`)."""
+    lines = [ln.strip() for ln in command.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(empty)"
+    programs = []
+    for stage in lines[-1].split("|"):
+        words = [w for w in stage.split() if w[:1] not in "<>" and "=" not in w[:1]]
+        if words:
+            programs.append(words[0].split("/")[-1])
+    return " | ".join(programs[:max_programs]) or "(empty)"
+
+
+def replay_fidelity(
+    trajectories: Sequence[Trajectory],
+    *,
+    context_edges: Sequence[int] = (256, 512, 1024, 2048),
+    top_commands: int = 8,
+) -> dict[str, Any]:
+    """Fidelity of the simulator from arm (c) replays: every turn with both a real and a
+    simulated observation is one pair. Returns pair metrics (exact match, masked exact match,
+    return-code agreement, similarity, length ratio), the simulated observations' hygiene
+    rates (cap hit, think leak, repetition, empty, malformed) next to the same rates of the
+    real observations, and pair metrics by prompt length and by command."""
+    from envs.fidelity import (
+        Hygiene,
+        compare_observations,
+        observation_hygiene,
+        summarize_by,
+        summarize_hygiene,
+        summarize_pairs,
+    )
+
+    pairs, keyed, sim_hygiene, real_hygiene = [], [], [], []
+    by_command: dict[str, list] = defaultdict(list)
+    malformed = 0
+    statuses = Counter(t.status for t in trajectories)
+    for traj in trajectories:
+        for turn in traj.turns:
+            if turn.sim_observation is None or turn.observation is None:
+                continue
+            m = compare_observations(turn.sim_observation, turn.observation,
+                                     turn.sim_exit_code, turn.exit_code)  # fmt: skip
+            pairs.append(m)
+            flags = set(turn.flags)
+            sim_hygiene.append(Hygiene(cap_hit="cap_hit" in flags,
+                                       think_leak="think_leak" in flags,
+                                       repetition="repetition" in flags,
+                                       empty="empty" in flags))  # fmt: skip
+            malformed += "malformed" in flags
+            real_hygiene.append(observation_hygiene(turn.observation))
+            tokens = (turn.info or {}).get("prompt_tokens")
+            if isinstance(tokens, int):
+                keyed.append((tokens, m))
+            by_command[command_key(turn.command or "")].append(m)
+    ranked = sorted(by_command.items(), key=lambda kv: -len(kv[1]))
+    commands = {k: summarize_pairs(v) for k, v in ranked[:top_commands]}
+    rest = [m for _, v in ranked[top_commands:] for m in v]
+    if rest:
+        commands["(other)"] = summarize_pairs(rest)
+    hygiene = summarize_hygiene(sim_hygiene)
+    if pairs:
+        hygiene["malformed"] = malformed / len(pairs)
+    return {
+        "trajectories": len(trajectories),
+        "statuses": dict(statuses),
+        "pairs": summarize_pairs(pairs),
+        "hygiene": hygiene,
+        "real_hygiene": summarize_hygiene(real_hygiene),
+        "by_context": summarize_by(keyed, list(context_edges)),
+        "by_command": commands,
+    }

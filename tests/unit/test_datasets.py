@@ -59,18 +59,27 @@ def _history(traj, k):
     return [(t.command, Observation(t.observation, t.exit_code)) for t in traj.turns[:k]]
 
 
-@pytest.mark.parametrize("kind", ["byte", "hf"])
-def test_sim_examples_match_the_simulated_shell_prompt(kind, tmp_path):
+@pytest.mark.parametrize(
+    "kind,prompt",
+    [("byte", {}), ("hf", {}), ("byte", {"system_prompt": "", "show_task": False}),
+     ("byte", {"system_prompt": "A terminal.", "show_task": True})],
+)  # fmt: skip
+def test_sim_examples_match_the_simulated_shell_prompt(kind, prompt, tmp_path):
     tok = BYTES if kind == "byte" else HFTokenizer(build_hf_tokenizer(tmp_path / "tok"))
     renderer = ChatRenderer(tok)
     traj = real_trajectory()
-    examples, stats = sim_sft_examples([traj], tok, max_len=100_000)
+    examples, stats = sim_sft_examples([traj], tok, max_len=100_000, **prompt)
     assert stats.examples == len(examples) == 5 and stats.truncated == 0  # submit never ran
     for k, ex in enumerate(examples):
         turn = traj.turns[k]
         messages = render_sim_messages(
-            traj.instruction, _history(traj, k), turn.command, setup_files=traj.setup_files
-        )
+            traj.instruction, _history(traj, k), turn.command, setup_files=traj.setup_files,
+            **prompt,
+        )  # fmt: skip
+        system = messages[0]["content"]
+        assert (traj.instruction in system) == prompt.get("show_task", True)
+        if prompt.get("system_prompt") == "":
+            assert system.startswith("Files in the working directory")
         context = renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
         target = tok.encode(format_observation(turn.observation, turn.exit_code))
         target.append(renderer.im_end_id)

@@ -8,6 +8,7 @@ import pytest
 from envs.config import SimulatedShellConfig
 from envs.shell import Observation, TaskSetup
 from envs.sim_format import (
+    SIM_SYSTEM_PROMPT,
     ObservationFormatError,
     format_observation,
     parse_observation,
@@ -145,6 +146,21 @@ async def test_text_prompt_request_and_history():
     assert (call["max_tokens"], call["temperature"], call["stop"]) == (77, 0.5, [IM_END])
     assert [c["seed"] for c in client.calls] == [10, 11]
     assert sh.history == [("echo hi", first), ("false", second)]
+
+
+async def test_configured_system_prompt_and_hidden_task_reach_the_request():
+    client = FakeSimulator([obs_text("X\n")])
+    cfg = SimulatedShellConfig(system_prompt="", show_task=False)
+    setup = TaskSetup(files={"in.txt": "x\n"})
+    async with SimulatedShell(client, task_instruction="secret task", setup=setup,
+                              config=cfg) as sh:  # fmt: skip
+        await sh.run("cat in.txt", timeout_s=5)
+    prompt = client.calls[0]["prompt"]
+    assert "secret task" not in prompt and SIM_SYSTEM_PROMPT not in prompt
+    assert prompt.startswith("<|im_start|>system\nFiles in the working directory at the start:")
+    expected = render_sim_messages("secret task", [], "cat in.txt", setup_files=setup.files,
+                                   system_prompt="", show_task=False)  # fmt: skip
+    assert prompt == render_text(expected, add_generation_prompt=True, enable_thinking=False)
 
 
 async def test_token_prompt_drops_oldest_turns_to_fit_context():

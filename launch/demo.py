@@ -1,0 +1,313 @@
+"""`simloop demo`: the whole pipeline (DESIGN.md §1) on CPU with tiny models, in minutes.
+
+    simloop demo --config configs/demo_cpu.yaml --out runs/demo           # ~15 min on 2 cores
+    simloop demo --config configs/demo_cpu.yaml --out runs/demo --quick   # ~3 min, CI-sized
+
+Stages, each a run directory of its own under `--out`, each the same code as its subcommand:
+
+1. `collect/`    a scripted, noisy agent in real shells (LocalShell) -> real trajectories
+2. `sim/`        simulator SFT on them (tasks split off for evaluation: `heldout_tasks.json`)
+3. `eval_sim/`   arm (c): held-out real commands replayed against the simulator -> fidelity
+4. `agent/`      SFT warm start, then RL in closed loop with the simulator (agent and simulator
+                 servers are separate processes; every policy version is published to the agent
+                 server as an Orbax checkpoint), the agent evaluated in the real shell and in the
+                 simulator before and after RL
+5. `summary.json` and `report.html` at the top of `--out`
+
+A finished stage leaves `stage.json`; running the same command again skips finished stages and
+resumes an interrupted one from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from launch.config import ConfigError, load_config
+from launch.schema import SimloopConfig
+
+STAGES = ("collect", "sim", "eval_sim", "agent")
+SUMMARY_FILE = "summary.json"
+STAGE_FILE = "stage.json"
+
+
+def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
+    """The config of one stage: the file, `--quick`'s overrides, the stage's wiring (paths
+    from earlier stages), then the user's overrides (which win)."""
+    base = load_config(SimloopConfig, args.config, args.overrides)
+    quick = list(base.demo.quick_overrides) if args.quick else []
+    return load_config(SimloopConfig, args.config, quick + stage_overrides + args.overrides)
+
+
+def _read_stage(path: Path) -> dict | None:
+    f = path / STAGE_FILE
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def _write_stage(path: Path, record: dict) -> None:
+    (path / STAGE_FILE).write_text(json.dumps(record, indent=1))
+
+
+def _header(console, k: int, name: str, text: str) -> None:
+    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}")
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from rich.console import Console
+
+    if not args.out:
+        print("simloop demo: --out DIR is required", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    began = time.perf_counter()
+    try:
+        stages = _run_stages(args, out, console)
+    except ConfigError as e:
+        print(f"simloop demo: config error: {e}", file=sys.stderr)
+        return 2
+    summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
+    summary["wall_s"] = round(time.perf_counter() - began, 1)
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    from launch.report import write_report
+
+    report = write_report(out)
+    print_summary(console, summary)
+    console.print(f"simloop demo: summary -> {out / SUMMARY_FILE}, report -> {report}")
+    return 0
+
+
+def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]:
+    stages: dict[str, dict] = {}
+    dirs = {name: out / name for name in STAGES}
+    collect_dir, sim_dir = dirs["collect"], dirs["sim"]
+    trajectories = str(collect_dir / "trajectories")
+    weights = str(sim_dir / "weights" / "final")
+
+    # 1. collect
+    _header(console, 1, "collect", "scripted noisy agent in the real shell (LocalShell)")
+    stages["collect"] = _read_stage(collect_dir) or _collect(args, collect_dir)
+
+    # 2. train-sim (its token cap for later stages follows the real observations)
+    sim_wiring = ["--train_sim.trajectories", json.dumps([trajectories])]
+    cap = stages["collect"].get("sim_max_tokens")
+    if cap is not None:
+        sim_wiring += ["--env.shell.simulated.max_tokens", str(cap)]
+    _header(console, 2, "train-sim", "simulator SFT on the real trajectories")
+    stages["sim"] = _read_stage(sim_dir) or _train_sim(args, sim_dir, sim_wiring)
+
+    # 3. eval-sim, arm (c)
+    wired = sim_wiring + ["--simulator.weights", weights]
+    _header(console, 3, "eval-sim", "arm (c): held-out real commands against the simulator")
+    stages["eval_sim"] = _read_stage(dirs["eval_sim"]) or _eval_sim(
+        args,
+        dirs["eval_sim"],
+        wired
+        + [
+            "--eval_sim.trajectories",
+            json.dumps([trajectories]),
+            "--eval_sim.heldout_tasks",
+            str(sim_dir / "heldout_tasks.json"),
+        ],  # fmt: skip
+    )
+
+    # 4. train-agent: warm start, RL in the simulator, evaluation in both shells
+    base = stage_config(args, wired)
+    agent_wiring = wired + [
+        "--orchestrator.arm", base.demo.rl_arm,
+        "--train_agent.eval.arms", json.dumps(list(base.demo.eval_arms)),
+    ]  # fmt: skip
+    _header(console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})")
+    stages["agent"] = _read_stage(dirs["agent"]) or _train_agent(args, dirs["agent"], agent_wiring)
+    return stages
+
+
+def _collect(args, path: Path) -> dict:
+    import asyncio
+
+    from launch.collect import collect
+    from launch.config import write_config
+
+    cfg = stage_config(args, [])
+    write_config(cfg, path)
+    began = time.perf_counter()
+    summary = asyncio.run(collect(cfg, path))
+    record = {"wall_s": round(time.perf_counter() - began, 1), **_pick(
+        summary, "episodes", "status", "success_rate")}  # fmt: skip
+    if cfg.demo.sim_max_tokens_from_data:
+        record["sim_max_tokens"] = _suggest_cap(cfg, path / "trajectories")
+    print(f"simloop demo: collected {summary['episodes']} episodes {summary['status']} "
+          f"(scripted success {summary['success_rate']:.2f})"
+          + (f"; simulator token cap {record['sim_max_tokens']}" if "sim_max_tokens" in record
+             else ""))  # fmt: skip
+    _write_stage(path, record)
+    return record
+
+
+def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
+    """`env.shell.simulated.max_tokens` from the real observations' token lengths (in the
+    simulator's format, with its end-of-turn token)."""
+    from envs.fidelity import suggest_max_tokens
+    from envs.sim_format import format_observation
+    from rl.data import load_tokenizer
+    from rl.data.trajectory import load_trajectories
+
+    tok = load_tokenizer(cfg.simulator.tokenizer)
+    lengths = [
+        len(tok.encode(format_observation(t.observation, t.exit_code or 0))) + 1
+        for traj in load_trajectories([trajectories])
+        for t in traj.turns
+        if t.observation is not None
+    ]
+    return suggest_max_tokens(lengths)
+
+
+def _train_sim(args, path: Path, wiring: list[str]) -> dict:
+    from launch.train import run_train_sim
+
+    cfg = stage_config(args, wiring)
+    began = time.perf_counter()
+    rc = run_train_sim(argparse.Namespace(out=str(path)), cfg)
+    if rc != 0:
+        raise SystemExit(f"simloop demo: train-sim failed (exit {rc})")
+    last = _last_metrics(path / "metrics.jsonl", stage="sim_sft")
+    heldout = json.loads((path / "heldout_tasks.json").read_text())
+    record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
+              "loss": last.get("loss"), "weights": str(path / "weights" / "final"),
+              "heldout_tasks": len(heldout)}  # fmt: skip
+    _write_stage(path, record)
+    return record
+
+
+def _eval_sim(args, path: Path, wiring: list[str]) -> dict:
+    from launch.config import write_config
+    from launch.eval_sim import eval_sim, print_fidelity, select_trajectories
+
+    cfg = stage_config(args, wiring)
+    trajs = select_trajectories(cfg)
+    if not trajs:
+        raise SystemExit("simloop demo: no held-out real trajectory to replay for eval-sim")
+    write_config(cfg, path)
+    began = time.perf_counter()
+    result = eval_sim(cfg, path, trajs)
+    print_fidelity(result)
+    record = {"wall_s": round(time.perf_counter() - began, 1), "trajectories": len(trajs)}
+    _write_stage(path, record)
+    return record
+
+
+def _train_agent(args, path: Path, wiring: list[str]) -> dict:
+    import asyncio
+
+    from launch.config import write_config
+    from launch.train import train_agent
+
+    cfg = stage_config(args, wiring)
+    write_config(cfg, path)
+    began = time.perf_counter()
+    summary = asyncio.run(train_agent(cfg, path))
+    record = {"wall_s": round(time.perf_counter() - began, 1), "rl_arm": cfg.orchestrator.arm,
+              **summary}  # fmt: skip
+    _write_stage(path, record)
+    return record
+
+
+def _pick(d: dict, *keys: str) -> dict:
+    return {k: d[k] for k in keys if k in d}
+
+
+def _last_metrics(path: Path, *, stage: str) -> dict:
+    last: dict = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("stage") == stage and "loss" in rec:
+                last = rec
+    return last
+
+
+# ----- summary.json -----------------------------------------------------------------------------
+
+
+def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: str | None) -> dict:
+    """The demo's numbers, all read back from what the stages wrote."""
+    fidelity = json.loads((out / "eval_sim" / "fidelity.json").read_text())
+    evals_path = out / "agent" / "eval.json"
+    evals = json.loads(evals_path.read_text()) if evals_path.exists() else {}
+    pairs, hygiene = fidelity["pairs"], fidelity["hygiene"]
+    success = {
+        arm: {label: evals.get(label, {}).get(arm, {}).get("success_rate")
+              for label in ("before", "after")}
+        for arm in ("real", "closed_loop")
+    }  # fmt: skip
+    gap = {}
+    for label in ("before", "after"):
+        sim, real = success["closed_loop"][label], success["real"][label]
+        gap[label] = None if sim is None or real is None else round(sim - real, 4)
+    rl = stages.get("agent", {}).get("rl", {})
+    return {
+        "config": config,
+        "quick": quick,
+        "fidelity": {
+            "observations": pairs.get("count", 0),
+            "exact": pairs.get("exact"),
+            "exact_masked": pairs.get("exact_masked"),
+            "exit_code_agreement": pairs.get("exit_code_agreement"),
+            "similarity": pairs.get("similarity"),
+            "cap_hit": hygiene.get("cap_hit"),
+            "think_leak": hygiene.get("think_leak"),
+            "repetition": hygiene.get("repetition"),
+            "empty": hygiene.get("empty"),
+            "malformed": hygiene.get("malformed"),
+            "by_context": {
+                k: {"observations": v.get("count", 0), "exact_masked": v.get("exact_masked")}
+                for k, v in fidelity.get("by_context", {}).items()
+            },
+        },
+        "agent_success": success,
+        "transfer_gap": gap,
+        "transfer_gap_definition": "success in the simulator minus success in the real shell",
+        "rl": {
+            "arm": stages.get("agent", {}).get("rl_arm"),
+            "steps": rl.get("steps"),
+            "reward_first": rl.get("reward_first"),
+            "reward_last": rl.get("reward_last"),
+        },
+        "stages_wall_s": {name: stages[name].get("wall_s") for name in STAGES if name in stages},
+        "stages": stages,
+    }
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def print_summary(console, s: dict) -> None:
+    from rich.table import Table
+
+    f = s["fidelity"]
+    t = Table(title="simloop demo: summary")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("simulator: exact match (masked)", _fmt(f["exact_masked"]))
+    t.add_row("simulator: return-code agreement", _fmt(f["exit_code_agreement"]))
+    t.add_row("simulator: cap hit / think leak / repetition",
+              " / ".join(_fmt(f[k]) for k in ("cap_hit", "think_leak", "repetition")))  # fmt: skip
+    for arm, label in (("real", "real shell"), ("closed_loop", "simulator")):
+        a = s["agent_success"][arm]
+        t.add_row(f"agent success, {label}: before -> after RL",
+                  f"{_fmt(a['before'])} -> {_fmt(a['after'])}")  # fmt: skip
+    g = s["transfer_gap"]
+    t.add_row(
+        "transfer gap (sim - real): before / after", f"{_fmt(g['before'])} / {_fmt(g['after'])}"
+    )
+    t.add_row("RL steps (arm)", f"{_fmt(s['rl']['steps'])} ({s['rl']['arm']})")
+    for name, wall in s["stages_wall_s"].items():
+        t.add_row(f"wall: {name}", f"{_fmt(wall, 0)} s")
+    t.add_row("wall: total", f"{_fmt(s.get('wall_s'), 0)} s")
+    console.print(t)

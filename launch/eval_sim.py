@@ -1,0 +1,178 @@
+"""`simloop eval-sim`: arm (c), the simulator's fidelity on real trajectories.
+
+    simloop eval-sim --config configs/demo_cpu.yaml --out runs/eval-sim \\
+        --eval_sim.trajectories '[runs/collect/trajectories]' \\
+        --eval_sim.heldout_tasks runs/sim/heldout_tasks.json \\
+        --simulator.weights runs/sim/weights/final
+
+The recorded commands of each real trajectory are sent to the simulator one by one, with the
+session so far, and every simulated observation is scored against the real one. Writes
+`fidelity.json` (pair metrics, hygiene next to the real observations' rates, by context length
+and by command), the replays in `trajectories/replay-*` (real and simulated observation side by
+side per turn), `metrics.jsonl` and `logs/` into `--out`, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from launch.config import write_config
+from launch.schema import SimloopConfig
+
+FIDELITY_FILE = "fidelity.json"
+
+
+def select_trajectories(cfg: SimloopConfig) -> list:
+    """The real trajectories to replay: `eval_sim.trajectories`, only the tasks listed in
+    `eval_sim.heldout_tasks` (if set), at most `eval_sim.max_trajectories`; simulated ones
+    and ones without a command with an observation are left out."""
+    from rl.data.trajectory import load_trajectories
+
+    ecfg = cfg.eval_sim
+    trajs = load_trajectories(ecfg.trajectories)
+    if ecfg.heldout_tasks is not None:
+        path = Path(ecfg.heldout_tasks)
+        if not path.exists():
+            raise ValueError(f"eval_sim.heldout_tasks: {path} does not exist")
+        keep = set(json.loads(path.read_text()))
+        trajs = [t for t in trajs if t.task_id in keep]
+    trajs = [
+        t
+        for t in trajs
+        if t.env_backend != "simulated"
+        and any(u.command is not None and u.observation is not None for u in t.turns)
+    ]
+    if ecfg.max_trajectories is not None:
+        trajs = trajs[: ecfg.max_trajectories]
+    return trajs
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        print("simloop eval-sim: --out DIR is required", file=sys.stderr)
+        return 2
+    if not cfg.eval_sim.trajectories:
+        print(
+            "simloop eval-sim: eval_sim.trajectories is empty: point it at real trajectories "
+            "(from `simloop collect` / `simloop import`), e.g. "
+            "--eval_sim.trajectories '[runs/collect/trajectories]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        trajs = select_trajectories(cfg)
+    except (ValueError, OSError) as e:
+        print(f"simloop eval-sim: {e}", file=sys.stderr)
+        return 2
+    if not trajs:
+        print(
+            "simloop eval-sim: no real trajectory with a recorded command and observation "
+            "to replay (check eval_sim.trajectories and eval_sim.heldout_tasks)",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    write_config(cfg, out)
+    result = eval_sim(cfg, out, trajs)
+    print_fidelity(result)
+    print(f"simloop eval-sim: -> {out / FIDELITY_FILE}")
+    return 0
+
+
+def eval_sim(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
+    """Start (or use `simulator.server_url`) the simulator server, replay `trajs`, write and
+    return the fidelity result."""
+    from launch.chips import server_env
+    from launch.local import LocalServer
+    from launch.train import sim_server_args
+
+    with contextlib.ExitStack() as stack:
+        url = cfg.simulator.server_url
+        if url is None:
+            print("simloop eval-sim: starting a local simulator server ...", flush=True)
+            server = LocalServer.start("simulator", out, extra_args=sim_server_args(cfg),
+                                       env=server_env(cfg, "simulator"))  # fmt: skip
+            url = stack.enter_context(server).url
+        return asyncio.run(_replay(cfg, out, url, trajs))
+
+
+async def _replay(cfg: SimloopConfig, out: Path, url: str, trajs: list) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from launch.backends import shell_backends
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.orchestrator.evaluate import replay_fidelity
+    from rl.orchestrator.runner import RolloutRunner
+    from rl.orchestrator.storage import TrajectoryWriter
+    from serving.client import ClientConfig, InferenceClient
+
+    ocfg = dataclasses.replace(cfg.orchestrator, arm="replay", max_staleness=None)
+    renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    client = InferenceClient(ClientConfig(url, timeout_s=ocfg.request_timeout_s))
+    async with client:
+        await client.wait_healthy(timeout_s=300)
+        writer = TrajectoryWriter(out, prefix="replay")
+        columns = [TextColumn("[bold]eval-sim[/] {task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
+        with Progress(*columns) as progress:
+            bar = progress.add_task("replaying", total=len(trajs))
+
+            def sink(traj) -> None:
+                writer.add(traj)
+                progress.advance(bar)
+
+            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer,
+                                   shell_backends(cfg, client), sink=sink)  # fmt: skip
+            try:
+                replays = await runner.run([], replay=trajs)
+            finally:
+                writer.close()
+                runner.metrics.write(out / "metrics.jsonl", stage="eval_sim", arm="replay")
+    result = replay_fidelity(replays, context_edges=cfg.eval_sim.context_edges)
+    result["wall_s"] = runner.metrics.summary()["wall_s"]
+    (out / FIDELITY_FILE).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_fidelity(result: dict[str, Any]) -> None:
+    """The fidelity result as rich tables (overall, hygiene, by context length, by command)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    p, h, r = result["pairs"], result["hygiene"], result["real_hygiene"]
+    if not p.get("count"):
+        console.print("eval-sim: no (real, simulated) observation pairs were produced")
+        return
+    t = Table(title=f"Simulator fidelity, arm (c): {p['count']} observations")
+    for col in ("exact", "exact (masked)", "return code", "similarity", "length ratio"):
+        t.add_column(col, justify="right")
+    t.add_row(f"{p['exact']:.3f}", f"{p['exact_masked']:.3f}",
+              f"{p.get('exit_code_agreement', float('nan')):.3f}", f"{p['similarity']:.3f}",
+              f"{p['length_ratio_geomean']:.2f}")  # fmt: skip
+    console.print(t)
+    t = Table(title="Observation hygiene (rates)")
+    t.add_column("")
+    names = ("cap_hit", "think_leak", "repetition", "empty", "malformed")
+    for name in names:
+        t.add_column(name.replace("_", " "), justify="right")
+    t.add_row("simulated", *(f"{h.get(n, 0.0):.3f}" for n in names))
+    t.add_row("real", *(f"{r.get(n, 0.0):.3f}" if n in r else "-" for n in names))
+    console.print(t)
+    for key, title, label in (("by_context", "By prompt length (tokens)", "prompt tokens"),
+                              ("by_command", "By command", "command")):  # fmt: skip
+        t = Table(title=title)
+        for col in (label, "n", "exact (masked)", "return code", "similarity"):
+            t.add_column(col, justify="right" if col != label else "left")
+        for name, s in result[key].items():
+            t.add_row(name, str(s["count"]), f"{s['exact_masked']:.3f}",
+                      f"{s.get('exit_code_agreement', float('nan')):.3f}",
+                      f"{s['similarity']:.3f}")  # fmt: skip
+        console.print(t)

@@ -1,0 +1,109 @@
+"""Arm (c) fidelity from replayed trajectories (`replay_fidelity`), the trajectory selection and
+the errors of `simloop eval-sim`; the live replay against a real simulator server runs in
+tests/integration/test_demo.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch.cli import main
+from launch.config import load_config
+from launch.eval_sim import select_trajectories
+from launch.schema import SimloopConfig
+from rl.data.trajectory import Trajectory, Turn, write_jsonl
+from rl.orchestrator.evaluate import command_key, replay_fidelity
+
+
+@pytest.mark.parametrize(
+    "command,key",
+    [
+        ("tr -d '\\n' < input.txt | rev", "tr | rev"),
+        ("echo COMPLETE\ntr -d '\\n' < input.txt | fold -w1 | sort | tr -d '\\n'",
+         "tr | fold | sort | tr"),
+        ("/usr/bin/python3 -m pytest -x", "python3"),
+        ("   \n", "(empty)"),
+    ],
+)  # fmt: skip
+def test_command_key(command, key):
+    assert command_key(command) == key
+
+
+def _replay(task_id, turns):
+    return Trajectory(task_id=task_id, arm="replay", env_backend="simulated", status="ok",
+                      instruction="x", turns=turns, behavior_logprobs=None,
+                      policy_version=None)  # fmt: skip
+
+
+def _turn(cmd, real, sim, rc=0, sim_rc=0, flags=(), prompt_tokens=100):
+    return Turn(agent_text="", command=cmd, observation=real, exit_code=rc, sim_observation=sim,
+                sim_exit_code=sim_rc, flags=list(flags),
+                info={"prompt_tokens": prompt_tokens})  # fmt: skip
+
+
+def test_replay_fidelity_counts_every_pair():
+    trajs = [
+        _replay("a", [_turn("cat f | rev", "cba", "cba"),
+                      _turn("cat f | rev", "cba", "xyz", sim_rc=1, prompt_tokens=300)]),
+        _replay("b", [_turn("ls", "f\n", "f\n" * 200, flags=["cap_hit", "repetition"],
+                            prompt_tokens=700),
+                      _turn("date", "Mon Jan  5 10:00:00 UTC 2026", "Tue Feb  3 11:11:11 UTC 2026"),
+                      Turn(agent_text="", command="submit x")]),
+    ]  # fmt: skip
+    fid = replay_fidelity(trajs, context_edges=[256, 512])
+    p = fid["pairs"]
+    assert p["count"] == 4  # the submit turn has no observation pair
+    assert p["exact"] == pytest.approx(1 / 4)
+    assert p["exact_masked"] == pytest.approx(2 / 4)  # the dates differ only in volatile text
+    assert p["exit_code_agreement"] == pytest.approx(3 / 4)
+    h = fid["hygiene"]
+    assert (h["cap_hit"], h["repetition"], h["malformed"]) == (0.25, 0.25, 0.0)
+    assert fid["real_hygiene"]["cap_hit"] == 0.0 and fid["real_hygiene"]["count"] == 4
+    assert {k: v["count"] for k, v in fid["by_context"].items()} == {
+        "0-256": 2, "256-512": 1, "512-inf": 1}  # fmt: skip
+    assert fid["by_command"]["cat | rev"]["count"] == 2
+    assert fid["by_command"]["cat | rev"]["exact"] == 0.5
+    assert fid["trajectories"] == 2 and fid["statuses"] == {"ok": 2}
+
+
+def test_replay_fidelity_of_nothing():
+    fid = replay_fidelity([])
+    assert fid["pairs"] == {"count": 0} and fid["by_context"] == {}
+
+
+def _real(task_id, backend="local"):
+    return Trajectory(task_id=task_id, arm="real", env_backend=backend, status="ok",
+                      instruction="x", reward=1.0,
+                      turns=[Turn(agent_text="", command="ls", observation="f", exit_code=0)],
+                      source="rendered",
+                      behavior_logprobs=None, policy_version=None)  # fmt: skip
+
+
+def test_select_trajectories_keeps_heldout_real_ones(tmp_path):
+    write_jsonl(tmp_path / "t.jsonl", [_real("a"), _real("b"), _real("c", "simulated"),
+                                       _real("d")])  # fmt: skip
+    (tmp_path / "heldout.json").write_text(json.dumps(["b", "c", "d"]))
+    cfg = load_config(SimloopConfig, None, [
+        "--eval_sim.trajectories", f"[{tmp_path / 't.jsonl'}]",
+        "--eval_sim.heldout_tasks", str(tmp_path / "heldout.json")])  # fmt: skip
+    assert [t.task_id for t in select_trajectories(cfg)] == ["b", "d"]
+    cfg = load_config(SimloopConfig, None, ["--eval_sim.trajectories", f"[{tmp_path}]",
+                                            "--eval_sim.max_trajectories", "2"])  # fmt: skip
+    assert [t.task_id for t in select_trajectories(cfg)] == ["a", "b"]
+
+
+def test_eval_sim_cli_errors(tmp_path, capsys):
+    assert main(["eval-sim", "--out", str(tmp_path / "o")]) == 2
+    assert "eval_sim.trajectories is empty" in capsys.readouterr().err
+    write_jsonl(tmp_path / "t.jsonl", [_real("a")])
+    args = ["eval-sim", "--out", str(tmp_path / "o"), "--eval_sim.trajectories",
+            f"[{tmp_path / 't.jsonl'}]"]  # fmt: skip
+    assert main([*args, "--eval_sim.heldout_tasks", str(tmp_path / "none.json")]) == 2
+    assert "none.json does not exist" in capsys.readouterr().err
+    (tmp_path / "h.json").write_text("[]")
+    assert main([*args, "--eval_sim.heldout_tasks", str(tmp_path / "h.json")]) == 2
+    assert "no real trajectory" in capsys.readouterr().err
+    assert main([*args, "--eval_sim.context_edges", "[512, 256]"]) == 2
+    assert "increasing positive integers" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing is written before the inputs check out
