@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.simloop-installed
 
-.PHONY: test demo lint format bench clean-venv
+.PHONY: test demo lint format bench clean-venv browser
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,18 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: lint
+# The demo test renders report.html in headless Chromium (Debian's `chromium`). It is installed
+# here when missing on a Debian/Ubuntu machine with root; elsewhere that one test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the report test ..."; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium >/dev/null; } \
+	    || echo "chromium install failed: the report's browser test will skip"; \
+	  else echo "no chromium, and no root apt-get to install it: the browser test will skip"; fi; }
+
+test: lint browser
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)

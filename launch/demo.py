@@ -52,8 +52,9 @@ def _write_stage(path: Path, record: dict) -> None:
     (path / STAGE_FILE).write_text(json.dumps(record, indent=1))
 
 
-def _header(console, k: int, name: str, text: str) -> None:
-    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}")
+def _header(console, k: int, name: str, text: str, path: Path) -> None:
+    done = " [dim](done: skipped, delete the directory to redo it)[/]" if _read_stage(path) else ""
+    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}{done}")
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
@@ -90,7 +91,7 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
     weights = str(sim_dir / "weights" / "final")
 
     # 1. collect
-    _header(console, 1, "collect", "scripted noisy agent in the real shell (LocalShell)")
+    _header(console, 1, "collect", "scripted noisy agent in the real shell", collect_dir)
     stages["collect"] = _read_stage(collect_dir) or _collect(args, collect_dir)
 
     # 2. train-sim (its token cap for later stages follows the real observations)
@@ -98,12 +99,14 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
     cap = stages["collect"].get("sim_max_tokens")
     if cap is not None:
         sim_wiring += ["--env.shell.simulated.max_tokens", str(cap)]
-    _header(console, 2, "train-sim", "simulator SFT on the real trajectories")
+    _header(console, 2, "train-sim", "simulator SFT on the real trajectories", sim_dir)
     stages["sim"] = _read_stage(sim_dir) or _train_sim(args, sim_dir, sim_wiring)
 
     # 3. eval-sim, arm (c)
     wired = sim_wiring + ["--simulator.weights", weights]
-    _header(console, 3, "eval-sim", "arm (c): held-out real commands against the simulator")
+    _header(
+        console, 3, "eval-sim", "arm (c): held-out real commands vs the simulator", dirs["eval_sim"]
+    )
     stages["eval_sim"] = _read_stage(dirs["eval_sim"]) or _eval_sim(
         args,
         dirs["eval_sim"],
@@ -122,7 +125,9 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
         "--orchestrator.arm", base.demo.rl_arm,
         "--train_agent.eval.arms", json.dumps(list(base.demo.eval_arms)),
     ]  # fmt: skip
-    _header(console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})")
+    _header(
+        console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})", dirs["agent"]
+    )
     stages["agent"] = _read_stage(dirs["agent"]) or _train_agent(args, dirs["agent"], agent_wiring)
     return stages
 

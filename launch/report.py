@@ -243,8 +243,8 @@ def _pre(text: str | None) -> str:
 def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
     if summary is None:
         return _missing("summary.json", "written by `simloop demo`")
-    rows = [[name, wall] for name, wall in summary.get("stages_wall_s", {}).items()]
-    rows.append(["total", summary.get("wall_s")])
+    walls = [*summary.get("stages_wall_s", {}).items(), ("total", summary.get("wall_s"))]
+    rows = [[name, None if wall is None else f"{wall:.0f}"] for name, wall in walls]
     stages = summary.get("stages", {})
     c, sim, ag = stages.get("collect", {}), stages.get("sim", {}), stages.get("agent", {})
     rl = summary.get("rl", {})

@@ -22,13 +22,19 @@ def test_installed_simloop_script_validates_a_config():
 
 
 @pytest.mark.slow
-def test_demo_is_not_faked_until_it_exists():
+def test_installed_demo_script_checks_its_arguments_first():
+    # The demo itself runs in tests/integration/test_demo.py; here: the installed entry point,
+    # its usage errors, and that nothing is written before the config checks out.
     proc = subprocess.run(
-        [BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml", "--out", "runs/x"],
+        [BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml", "--out", "runs/x",
+         "--demo.rl_arm", "replay"],
         cwd=REPO, capture_output=True, text=True,
     )  # fmt: skip
-    assert proc.returncode == 2 and "not implemented yet" in proc.stderr
+    assert proc.returncode == 2 and "DemoConfig.rl_arm='replay' is invalid" in proc.stderr
     assert not (REPO / "runs" / "x").exists()
+    proc = subprocess.run([BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml"],
+                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "--out DIR is required" in proc.stderr
 
 
 @pytest.mark.slow

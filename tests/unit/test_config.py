@@ -112,7 +112,7 @@ def test_cli_help_lists_every_subcommand():
 
 
 def test_unimplemented_subcommand_says_so_and_exits_2(capsys):
-    assert main(["eval-sim", "--config", str(REPO / "configs/demo_cpu.yaml")]) == 2
+    assert main(["eval-agent", "--config", str(REPO / "configs/demo_cpu.yaml")]) == 2
     assert "not implemented yet" in capsys.readouterr().err
 
 

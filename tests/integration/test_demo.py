@@ -1,0 +1,141 @@
+"""`simloop demo --quick` as CI runs it: every stage for real at CI size (real bash, two
+`simloop serve` processes, Orbax checkpoints, grain pipelines), then checks that each
+artifact exists and that the summary's numbers are the ones the stages' own records give
+(fidelity recomputed from the replayed pairs, success recounted from the evaluation episodes).
+The report is rendered in headless Chromium (Debian's `chromium`; `make test` installs it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from envs.fidelity import compare_observations
+from rl.data.trajectory import load_trajectories
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+
+
+def _demo(out: Path) -> subprocess.CompletedProcess:
+    # As a user runs it: simloop gives itself the fake devices of the demo's cpu-8 plan.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "launch", "demo", "--config", str(CONFIG), "--out", str(out),
+           "--quick"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("demo")
+    proc = _demo(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc
+
+
+def test_every_stage_leaves_its_artifacts(demo):
+    out, proc = demo
+    for path in ("collect/trajectories", "sim/weights/final", "sim/heldout_tasks.json",
+                 "eval_sim/fidelity.json", "agent/eval.json", "agent/weights/final",
+                 "agent/trajectories/demos.jsonl", "summary.json", "report.html"):  # fmt: skip
+        assert (out / path).exists(), path
+    for stage in ("collect", "sim", "eval_sim", "agent"):
+        assert json.loads((out / stage / "stage.json").read_text())["wall_s"] > 0
+        assert (out / stage / "config.yaml").exists()
+    logs = {p.name for p in (out / "agent" / "logs").iterdir()}
+    assert {"agent-server.log", "simulator-server.log"} <= logs  # two server processes
+    assert "simloop demo: summary" in proc.stdout
+
+
+def test_summary_numbers_come_from_the_stages_records(demo):
+    out, _ = demo
+    s = json.loads((out / "summary.json").read_text())
+    assert s["quick"] is True
+    # Fidelity: recomputed from the replayed (real, simulated) pairs.
+    replays = load_trajectories([out / "eval_sim" / "trajectories"])
+    pairs = [compare_observations(t.sim_observation, t.observation, t.sim_exit_code, t.exit_code)
+             for r in replays for t in r.turns if t.sim_observation is not None]  # fmt: skip
+    assert replays and all(r.arm == "replay" and r.env_backend == "simulated" for r in replays)
+    assert s["fidelity"]["observations"] == len(pairs) > 0
+    assert s["fidelity"]["exact_masked"] == pytest.approx(
+        sum(p.exact_masked for p in pairs) / len(pairs)
+    )
+    assert s["fidelity"]["exit_code_agreement"] == pytest.approx(
+        sum(p.exit_code_match for p in pairs) / len(pairs)
+    )
+    for key in ("cap_hit", "think_leak", "repetition"):
+        assert 0.0 <= s["fidelity"][key] <= 1.0
+    # The replayed tasks are the ones train-sim held out.
+    heldout = set(json.loads((out / "sim" / "heldout_tasks.json").read_text()))
+    assert {r.task_id for r in replays} <= heldout
+    # Success: recounted from the evaluation episodes, in both shells, before and after RL.
+    for arm, backend in (("real", "local"), ("closed_loop", "simulated")):
+        for label in ("before", "after"):
+            episodes = load_trajectories(
+                sorted((out / "agent" / "trajectories").glob(f"eval-{label}-{arm}-*.jsonl"))
+            )
+            assert len(episodes) == 6 * 2  # quick: 6 held-out tasks x 2 samples
+            assert {e.env_backend for e in episodes} == {backend}
+            wins = sum((e.reward or 0.0) >= 1.0 for e in episodes) / len(episodes)
+            assert s["agent_success"][arm][label] == pytest.approx(wins)
+    for label in ("before", "after"):
+        gap = s["agent_success"]["closed_loop"][label] - s["agent_success"]["real"][label]
+        assert s["transfer_gap"][label] == pytest.approx(gap, abs=1e-4)
+    # RL ran in the simulator: its episodes are simulated, one metrics row per step.
+    assert s["rl"] == {**s["rl"], "arm": "closed_loop", "steps": 2}
+    rl_eps = load_trajectories(sorted((out / "agent" / "trajectories").glob("rl-*.jsonl")))
+    assert rl_eps and {e.env_backend for e in rl_eps} == {"simulated"}
+    assert set(s["stages_wall_s"]) == {"collect", "sim", "eval_sim", "agent"}
+
+
+def test_rerun_skips_finished_stages_and_report_cli(demo):
+    out, _ = demo
+    proc = _demo(out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("done: skipped") == 4
+    (out / "report.html").unlink()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "launch", "report", str(out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0 and (out / "report.html").exists()
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def test_report_renders_in_headless_chromium(demo, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no chromium on PATH (make test installs Debian's `chromium` as root)")
+    out, _ = demo
+    s = json.loads((out / "summary.json").read_text())
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=2000",
+           "--dump-dom", (out / "report.html").as_uri()]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    for text in ("Pipeline", "Agent success: real shell vs simulator",
+                 "Simulator fidelity (arm c)", "By context length", "Training curves",
+                 "Active episodes per turn", "Sample episodes side by side",
+                 "Held-out success before and after RL", "--quick run"):  # fmt: skip
+        assert text in dom, text
+    assert dom.count("<svg") >= 7
+    gap = s["transfer_gap"]
+    assert f"before RL {gap['before']:.3f}, after RL {gap['after']:.3f}" in dom
+    fid = s["fidelity"]["exact_masked"]
+    assert f"{fid:.3f}" in dom
+    # Nothing was fetched: every resource is inline.
+    assert "http://" not in dom.replace('xmlns="http://www.w3.org/2000/svg"', "")

@@ -1,0 +1,94 @@
+"""`simloop report`: a self-contained page from whatever a run directory holds. The page as a
+browser renders it is checked in tests/integration/test_demo.py (headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from launch.cli import main
+from launch.report import bar_chart, line_chart, write_report
+from rl.data.trajectory import Trajectory, Turn, write_jsonl
+
+
+def _write_run(root):
+    (root / "eval_sim" / "trajectories").mkdir(parents=True)
+    (root / "agent" / "trajectories").mkdir(parents=True)
+    fid = {
+        "pairs": {"count": 2, "exact": 0.5, "exact_masked": 0.5, "exit_code_agreement": 1.0,
+                  "similarity": 0.75, "length_ratio_geomean": 1.0},
+        "hygiene": {"count": 2, "cap_hit": 0.5, "think_leak": 0.0, "repetition": 0.0,
+                    "empty": 0.0, "malformed": 0.0},
+        "real_hygiene": {"count": 2, "cap_hit": 0.0, "think_leak": 0.0, "repetition": 0.0,
+                         "empty": 0.0},
+        "by_context": {"0-256": {"count": 2, "exact_masked": 0.5, "similarity": 0.75}},
+        "by_command": {"tr | rev": {"count": 2, "exact_masked": 0.5, "similarity": 0.75}},
+    }  # fmt: skip
+    (root / "eval_sim" / "fidelity.json").write_text(json.dumps(fid))
+    result = {
+        "arm": "real",
+        "version": 1,
+        "tasks": 1,
+        "episodes": 2,
+        "success_rate": 0.25,
+        "reward_mean": 0.25,
+        "by_kind": {"reverse": {"episodes": 2, "success_rate": 0.25}},
+    }
+    evals = {"before": {"real": result, "closed_loop": {**result, "arm": "closed_loop"}},
+             "after": {"real": {**result, "success_rate": 0.75, "version": 3}}}  # fmt: skip
+    (root / "agent" / "eval.json").write_text(json.dumps(evals))
+    rows = [{"stage": "rl", "step": i, "reward_mean": 0.2 * i, "loss": 0.1, "mismatch_kl": 0.0,
+             "staleness_mean": 0.0, "staleness_max": 0} for i in (1, 2, 3)]  # fmt: skip
+    rows.append({"stage": "rl_rollout", "arm": "closed_loop", "episodes": 9,
+                 "active_per_turn": [9, 4]})  # fmt: skip
+    (root / "agent" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows) + '\n{"cut by a cra'
+    )
+    replay = Trajectory(
+        task_id="textops-1-7", arm="replay", env_backend="simulated", status="ok",
+        instruction="x", reward=0.5, source="rendered", behavior_logprobs=None,
+        policy_version=None,
+        turns=[Turn(agent_text="", command="tr -d '\\n' < input.txt | rev", observation="cba",
+                    exit_code=0, sim_observation="<script>alert(1)</script>", sim_exit_code=0,
+                    info={"exact_masked": False})],
+    )  # fmt: skip
+    write_jsonl(root / "eval_sim" / "trajectories" / "replay-00000.jsonl", [replay])
+
+
+def test_report_of_a_run_directory(tmp_path):
+    _write_run(tmp_path)
+    page = write_report(tmp_path).read_text()
+    titles = (
+        "Agent success: real shell vs simulator",
+        "Simulator fidelity (arm c)",
+        "By context length",
+        "RL: batch reward",
+        "RL: sampler/trainer mismatch KL",
+        "RL: staleness",
+        "Active episodes per turn",
+        "Sample episodes side by side",
+    )
+    for title in titles:
+        assert title in page, title
+    assert "tr | rev" in page and "0.750" in page and "closed_loop" in page
+    # Self-contained: nothing to fetch (the SVG namespace is a name, not a request).
+    assert not re.search(r"""(src|href)\s*=|<link|<script|@import|url\(""", page)
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # simulated text is escaped
+    assert page.count("<svg") == 7  # the success bars and six curves
+    assert "No summary.json" in page  # a single-job directory: the demo's summary is absent
+
+
+def test_report_of_an_empty_directory_says_what_is_missing(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "No fidelity.json" in page and "No eval.json" in page
+    assert str(tmp_path / "report.html") in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "nope")]) == 2
+
+
+def test_charts_handle_missing_and_flat_data():
+    assert "no data" in line_chart("t", {"a": []})
+    flat = line_chart("t", {"a": [(1, 0.5), (2, 0.5)], "b": [(1, None)]})
+    assert "<path" in flat and "nan" not in flat
+    bars = bar_chart("s", {"real": {"before": 0.25, "after": None}})
+    assert "0.25" in bars and bars.count("<rect") == 4  # frame, one bar, two legend keys
