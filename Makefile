@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.simloop-installed
+BASE_STAMP := $(VENV)/.simloop-runtime-installed
 
 .PHONY: test demo lint format bench clean-venv browser
 
@@ -16,7 +17,13 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(BASE_STAMP)
+
+# The demo needs only the runtime dependencies (no torch / transformers test references).
+$(BASE_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e .
+	touch $(BASE_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -40,7 +47,7 @@ browser:
 test: lint browser
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(BIN)/simloop demo --config configs/demo_cpu.yaml --out runs/demo
 
 bench: $(STAMP)
