@@ -53,8 +53,9 @@ def _write_stage(path: Path, record: dict) -> None:
 
 
 def _header(console, k: int, name: str, text: str, path: Path) -> None:
-    done = " [dim](done: skipped, delete the directory to redo it)[/]" if _read_stage(path) else ""
-    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}{done}")
+    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}")
+    if _read_stage(path):
+        console.print(f"simloop demo: {name} done: skipped (delete {path} to redo it)")
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
