@@ -147,6 +147,11 @@ def print_fidelity(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+
+    def num(d: dict, key: str, fmt: str = ".3f") -> str:
+        v = d.get(key)
+        return "n/a" if v is None else format(v, fmt)  # e.g. no recorded return codes
+
     p, h, r = result["pairs"], result["hygiene"], result["real_hygiene"]
     if not p.get("count"):
         console.print("eval-sim: no (real, simulated) observation pairs were produced")
@@ -154,10 +159,13 @@ def print_fidelity(result: dict[str, Any]) -> None:
     t = Table(title=f"Simulator fidelity, arm (c): {p['count']} observations")
     for col in ("exact", "exact (masked)", "return code", "similarity", "length ratio"):
         t.add_column(col, justify="right")
-    t.add_row(f"{p['exact']:.3f}", f"{p['exact_masked']:.3f}",
-              f"{p.get('exit_code_agreement', float('nan')):.3f}", f"{p['similarity']:.3f}",
-              f"{p['length_ratio_geomean']:.2f}")  # fmt: skip
+    t.add_row(num(p, "exact"), num(p, "exact_masked"), num(p, "exit_code_agreement"),
+              num(p, "similarity"), num(p, "length_ratio_geomean", ".2f"))  # fmt: skip
     console.print(t)
+    failed = {k: v for k, v in result.get("statuses", {}).items() if k != "ok"}
+    if failed:
+        console.print(f"replays that did not finish (their turns are not scored): {failed}; "
+                      "see trajectories/replay-* for the reasons")  # fmt: skip
     t = Table(title="Observation hygiene (rates)")
     t.add_column("")
     names = ("cap_hit", "think_leak", "repetition", "empty", "malformed")
@@ -172,7 +180,6 @@ def print_fidelity(result: dict[str, Any]) -> None:
         for col in (label, "n", "exact (masked)", "return code", "similarity"):
             t.add_column(col, justify="right" if col != label else "left")
         for name, s in result[key].items():
-            t.add_row(name, str(s["count"]), f"{s['exact_masked']:.3f}",
-                      f"{s.get('exit_code_agreement', float('nan')):.3f}",
-                      f"{s['similarity']:.3f}")  # fmt: skip
+            t.add_row(name, str(s["count"]), num(s, "exact_masked"),
+                      num(s, "exit_code_agreement"), num(s, "similarity"))  # fmt: skip
         console.print(t)
