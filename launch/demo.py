@@ -38,9 +38,8 @@ STAGE_FILE = "stage.json"
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
     """The config of one stage: the file, `--quick`'s overrides, the stage's wiring (paths
     from earlier stages), then the user's overrides (which win)."""
-    base = load_config(SimloopConfig, args.config, args.overrides)
-    quick = list(base.demo.quick_overrides) if args.quick else []
-    return load_config(SimloopConfig, args.config, quick + stage_overrides + args.overrides)
+    return load_config(SimloopConfig, args.config,
+                       args.quick_overrides + stage_overrides + args.overrides)  # fmt: skip
 
 
 def _read_stage(path: Path) -> dict | None:
@@ -52,10 +51,13 @@ def _write_stage(path: Path, record: dict) -> None:
     (path / STAGE_FILE).write_text(json.dumps(record, indent=1))
 
 
-def _header(console, k: int, name: str, text: str, path: Path) -> None:
+def _finished(console, k: int, name: str, text: str, path: Path) -> dict | None:
+    """Announce stage `k`; its `stage.json` record when it already finished (then skipped)."""
     console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}")
-    if _read_stage(path):
+    record = _read_stage(path)
+    if record is not None:
         console.print(f"simloop demo: {name} done: skipped (delete {path} to redo it)")
+    return record
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
@@ -66,6 +68,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
     console = Console()
     began = time.perf_counter()
     try:
@@ -92,23 +95,24 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
     weights = str(sim_dir / "weights" / "final")
 
     # 1. collect
-    _header(console, 1, "collect", "scripted noisy agent in the real shell", collect_dir)
-    stages["collect"] = _read_stage(collect_dir) or _collect(args, collect_dir)
+    stages["collect"] = _finished(
+        console, 1, "collect", "scripted noisy agent in the real shell", collect_dir
+    ) or _collect(args, collect_dir)
 
     # 2. train-sim (its token cap for later stages follows the real observations)
     sim_wiring = ["--train_sim.trajectories", json.dumps([trajectories])]
     cap = stages["collect"].get("sim_max_tokens")
     if cap is not None:
         sim_wiring += ["--env.shell.simulated.max_tokens", str(cap)]
-    _header(console, 2, "train-sim", "simulator SFT on the real trajectories", sim_dir)
-    stages["sim"] = _read_stage(sim_dir) or _train_sim(args, sim_dir, sim_wiring)
+    stages["sim"] = _finished(
+        console, 2, "train-sim", "simulator SFT on the real trajectories", sim_dir
+    ) or _train_sim(args, sim_dir, sim_wiring)
 
     # 3. eval-sim, arm (c)
     wired = sim_wiring + ["--simulator.weights", weights]
-    _header(
+    stages["eval_sim"] = _finished(
         console, 3, "eval-sim", "arm (c): held-out real commands vs the simulator", dirs["eval_sim"]
-    )
-    stages["eval_sim"] = _read_stage(dirs["eval_sim"]) or _eval_sim(
+    ) or _eval_sim(
         args,
         dirs["eval_sim"],
         wired
@@ -126,10 +130,9 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
         "--orchestrator.arm", base.demo.rl_arm,
         "--train_agent.eval.arms", json.dumps(list(base.demo.eval_arms)),
     ]  # fmt: skip
-    _header(
+    stages["agent"] = _finished(
         console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})", dirs["agent"]
-    )
-    stages["agent"] = _read_stage(dirs["agent"]) or _train_agent(args, dirs["agent"], agent_wiring)
+    ) or _train_agent(args, dirs["agent"], agent_wiring)
     return stages
 
 
@@ -181,7 +184,11 @@ def _train_sim(args, path: Path, wiring: list[str]) -> dict:
     rc = run_train_sim(argparse.Namespace(out=str(path)), cfg)
     if rc != 0:
         raise SystemExit(f"simloop demo: train-sim failed (exit {rc})")
-    last = _last_metrics(path / "metrics.jsonl", stage="sim_sft")
+    from launch.report import read_metrics
+
+    losses = [r for r in read_metrics(path / "metrics.jsonl")
+              if r.get("stage") == "sim_sft" and "loss" in r]  # fmt: skip
+    last = losses[-1] if losses else {}
     heldout = json.loads((path / "heldout_tasks.json").read_text())
     record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
               "loss": last.get("loss"), "weights": str(path / "weights" / "final"),
@@ -227,24 +234,16 @@ def _pick(d: dict, *keys: str) -> dict:
     return {k: d[k] for k in keys if k in d}
 
 
-def _last_metrics(path: Path, *, stage: str) -> dict:
-    last: dict = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("stage") == stage and "loss" in rec:
-                last = rec
-    return last
-
-
 # ----- summary.json -----------------------------------------------------------------------------
 
 
 def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: str | None) -> dict:
     """The demo's numbers, all read back from what the stages wrote."""
-    fidelity = json.loads((out / "eval_sim" / "fidelity.json").read_text())
-    evals_path = out / "agent" / "eval.json"
-    evals = json.loads(evals_path.read_text()) if evals_path.exists() else {}
+    from launch.eval_sim import FIDELITY_FILE
+    from launch.train import read_evals
+
+    fidelity = json.loads((out / "eval_sim" / FIDELITY_FILE).read_text())
+    evals = read_evals(out / "agent")
     pairs, hygiene = fidelity["pairs"], fidelity["hygiene"]
     success = {
         arm: {label: evals.get(label, {}).get(arm, {}).get("success_rate")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.schema import SimloopConfig
+from launch.train import read_evals
 
 REPORT_FILE = "report.html"
 SAMPLE_EPISODES = 6
@@ -51,8 +52,9 @@ def _json(path: Path | None) -> Any:
     return json.loads(path.read_text()) if path is not None else None
 
 
-def _metrics(path: Path | None) -> list[dict]:
-    if path is None:
+def read_metrics(path: Path | None) -> list[dict]:
+    """The records of a `metrics.jsonl` ([] when absent; a line cut by a crash is skipped)."""
+    if path is None or not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
@@ -410,15 +412,14 @@ def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     summary = _json(_find(run_dir, "summary.json", ()))
     fid = _json(_find(run_dir, "fidelity.json", ("eval_sim",)))
-    evals = _json(_find(run_dir, "eval.json", ("agent",)))
     agent_dir = run_dir / "agent" if (run_dir / "agent").is_dir() else run_dir
-    metrics = _metrics(_find(agent_dir, "metrics.jsonl", ()))
-    sim_metrics = _metrics(_find(run_dir, "metrics.jsonl", ("sim",)))
-    tail_metrics = metrics + _metrics(_find(run_dir, "metrics.jsonl", ("collect",)))
-    replay_dir = _find(run_dir, "trajectories", ("eval_sim",))
-    if replay_dir is not None and not any(replay_dir.glob("replay*.jsonl")):
-        replay_dir = run_dir / "eval_sim" / "trajectories"
-    replays = _trajectories(replay_dir, "replay", SAMPLE_EPISODES)
+    evals = read_evals(agent_dir)
+    metrics = read_metrics(agent_dir / "metrics.jsonl")
+    sim_metrics = read_metrics(_find(run_dir, "metrics.jsonl", ("sim",)))
+    tail_metrics = metrics + read_metrics(_find(run_dir, "metrics.jsonl", ("collect",)))
+    replays = next((r for sub in ("", "eval_sim")
+                    if (r := _trajectories(run_dir / sub / "trajectories", "replay",
+                                           SAMPLE_EPISODES))), [])  # fmt: skip
     agent_traj = agent_dir / "trajectories"
     agent_real = _trajectories(agent_traj, "eval-after-real", 200)
     agent_sim = _trajectories(agent_traj, "eval-after-closed_loop", 200)

@@ -76,6 +76,12 @@ class EnvConfig:
     """The seeded CPU task family."""
 
 
+def _noise_kinds() -> tuple[str, ...]:
+    from rl.orchestrator.scripted import NOISE_KINDS
+
+    return NOISE_KINDS
+
+
 @dataclass(frozen=True)
 class CollectConfig:
     """`simloop collect`: the scripted agent that gathers real trajectories."""
@@ -87,7 +93,7 @@ class CollectConfig:
     noise: float = 0.2
     """Probability that a turn's reply carries a mistake (another operation's command, a typo,
     a wrong answer), so the data also shows failing commands."""
-    noise_kinds: list[str] = field(default_factory=lambda: ["other_op", "typo", "wrong_answer"])
+    noise_kinds: list[str] = field(default_factory=lambda: list(_noise_kinds()))
     """Which mistakes. `other_op` matters most for a simulator: the same file under every
     command shows it that the output follows the command, not the task."""
     task_seed: int | None = None
@@ -98,7 +104,8 @@ class CollectConfig:
 
     def __post_init__(self) -> None:
         from envs.textops import SOLVER_STYLES
-        from rl.orchestrator.scripted import NOISE_KINDS
+
+        NOISE_KINDS = _noise_kinds()
 
         if (
             isinstance(self.episodes, bool)

@@ -347,7 +347,7 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     return summary
 
 
-def _read_evals(out: Path) -> dict:
+def read_evals(out: Path) -> dict:
     """`eval.json` of a run directory ({label: {arm: result}}), or {} before the first."""
     path = out / "eval.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -361,7 +361,7 @@ async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics)
     from rl.orchestrator.storage import TrajectoryWriter
 
     ecfg = cfg.train_agent.eval
-    saved = _read_evals(out)
+    saved = read_evals(out)
     results = {}
     for arm in ecfg.arms:
         writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
@@ -463,7 +463,7 @@ async def _rl(
             )
             before = None
             if evaluating:
-                before = _read_evals(out).get("before") or await _evaluate(
+                before = read_evals(out).get("before") or await _evaluate(
                     cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
                 )
             backends = shell_backends(cfg, clients.get("simulator"))
