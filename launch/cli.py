@@ -4,8 +4,7 @@
     simloop config --config configs/demo_cpu.yaml --agent.model.num_layers 4
 
 Every subcommand takes `--config FILE` plus dotted overrides (`--train.lr 1e-4`), and the whole
-config is validated before anything imports JAX. Subcommands whose component has not landed
-yet say so and exit 2.
+config is validated before anything imports JAX.
 """
 
 from __future__ import annotations
@@ -121,6 +120,12 @@ def _report_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return report.run(args, cfg)
 
 
+def _eval_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from launch import eval_agent
+
+    return eval_agent.run(args, cfg)
+
+
 def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from launch import train
 
@@ -153,6 +158,7 @@ HANDLERS: dict[str, Handler] = {
     "train-sim": _train_sim_cmd,
     "train-agent": _train_agent_cmd,
     "eval-sim": _eval_sim_cmd,
+    "eval-agent": _eval_agent_cmd,
     "demo": _demo_cmd,
     "report": _report_cmd,
     "config": _config_cmd,
@@ -171,8 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, writes_run_dir) in SUBCOMMANDS.items():
-        status = "" if name in HANDLERS else " [not implemented yet]"
-        p = sub.add_parser(name, help=help_text + status, description=help_text + status)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", metavar="FILE", help="YAML config (defaults apply if omitted)")
         if writes_run_dir:
             p.add_argument("--out", metavar="DIR", help="run directory to write into")
@@ -247,15 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flag = cpu_device_flag(cfg, os.environ)
         if flag is not None:
             os.environ["XLA_FLAGS"] = flag
-    handler = HANDLERS.get(args.command)
-    if handler is None:
-        print(
-            f"simloop {args.command}: not implemented yet in this version of simloop "
-            f"({SUBCOMMANDS[args.command][0]}). The config validated; nothing was run.",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    return handler(args, cfg)
+    return HANDLERS[args.command](args, cfg)
 
 
 if __name__ == "__main__":

@@ -353,14 +353,19 @@ def read_evals(out: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics) -> dict:
-    """Evaluate the served policy (`version`) on the held-out tasks in every `eval.arms`;
-    results go to `eval.json` (under `label`), `metrics.jsonl` and `trajectories/eval-*`."""
+async def evaluate_agent(
+    cfg, out, label, version, clients, renderer, tasks, metrics, who="train-agent"
+) -> dict:
+    """Evaluate the served policy (`version`) on the held-out tasks in every
+    `train_agent.eval.arms`; results go to `eval.json` (under `label`), `metrics.jsonl` and
+    `trajectories/eval-*`. `who` names the subcommand in the progress lines."""
     from launch.backends import shell_backends
     from rl.orchestrator.evaluate import evaluate_policy
     from rl.orchestrator.storage import TrajectoryWriter
 
     ecfg = cfg.train_agent.eval
+    title = f"{label} RL" if who == "train-agent" else label
+    policy = "policy" if version is None else f"policy v{version}"
     saved = read_evals(out)
     results = {}
     for arm in ecfg.arms:
@@ -385,7 +390,7 @@ async def _evaluate(cfg, out, label, version, clients, renderer, tasks, metrics)
         metrics.write({"stage": "eval", "label": label, **results[arm]})
         kinds = " ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.by_kind.items())
         print(
-            f"simloop train-agent: eval {label} RL, {arm}: policy v{version} success "
+            f"simloop {who}: eval {title}, {arm}: {policy} success "
             f"{r.success_rate:.3f} over {r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s",
             flush=True,
         )
@@ -463,7 +468,7 @@ async def _rl(
             )
             before = None
             if evaluating:
-                before = read_evals(out).get("before") or await _evaluate(
+                before = read_evals(out).get("before") or await evaluate_agent(
                     cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
                 )
             backends = shell_backends(cfg, clients.get("simulator"))
@@ -505,7 +510,7 @@ async def _rl(
                 writer.close()
                 runner.metrics.write(out / "metrics.jsonl", stage="rl_rollout", arm=ocfg.arm)
             if evaluating:
-                after = await _evaluate(
+                after = await evaluate_agent(
                     cfg,
                     out,
                     "after",

@@ -39,6 +39,9 @@ class EvalResult:
     """Per task kind (the textops operation, else the task family): episodes and success."""
     turns_mean: float = 0.0
     wall_s: float = 0.0
+    actions: dict[str, float] = field(default_factory=dict)
+    """The action distribution: share of the agent's commands by `command_key` (the programs
+    of the command's last pipeline), most frequent first."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,7 +75,20 @@ def score(
             k: {"episodes": len(v), "success_rate": sum(v) / len(v)} for k, v in sorted(per.items())
         },
         turns_mean=sum(len(e.turns) for e in episodes) / n,
+        actions=action_distribution(episodes),
     )
+
+
+def action_distribution(episodes: Sequence[Trajectory]) -> dict[str, float]:
+    """Share of the commands the agent ran, by `command_key`, most frequent first (turns whose
+    reply held no command count as `(no command)`)."""
+    keys = Counter(
+        command_key(t.command) if t.command is not None else "(no command)"
+        for e in episodes
+        for t in e.turns
+    )
+    total = sum(keys.values())
+    return {k: c / total for k, c in keys.most_common()}
 
 
 async def evaluate_policy(

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 RL_STEPS = 6
+# The string operations only: the criterion is about choosing the operation (the tiny agent
+# does not learn in minutes to copy a count's letter from the instruction).
+OPS = ["--env.textops.ops", "[reverse,upper,sort]"]
 
 
 def records(run: Path, stage: str) -> list[dict]:
@@ -49,6 +52,7 @@ def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
         str(out),
         "--train_agent.steps",
         str(RL_STEPS),
+        *OPS,
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -104,3 +108,42 @@ def test_the_run_directory_holds_every_artifact(trained):
         "after": evals["after"]["real"]["success_rate"],
     }
     assert "eval before RL, real: policy v1 success" in done.stdout
+
+
+def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
+    from flax import nnx
+
+    from launch.config import load_config
+    from rl.model import Qwen3
+    from rl.model.params_io import save_params
+
+    out, _ = trained
+    # No simulator was trained here: random weights of the demo's simulator still exercise the
+    # closed-loop arm end to end (its observations are garbage, so its success is ~0).
+    sim = tmp_path / "random-sim"
+    save_params(Qwen3(load_config(str(CONFIG)).simulator.model, rngs=nnx.Rngs(0)), sim)
+    run = tmp_path / "eval"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "launch", "eval-agent", "--config", str(CONFIG),
+           "--out", str(run), "--agent.weights", str(out / "weights" / "final"),
+           "--simulator.weights", str(sim), "--env.shell.simulated.max_tokens", "48",
+           "--train_agent.eval.arms", "[real,closed_loop]", *OPS]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((run / "eval.json").read_text())["eval"]
+    after = json.loads((out / "eval.json").read_text())["after"]["real"]
+    # The same weights on the same held-out tasks with the same sampling seeds.
+    assert result["real"]["episodes"] == result["closed_loop"]["episodes"] == 48 * 4
+    assert result["real"]["success_rate"] == after["success_rate"]
+    assert result["real"]["by_kind"] == after["by_kind"]
+    for arm in ("real", "closed_loop"):
+        actions = result[arm]["actions"]
+        assert abs(sum(actions.values()) - 1) < 1e-9 and list(actions.values()) == sorted(
+            actions.values(), reverse=True
+        )
+    # The trained agent computes the answer with a pipeline on the file in both arms.
+    assert next(iter(result["real"]["actions"])).startswith("tr | ")
+    gap = result["closed_loop"]["success_rate"] - result["real"]["success_rate"]
+    assert f"transfer gap (simulator - real): {gap:+.3f}" in done.stdout
+    assert (run / "logs" / "simulator-server.log").exists()
+    assert len(list((run / "trajectories").glob("eval-eval-closed_loop-*.jsonl"))) == 1

@@ -1,0 +1,156 @@
+"""`simloop eval-agent`: one trained agent in the real shell and in the simulator.
+
+    simloop eval-agent --config configs/demo_cpu.yaml --out runs/eval-agent \\
+        --agent.weights runs/demo/agent/weights/final \\
+        --simulator.weights runs/demo/sim/weights/final
+
+The tasks, samples and arms are `train_agent.eval`'s: the held-out textops tasks that
+train-agent evaluates before and after RL, with the same seed, so the numbers compare. It
+starts a local agent server on `agent.weights` (or uses `agent.server_url`) and, for the
+`closed_loop` arm, a simulator server on `simulator.weights` (or `simulator.server_url`).
+Writes `eval.json` (`{"eval": {arm: result}}`), `metrics.jsonl` and `trajectories/eval-*`, and
+prints success by arm and operation, the transfer gap (simulator minus real) and the action
+distribution of each arm side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from launch.config import write_config
+from launch.schema import SimloopConfig
+
+LABEL = "eval"
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        print("simloop eval-agent: --out DIR is required", file=sys.stderr)
+        return 2
+    if cfg.agent.weights is None and cfg.agent.server_url is None:
+        print(
+            "simloop eval-agent: set agent.weights to a trained agent (train-agent writes "
+            "RUN/weights/final), e.g. --agent.weights runs/demo/agent/weights/final, or "
+            "agent.server_url to a server that already serves it",
+            file=sys.stderr,
+        )
+        return 2
+    ecfg = cfg.train_agent.eval
+    if ecfg.tasks == 0:
+        print(
+            "simloop eval-agent: train_agent.eval.tasks is 0: nothing to evaluate", file=sys.stderr
+        )
+        return 2
+    sim = cfg.simulator
+    if "closed_loop" in ecfg.arms and sim.weights is None and sim.server_url is None:
+        print(
+            "simloop eval-agent: the closed_loop arm needs a trained simulator: set "
+            "simulator.weights (train-sim writes RUN/weights/final) or simulator.server_url, "
+            "or evaluate in the real shell only with --train_agent.eval.arms '[real]'",
+            file=sys.stderr,
+        )
+        return 2
+    for role in ("agent", "simulator"):
+        weights = getattr(cfg, role).weights
+        if weights is not None and not Path(weights).exists():
+            print(f"simloop eval-agent: {role}.weights={weights!r} does not exist", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    write_config(cfg, out)
+    results = evaluate_checkpoint(cfg, out)
+    print_eval(results)
+    print(f"simloop eval-agent: -> {out / 'eval.json'}")
+    return 0
+
+
+def evaluate_checkpoint(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
+    """Start the servers the arms need (unless their URLs are set), evaluate, return
+    `{arm: EvalResult dict}`."""
+    from launch.chips import server_env
+    from launch.local import LocalServer
+    from launch.train import sim_server_args
+
+    arms = cfg.train_agent.eval.arms
+    with contextlib.ExitStack() as stack:
+        urls = {"agent": cfg.agent.server_url}
+        if urls["agent"] is None:
+            print("simloop eval-agent: starting a local agent server ...", flush=True)
+            args = ["--max-seq-len", str(cfg.orchestrator.max_context_tokens)]
+            server = LocalServer.start("agent", out, extra_args=args, env=server_env(cfg, "agent"))
+            urls["agent"] = stack.enter_context(server).url
+        if "closed_loop" in arms:
+            urls["simulator"] = cfg.simulator.server_url
+            if urls["simulator"] is None:
+                print("simloop eval-agent: starting a local simulator server ...", flush=True)
+                server = LocalServer.start("simulator", out, extra_args=sim_server_args(cfg),
+                                           env=server_env(cfg, "simulator"))  # fmt: skip
+                urls["simulator"] = stack.enter_context(server).url
+        return asyncio.run(_evaluate(cfg, out, urls))
+
+
+async def _evaluate(cfg: SimloopConfig, out: Path, urls: dict[str, str]) -> dict[str, dict]:
+    from launch.train import agent_tasks, evaluate_agent
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.train.loop import MetricsLog
+    from serving.client import ClientConfig, InferenceClient
+
+    renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    _, tasks = agent_tasks(cfg)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {}
+        for role, url in urls.items():
+            client = InferenceClient(
+                ClientConfig(url, timeout_s=cfg.orchestrator.request_timeout_s)
+            )
+            clients[role] = await stack.enter_async_context(client)
+            await client.wait_healthy(timeout_s=300)
+        metrics = MetricsLog(out)
+        return await evaluate_agent(
+            cfg, out, LABEL, None, clients, renderer, tasks, metrics, who="eval-agent"
+        )
+
+
+def transfer_gap(results: dict[str, dict]) -> float | None:
+    """Success in the simulator minus success in the real shell (None without both arms)."""
+    if "real" not in results or "closed_loop" not in results:
+        return None
+    return results["closed_loop"]["success_rate"] - results["real"]["success_rate"]
+
+
+def print_eval(results: dict[str, dict[str, Any]], top: int = 8) -> None:
+    """Success by arm and operation, the transfer gap, and the action distributions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    arms = list(results)
+    table = Table(title="agent success (held-out tasks)")
+    table.add_column("")
+    for arm in arms:
+        table.add_column(arm, justify="right")
+    table.add_row("all", *(f"{results[a]['success_rate']:.3f}" for a in arms))
+    kinds = sorted({k for a in arms for k in results[a]["by_kind"]})
+    for k in kinds:
+        cells = [results[a]["by_kind"].get(k, {}).get("success_rate") for a in arms]
+        table.add_row(k, *("-" if c is None else f"{c:.3f}" for c in cells))
+    table.add_row("episodes", *(str(results[a]["episodes"]) for a in arms))
+    console.print(table)
+    gap = transfer_gap(results)
+    if gap is not None:
+        console.print(f"transfer gap (simulator - real): {gap:+.3f}")
+    actions = Table(title=f"action distribution (top {top} commands)")
+    actions.add_column("command")
+    for arm in arms:
+        actions.add_column(arm, justify="right")
+    totals: dict[str, float] = {}
+    for a in arms:
+        for k, share in results[a].get("actions", {}).items():
+            totals[k] = totals.get(k, 0.0) + share
+    for k in sorted(totals, key=totals.get, reverse=True)[:top]:
+        actions.add_row(k, *(f"{results[a].get('actions', {}).get(k, 0.0):.3f}" for a in arms))
+    console.print(actions)
