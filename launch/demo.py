@@ -250,6 +250,15 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
               for label in ("before", "after")}
         for arm in ("real", "closed_loop")
     }  # fmt: skip
+    kinds = sorted({k for by_arm in evals.values() for r in by_arm.values() for k in r["by_kind"]})
+    by_kind = {
+        kind: {
+            arm: {label: evals.get(label, {}).get(arm, {}).get("by_kind", {}).get(kind, {})
+                  .get("success_rate") for label in ("before", "after")}
+            for arm in ("real", "closed_loop")
+        }
+        for kind in kinds
+    }  # fmt: skip
     gap = {}
     for label in ("before", "after"):
         sim, real = success["closed_loop"][label], success["real"][label]
@@ -275,6 +284,7 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
             },
         },
         "agent_success": success,
+        "agent_success_by_kind": by_kind,
         "transfer_gap": gap,
         "transfer_gap_definition": "success in the simulator minus success in the real shell",
         "rl": {
@@ -316,3 +326,13 @@ def print_summary(console, s: dict) -> None:
         t.add_row(f"wall: {name}", f"{_fmt(wall, 0)} s")
     t.add_row("wall: total", f"{_fmt(s.get('wall_s'), 0)} s")
     console.print(t)
+    by_kind = s.get("agent_success_by_kind") or {}
+    if by_kind:
+        k = Table(title="agent success by operation: before -> after RL")
+        for name, justify in (("operation", "left"), ("real shell", "right"),
+                              ("simulator", "right")):  # fmt: skip
+            k.add_column(name, justify=justify)
+        for kind, arms in by_kind.items():
+            k.add_row(kind, *(f"{_fmt(arms[a]['before'])} -> {_fmt(arms[a]['after'])}"
+                              for a in ("real", "closed_loop")))  # fmt: skip
+        console.print(k)

@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from envs.fidelity import compare_observations
+from launch.config import load_config
+from launch.schema import SimloopConfig
+from launch.train import agent_tasks
 from rl.data.trajectory import load_trajectories
 
 pytestmark = pytest.mark.slow
@@ -76,6 +79,8 @@ def test_summary_numbers_come_from_the_stages_records(demo):
     heldout = set(json.loads((out / "sim" / "heldout_tasks.json").read_text()))
     assert {r.task_id for r in replays} <= heldout
     # Success: recounted from the evaluation episodes, in both shells, before and after RL.
+    cfg = load_config(SimloopConfig, out / "agent" / "config.yaml")
+    kinds = {t.id: t.reward.params["op"] for t in agent_tasks(cfg)[1]}
     for arm, backend in (("real", "local"), ("closed_loop", "simulated")):
         for label in ("before", "after"):
             episodes = load_trajectories(
@@ -85,6 +90,17 @@ def test_summary_numbers_come_from_the_stages_records(demo):
             assert {e.env_backend for e in episodes} == {backend}
             wins = sum((e.reward or 0.0) >= 1.0 for e in episodes) / len(episodes)
             assert s["agent_success"][arm][label] == pytest.approx(wins)
+            # ... and by operation, from the held-out tasks' own reward params.
+            for kind, arms in s["agent_success_by_kind"].items():
+                mine = [e for e in episodes if kinds[e.task_id] == kind]
+                rate = arms[arm][label]
+                assert (
+                    rate is None
+                    if not mine
+                    else rate
+                    == pytest.approx(sum((e.reward or 0.0) >= 1.0 for e in mine) / len(mine))
+                )
+    assert set(s["agent_success_by_kind"]) == set(kinds.values())
     for label in ("before", "after"):
         gap = s["agent_success"]["closed_loop"][label] - s["agent_success"]["real"][label]
         assert s["transfer_gap"][label] == pytest.approx(gap, abs=1e-4)

@@ -114,6 +114,7 @@ def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
     from flax import nnx
 
     from launch.config import load_config
+    from launch.schema import SimloopConfig
     from rl.model import Qwen3
     from rl.model.params_io import save_params
 
@@ -121,7 +122,7 @@ def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
     # No simulator was trained here: random weights of the demo's simulator still exercise the
     # closed-loop arm end to end (its observations are garbage, so its success is ~0).
     sim = tmp_path / "random-sim"
-    save_params(Qwen3(load_config(str(CONFIG)).simulator.model, rngs=nnx.Rngs(0)), sim)
+    save_params(Qwen3(load_config(SimloopConfig, CONFIG).simulator.model, rngs=nnx.Rngs(0)), sim)
     run = tmp_path / "eval"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "launch", "eval-agent", "--config", str(CONFIG),
