@@ -353,7 +353,25 @@ def _section_success(evals: dict | None, summary: dict | None) -> str:
                 f"{_f(gap.get('after'))}.</p>") if gap else ""  # fmt: skip
     return (bar_chart("Held-out success before and after RL", groups) + gap_text
             + _table(["shell", "when", "policy version", "episodes", "success", "by operation"],
-                     rows))  # fmt: skip
+                     rows) + _actions(evals, arms, label))  # fmt: skip
+
+
+def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10) -> str:
+    """What the agent ran (share of commands by program pipeline) in each evaluation."""
+    cols = [(a, k) for a in arms for k in ("before", "after")
+            if evals.get(k, {}).get(a, {}).get("actions")]  # fmt: skip
+    if not cols:
+        return ""
+    shares = {c: evals[c[1]][c[0]]["actions"] for c in cols}
+    totals: dict[str, float] = {}
+    for dist in shares.values():
+        for cmd, share in dist.items():
+            totals[cmd] = totals.get(cmd, 0.0) + share
+    rows = [[cmd] + [shares[c].get(cmd, 0.0) for c in cols]
+            for cmd in sorted(totals, key=totals.get, reverse=True)[:top]]  # fmt: skip
+    header = ["command (programs)"] + [f"{label.get(a, a)}, {k} RL" for a, k in cols]
+    return (f'<p class="note">The agent\'s commands in each evaluation (top {top}, share of all '
+            "commands it ran).</p>" + _table(header, rows))  # fmt: skip
 
 
 def _section_tail(metrics: list[dict]) -> str:

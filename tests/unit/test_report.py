@@ -34,8 +34,10 @@ def _write_run(root):
         "reward_mean": 0.25,
         "by_kind": {"reverse": {"episodes": 2, "success_rate": 0.25}},
     }
-    evals = {"before": {"real": result, "closed_loop": {**result, "arm": "closed_loop"}},
-             "after": {"real": {**result, "success_rate": 0.75, "version": 3}}}  # fmt: skip
+    after = {**result, "success_rate": 0.75, "version": 3, "actions": {"tr | <b>": 1.0}}
+    evals = {"before": {"real": {**result, "actions": {"tr | rev": 0.5, "tr | <b>": 0.5}},
+                        "closed_loop": {**result, "arm": "closed_loop"}},
+             "after": {"real": after}}  # fmt: skip
     (root / "agent" / "eval.json").write_text(json.dumps(evals))
     rows = [{"stage": "rl", "step": i, "reward_mean": 0.2 * i, "loss": 0.1, "mismatch_kl": 0.0,
              "staleness_mean": 0.0, "staleness_max": 0} for i in (1, 2, 3)]  # fmt: skip
@@ -76,6 +78,9 @@ def test_report_of_a_run_directory(tmp_path):
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # simulated text is escaped
     assert page.count("<svg") == 7  # the success bars and six curves
     assert "No summary.json" in page  # a single-job directory: the demo's summary is absent
+    # The action distributions, one column per evaluation that recorded one (escaped).
+    assert "real shell, before RL</th><th>real shell, after RL</th></tr>" in page
+    assert "<tr><td>tr | &lt;b&gt;</td><td>0.500</td><td>1.000</td></tr>" in page
 
 
 def test_report_of_an_empty_directory_says_what_is_missing(tmp_path, capsys):
