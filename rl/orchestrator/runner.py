@@ -88,7 +88,9 @@ class RolloutRunner:
         *,
         replay: Sequence[Trajectory] | None = None,
     ) -> list[Trajectory]:
-        """Run every task's group (or, for `replay`, every recorded trajectory) to the end."""
+        """Run every task's group (or, for `replay`, every recorded trajectory) to the end.
+        The trajectories come back in the order of `tasks` (or `replay`), whatever order the
+        episodes finished in, so what is built from them (e.g. SFT data) is reproducible."""
         jobs: list[asyncio.Task] = []
         if self.cfg.arm == "replay":
             if replay is None:
@@ -103,16 +105,14 @@ class RolloutRunner:
                 arm = self._group_arm()
                 jobs.append(asyncio.create_task(self._group(task, arm, f"g{g}-{task.id}"),
                                                 name=f"group-{g}-{task.id}"))  # fmt: skip
-        out: list[Trajectory] = []
         try:
-            for done in asyncio.as_completed(jobs):
-                out.extend(await done)
+            groups = await asyncio.gather(*jobs)  # the first failure surfaces at once
         finally:
             for job in jobs:
                 job.cancel()
             # Bounded shutdown: cancelled groups still deliver their aborted trajectories.
             await asyncio.wait(jobs, timeout=SHUTDOWN_GRACE_S)
-        return out
+        return [t for group in groups for t in group]
 
     def _group_arm(self) -> str:
         if self.cfg.arm != "mixed":

@@ -64,6 +64,26 @@ async def test_real_arm_solves_textops_and_keeps_tokens_verbatim(tmp_path):
     assert m["status"] == {"ok": 8} and m["success_rate"] == 1.0 and m["active_per_turn"][0] == 8
 
 
+async def test_trajectories_come_back_in_task_order_whatever_finishes_first():
+    tasks = generate_textops(TextopsConfig(num_tasks=4, seed=0, from_file_prob=0.0))
+
+    class FirstIsSlowest(FakeAgentClient):
+        async def complete(self, prompt, **kw):
+            text = self.tok.decode(prompt)
+            i = next(i for i, t in enumerate(tasks) if t.instruction in text)
+            await asyncio.sleep(0.03 * (len(tasks) - i))
+            return await super().complete(prompt, **kw)
+
+    client = FirstIsSlowest(tasks)
+    finished = []
+    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
+                           Backends(real=_local), client=client,
+                           sink=lambda t: finished.append(t.task_id))  # fmt: skip
+    trajs = await runner.run(tasks)
+    assert [t.task_id for t in trajs] == [t.id for t in tasks for _ in range(2)]
+    assert finished[-1] == tasks[0].id  # ... though the first task finished last
+
+
 async def test_failed_sibling_masks_the_group_with_a_reason():
     tasks = _tasks(2)
     client = FakeAgentClient(tasks, fail_task=tasks[0].id)
