@@ -160,7 +160,8 @@ def _collect(args, path: Path) -> dict:
 
 def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     """`env.shell.simulated.max_tokens` from the real observations' token lengths (in the
-    simulator's format, with its end-of-turn token)."""
+    simulator's format, with its end-of-turn token), at most half the simulator's context
+    (`env.shell.simulated.max_context_tokens`) so that a prompt still fits beside it."""
     from envs.fidelity import suggest_max_tokens
     from envs.sim_format import format_observation
     from rl.data import load_tokenizer
@@ -173,7 +174,15 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
         for t in traj.turns
         if t.observation is not None
     ]
-    return suggest_max_tokens(lengths)
+    cap = suggest_max_tokens(lengths)
+    context = cfg.env.shell.simulated.max_context_tokens
+    if context is not None and cap > context // 2:
+        print(
+            f"simloop demo: the observations suggest a simulator token cap of {cap}; it is "
+            f"clamped to {context // 2}, half the simulator's {context}-token context"
+        )
+        cap = context // 2
+    return cap
 
 
 def _train_sim(args, path: Path, wiring: list[str]) -> dict:
