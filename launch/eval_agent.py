@@ -127,6 +127,8 @@ def print_eval(results: dict[str, dict[str, Any]], top: int = 8) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rl.orchestrator.evaluate import top_actions
+
     console = Console()
     arms = list(results)
     table = Table(title="agent success (held-out tasks)")
@@ -147,10 +149,7 @@ def print_eval(results: dict[str, dict[str, Any]], top: int = 8) -> None:
     actions.add_column("command")
     for arm in arms:
         actions.add_column(arm, justify="right")
-    totals: dict[str, float] = {}
-    for a in arms:
-        for k, share in results[a].get("actions", {}).items():
-            totals[k] = totals.get(k, 0.0) + share
-    for k in sorted(totals, key=totals.get, reverse=True)[:top]:
-        actions.add_row(k, *(f"{results[a].get('actions', {}).get(k, 0.0):.3f}" for a in arms))
+    dists = [results[a].get("actions", {}) for a in arms]
+    for k in top_actions(dists, top):
+        actions.add_row(k, *(f"{d.get(k, 0.0):.3f}" for d in dists))
     console.print(actions)

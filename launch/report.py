@@ -362,13 +362,10 @@ def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10)
             if evals.get(k, {}).get(a, {}).get("actions")]  # fmt: skip
     if not cols:
         return ""
-    shares = {c: evals[c[1]][c[0]]["actions"] for c in cols}
-    totals: dict[str, float] = {}
-    for dist in shares.values():
-        for cmd, share in dist.items():
-            totals[cmd] = totals.get(cmd, 0.0) + share
-    rows = [[cmd] + [shares[c].get(cmd, 0.0) for c in cols]
-            for cmd in sorted(totals, key=totals.get, reverse=True)[:top]]  # fmt: skip
+    from rl.orchestrator.evaluate import top_actions
+
+    dists = [evals[k][a]["actions"] for a, k in cols]
+    rows = [[cmd] + [d.get(cmd, 0.0) for d in dists] for cmd in top_actions(dists, top)]
     header = ["command (programs)"] + [f"{label.get(a, a)}, {k} RL" for a, k in cols]
     return (f'<p class="note">The agent\'s commands in each evaluation (top {top}, share of all '
             "commands it ran).</p>" + _table(header, rows))  # fmt: skip

@@ -91,6 +91,15 @@ def action_distribution(episodes: Sequence[Trajectory]) -> dict[str, float]:
     return {k: c / total for k, c in keys.most_common()}
 
 
+def top_actions(distributions: Sequence[dict[str, float]], top: int) -> list[str]:
+    """The `top` commands with the largest summed share over several action distributions
+    (the rows of a side-by-side table)."""
+    totals: Counter[str] = Counter()
+    for dist in distributions:
+        totals.update(dist)
+    return [k for k, _ in totals.most_common(top)]
+
+
 async def evaluate_policy(
     ocfg: OrchestratorConfig,
     terminal: TerminalConfig,
