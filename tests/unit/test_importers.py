@@ -5,11 +5,12 @@ the files that imported when one fails."""
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
-from launch import import_cmd
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
+from launch.jobs import import_trajectories
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.importers import (
     ImportConfig,
@@ -132,7 +133,7 @@ def _args(paths, out, fmt="swe-agent"):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config")
     parser.add_argument("--out")
-    import_cmd.add_arguments(parser)
+    import_trajectories.add_arguments(parser)
     return parser.parse_args([*map(str, paths), "--format", fmt, "--out", str(out)])
 
 
@@ -141,7 +142,7 @@ def test_import_command_writes_good_files_and_fails(swe_agent_trajectories, tmp_
     src_dir.mkdir()
     src = _batch_dir(swe_agent_trajectories, src_dir)
     out = tmp_path / "run"
-    rc = import_cmd.run(_args([src_dir], out), SimloopConfig())
+    rc = import_trajectories.run(_args([src_dir], out), SimloopConfig())
     captured = capsys.readouterr()
     assert rc == 1
     assert "zz_corrupt.traj" in captured.err and "'trajectory[0].observation'" in captured.err
@@ -153,7 +154,7 @@ def test_import_command_writes_good_files_and_fails(swe_agent_trajectories, tmp_
     assert (out / "config.yaml").exists()
     # All good: exit 0.
     (src_dir / "zz_corrupt.traj").unlink()
-    assert import_cmd.run(_args([src_dir], tmp_path / "run2"), SimloopConfig()) == 0
+    assert import_trajectories.run(_args([src_dir], tmp_path / "run2"), SimloopConfig()) == 0
 
 
 def test_import_config_validates():
@@ -237,3 +238,272 @@ def test_chat_openai_tool_calls(tmp_path):
     path.write_text(json.dumps(messages))
     with pytest.raises(TrajectoryImportError, match=r"'\(root\)\[2\]\.tool_calls\[0\]\.function"):
         import_file(path, "chat")
+
+
+# --- SWE-agent history-only files, mini-swe-agent trajectories, batch failures ---------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "importers"
+DIFF = "diff --git a/app.py b/app.py"
+
+
+def _spans_are_replies(traj):
+    tok = RENDERER.tokenizer
+    for turn in traj.turns:
+        start, end = turn.token_span
+        assert tok.decode(traj.token_ids[start:end]) == turn.agent_text + "<|im_end|>"
+
+
+def test_swe_agent_history_only_imports_from_tool_calls():
+    traj = import_file(FIXTURES / "swe_agent_history_only.traj", "swe-agent", RENDERER)
+    assert traj.status == "ok" and traj.task_id == "swe_agent_history_only"
+    assert traj.meta["turns_from"] == "history" and traj.meta["variant"] == "function_calling"
+    # bash: its `command` argument; another tool: SWE-agent's `action`, else a command line.
+    assert [t.command for t in traj.turns] == [
+        "sed -i 's/Helo/Hello/' app.py",
+        'open "app.py"',
+        "submit",
+    ]
+    # The tool message answering each call, without SWE-agent's state lines.
+    assert [t.observation for t in traj.turns] == [
+        "",
+        "[File: /repo/app.py (2 lines total)]\n1:def greet():\n2:    print('Hello')",
+        DIFF + "\n--- a/app.py\n+++ b/app.py\n@@ -1,2 +1,2 @@\n def greet():\n"
+        "-    print('Helo')\n+    print('Hello')\n",
+    ]
+    assert all(t.exit_code is None and t.flags == [] for t in traj.turns)
+    first = traj.turns[0]
+    assert first.agent_text.startswith("The typo is in app.py; fix it with sed.\n\n<tool_call>\n")
+    assert first.env_messages[0]["role"] == "tool"
+    assert first.env_messages[0]["content"].endswith("(Current directory: /repo)\nbash-$")
+    assert traj.instruction.endswith("greet() prints 'Helo' instead of 'Hello'.")
+    assert len(traj.prompt) == 2
+    _spans_are_replies(traj)
+
+
+def test_real_function_calling_files_import_from_history_alone(
+    swe_agent_trajectories, imported, tmp_path
+):
+    full = {p.name: t for p, t in imported.imported if t.meta["variant"] == "function_calling"}
+    assert full
+    for name, whole in full.items():
+        data = json.loads((swe_agent_trajectories / name).read_text())
+        del data["trajectory"]
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        traj = import_file(path, "swe-agent", RENDERER)
+        assert traj.meta["turns_from"] == "history" and traj.status == whole.status
+        # The steps the transcript holds (one file's history lacks its final submit).
+        steps = [t for t in whole.turns if "tool_call" not in t.info]
+        assert len(steps) == whole.meta["turns_matched_in_history"] >= len(whole.turns) - 1
+        assert [t.command for t in traj.turns] == [t.command for t in steps]
+        # The replies' tool calls (two replies' texts differ between a step and the history).
+        calls = [t.agent_text[t.agent_text.find("<tool_call>") :] for t in traj.turns]
+        assert calls == [t.agent_text[t.agent_text.find("<tool_call>") :] for t in steps]
+        assert [t.observation for t in traj.turns] == [t.observation for t in steps]
+        assert [t.env_messages for t in traj.turns] == [t.env_messages for t in steps]
+
+
+def test_mini_swe_agent_v2_tool_calls():
+    traj = import_file(FIXTURES / "mini_v2_toolcall.traj.json", "mini-swe-agent", RENDERER)
+    assert traj.task_id == "demo__greet-1" and traj.env_backend == "mini-swe-agent"
+    assert traj.status == "ok" and traj.reason is None
+    assert traj.instruction == "greet() prints 'Helo' instead of 'Hello'."
+    assert traj.meta["submission"].startswith(DIFF) and traj.meta["exit_status"] == "Submitted"
+    assert traj.meta["trajectory_format"] == "mini-swe-agent-1.1"
+    assert traj.meta["format_error_messages"] == 1 and traj.meta["model_name"] == "test/model"
+    look, fix, submit = traj.turns
+    assert look.command == "cat app.py" and look.exit_code == 0
+    assert look.observation == "def greet():\n    print('Helo')\n"  # raw_output, not the JSON
+    assert look.timings == {"env_s": 0.5}
+    # The format error (its reply was not kept) is what the agent was shown next.
+    assert [m["role"] for m in look.env_messages] == ["tool", "user"]
+    assert fix.command == "sed -i 's/Helo/Hello/' app.py" and fix.observation == ""
+    assert fix.info["more_commands"] == ["python -c 'import app; app.greet()'"]
+    assert fix.agent_text.count("<tool_call>") == 2
+    # The exit message is no observation: the agent never saw it.
+    assert submit.env_messages == [] and submit.observation is None
+    _spans_are_replies(traj)
+
+
+def test_mini_swe_agent_v2_text_based_limits():
+    traj = import_file(FIXTURES / "mini_v2_textbased_limits.traj.json", "mini-swe-agent")
+    assert traj.task_id == "mini_v2_textbased_limits"
+    assert traj.status == "truncated" and "LimitsExceeded" in traj.reason
+    assert traj.instruction == "Print the notes file."
+    missing, sleep = traj.turns
+    assert missing.command == "cat missing.txt" and missing.exit_code == 1
+    assert missing.observation == "cat: missing.txt: No such file or directory\n"
+    assert sleep.command == "sleep 100" and sleep.exit_code == -1
+    assert sleep.flags == ["timeout"] and "timed out" in sleep.info["exception"]
+    assert traj.meta["submission"] == ""
+
+
+@pytest.mark.parametrize("fmt", ["mini-swe-agent", "chat"])
+def test_mini_swe_agent_v1_drops_the_closing_submission(fmt):
+    traj = import_file(FIXTURES / "mini_v1.traj.json", fmt, RENDERER)
+    assert traj.meta["source_format"] == "mini-swe-agent"  # `chat` detects the format
+    assert traj.status == "ok" and traj.meta["submission"].startswith(DIFF)
+    assert [t.exit_code for t in traj.turns] == [0, None]
+    assert traj.turns[0].observation == "def greet():\n    print('Helo')"
+    assert traj.turns[-1].env_messages == [] and traj.turns[-1].observation is None
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "status", "in_reason"),
+    [
+        ("Submitted", "ok", None),
+        ("LimitsExceeded", "truncated", "LimitsExceeded"),
+        ("RepeatedFormatError", "truncated", "RepeatedFormatError"),
+        ("TimeExceeded", "timeout", "TimeExceeded"),
+        ("RuntimeError", "error", "'RuntimeError': docker died"),
+        ("", "aborted", "no exit status"),
+    ],
+)
+def test_mini_swe_agent_status(tmp_path, exit_status, status, in_reason):
+    data = json.loads((FIXTURES / "mini_v1.traj.json").read_text())
+    data["info"].update(exit_status=exit_status, exception_str="docker died")
+    path = tmp_path / "run.traj.json"
+    path.write_text(json.dumps(data))
+    traj = import_file(path, "mini-swe-agent")
+    assert traj.status == status
+    assert traj.reason is None if in_reason is None else in_reason in traj.reason
+
+
+def _corrupt_mini(data, case):
+    if case == "no_messages":
+        del data["messages"]
+        return "messages"
+    if case == "not_mini":
+        data["trajectory_format"] = "swe-agent-1"
+        return "trajectory_format"
+    if case == "message_not_object":
+        data["messages"][3] = "ok"
+        return "messages[3]"
+    if case == "action_not_text":
+        data["messages"][2]["extra"]["actions"][0]["command"] = ["cat", "app.py"]
+        return "messages[2].extra.actions[0].command"
+    if case == "arguments_not_json":
+        data["messages"][5]["tool_calls"][1]["function"]["arguments"] = '{"command": '
+        return "messages[5].tool_calls[1].function.arguments"
+    if case == "exit_status_not_text":
+        data["info"]["exit_status"] = 0
+        return "info.exit_status"
+    raise AssertionError(case)
+
+
+MINI_CASES = [
+    "no_messages",
+    "not_mini",
+    "message_not_object",
+    "action_not_text",
+    "arguments_not_json",
+    "exit_status_not_text",
+]
+
+
+@pytest.mark.parametrize("case", MINI_CASES)
+def test_mini_swe_agent_unreadable_input_names_file_and_field(tmp_path, case):
+    data = json.loads((FIXTURES / "mini_v2_toolcall.traj.json").read_text())
+    field = _corrupt_mini(data, case)
+    path = tmp_path / "broken.traj.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TrajectoryImportError) as err:
+        import_file(path, "mini-swe-agent")
+    assert err.value.field == field
+    assert str(path) in str(err.value) and f"'{field}'" in str(err.value)
+
+
+def _write(path, data):
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def test_batch_import_of_new_formats_names_each_corrupt_file(tmp_path):
+    mini = tmp_path / "mini"
+    (mini / "nested").mkdir(parents=True)
+    good = sorted(FIXTURES.glob("*.traj.json"))
+    for path in good:
+        shutil.copy(path, mini / "nested" / path.name)
+    data = json.loads(good[0].read_text())
+    del data["messages"]
+    _write(mini / "zz_no_messages.traj.json", data)
+    _write(mini / "zz_cut.traj.json", '{"messages": [')
+    _write(mini / "zz_list.traj.json", [1, 2])
+    _write(mini / "zz_number.traj.json", "1" * 5000)  # valid JSON Python will not parse
+    (mini / "zz_folder.traj.json").mkdir()
+    _write(mini / "preds.json", {})  # not a trajectory: not matched by *.traj.json
+    swe = tmp_path / "swe"
+    swe.mkdir()
+    history_only = json.loads((FIXTURES / "swe_agent_history_only.traj").read_text())
+    for name in ("a.traj", "b.traj"):
+        _write(swe / name, history_only)
+    history_only["history"][2]["tool_calls"] = 42
+    _write(swe / "zz_corrupt.traj", history_only)
+    _write(swe / "zz_cut.traj", '{"history": [')
+
+    report = import_files([mini], "mini-swe-agent", RENDERER)
+    assert [p.name for p, _ in report.imported] == [p.name for p in good]
+    failed = {p.name: message for p, message in report.failed}
+    assert set(failed) == {
+        "zz_no_messages.traj.json",
+        "zz_cut.traj.json",
+        "zz_list.traj.json",
+        "zz_number.traj.json",
+        "zz_folder.traj.json",
+    }
+    for name, message in failed.items():
+        assert name in message and "Traceback" not in message
+    assert "field 'messages': is missing" in failed["zz_no_messages.traj.json"]
+    assert "field '(file)': not valid JSON" in failed["zz_cut.traj.json"]
+    assert "field '(root)': expected a JSON object, got list" in failed["zz_list.traj.json"]
+    assert "field '(file)': not valid JSON" in failed["zz_number.traj.json"]
+    assert "field '(file)': cannot read" in failed["zz_folder.traj.json"]
+
+    report = import_files([swe], "swe-agent", RENDERER)
+    assert [p.name for p, _ in report.imported] == ["a.traj", "b.traj"]
+    failed = {p.name: message for p, message in report.failed}
+    assert (
+        "field 'history[2].tool_calls': expected a list of tool calls, got int"
+        in failed["zz_corrupt.traj"]
+    )
+    assert "field '(file)': not valid JSON" in failed["zz_cut.traj"]
+
+
+def test_an_importer_bug_is_a_named_failure_not_a_traceback(tmp_path, monkeypatch):
+    from rl.data import importers
+
+    path = tmp_path / "ok.traj.json"
+    shutil.copy(FIXTURES / "mini_v1.traj.json", path)
+
+    def broken(data, path):
+        return data["messages"][99]
+
+    monkeypatch.setitem(importers.IMPORTERS, "mini-swe-agent", broken)
+    with pytest.raises(TrajectoryImportError, match=r"ok\.traj\.json: field '\(unknown\)': Index"):
+        import_file(path, "mini-swe-agent")
+
+    def worse(data, path):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(importers.IMPORTERS, "mini-swe-agent", worse)
+    report = import_files([tmp_path], "mini-swe-agent")
+    assert report.imported == []
+    assert report.failed == [(path, f"{path}: RuntimeError: boom")]
+
+
+def test_import_command_mini_swe_agent(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in FIXTURES.glob("*.traj.json"):
+        shutil.copy(path, src / path.name)
+    _write(src / "zz_cut.traj.json", "{")
+    assert ImportConfig(format="mini-swe-agent").format == "mini-swe-agent"
+    rc = import_trajectories.run(_args([src], tmp_path / "run", "mini-swe-agent"), SimloopConfig())
+    captured = capsys.readouterr()
+    assert rc == 1 and "zz_cut.traj.json" in captured.err
+    assert "files ok: 3" in captured.out and "failed: 1" in captured.out
+    trajs = read_jsonl(next((tmp_path / "run" / "trajectories").glob("*.jsonl")))
+    assert sorted(t.task_id for t in trajs) == [
+        "demo__greet-1",
+        "mini_v1",
+        "mini_v2_textbased_limits",
+    ]
