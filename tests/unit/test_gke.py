@@ -1,24 +1,38 @@
-"""`simloop gke render` (JobSet manifests for v6e slices), its schema check, and the in-pod
-launcher that runs each host's processes."""
+"""`simloop gke render` (JobSet manifests for v6e slices), its check against the Kubernetes object
+models, and the in-pod launcher that runs each host's processes.
+
+The rendered manifests of the shipped GKE configs are pinned in tests/golden/gke/<config>.yaml,
+byte for byte. After an intended change to the manifests (or to the config schema, whose resolved
+config the ConfigMap carries), regenerate them and review the diff:
+
+    SIMLOOP_UPDATE_GOLDEN=1 .venv/bin/pytest tests/unit/test_gke.py -k golden
+    git diff tests/golden/gke
+"""
 
 import copy
+import difflib
+import functools
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from launch import gke
-from launch.chips import config_plan, parse_accelerator
 from launch.cli import main
-from launch.config import load_config
-from launch.k8s_schema import ManifestError, check, validate
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.deploy import gke, gke_pod
+from launch.deploy.chips import config_plan, parse_accelerator
+from launch.deploy.k8s_schema import ManifestError, check, validate
 
 REPO = Path(__file__).resolve().parents[2]
 V6E_8 = REPO / "configs" / "gke-v6e-8.yaml"
 V6E_32 = REPO / "configs" / "gke-v6e-32.yaml"
+GOLDEN = REPO / "tests" / "golden" / "gke"
+UPDATE_GOLDEN = os.environ.get("SIMLOOP_UPDATE_GOLDEN") == "1"
 TPU_KEYS = (
     "TPU_VISIBLE_CHIPS",
     "TPU_CHIPS_PER_PROCESS_BOUNDS",
@@ -63,6 +77,47 @@ def test_rendered_manifests_validate(path):
         assert validate(doc) == []
 
 
+def _same_as_golden(text: str, golden: Path) -> None:
+    if UPDATE_GOLDEN:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_bytes(text.encode())
+    want = golden.read_bytes().decode()
+    diff = difflib.unified_diff(want.splitlines(True), text.splitlines(True), golden.name, "render")
+    assert text == want, f"render != {golden}; SIMLOOP_UPDATE_GOLDEN=1 rewrites it:\n" + "".join(
+        list(diff)[:60]
+    )
+
+
+@pytest.mark.parametrize("path", [V6E_8, V6E_32], ids=lambda p: p.name)
+def test_render_matches_the_golden_manifests(path, capsys):
+    """`simloop gke render --config configs/<config>` prints tests/golden/gke/<config> exactly
+    (SIMLOOP_UPDATE_GOLDEN=1 rewrites the file instead; see the module docstring)."""
+    assert main(["gke", "render", "--config", str(path)]) == 0
+    _same_as_golden(capsys.readouterr().out, GOLDEN / path.name)
+
+
+def test_golden_render_is_deterministic_across_processes():
+    """A fresh process with another hash seed (set order) and working directory prints the
+    same bytes: no timestamps, paths or dict-order dependence in the manifests."""
+    env = {**os.environ, "PYTHONHASHSEED": "4242", "PYTHONPATH": str(REPO)}
+    args = [sys.executable, "-m", "launch", "gke", "render", "--config", str(V6E_32)]
+    r = subprocess.run(args, cwd=GOLDEN, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (GOLDEN / V6E_32.name).read_text()
+
+
+def test_help_and_config_checks_do_not_import_kubernetes():
+    code = (
+        "import contextlib, io, sys; from launch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        f"assert main(['config', '--config', {str(V6E_8)!r}]) == 0\n"
+        "assert 'kubernetes' not in sys.modules, 'kubernetes imported'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_v6e_8_single_host_with_pvc():
     cfg, docs = _render(V6E_8)
     svc, jobset = docs["Service"], docs["JobSet"]
@@ -90,7 +145,14 @@ def test_v6e_8_single_host_with_pvc():
         "requests": {"google.com/tpu": 8},
         "limits": {"google.com/tpu": 8},
     }
-    assert container["command"][:6] == ["python", "-m", "launch.gke", "--plan", gke.PLAN_PATH, "--"]
+    assert container["command"][:6] == [
+        "python",
+        "-m",
+        "launch.deploy.gke_pod",
+        "--plan",
+        gke.PLAN_PATH,
+        "--",
+    ]
     assert container["command"][6:] == cfg.gke.command
     assert {"checkpoints", "config"} == {v["name"] for v in spec["volumes"]}
     ckpt = next(v for v in spec["volumes"] if v["name"] == "checkpoints")
@@ -182,49 +244,139 @@ def test_yaml_output_round_trips_and_carries_the_config(tmp_path):
     assert load_config(SimloopConfig, resolved) == cfg
 
 
-def test_validator_rejects_a_misspelled_field_and_a_wrong_type():
-    _, docs = _render(V6E_32)
-    bad = copy.deepcopy(docs["JobSet"])
-    job, pod = _pod(bad)
-    pod["spec"]["hostNetwrok"] = pod["spec"].pop("hostNetwork")
-    job["parallelism"] = "8"
-    errors = validate(bad)
-    assert any("unknown field 'hostNetwrok'" in e and "'hostNetwork'" in e for e in errors)
-    assert any(e.startswith("spec.replicatedJobs[0].template.spec.parallelism: expected integer")
-               for e in errors)  # fmt: skip
-    with pytest.raises(ManifestError, match="hostNetwrok"):
-        check(bad)
+@functools.cache
+def _v6e_32_docs():
+    return _render(V6E_32)[1]  # deep-copy before editing
+
+
+JOB = "JobSet.spec.replicatedJobs[0]"
+POD = f"{JOB}.template.spec.template"
+CONTAINER = f"{POD}.spec.containers[0]"
+
+
+def _container(d):
+    return _pod(d)[1]["spec"]["containers"][0]
 
 
 @pytest.mark.parametrize(
-    "edit, message",
+    "kind, edit, error",
     [
-        (lambda d: d["metadata"].pop("name"), "missing required field 'name'"),
-        (lambda d: d["spec"]["network"].update(enableDNSHostnames="true"), "expected boolean"),
         (
+            "JobSet",
+            lambda d: _pod(d)[1]["spec"].update(hostNetwrok=_pod(d)[1]["spec"].pop("hostNetwork")),
+            f"{POD}.spec: unknown field 'hostNetwrok' of V1PodSpec (did you mean 'hostNetwork'?)",
+        ),
+        (
+            "JobSet",
+            lambda d: d["spec"]["replicatedJobs"][0].update(replicas="2"),
+            f"{JOB}.replicas: expected int, got str '2'",
+        ),
+        (
+            "JobSet",
+            lambda d: _pod(d)[0].update(parallelism="8"),
+            f"{JOB}.template.spec.parallelism: expected int, got str '8'",
+        ),
+        (
+            "JobSet",
+            lambda d: _container(d)["ports"][0].update(containerPort="8000"),
+            f"{CONTAINER}.ports[0].containerPort: expected int, got str '8000'",
+        ),
+        (
+            "JobSet",
+            lambda d: _container(d)["env"][0].update(value=1),
+            f"{CONTAINER}.env[0].value: expected str, got int 1",
+        ),
+        (
+            "JobSet",
+            lambda d: _container(d)["resources"].update(limits=[8]),
+            f"{CONTAINER}.resources.limits: expected dict(str, quantity), got list",
+        ),
+        (
+            "JobSet",
+            lambda d: _container(d)["resources"]["limits"].update({"google.com/tpu": True}),
+            f"{CONTAINER}.resources.limits['google.com/tpu']: expected str or number, got bool",
+        ),
+        (
+            "JobSet",
+            lambda d: _container(d).pop("name"),
+            f"{CONTAINER}: missing required field 'name' of V1Container",
+        ),
+        (
+            "JobSet",
+            lambda d: _pod(d)[1]["spec"]["volumes"][1]["csi"].pop("driver"),
+            f"{POD}.spec.volumes[1].csi: missing required field 'driver' of V1CSIVolumeSource",
+        ),
+        (
+            "JobSet",
             lambda d: _pod(d)[1]["metadata"].update(annotations={"gke-gcsfuse/volumes": True}),
-            "expected string",
-        ),  # fmt: skip
+            f"{POD}.metadata.annotations['gke-gcsfuse/volumes']: expected str, got bool True",
+        ),
         (
-            lambda d: _pod(d)[1]["spec"]["containers"][0]["volumeMounts"][1].update(name="ckpt"),
-            "no volume named 'ckpt'",
-        ),  # fmt: skip
+            "JobSet",
+            lambda d: d["spec"]["network"].update(enableDNSHostnames="true"),
+            "JobSet.spec.network.enableDNSHostnames: expected bool, got str 'true'",
+        ),
         (
-            lambda d: _pod(d)[1]["spec"]["containers"][0]["resources"]["requests"].update(
-                {"google.com/tpu": 2}
-            ),
-            "needs a limit and any request equal to it",
-        ),  # fmt: skip
-        (lambda d: _pod(d)[1]["spec"]["volumes"][1].update(emptyDir={}), "exactly one of"),
-        (lambda d: _pod(d)[1]["spec"].update(dnsPolicy="ClusterFirst"), "ClusterFirstWithHostNet"),
-        (lambda d: d.update(apiVersion="jobset.x-k8s.io/v1alpha1"), "apiVersion/kind"),
+            "JobSet",
+            lambda d: d["spec"]["failurePolicy"].update(restartStrategy="Restart"),
+            "JobSet.spec.failurePolicy.restartStrategy: 'Restart' is not one of",
+        ),
+        (
+            "JobSet",
+            lambda d: d["spec"]["replicatedJobs"][0].pop("template"),
+            f"{JOB}: missing required field 'template' of ReplicatedJob",
+        ),
+        (
+            "JobSet",
+            lambda d: d["spec"].update(succesPolicy={"operator": "All"}),
+            "JobSet.spec: unknown field 'succesPolicy' of JobSetSpec (did you mean 'successPolicy'",
+        ),
+        (
+            "JobSet",
+            lambda d: d["metadata"].update(labels=["simloop"]),
+            "JobSet.metadata.labels: expected dict(str, str), got list",
+        ),
+        (
+            "JobSet",
+            lambda d: d.update(apiVersion="jobset.x-k8s.io/v1alpha1"),
+            "<manifest>: apiVersion/kind 'jobset.x-k8s.io/v1alpha1'/'JobSet' is not one of",
+        ),
+        (
+            "Service",
+            lambda d: d["spec"].update(ports=[{"name": "http", "targetPort": 8000}]),
+            "Service.spec.ports[0]: missing required field 'port' of V1ServicePort",
+        ),
+        (
+            "Service",
+            lambda d: d["spec"].update(clusterIp="None"),
+            "Service.spec: unknown field 'clusterIp' of V1ServiceSpec (did you mean 'clusterIP'?)",
+        ),
+        (
+            "ConfigMap",
+            lambda d: d["data"].update({"plan.json": {"hosts": []}}),
+            "ConfigMap.data['plan.json']: expected str, got mapping",
+        ),
     ],
 )
-def test_validator_rejects(edit, message):
-    _, docs = _render(V6E_32)
-    bad = copy.deepcopy(docs["JobSet"])
+def test_validator_rejects(kind, edit, error):
+    bad = copy.deepcopy(_v6e_32_docs()[kind])
     edit(bad)
-    assert any(message in e for e in validate(bad)), validate(bad)
+    errors = validate(bad)
+    assert len(errors) == 1 and errors[0].startswith(error), errors
+    with pytest.raises(ManifestError, match=f"^invalid {kind} ") as e:
+        check(bad)
+    assert error in str(e.value)
+
+
+def test_validator_accepts_quantities_as_strings_and_int_or_string_ports():
+    docs = _v6e_32_docs()
+    jobset, service = copy.deepcopy(docs["JobSet"]), copy.deepcopy(docs["Service"])
+    _container(jobset)["resources"] = {"limits": {"google.com/tpu": "4", "memory": "16Gi"}}
+    service["spec"]["ports"] = [
+        {"name": "agent", "port": 8000, "targetPort": "agent-serve"},
+        {"name": "sim", "port": 8001, "targetPort": 8001},
+    ]
+    assert validate(jobset) == validate(service) == []
 
 
 def _without_volume(tmp_path):
@@ -290,7 +442,7 @@ def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypa
     monkeypatch.setenv("JOB_MARK", "from-the-pod")
     lock = tmp_path / "libtpu_lockfile"
     lock.write_text("")
-    rc = gke.launch(layout, 0, command, lockfile=str(lock), grace_s=5, poll_s=0.05)
+    rc = gke_pod.launch(layout, 0, command, lockfile=str(lock), grace_s=5, poll_s=0.05)
     assert rc == 0  # the trainer succeeded; the servers were stopped
     assert not lock.exists()
     seen = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
@@ -306,23 +458,23 @@ def test_launcher_fails_when_a_process_fails(tmp_path, monkeypatch):
     layout, _, command = _layout(tmp_path)
     monkeypatch.setenv("N_PROCS", "3")
     monkeypatch.setenv("TRAIN_RC", "3")
-    rc = gke.launch(layout, 0, command, lockfile=str(tmp_path / "lock"), grace_s=5, poll_s=0.05)
+    rc = gke_pod.launch(layout, 0, command, lockfile=str(tmp_path / "lock"), grace_s=5, poll_s=0.05)
     assert rc == 3
 
 
 def test_launcher_host_without_processes_and_bad_index():
     layout = {"tpu": True, "stagger_s": 0, "hosts": [{"index": 0, "processes": []}]}
-    assert gke.launch(layout, 0, ["false"]) == 0
-    assert gke.launch(layout, 1, ["false"]) == 2
+    assert gke_pod.launch(layout, 0, ["false"]) == 0
+    assert gke_pod.launch(layout, 1, ["false"]) == 2
 
 
 def test_launcher_main_reads_the_host_from_job_completion_index(tmp_path, monkeypatch, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"tpu": False, "hosts": [{"index": 0, "processes": []}] * 2}))
     monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
-    assert gke.main(["--plan", str(plan), "--", "true"]) == 2
+    assert gke_pod.main(["--plan", str(plan), "--", "true"]) == 2
     assert "JOB_COMPLETION_INDEX" in capsys.readouterr().err
     monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
-    assert gke.main(["--plan", str(plan), "--", "true"]) == 0
+    assert gke_pod.main(["--plan", str(plan), "--", "true"]) == 0
     assert "nothing is planned on host 1" in capsys.readouterr().err
-    assert gke.main(["--plan", str(plan)]) == 2  # no command
+    assert gke_pod.main(["--plan", str(plan)]) == 2  # no command
