@@ -1,0 +1,270 @@
+"""Where the records of `metrics.jsonl` are also watched: TensorBoard event files under
+`<run>/tensorboard/`, and Weights & Biases when a job turns it on (`configure_wandb`, which
+`simloop` calls from `run.wandb`). `rl.data.rundir.MetricsLog` feeds both; nothing else
+should write here.
+
+Tags: every finite number in a record becomes the scalar `<prefix>/<key>`, where the prefix is
+the record's `stage` followed by its string `event`, `label` and `arm` (those present):
+
+    {"stage": "sim_sft", "step": 10, "loss": 1.2}
+        -> sim_sft/loss at step 10
+    {"stage": "sim_sft", "event": "summary", "wall_s": 31.0}
+        -> sim_sft/summary/wall_s
+    {"stage": "eval", "label": "before", "arm": "real", "success_rate": 0.4,
+     "by_kind": {"sort": {"success": 0.5}}}
+        -> eval/before/real/success_rate, eval/before/real/by_kind/sort/success
+    {"stage": "rl_rollout", "arm": "closed_loop", "status": {"ok": 12}, "active_per_turn": [...]}
+        -> rl_rollout/closed_loop/status/ok
+
+Nested dicts are followed two levels down; booleans count as 0/1; strings, lists, None and
+non-finite numbers are skipped, as are `step` and `time`. The step is the record's `step`, or
+else the number of step-less records of that stage seen so far by this process (0, 1, ...).
+In W&B each stage plots against its own `<stage>/step`, so stages that restart their step
+count (warm start, then RL) do not fight over W&B's one monotonic step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+QUALIFIERS = ("event", "label", "arm")
+"""String fields of a record that name the series rather than measure anything."""
+NOT_SCALARS = frozenset({"stage", "step", "time", *QUALIFIERS})
+NESTING = 2
+"""How many levels of nested dicts become tags (`status/ok`, `by_kind/sort/success`)."""
+WANDB_MODES = ("auto", "offline", "online")
+
+
+def _number(v: Any) -> float | None:
+    """A finite float from a Python, NumPy or JAX scalar, else None (bools are 0/1)."""
+    if hasattr(v, "item") and getattr(v, "size", 1) == 1:
+        v = v.item()
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+def flatten(record: dict[str, Any]) -> tuple[str, int | None, dict[str, float]]:
+    """`(stage, step or None, {tag: value})` of one metrics record (tag scheme above)."""
+    stage = str(record.get("stage") or "metrics")
+    names = [record[k] for k in QUALIFIERS if isinstance(record.get(k), str) and record[k]]
+    prefix = "/".join([stage, *names])
+    step = _number(record.get("step"))
+    scalars: dict[str, float] = {}
+
+    def add(tag: str, v: Any, depth: int) -> None:
+        if isinstance(v, dict):
+            if depth < NESTING:
+                for k, x in v.items():
+                    add(f"{tag}/{k}", x, depth + 1)
+            return
+        x = _number(v)
+        if x is not None:
+            scalars[tag] = x
+
+    for k, v in record.items():
+        if k not in NOT_SCALARS:
+            add(f"{prefix}/{k}", v, 0)
+    return stage, None if step is None else int(step), scalars
+
+
+class EventFile:
+    """One TensorBoard event file (TFRecord framing of `Event` protos), written synchronously
+    and flushed every write: a killed run keeps its events, and no thread is left behind.
+    (tensorboardX's `SummaryWriter` queues events on a thread and names files by the second,
+    so two writers started in the same second on one host would share a name.)"""
+
+    _opened = 0
+    _opened_lock = threading.Lock()
+
+    def __init__(self, logdir: str | Path):
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._Event, self._Summary, self._crc = Event, Summary, masked_crc32c
+        with EventFile._opened_lock:
+            EventFile._opened += 1
+            n = EventFile._opened
+        logdir = Path(logdir)
+        logdir.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{n}"
+        self.path = logdir / name
+        self._file = self.path.open("ab")
+        self._write(Event(wall_time=now, file_version="brain.Event:2"))
+
+    def _write(self, event) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        crc = self._crc
+        self._file.write(
+            header + struct.pack("<I", crc(header)) + data + struct.pack("<I", crc(data))
+        )
+        self._file.flush()
+
+    def add_scalars(self, step: int, scalars: dict[str, float], wall_time: float) -> None:
+        values = [self._Summary.Value(tag=t, simple_value=v) for t, v in scalars.items()]
+        summary = self._Summary(value=values)
+        self._write(self._Event(wall_time=wall_time, step=step, summary=summary))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """How this process's run directories log to W&B."""
+
+    project: str = "simloop"
+    group: str | None = None
+    """Every run directory of one `simloop` command shares it (the config's `run.name`)."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline` writes `<run>/wandb/` (`wandb sync` uploads it later) and needs no network."""
+
+
+_wandb: WandbOptions | None = None
+_wandb_warned = False
+
+
+def configure_wandb(
+    enabled: bool, *, project: str = "simloop", group: str | None = None, mode: str = "auto"
+) -> WandbOptions | None:
+    """Turn W&B logging on (or off) for the run directories this process logs to from now on.
+    `mode="auto"` is online when WANDB_API_KEY is set, else offline. When W&B is asked for but
+    `wandb` is not installed, warns once and logs to metrics.jsonl and TensorBoard only.
+    Returns the options in force (None: off)."""
+    global _wandb, _wandb_warned
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb mode={mode!r} is invalid: one of {WANDB_MODES}")
+    _wandb = None
+    if not enabled:
+        return None
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        if not _wandb_warned:
+            _wandb_warned = True
+            logger.warning(
+                "run.wandb is on but wandb is not installed (pip install 'simloop[wandb]'): "
+                "metrics go to metrics.jsonl and TensorBoard only"
+            )
+        return None
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    _wandb = WandbOptions(project=project, group=group, mode=mode)  # type: ignore[arg-type]
+    return _wandb
+
+
+def wandb_options() -> WandbOptions | None:
+    """The W&B options in force for newly opened run directories (None: off)."""
+    return _wandb
+
+
+class WandbRun:
+    """One W&B run per run directory, its files under `<run>/wandb/`, its config the run's
+    resolved `config.yaml` when that exists."""
+
+    def __init__(self, run_dir: Path, options: WandbOptions, config_file: Path | None = None):
+        import wandb
+
+        config = None
+        if config_file is not None and config_file.exists():
+            config = yaml.safe_load(config_file.read_text())
+        self._stages: set[str] = set()
+        self.run = wandb.init(
+            project=options.project,
+            group=options.group,
+            name=run_dir.name,
+            dir=str(run_dir),
+            mode=options.mode,
+            config=config,
+            # `simloop demo` opens a run directory per stage in one process.
+            reinit="create_new",
+            # The job's console already goes to the terminal and `logs/`; W&B wrapping stdout
+            # would fight the progress bars.
+            settings=wandb.Settings(console="off"),
+        )
+        # Finish before W&B's own exit hook (registered on import, so it would run first)
+        # takes its service down under an unfinished run.
+        atexit.register(self.close)
+
+    def log(self, stage: str, step: int, scalars: dict[str, float]) -> None:
+        if stage not in self._stages:
+            self._stages.add(stage)
+            self.run.define_metric(f"{stage}/step", hidden=True)
+            self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+        self.run.log({f"{stage}/step": step, **scalars})
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+class RunSinks:
+    """The TensorBoard file and W&B run of one run directory; opened on the first record."""
+
+    def __init__(self, run_dir: Path, tensorboard_dir: Path, config_file: Path | None = None):
+        self.run_dir = run_dir
+        self.tensorboard_dir = tensorboard_dir
+        self.config_file = config_file
+        self._events: EventFile | None = None
+        self._wandb: WandbRun | None = None
+        self._wandb_options = wandb_options()
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        stage, step, scalars = flatten(record)
+        with self._lock:
+            if step is None:
+                step = self._counts[stage]
+                self._counts[stage] += 1
+            if not scalars:
+                return
+            if self._events is None:
+                self._events = EventFile(self.tensorboard_dir)
+                self._open_wandb()
+            wall = _number(record.get("time")) or time.time()
+            self._events.add_scalars(step, scalars, wall)
+            if self._wandb is not None:
+                self._wandb.log(stage, step, scalars)
+
+    def _open_wandb(self) -> None:
+        if self._wandb_options is None:
+            return
+        try:
+            self._wandb = WandbRun(self.run_dir, self._wandb_options, self.config_file)
+        except Exception as e:
+            # Recovered on purpose: an unreachable or misconfigured W&B must not cost the run;
+            # every scalar is still in metrics.jsonl and TensorBoard.
+            logger.warning("W&B logging is off for %s: %s: %s", self.run_dir, type(e).__name__, e)
+            self._wandb_options = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._events is not None:
+                self._events.close()
+                self._events = None
+            if self._wandb is not None:
+                self._wandb.close()
+                self._wandb = None
