@@ -41,12 +41,12 @@ from envs.textops import TextopsAnswerShell, generate_textops
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.tokenizer import IM_START
 from rl.model.config import ModelConfig, tiny
+from rl.model.publish import InMemoryPublisher
 from rl.orchestrator.buffer import RolloutBuffer
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.train.config import OptimConfig, PolicyLossConfig
 from rl.train.loop import rl_loop
-from rl.train.publish import InMemoryPublisher
 from rl.train.rollouts import build_rl_batch
 from rl.train.trainer import Trainer
 

@@ -4,7 +4,7 @@
 - `envs.shell`: the `Shell` protocol, `Observation`, `TaskSetup`, output capping.
 - `envs.local` (`LocalShell`), `envs.e2b` (`E2BShell`, `sweep`), `envs.simulated`
   (`SimulatedShell`, `CompletionClient`): the three backends.
-- `envs.sim_format`: the simulator's prompt and observation format (shared with its SFT data).
+- `rl.data.sim_format`: the simulator's prompt and observation format (shared with its SFT data).
 - `envs.terminal`: `TerminalEnv` (action parsing, observation format, limits).
 - `envs.tasks` (`Task`, JSONL), `envs.rewards` (registry), `envs.textops`, `envs.swe`.
 - `envs.fidelity`: simulated-vs-real and hygiene metrics.

@@ -203,7 +203,7 @@ class SimulatedShellConfig:
     """Base sampling seed (each turn adds its index); None: the server's randomness."""
     system_prompt: str | None = None
     """The simulator's instructions at the top of its prompt; None: the built-in
-    `envs.sim_format.SIM_SYSTEM_PROMPT`. `simloop train-sim` renders its examples with the
+    `rl.data.sim_format.SIM_SYSTEM_PROMPT`. `simloop train-sim` renders its examples with the
     same value, so a simulator is served with the prompt it was trained on."""
     show_task: bool = True
     """Show the agent's task to the simulator (a hint for what the sandbox holds). Off, the

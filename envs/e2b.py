@@ -5,10 +5,11 @@ Components: `RateLimiter` and `E2BLimits` (one creation rate and one cap on live
 shared by every episode of the process through `shared_limits`), `E2BShell` (one sandbox per
 episode: tagged with run and episode ids, task files uploaded, killed in `finally`), `sweep`.
 
-Retries: uploads, kills and listings are idempotent and are retried with backoff; a creation is
-retried only when the API refused it or did not answer, and carries an idempotency key so a
-retry can never make a second sandbox; commands are never retried. The SDK (imported lazily:
-it takes a second) can be swapped for a fake with the same signatures (`sdk=`).
+Retries (tenacity, set up by `_retry_policy`): uploads, kills and listings are idempotent and
+are retried with backoff; a creation is retried only when the API refused it or did not answer,
+and carries an idempotency key so a retry can never make a second sandbox; commands are never
+retried. The SDK (imported lazily: it takes a second) can be swapped for a fake with the same
+signatures (`sdk=`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import uuid
 import weakref
 from datetime import UTC, datetime
 from typing import Any
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
 from envs.config import E2BConfig
 from envs.shell import (
@@ -104,6 +107,32 @@ def _api_opts(config: E2BConfig, api_key: str | None) -> dict[str, Any]:
     return {"api_key": key} if key else {}
 
 
+def _retry_policy(
+    config: E2BConfig, retry_on: tuple[type[BaseException], ...], what: str | None = None
+) -> AsyncRetrying:
+    """tenacity's loop for one e2b call: up to `config.retries` retries of the errors in
+    `retry_on` (anything else raises at once), each after min(`max_backoff_s`, `backoff_s` *
+    2**retry) seconds jittered down to as little as half; with `what`, each retry is logged."""
+    err = _errors()
+    gone = (err.SandboxNotRunningException, err.SandboxNotFoundException)  # never transient
+
+    def delay(state: RetryCallState) -> float:
+        return min(config.max_backoff_s, config.backoff_s * 2 ** (state.attempt_number - 1))
+
+    def log_retry(state: RetryCallState) -> None:
+        e = state.outcome.exception() if state.outcome else None
+        n = state.attempt_number
+        log.warning("e2b %s failed (%r); retry %d in %.2fs", what, e, n, delay(state))
+
+    return AsyncRetrying(
+        stop=stop_after_attempt(config.retries + 1),
+        wait=lambda state: delay(state) * random.uniform(0.5, 1.0),
+        retry=retry_if_exception(lambda e: isinstance(e, retry_on) and not isinstance(e, gone)),
+        before_sleep=log_retry if what else None,
+        reraise=True,
+    )
+
+
 async def _retrying(config: E2BConfig, what: str, call, *, gone_ok: bool = False) -> Any:
     """`await call()` with a per-attempt timeout, retried with backoff on transient errors.
     Only for idempotent calls. With `gone_ok`, a sandbox that no longer exists is success."""
@@ -114,20 +143,16 @@ async def _retrying(config: E2BConfig, what: str, call, *, gone_ok: bool = False
         err.TimeoutException,  # includes SandboxUnreachableException
         TimeoutError,
     )
-    gone = (err.SandboxNotRunningException, err.SandboxNotFoundException)
-    for attempt in range(config.retries + 1):
-        try:
-            return await asyncio.wait_for(call(), timeout=config.request_timeout_s)
-        except gone as e:
-            if gone_ok:
-                return None
-            raise ShellError(f"e2b {what}: the sandbox is gone ({e})") from e
-        except transient as e:
-            if attempt == config.retries:
-                raise ShellError(f"e2b {what} failed after {attempt + 1} attempts: {e!r}") from e
-            delay = min(config.max_backoff_s, config.backoff_s * 2**attempt)
-            log.warning("e2b %s failed (%r); retry %d in %.2fs", what, e, attempt + 1, delay)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+    try:
+        async for attempt in _retry_policy(config, transient, what):
+            with attempt:
+                return await asyncio.wait_for(call(), timeout=config.request_timeout_s)
+    except (err.SandboxNotRunningException, err.SandboxNotFoundException) as e:
+        if gone_ok:
+            return None
+        raise ShellError(f"e2b {what}: the sandbox is gone ({e})") from e
+    except transient as e:  # what is left of them after the last retry
+        raise ShellError(f"e2b {what} failed after {config.retries + 1} attempts: {e!r}") from e
 
 
 class E2BShell(ShellLifecycle):
@@ -185,29 +210,28 @@ class E2BShell(ShellLifecycle):
         cfg, err = self.config, _errors()
         key = str(uuid.uuid4())  # the same key on every attempt: at most one sandbox
         metadata = {RUN_TAG: self.run_id, EPISODE_TAG: self.episode_id}
-        for attempt in range(cfg.retries + 1):
-            await self._limits.creation.acquire()
-            try:
-                return await asyncio.wait_for(
-                    self._sdk.create(
-                        template=cfg.template,
-                        timeout=cfg.sandbox_timeout_s,
-                        metadata=metadata,
-                        allow_internet_access=cfg.allow_internet_access,
-                        idempotency_key=key,
-                        request_timeout=cfg.request_timeout_s,
-                        **self._opts,
-                    ),
-                    timeout=cfg.request_timeout_s + 5.0,
-                )
-            except (err.RateLimitException, err.ServiceBusyException, TimeoutError) as e:
-                if attempt == cfg.retries:
-                    raise ShellError(
-                        f"e2b sandbox creation failed after {attempt + 1} attempts: {e!r}"
-                    ) from e
-                delay = min(cfg.max_backoff_s, cfg.backoff_s * 2**attempt)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-        raise AssertionError("unreachable")
+        refused = (err.RateLimitException, err.ServiceBusyException, TimeoutError)
+        try:
+            async for attempt in _retry_policy(cfg, refused):  # retries not logged
+                with attempt:
+                    await self._limits.creation.acquire()
+                    return await asyncio.wait_for(
+                        self._sdk.create(
+                            template=cfg.template,
+                            timeout=cfg.sandbox_timeout_s,
+                            metadata=metadata,
+                            allow_internet_access=cfg.allow_internet_access,
+                            idempotency_key=key,
+                            request_timeout=cfg.request_timeout_s,
+                            **self._opts,
+                        ),
+                        timeout=cfg.request_timeout_s + 5.0,
+                    )
+        except refused as e:  # what is left of them after the last retry
+            raise ShellError(
+                f"e2b sandbox creation failed after {cfg.retries + 1} attempts: {e!r}"
+            ) from e
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _apply_setup(self) -> None:
         cfg, sb = self.config, self._sandbox

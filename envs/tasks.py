@@ -12,6 +12,7 @@ One JSON object per line:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -126,3 +127,9 @@ def save_tasks(path: str | os.PathLike, tasks: Iterable[Task]) -> Path:
         for task in tasks:
             f.write(json.dumps(task.to_dict(), ensure_ascii=False) + "\n")
     return path
+
+
+def is_heldout(task_id: str, fraction: float) -> bool:
+    """A stable split by task id: the same task is on the same side in every job."""
+    h = int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:8], "big") / 2**64
+    return h < fraction

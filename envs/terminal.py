@@ -29,8 +29,8 @@ from typing import Any, Literal
 from envs.config import TerminalConfig
 from envs.rewards import RewardContext, compute_reward
 from envs.shell import Observation, Shell, ShellError, truncate_middle
-from envs.sim_format import strip_think
 from envs.tasks import Task
+from rl.data.sim_format import strip_think
 
 log = logging.getLogger(__name__)
 

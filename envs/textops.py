@@ -9,6 +9,7 @@ reward stays exact even when the shell is the simulator.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -99,6 +100,15 @@ async def textops_reward(task: Task, submission: str | None, ctx: RewardContext)
     if submission is None:
         return 0.0
     return 1.0 if submission.strip() == textops_truth(dict(task.reward.params)) else 0.0
+
+
+def split_textops(cfg: TextopsConfig, eval_tasks: int) -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out evaluation tasks): `cfg.num_tasks` tasks, then `eval_tasks`
+    more from the same seeded generator (a prefix-stable stream, so the training tasks do not
+    depend on how many are held out)."""
+    n = cfg.num_tasks
+    tasks = generate_textops(dataclasses.replace(cfg, num_tasks=n + eval_tasks))
+    return tasks[:n], tasks[n:]
 
 
 def _bash(command: str) -> str:

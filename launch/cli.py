@@ -10,12 +10,14 @@ config is validated before anything imports JAX.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 
-from launch.config import ConfigError, dump_config, load_config
-from launch.schema import SimloopConfig
+from launch.config.loading import ConfigError, dump_config, load_config
+from launch.config.schema import SimloopConfig
 
 EXIT_USAGE = 2
 
@@ -44,129 +46,28 @@ ACTIONS = {
     "e2b": ["sweep"],
 }
 
-Handler = Callable[[argparse.Namespace, SimloopConfig], int]
-
-
-def _config_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    sys.stdout.write(dump_config(cfg))
-    return 0
-
-
-def _serve_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import serve
-
-    return serve.run(args, cfg)
-
-
-def _import_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import import_cmd
-
-    return import_cmd.run(args, cfg)
-
-
-def _rollout_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import rollout
-
-    return rollout.run(args, cfg)
-
-
-def _e2b_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    import asyncio
-
-    from envs.e2b import sweep
-
-    if args.action != "sweep":
-        print("simloop e2b: say which action: sweep", file=sys.stderr)
-        return EXIT_USAGE
-    if not os.environ.get("E2B_API_KEY"):
-        print("simloop e2b sweep: E2B_API_KEY is not set", file=sys.stderr)
-        return EXIT_USAGE
-    killed = asyncio.run(sweep(args.run_id, config=cfg.env.shell.e2b,
-                               older_than_s=args.older_than_s))  # fmt: skip
-    scope = f"run {args.run_id!r}" if args.run_id else "all simloop runs"
-    print(f"simloop e2b sweep: killed {len(killed)} sandbox(es) of {scope}")
-    for sandbox_id in killed:
-        print(f"  {sandbox_id}")
-    return 0
-
-
-def _collect_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import collect
-
-    return collect.run(args, cfg)
-
-
-def _train_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import train
-
-    return train.run_train_sim(args, cfg)
-
-
-def _eval_sim_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import eval_sim
-
-    return eval_sim.run(args, cfg)
-
-
-def _demo_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import demo
-
-    return demo.run(args, cfg)
-
-
-def _report_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import report
-
-    return report.run(args, cfg)
-
-
-def _eval_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import eval_agent
-
-    return eval_agent.run(args, cfg)
-
-
-def _train_agent_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import train
-
-    return train.run_train_agent(args, cfg)
-
-
-def _plan_chips_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import chips
-
-    return chips.run(args, cfg)
-
-
-def _gke_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import gke
-
-    return gke.run(args, cfg)
-
-
-def _tpu_vm_cmd(args: argparse.Namespace, cfg: SimloopConfig) -> int:
-    from launch import tpu_vm
-
-    return tpu_vm.run(args, cfg)
-
-
-HANDLERS: dict[str, Handler] = {
-    "gke": _gke_cmd,
-    "tpu-vm": _tpu_vm_cmd,
-    "plan-chips": _plan_chips_cmd,
-    "collect": _collect_cmd,
-    "train-sim": _train_sim_cmd,
-    "train-agent": _train_agent_cmd,
-    "eval-sim": _eval_sim_cmd,
-    "eval-agent": _eval_agent_cmd,
-    "demo": _demo_cmd,
-    "report": _report_cmd,
-    "config": _config_cmd,
-    "serve": _serve_cmd,
-    "e2b": _e2b_cmd,
-    "import": _import_cmd,
-    "rollout": _rollout_cmd,
+# name -> the module whose `run(args, cfg)` does it (imported only when that command runs)
+MODULES: dict[str, str] = {
+    "demo": "launch.jobs.demo",
+    "collect": "launch.jobs.collect",
+    "import": "launch.jobs.import_trajectories",
+    "train-sim": "launch.jobs.train_sim",
+    "eval-sim": "launch.jobs.eval_sim",
+    "train-agent": "launch.jobs.train_agent",
+    "eval-agent": "launch.jobs.eval_agent",
+    "rollout": "launch.jobs.rollout",
+    "report": "launch.report.page",
+    "serve": "launch.jobs.serve",
+    "plan-chips": "launch.deploy.chips",
+    "gke": "launch.deploy.gke",
+    "tpu-vm": "launch.deploy.tpu_vm",
+    "e2b": "launch.jobs.e2b_sweep",
 }
+# commands whose module adds flags of its own (`add_arguments(parser)`)
+OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
+# The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+TRACEBACK_ENV = "SIMLOOP_TRACEBACK"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,39 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", metavar="DIR", help="run directory to write into")
         if name in ACTIONS:
             p.add_argument("action", nargs="?", choices=ACTIONS[name])
-        if name == "e2b":
-            p.add_argument("--run-id", help="only sandboxes tagged with this run (default: all)")
-            p.add_argument("--older-than-s", type=float, default=0.0,
-                           help="only sandboxes started at least this long ago")  # fmt: skip
         if name == "demo":
             p.add_argument("--quick", action="store_true",
                            help="a CI-sized run (minutes): demo.quick_overrides")  # fmt: skip
         if name == "report":
             p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (`simloop demo`)")
-        if name == "serve":
-            from launch.serve import add_arguments
-
-            add_arguments(p)
-        if name == "rollout":
-            from launch.rollout import add_arguments as add_rollout_arguments
-
-            add_rollout_arguments(p)
-        if name == "plan-chips":
-            from launch.chips import add_arguments as add_chips_arguments
-
-            add_chips_arguments(p)
-        if name == "gke":
-            from launch.gke import add_arguments as add_gke_arguments
-
-            add_gke_arguments(p)
-        if name == "tpu-vm":
-            from launch.tpu_vm import add_arguments as add_tpu_vm_arguments
-
-            add_tpu_vm_arguments(p)
-        if name == "import":
-            from launch.import_cmd import add_arguments as add_import_arguments
-
-            add_import_arguments(p)
+        if name in OWN_FLAGS:
+            importlib.import_module(MODULES[name]).add_arguments(p)
     return parser
 
 
@@ -236,23 +111,62 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     if args.command == "serve":
-        from launch.serve import flag_overrides
+        from launch.jobs.serve import flag_overrides
 
         rest = flag_overrides(args) + list(rest)
+    if args.command == "demo" and args.config is None:
+        if not DEMO_CONFIG.exists():
+            return _fail(args.command, f"no --config given and {DEMO_CONFIG} is missing", 2)
+        args.config = str(DEMO_CONFIG)
     try:
         cfg = load_config(SimloopConfig, args.config, rest)
     except ConfigError as e:
-        print(f"simloop {args.command}: config error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(args.command, f"config error: {e}", EXIT_USAGE)
+    if args.command == "config":
+        sys.stdout.write(dump_config(cfg))
+        return 0
     if args.command in ("train-sim", "train-agent", "demo"):
         # A cpu-N chip plan: this process holds the N fake devices the trainers are planned
         # on (before anything imports JAX).
-        from launch.chips import cpu_device_flag
+        from launch.deploy.chips import cpu_device_flag
 
         flag = cpu_device_flag(cfg, os.environ)
         if flag is not None:
             os.environ["XLA_FLAGS"] = flag
-    return HANDLERS[args.command](args, cfg)
+    return _dispatch(args, cfg)
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"simloop {command}: {message}", file=sys.stderr)
+    return code
+
+
+def _dispatch(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    """Run the command's module. A user's mistake (a bad flag value, a missing file, a plan
+    the hardware cannot hold) ends in one line naming it and exit 2 (1 for a job that could
+    not do its work), never a traceback; set SIMLOOP_TRACEBACK=1 to see one anyway."""
+    from launch.deploy.chips import PlanError
+    from launch.jobs.errors import JobError
+
+    try:
+        if SUBCOMMANDS[args.command][1]:  # its metrics log: W&B too when run.wandb says so
+            from rl.data.metrics_sinks import configure_wandb
+
+            r = cfg.run
+            configure_wandb(r.wandb, project=r.wandb_project, group=r.name, mode=r.wandb_mode)
+        return importlib.import_module(MODULES[args.command]).run(args, cfg)
+    except JobError as e:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        return _fail(args.command, str(e), e.exit_code)
+    except (ConfigError, PlanError, ValueError, OSError) as e:
+        # Validation errors name the field, the value and what is allowed; OSError names the
+        # path. Anything else is a bug and keeps its traceback.
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        return _fail(args.command, f"{type(e).__name__}: {e}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail(args.command, "interrupted", 130)
 
 
 if __name__ == "__main__":

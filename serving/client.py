@@ -8,19 +8,21 @@ It speaks the subset of the OpenAI API that simloop's server and vllm-tpu's Open
 share, so the caller cannot tell them apart: token ids come from `return_token_ids` (vLLM's
 extension); simloop's server adds `weight_version` / `token_versions`, which are None from a
 server that does not send them. One aiohttp session with a connection limit; each call has a
-timeout; connection errors, 5xx and 429 are retried with jittered exponential backoff, other
-4xx never; cancelling a call closes its connection, which aborts the request on the server.
+timeout; connection errors, 5xx and 429 are retried with jittered exponential backoff
+(tenacity), other 4xx and timeouts never; cancelling a call closes its connection, which aborts
+the request on the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,13 @@ class ClientError(Exception):
         return self.status is None or self.status == 429 or self.status >= 500
 
 
-class ClientTimeout(ClientError):
-    """No answer within the timeout (not retried: the generation may still be running)."""
+class ClientTimeout(ClientError, TimeoutError):
+    """No answer within the timeout (not retried: the generation may still be running). A
+    `TimeoutError`, so callers that must not import serving (the orchestrator) catch it as one."""
+
+    @property
+    def retryable(self) -> bool:
+        return False
 
 
 @dataclass
@@ -96,10 +103,12 @@ class Completion:
 class InferenceClient:
     """Async client; satisfies `envs.simulated.CompletionClient`."""
 
-    def __init__(self, config: ClientConfig | str):
+    def __init__(self, config: ClientConfig | str, *,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):  # fmt: skip
+        """`sleep` waits between retries (tests pass one that records the delays)."""
         self.cfg = ClientConfig(config) if isinstance(config, str) else config
         self._session: aiohttp.ClientSession | None = None
-        self._rng = random.Random()
+        self._sleep = sleep
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -130,29 +139,34 @@ class InferenceClient:
         if bearer:
             headers["Authorization"] = f"Bearer {bearer}"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.timeout_s)
-        max_retries = self.cfg.max_retries if retries is None else retries
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                async with self._get_session().request(
-                    method, url, json=json_body, headers=headers, timeout=timeout
-                ) as resp:
-                    text = await resp.text()
-                    body = _json_or_text(text)
-                    if resp.status < 400:
-                        return body, attempt
-                    message = f"{method} {path} -> {resp.status}: {_message(body)}"
-                    error = ClientError(message, status=resp.status, body=body, attempts=attempt)
-            except TimeoutError as e:
-                raise ClientTimeout(f"{method} {path}: no answer within "
-                                    f"{timeout.total:g}s", attempts=attempt) from e  # fmt: skip
-            except aiohttp.ClientError as e:  # connection refused/reset, server gone
-                error = ClientError(f"{method} {path}: {type(e).__name__}: {e}", attempts=attempt)
-            if not error.retryable or attempt > max_retries:
-                raise error
-            delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempt - 1))
-            await asyncio.sleep(self._rng.uniform(0, delay))  # full jitter
+        retries = self.cfg.max_retries if retries is None else retries
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(retries + 1),
+            # full jitter: uniform(0, min(max_backoff_s, backoff_s * 2 ** (attempt - 1)))
+            wait=wait_random_exponential(multiplier=self.cfg.backoff_s, max=self.cfg.max_backoff_s),
+            retry=retry_if_exception(lambda e: isinstance(e, ClientError) and e.retryable),
+            sleep=self._sleep,
+            reraise=True,
+        ):
+            with attempt:
+                n = attempt.retry_state.attempt_number
+                try:
+                    async with self._get_session().request(
+                        method, url, json=json_body, headers=headers, timeout=timeout
+                    ) as resp:
+                        body = _json_or_text(await resp.text())
+                        if resp.status < 400:
+                            return body, n
+                        message = f"{method} {path} -> {resp.status}: {_message(body)}"
+                        raise ClientError(message, status=resp.status, body=body, attempts=n)
+                except TimeoutError as e:
+                    raise ClientTimeout(f"{method} {path}: no answer within "
+                                        f"{timeout.total:g}s", attempts=n) from e  # fmt: skip
+                except aiohttp.ClientError as e:  # connection refused/reset, server gone
+                    raise ClientError(
+                        f"{method} {path}: {type(e).__name__}: {e}", attempts=n
+                    ) from e
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     # ----- API -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""`EnginePublisher`: the `WeightPublisher` (rl/train/publish.py) for simloop's own servers.
+"""`EnginePublisher`: the `WeightPublisher` (rl/model/publish.py) for simloop's own servers.
 
 Each server is asked to load the params checkpoint over `POST /admin/load_weights`; then one
 probe request (a single greedy token) measures how long until a token of the new version is
@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from rl.train.publish import PublishReport
+from rl.model.publish import PublishReport
 from serving.client import InferenceClient
 
 PROBE_PROMPT = [0]

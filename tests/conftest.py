@@ -1,6 +1,7 @@
 """Test session set-up: 8 fake CPU devices (before anything imports JAX) and shared fixtures."""
 
 import os
+from pathlib import Path
 
 # Must run before JAX is imported anywhere: sharding and sub-mesh code runs for real on 8 fake
 # CPU devices. Set once here; never per test file.
@@ -10,8 +11,14 @@ os.environ["XLA_FLAGS"] = (
 # CPU unless the caller chose: on a TPU VM, `JAX_PLATFORMS=tpu,cpu pytest -m tpu` runs the
 # hardware tests (they compare the TPU against the CPU backend).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-from pathlib import Path  # noqa: E402
+# One persistent XLA compilation cache for the test run and every process it starts (servers,
+# CLI jobs): the same tiny models are compiled by many tests and subprocesses, and a second
+# `make test` on the same checkout starts warm. Entries are keyed by the program, the devices
+# and the XLA flags, so a hit is the same executable a fresh compile would build.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest  # noqa: E402
 

@@ -120,7 +120,7 @@ def free_port() -> int:
 
 @dataclass
 class PlannedProcess:
-    """The fields of `launch.chips.ProcessPlan` that server launchers read."""
+    """The fields of `launch.deploy.chips.ProcessPlan` that server launchers read."""
 
     role: str
     chips: tuple[int, ...]

@@ -4,7 +4,7 @@ which does, is imported when a dataset is built).
 
 Examples are dicts of int32 arrays `tokens` and `loss_mask` (1 on the tokens to learn):
 - simulator: context = the session up to and including the command, rendered by
-  `envs.sim_format` (the format `SimulatedShell` prompts with, thinking disabled, generation
+  `rl.data.sim_format` (the format `SimulatedShell` prompts with, thinking disabled, generation
   prompt included); target = `format_observation(output, exit_code)` + `<|im_end|>`.
 - agent: a trajectory's token view, loss on the agent's generated tokens.
 
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from envs.sim_format import format_observation, render_sim_messages
 from rl.data.chat import ChatRenderer, generation_prompt, message_text
+from rl.data.sim_format import format_observation, render_sim_messages
 from rl.data.tokenizer import IM_END, Tokenizer
 from rl.data.trajectory import Trajectory, render_token_view
 

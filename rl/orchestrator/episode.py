@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from envs.backends import ShellFactory
 from envs.config import TerminalConfig
 from envs.fidelity import compare_observations
-from envs.shell import Shell
 from envs.tasks import Task
 from envs.terminal import TerminalEnv
 from rl.data.chat import ChatRenderer, Message
@@ -48,9 +47,6 @@ class AgentClient(Protocol):
     async def complete(self, prompt: list[int], *, max_tokens: int, temperature: float,
                        top_p: float = 1.0, seed: int | None = None, logprobs: int | None = None,
                        timeout_s: float | None = None) -> Any: ...  # fmt: skip
-
-
-ShellFactory = Callable[[Task], AbstractAsyncContextManager[Shell]]
 
 
 @dataclass
@@ -90,9 +86,8 @@ class _Fatal(Exception):
 
 
 def _classify(e: Exception) -> tuple[str, str]:
-    from serving.client import ClientTimeout
-
-    if isinstance(e, ClientTimeout | TimeoutError):
+    # serving.client.ClientTimeout is a TimeoutError: no import of serving needed here.
+    if isinstance(e, TimeoutError):
         return "timeout", f"agent request timed out: {e}"
     return "error", f"agent request failed: {type(e).__name__}: {e}"
 

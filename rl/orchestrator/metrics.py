@@ -3,11 +3,11 @@ split between agent and env, tokens/s, pathology and status counts, success rate
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
+
+from rl.data.rundir import MetricsLog
 
 
 class RolloutMetrics:
@@ -70,8 +70,6 @@ class RolloutMetrics:
             "peak_active": self.peak_active,
         }
 
-    def write(self, path: Path, **extra: Any) -> None:
-        """Append the summary as one line of `metrics.jsonl`."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps({"time": time.time(), **extra, **self.summary()}) + "\n")
+    def write(self, log: MetricsLog, **extra: Any) -> None:
+        """Append the summary as one record of the run's metrics log."""
+        log.write({"time": time.time(), **extra, **self.summary()})

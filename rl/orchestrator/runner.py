@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from envs.backends import Backends
 from envs.config import TerminalConfig
 from envs.tasks import Task
 from rl.data.chat import ChatRenderer
@@ -29,7 +29,6 @@ from rl.orchestrator.episode import (
     AgentClient,
     EpisodeResult,
     EpisodeSpec,
-    ShellFactory,
     run_agent_episode,
     run_replay_episode,
 )
@@ -37,15 +36,6 @@ from rl.orchestrator.metrics import RolloutMetrics
 
 FAILED = ("error", "aborted", "timeout")
 SHUTDOWN_GRACE_S = 10.0
-
-
-@dataclass
-class Backends:
-    """Shell factories per backend; `real_backend` names the real one (`local` or `e2b`)."""
-
-    real: ShellFactory | None = None
-    simulated: ShellFactory | None = None
-    real_backend: str = "local"
 
 
 class RolloutRunner:

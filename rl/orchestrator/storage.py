@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from rl.data.rundir import TRAJECTORIES
 from rl.data.trajectory import Trajectory, validate, write_jsonl
 
 
@@ -16,7 +17,7 @@ class TrajectoryWriter:
     Call `add` per finished episode and `close` at the end (it flushes the last shard)."""
 
     def __init__(self, run_dir: str | os.PathLike, prefix: str = "rollout", shard_size: int = 256):
-        self.dir = Path(run_dir) / "trajectories"
+        self.dir = Path(run_dir) / TRAJECTORIES
         self.dir.mkdir(parents=True, exist_ok=True)
         self.prefix, self.shard_size = prefix, shard_size
         existing = sorted(self.dir.glob(f"{prefix}-*.jsonl"))

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rl.data.rundir import WEIGHTS
 from rl.train.config import CheckpointConfig
 
 
@@ -82,4 +83,4 @@ class Checkpointer:
 
 def export_path(run_dir: str | os.PathLike, version: int) -> Path:
     """Where a trainer exports serving weights of policy version `version`."""
-    return Path(run_dir).absolute() / "weights" / f"v{version:06d}"
+    return Path(run_dir).absolute() / WEIGHTS / f"v{version:06d}"

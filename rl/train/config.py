@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rl.data.datasets import DatasetConfig
+from rl.data.tokenizer import TokenizerConfig
+from rl.model.config import MeshConfig, ModelConfig, tiny
 
 ADVANTAGES = ("grpo", "drgrpo")
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -31,6 +33,26 @@ def _num(cls: str, obj: object, name: str, low: float, *, strict: bool = False) 
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, int | float) or (v <= low if strict else v < low):
         raise _bad(cls, name, v, f"a number {'>' if strict else '>='} {low}")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One model role (the agent or the simulator): architecture, weights, tokenizer, mesh."""
+
+    model: ModelConfig = field(default_factory=tiny)
+    """Architecture; `preset: NAME` in YAML starts from a preset."""
+    hf_path: str | None = None
+    """Local HF directory to load weights (and the architecture) from; None: random init."""
+    weights: str | None = None
+    """Serving-format weights to start from (`<dir>/params` + `model_config.json`, what
+    trainers export, e.g. `runs/sim/weights/final`); wins over `hf_path`."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """`byte` for tiny models, `hf` with a local path otherwise."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Sub-mesh shape of this role's trainer (data x fsdp x tensor devices)."""
+    server_url: str | None = None
+    """Inference server of this role (simloop serve or vllm-tpu); None: jobs that need one
+    start a local `simloop serve` for it."""
 
 
 @dataclass(frozen=True)

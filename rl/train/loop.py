@@ -13,9 +13,7 @@ written to `metrics.jsonl` with the losses.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,35 +21,14 @@ from typing import Any
 
 import jax
 
+from rl.data.rundir import MetricsLog
+from rl.model.publish import WeightPublisher
 from rl.train.checkpoint import Checkpointer, export_path
 from rl.train.config import PolicyLossConfig
-from rl.train.publish import WeightPublisher
 from rl.train.rollouts import EpisodeSource, build_rl_batch
 from rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-class MetricsLog:
-    """Appends one JSON object per line to `<run>/metrics.jsonl` (flushed every write, so a
-    killed run keeps what it logged)."""
-
-    def __init__(self, run_dir: str | Path, filename: str = "metrics.jsonl"):
-        self.path = Path(run_dir) / filename
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _plain(v) for k, v in record.items()})
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-
-
-def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
 
 
 class _Progress:

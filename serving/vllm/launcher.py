@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from launch.deploy_config import VllmConfig
+from serving.vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`VllmPublisher`: the `WeightPublisher` (rl/train/publish.py) for vllm-tpu servers.
+"""`VllmPublisher`: the `WeightPublisher` (rl/model/publish.py) for vllm-tpu servers.
 
 A publish asks every server, concurrently, to run simloop's worker extension on all of its
 workers (`POST /collective_rpc`, `serving.vllm.worker_extension.OrbaxWeightLoader`); each worker
@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from rl.train.publish import PublishReport
+from rl.model.publish import PublishReport
 from serving.client import ClientConfig, ClientError, InferenceClient
 from serving.publisher import PROBE_PROMPT
 

@@ -1,6 +1,6 @@
 """The demo_cpu chip plan, launched for real: two `simloop serve` processes started with their
 planned environment (one fake device each, planned HTTP ports) and both trainers on disjoint
-fake-device sub-meshes of this process, all from `launch.chips.config_plan` — the code path a
+fake-device sub-meshes of this process, all from `launch.deploy.chips.config_plan` — the code path a
 v6e-8 takes with TPU chips."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from launch.chips import config_plan
-from launch.config import load_config, write_config
-from launch.local import LocalServer
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config, write_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.chips import config_plan
+from launch.deploy.local import LocalServer
 from rl.model.config import MeshConfig
 from rl.train.config import OptimConfig
 from rl.train.mesh import role_meshes

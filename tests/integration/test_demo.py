@@ -16,22 +16,21 @@ from pathlib import Path
 import pytest
 
 from envs.fidelity import compare_observations
-from launch.config import load_config
-from launch.schema import SimloopConfig
-from launch.train import agent_tasks
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.episodes import agent_tasks
 from rl.data.trajectory import load_trajectories
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 
 
 def _demo(out: Path) -> subprocess.CompletedProcess:
     # As a user runs it: simloop gives itself the fake devices of the demo's cpu-8 plan.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    cmd = [sys.executable, "-m", "launch", "demo", "--config", str(CONFIG), "--out", str(out),
-           "--quick"]  # fmt: skip
+    # No --config: `simloop demo` is the embedded default and runs configs/demo_cpu.yaml.
+    cmd = [sys.executable, "-m", "launch", "demo", "--out", str(out), "--quick"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
 
 
@@ -52,6 +51,10 @@ def test_every_stage_leaves_its_artifacts(demo):
     for stage in ("collect", "sim", "eval_sim", "agent"):
         assert json.loads((out / stage / "stage.json").read_text())["wall_s"] > 0
         assert (out / stage / "config.yaml").exists()
+    # Every run directory is watchable in TensorBoard: the scalars of its metrics.jsonl.
+    for run in ("collect", "sim", "eval_sim", "agent", "."):
+        events = list((out / run / "tensorboard").glob("events.out.tfevents.*"))
+        assert events and all(e.stat().st_size > 0 for e in events), run
     logs = {p.name for p in (out / "agent" / "logs").iterdir()}
     assert {"agent-server.log", "simulator-server.log"} <= logs  # two server processes
     assert "simloop demo: summary" in proc.stdout

@@ -18,9 +18,9 @@ import pytest
 from envs.config import LocalShellConfig, TerminalConfig, TextopsConfig
 from envs.local import LocalShell
 from envs.textops import generate_textops
-from launch.config import load_config, write_config
-from launch.local import LocalServer
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config, write_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.local import LocalServer
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.trajectory import read_jsonl, validate
 from rl.orchestrator.admission import AdmissionController

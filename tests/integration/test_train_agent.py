@@ -116,8 +116,8 @@ def test_the_run_directory_holds_every_artifact(trained):
 def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
     from flax import nnx
 
-    from launch.config import load_config
-    from launch.schema import SimloopConfig
+    from launch.config.loading import load_config
+    from launch.config.schema import SimloopConfig
     from rl.model import Qwen3
     from rl.model.params_io import save_params
 

@@ -29,10 +29,10 @@ if importlib.util.find_spec("vllm") is None:
 
 from flax import nnx  # noqa: E402
 
-from launch.deploy_config import VllmConfig  # noqa: E402
 from rl.model import Qwen3, save_hf, tiny  # noqa: E402
 from rl.model.params_io import save_params  # noqa: E402
 from serving.client import ClientConfig, InferenceClient  # noqa: E402
+from serving.vllm.config import VllmConfig  # noqa: E402
 from serving.vllm.launcher import ServedModel, launch_servers, stop_servers  # noqa: E402
 from serving.vllm.publisher import VllmPublisher  # noqa: E402
 from tests.fakes import PlannedProcess as Proc  # noqa: E402

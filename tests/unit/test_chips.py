@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.chips import PlanError, config_plan, parse_accelerator, parse_roles, plan_chips
 from launch.cli import main
-from launch.config import load_config
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.chips import PlanError, config_plan, parse_accelerator, parse_roles, plan_chips
 
 
 def _env(plan, role):

@@ -129,12 +129,28 @@ async def test_connection_refused_is_retried_then_reported():
     assert info.value.attempts == 3 and info.value.status is None
 
 
+async def test_backoff_is_full_jitter_capped_at_max_backoff(scripted_server):
+    peer, url = await scripted_server([(503, ERROR)])
+    sleeps = []
+
+    async def record(seconds):
+        sleeps.append(seconds)
+
+    cfg = ClientConfig(url, backoff_s=1.0, max_backoff_s=3.0, max_retries=4)
+    async with InferenceClient(cfg, sleep=record) as client:
+        with pytest.raises(ClientError, match="503: boom") as info:
+            await client.complete([1], max_tokens=4)
+    assert peer.calls == 5 and info.value.attempts == 5 and len(sleeps) == 4
+    assert all(0 <= s <= cap for s, cap in zip(sleeps, [1, 2, 3, 3], strict=True)), sleeps
+
+
 async def test_timeout_is_not_retried(scripted_server):
     peer, url = await scripted_server([(200, OK_BODY)], delay_s=5.0)
     async with InferenceClient(ClientConfig(url, timeout_s=0.3)) as client:
         with pytest.raises(ClientTimeout, match="within 0.3s"):
             await client.complete([1], max_tokens=4)
-    assert peer.calls == 1
+    assert peer.calls == 1 and not ClientTimeout("x").retryable
+    assert isinstance(ClientTimeout("x"), TimeoutError)
 
 
 async def test_cancelling_a_call_cancels_the_server_handler(scripted_server):

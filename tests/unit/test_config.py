@@ -6,9 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import HANDLERS, SUBCOMMANDS, main
-from launch.config import ConfigError, build_config, dump_config, load_config, parse_overrides
-from launch.schema import SimloopConfig
+from launch.cli import MODULES, OWN_FLAGS, SUBCOMMANDS, main
+from launch.config.loading import (
+    ConfigError,
+    build_config,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
+from launch.config.schema import SimloopConfig
 from rl.model.config import ModelConfig, preset, qwen3_8b, tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +87,34 @@ def test_bad_files_and_override_syntax(tmp_path):
         load_config(SimloopConfig, None, ["--run.seed", "1", "--run.seed.x", "2"])
 
 
+def test_overrides_are_yaml_typed_and_checked():
+    cfg = load_config(
+        SimloopConfig,
+        None,
+        ["--eval_sim.trajectories", "[runs/x, runs/y]", "--agent.hf_path=/m", "--agent.hf_path",
+         "null", "--agent.model.preset", "qwen3_8b", "--agent.model.num_layers=2"],
+    )  # fmt: skip
+    assert cfg.eval_sim.trajectories == ["runs/x", "runs/y"]
+    assert cfg.agent.hf_path is None  # the last override wins
+    assert cfg.agent.model == qwen3_8b(num_layers=2)
+    assert cfg.simulator.model == tiny()  # a section keeps its field's default, not the class's
+    assert parse_overrides(["--run.name=", "--a.b=x=y"]) == [("run.name", ""), ("a.b", "x=y")]
+    with pytest.raises(ConfigError, match=r"'run.seed': Couldn't parse 'abc' into an int"):
+        load_config(SimloopConfig, None, ["--run.seed", "abc"])
+    with pytest.raises(ConfigError, match=r"'eval_sim.trajectories': got 'runs/x', expected list"):
+        load_config(SimloopConfig, None, ["--eval_sim.trajectories", "runs/x"])
+    with pytest.raises(ConfigError, match=r"'eval_sim.max_trajectories': got 'a', expected int"):
+        load_config(SimloopConfig, None, ["--eval_sim.max_trajectories", "a"])
+    with pytest.raises(ConfigError, match=r"not a valid YAML value"):
+        parse_overrides(["--run.seed", "[1"])
+
+
+def test_dump_round_trips_a_changed_config(tmp_path):
+    cfg = load_config(SimloopConfig, None, ["--agent.model.preset", "qwen3_0p6b", "--run.seed=3"])
+    (tmp_path / "c.yaml").write_text(dump_config(cfg))
+    assert load_config(SimloopConfig, tmp_path / "c.yaml") == cfg
+
+
 def test_model_presets_have_published_sizes():
     # Parameter counts published with Qwen3 (embeddings included).
     expected = {"qwen3_0p6b": 0.6e9, "qwen3_1p7b": 1.7e9, "qwen3_4b": 4.0e9, "qwen3_8b": 8.2e9}
@@ -111,8 +145,40 @@ def test_cli_help_lists_every_subcommand():
         assert name in SUBCOMMANDS and f"    {name}" in out
 
 
-def test_every_subcommand_has_a_handler():
-    assert set(HANDLERS) == set(SUBCOMMANDS)
+def test_every_subcommand_has_a_module_with_run():
+    import importlib
+
+    assert set(MODULES) | {"config"} == set(SUBCOMMANDS)
+    for name, module in MODULES.items():
+        mod = importlib.import_module(module)
+        assert callable(mod.run), name
+        if name in OWN_FLAGS:
+            assert callable(mod.add_arguments), name
+
+
+def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
+    """A missing file, a bad value, a missing flag: one line `simloop CMD: ...`, exit 2."""
+    cases = [
+        ["train-sim", "--out", str(tmp_path / "a")],  # no trajectories configured
+        [
+            "train-sim",
+            "--out",
+            str(tmp_path / "b"),
+            "--train_sim.trajectories",
+            f"[{tmp_path / 'missing'}]",
+        ],  # fmt: skip
+        ["report", str(tmp_path / "nowhere")],
+        ["eval-agent", "--out", str(tmp_path / "c")],  # no agent weights
+        ["collect"],  # no --out
+        ["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"],
+    ]
+    for argv in cases:
+        r = subprocess.run([sys.executable, "-m", "launch", *argv], capture_output=True,
+                           text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+        assert r.returncode == 2, (argv, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr, (argv, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert lines and lines[-1].startswith(f"simloop {argv[0]}"), (argv, r.stderr)
 
 
 def test_config_error_exits_2_with_message(capsys):

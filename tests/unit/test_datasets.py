@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from envs.shell import Observation
-from envs.sim_format import SIM_SYSTEM_PROMPT, format_observation, render_sim_messages
 from rl.data import ByteTokenizer, ChatRenderer, HFTokenizer
 from rl.data.chat import generation_prompt
 from rl.data.datasets import (
@@ -21,6 +20,7 @@ from rl.data.datasets import (
     sim_sft_examples,
 )
 from rl.data.importers import import_files
+from rl.data.sim_format import SIM_SYSTEM_PROMPT, format_observation, render_sim_messages
 from rl.data.trajectory import Trajectory, Turn, render_token_view
 from tests.fakes import build_hf_tokenizer
 

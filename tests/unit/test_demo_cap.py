@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from envs.sim_format import format_observation
-from launch.config import load_config
-from launch.demo import _suggest_cap
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.demo import _suggest_cap
+from rl.data.sim_format import format_observation
 from rl.data.trajectory import Trajectory, Turn, write_jsonl
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"

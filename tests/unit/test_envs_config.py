@@ -1,4 +1,4 @@
-"""Env configs: defaults, validation messages, YAML round trip through launch.config, and no
+"""Env configs: defaults, validation messages, YAML round trip through launch.config.loading, and no
 JAX or e2b import on the config path."""
 
 import dataclasses
@@ -20,7 +20,7 @@ from envs.e2b import E2BShell
 from envs.local import LocalShell
 from envs.shell import Shell
 from envs.simulated import Completion, SimulatedShell
-from launch.config import ConfigError, build_config, dump_config
+from launch.config.loading import ConfigError, build_config, dump_config
 
 CONFIGS = [
     LocalShellConfig,

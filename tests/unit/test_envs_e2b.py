@@ -9,6 +9,7 @@ CommandExitException as the SDK does), `sleep S` (TimeoutException past the comm
 import asyncio
 import inspect
 import itertools
+import logging
 import os
 import time
 from datetime import UTC, datetime, timedelta
@@ -303,6 +304,40 @@ async def test_creation_retries_refusals_with_one_idempotency_key():
         await sh.run("echo x", 1)
     keys = {c["key"] for c in cloud.create_calls}
     assert len(cloud.create_calls) == 3 and len(keys) == 1 and cloud.killed and cloud.live == []
+
+
+async def test_retries_are_logged_then_give_up_naming_the_attempts(caplog):
+    cloud = FakeCloud()
+    cloud.fail_uploads = [err.RateLimitException("429")] * 3
+    cfg = E2BConfig(retries=2, backoff_s=0.001)
+    with caplog.at_level(logging.WARNING, logger="envs.e2b"):
+        with pytest.raises(ShellError, match=r"upload a.txt failed after 3 attempts: RateLimit"):
+            async with make_shell(cloud, cfg, setup=TaskSetup(files={"a.txt": "x"})):
+                pass
+    assert [r.getMessage() for r in caplog.records] == [
+        f"e2b upload a.txt failed (RateLimitException('429')); retry {n} in 0.00s" for n in (1, 2)
+    ]
+    assert cloud.live == [] and cloud.fail_uploads == []
+
+
+async def test_a_gone_sandbox_is_not_retried():
+    cloud = FakeCloud()
+    # SandboxNotRunningException subclasses the SDK's (retried) TimeoutException.
+    cloud.fail_uploads = [err.SandboxNotRunningException("gone"), err.RateLimitException("x")]
+    with pytest.raises(ShellError, match=r"upload a.txt: the sandbox is gone"):
+        async with make_shell(cloud, setup=TaskSetup(files={"a.txt": "x"})):
+            pass
+    assert len(cloud.fail_uploads) == 1
+
+
+async def test_creation_gives_up_after_the_retries_without_logging(caplog):
+    cloud = FakeCloud()
+    cloud.refuse_creations = [err.ServiceBusyException("503")] * 3
+    with caplog.at_level(logging.WARNING, logger="envs.e2b"):
+        with pytest.raises(ShellError, match=r"sandbox creation failed after 3 attempts"):
+            async with make_shell(cloud, E2BConfig(retries=2, backoff_s=0.001)):
+                pass
+    assert len(cloud.create_calls) == 3 and not caplog.records
 
 
 async def test_creation_does_not_retry_other_errors_and_frees_the_slot():

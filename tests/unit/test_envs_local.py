@@ -7,6 +7,7 @@ processes in /proc.
 
 import asyncio
 import os
+import pwd
 import random
 import time
 from pathlib import Path
@@ -17,8 +18,31 @@ import envs.local as local_mod
 from envs.config import LocalShellConfig
 from envs.local import Isolation, LocalShell, detect_isolation
 from envs.shell import HeadTailBuffer, TaskSetup, TaskSetupError
+from tests.fakes import wait_until
 
 IS_ROOT = os.geteuid() == 0
+COMMAND_USER = LocalShellConfig().user  # as root, LocalShell runs commands as this account
+
+
+def _command_ids() -> tuple[int, int] | None:
+    """(uid, gid) that commands run as, looked up as `detect_isolation` does: the account
+    `COMMAND_USER` when root (None where it does not exist), else our own."""
+    if not IS_ROOT:
+        return os.getuid(), os.getgid()
+    try:
+        pw = pwd.getpwnam(COMMAND_USER)
+    except KeyError:
+        return None
+    return pw.pw_uid, pw.pw_gid
+
+
+COMMAND_IDS = _command_ids()
+# As root, a LocalShell with the default config refuses to start without that account.
+needs_command_user = pytest.mark.skipif(
+    COMMAND_IDS is None,
+    reason=f"running as root, and this machine has no {COMMAND_USER!r} account for LocalShell "
+    f"to drop to (LocalShellConfig.user); create it, or run the tests as a normal user",
+)
 
 
 def procs_running(argv: list[str]) -> list[int]:
@@ -35,6 +59,7 @@ def procs_running(argv: list[str]) -> list[int]:
     return pids
 
 
+@needs_command_user
 async def test_runs_with_no_arguments_and_cleans_up():
     async with LocalShell() as sh:
         obs = await sh.run("echo hi", timeout_s=5)
@@ -45,6 +70,7 @@ async def test_runs_with_no_arguments_and_cleans_up():
     assert not workspace.exists() and not workspace.parent.exists()
 
 
+@needs_command_user
 async def test_fresh_bash_per_command_state_only_in_files():
     async with LocalShell() as sh:
         first = await sh.run("export FOO=bar; echo kept > note.txt; cd /; echo err >&2; exit 3", 5)
@@ -54,15 +80,16 @@ async def test_fresh_bash_per_command_state_only_in_files():
     assert second.output == f"{workspace}\nfoo=\nkept\n"
 
 
+@needs_command_user
 async def test_setup_files_and_commands_usable_by_the_command_user():
     setup = TaskSetup(files={"a/b.txt": "hello\n"}, commands=("cp a/b.txt c.txt",))
     async with LocalShell(setup=setup) as sh:
         obs = await sh.run("cat c.txt && echo more >> a/b.txt && cat a/b.txt && id -u", 5)
-    uid = 65534 if IS_ROOT else os.getuid()
     assert obs.exit_code == 0, obs.output
-    assert obs.output == f"hello\nhello\nmore\n{uid}\n"
+    assert obs.output == f"hello\nhello\nmore\n{COMMAND_IDS[0]}\n"
 
 
+@needs_command_user
 async def test_environment_is_scrubbed(monkeypatch):
     monkeypatch.setenv("SIMLOOP_TEST_SECRET", "hunter2-do-not-leak")
     cfg = LocalShellConfig(env={"EXTRA": "given"})
@@ -73,6 +100,7 @@ async def test_environment_is_scrubbed(monkeypatch):
     assert f"HOME={home}\n" in obs.output and "EXTRA=given\n" in obs.output
 
 
+@needs_command_user
 async def test_sleep_1000_times_out_and_is_killed():
     t0 = time.monotonic()
     async with LocalShell() as sh:
@@ -83,6 +111,7 @@ async def test_sleep_1000_times_out_and_is_killed():
     assert procs_running(["sleep", "987.25"]) == []
 
 
+@needs_command_user
 @pytest.mark.parametrize("command", ["yes", "cat /dev/zero"])
 async def test_infinite_output_is_capped_and_killed(command):
     cfg = LocalShellConfig(max_output_bytes=4096, kill_after_output_bytes=2**20)
@@ -96,6 +125,7 @@ async def test_infinite_output_is_capped_and_killed(command):
     assert "truncated" in obs.output
 
 
+@needs_command_user
 async def test_middle_truncation_keeps_head_and_tail():
     async with LocalShell(LocalShellConfig(max_output_bytes=1000)) as sh:
         obs = await sh.run("seq 1 100000", 10)
@@ -122,6 +152,7 @@ def test_head_tail_buffer_matches_reference():
     assert small.getvalue() == data[:1000] and not small.truncated
 
 
+@needs_command_user
 async def test_binary_output_becomes_valid_text():
     async with LocalShell() as sh:
         obs = await sh.run("head -c 200000 /dev/urandom; printf '\\0\\0'", 10)
@@ -130,6 +161,7 @@ async def test_binary_output_becomes_valid_text():
     obs.output.encode("utf-8")  # no lone surrogates: any tokenizer and JSON can take it
 
 
+@needs_command_user
 async def test_memory_is_bounded_by_address_space_limit():
     cfg = LocalShellConfig(memory_bytes=256 * 2**20)
     t0 = time.monotonic()
@@ -140,6 +172,7 @@ async def test_memory_is_bounded_by_address_space_limit():
     assert obs.exit_code != 0 or "got" not in obs.output
 
 
+@needs_command_user
 async def test_file_size_is_bounded():
     cfg = LocalShellConfig(file_size_bytes=2**20)
     async with LocalShell(cfg) as sh:
@@ -148,7 +181,9 @@ async def test_file_size_is_bounded():
     assert obs.exit_code != 0 and size <= 2**20
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="RLIMIT_NPROC containment is tested as root -> nobody")
+@pytest.mark.skipif(not IS_ROOT, reason=f"RLIMIT_NPROC containment is tested as root -> "
+                    f"{COMMAND_USER}")  # fmt: skip
+@needs_command_user
 async def test_process_flood_is_contained():
     limit = 32
     argv = ["sleep", "321.125"]
@@ -176,12 +211,14 @@ async def test_process_flood_is_contained():
 
 def fallback_isolation() -> Isolation:
     """No namespaces: containment by process group and workspace scan only."""
+    uid, gid = COMMAND_IDS
     if IS_ROOT:
-        drop = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
-        return Isolation(drop, False, False, "nobody", 65534, 65534)
-    return Isolation((), False, False, "me", os.getuid(), os.getgid())
+        drop = ("setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--")
+        return Isolation(drop, False, False, COMMAND_USER, uid, gid)
+    return Isolation((), False, False, "me", uid, gid)
 
 
+@needs_command_user
 @pytest.mark.parametrize("mode", ["detected", "fallback"])
 async def test_background_children_neither_hang_nor_survive(mode, monkeypatch):
     if mode == "fallback":
@@ -191,13 +228,14 @@ async def test_background_children_neither_hang_nor_survive(mode, monkeypatch):
         t0 = time.monotonic()
         obs = await sh.run("sleep 654.5 & setsid sleep 654.75 & echo started", timeout_s=20)
         elapsed = time.monotonic() - t0
-        await asyncio.sleep(0.1)
-        left = procs_running(plain) + procs_running(escaped)
+        # Killed processes leave /proc a moment later: wait for that (a guard, not a race).
+        gone = await wait_until(lambda: not procs_running(plain) + procs_running(escaped), 30)
     assert obs.exit_code == 0 and obs.output == "started\n"
     assert elapsed < 3
-    assert left == []
+    assert gone, procs_running(plain) + procs_running(escaped)
 
 
+@needs_command_user
 async def test_no_network_where_unshare_works():
     async with LocalShell() as sh:
         iso = sh.isolation
@@ -211,15 +249,16 @@ async def test_no_network_where_unshare_works():
     assert obs.info["isolation"].startswith("netns")
 
 
+@needs_command_user
 def test_isolation_probe_matches_this_machine():
-    iso = detect_isolation("nobody", True)
+    iso = detect_isolation(COMMAND_USER, True)
+    assert (iso.uid, iso.gid) == COMMAND_IDS
     if IS_ROOT:
-        assert iso.uid == 65534 and iso.user == "nobody"
-    else:
-        assert iso.uid == os.getuid()
-    assert detect_isolation("nobody", True) is iso  # probed once per process
+        assert iso.user == COMMAND_USER
+    assert detect_isolation(COMMAND_USER, True) is iso  # probed once per process
 
 
+@needs_command_user
 async def test_workspace_removed_when_the_body_raises():
     shell = LocalShell()
     with pytest.raises(KeyError):
@@ -230,6 +269,7 @@ async def test_workspace_removed_when_the_body_raises():
     assert not base.exists()
 
 
+@needs_command_user
 async def test_workspace_removed_when_setup_fails(monkeypatch):
     made = []
     real_mkdtemp = local_mod.tempfile.mkdtemp
@@ -245,6 +285,7 @@ async def test_workspace_removed_when_setup_fails(monkeypatch):
     assert len(made) == 1 and not os.path.exists(made[0])
 
 
+@needs_command_user
 async def test_workspace_and_command_gone_when_cancelled():
     shell = LocalShell()
     started = asyncio.Event()
@@ -257,12 +298,14 @@ async def test_workspace_and_command_gone_when_cancelled():
     task = asyncio.create_task(episode(), name="cancelled-episode")
     await started.wait()
     base = shell.workspace.parent
-    await asyncio.sleep(0.3)
+    # Cancel once the command runs (else the test would prove nothing about killing it).
+    assert await wait_until(lambda: procs_running(["sleep", "432.5"]) != [], timeout_s=30)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not base.exists()
-    assert procs_running(["sleep", "432.5"]) == []
+    # SIGKILL is delivered and reaped asynchronously: the process must be gone within seconds.
+    assert await wait_until(lambda: procs_running(["sleep", "432.5"]) == [], timeout_s=10)
 
 
 def test_config_validation_names_field_and_value():

@@ -7,15 +7,6 @@ import pytest
 
 from envs.config import SimulatedShellConfig
 from envs.shell import Observation, TaskSetup
-from envs.sim_format import (
-    SIM_SYSTEM_PROMPT,
-    ObservationFormatError,
-    format_observation,
-    parse_observation,
-    parse_observation_prefix,
-    render_sim_messages,
-    strip_think,
-)
 from envs.simulated import (
     UNKNOWN_EXIT_CODE,
     Completion,
@@ -24,6 +15,15 @@ from envs.simulated import (
     SimulatorError,
 )
 from rl.data.chat import ChatRenderer, render_text
+from rl.data.sim_format import (
+    SIM_SYSTEM_PROMPT,
+    ObservationFormatError,
+    format_observation,
+    parse_observation,
+    parse_observation_prefix,
+    render_sim_messages,
+    strip_think,
+)
 from rl.data.tokenizer import IM_END, ByteTokenizer
 
 

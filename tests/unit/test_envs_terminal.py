@@ -7,12 +7,12 @@ from envs.config import TEXTOPS_OPS, LocalShellConfig, TerminalConfig, TextopsCo
 from envs.local import LocalShell
 from envs.rewards import RewardContext
 from envs.shell import Observation
-from envs.sim_format import format_observation
 from envs.simulated import Completion, SimulatedShell
 from envs.swe import make_swe_task
 from envs.tasks import RewardSpec, Task
 from envs.terminal import FormatError, TerminalEnv, marker_submission, parse_action
 from envs.textops import TextopsSolver, generate_textops, textops_truth
+from rl.data.sim_format import format_observation
 
 
 def bash(cmd: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch.cli import main
-from launch.eval_agent import print_eval, transfer_gap
+from launch.jobs.eval_agent import print_eval, transfer_gap
 from rl.data.trajectory import Trajectory, Turn
 from rl.orchestrator.evaluate import action_distribution
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from launch.cli import main
-from launch.config import load_config
-from launch.eval_sim import select_trajectories
-from launch.schema import SimloopConfig
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.eval_sim import select_trajectories
 from rl.data.trajectory import Trajectory, Turn, write_jsonl
 from rl.orchestrator.evaluate import command_key, replay_fidelity
 

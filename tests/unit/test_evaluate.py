@@ -90,9 +90,9 @@ def test_eval_config_validation():
 
 
 def test_held_out_tasks_follow_the_training_tasks():
-    from launch.config import load_config
-    from launch.schema import SimloopConfig
-    from launch.train import agent_tasks
+    from launch.config.loading import load_config
+    from launch.config.schema import SimloopConfig
+    from launch.jobs.episodes import agent_tasks
 
     cfg = load_config(
         SimloopConfig, None, ["--env.textops.num_tasks", "10", "--train_agent.eval.tasks", "5"]

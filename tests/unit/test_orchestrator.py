@@ -9,10 +9,10 @@ import pytest
 
 from envs.config import LocalShellConfig, SimulatedShellConfig, TerminalConfig, TextopsConfig
 from envs.local import LocalShell
-from envs.sim_format import format_observation
 from envs.simulated import Completion, SimulatedShell
 from envs.textops import generate_textops
 from rl.data import ByteTokenizer, ChatRenderer
+from rl.data.sim_format import format_observation
 from rl.data.trajectory import read_jsonl, validate
 from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
@@ -64,24 +64,48 @@ async def test_real_arm_solves_textops_and_keeps_tokens_verbatim(tmp_path):
     assert m["status"] == {"ok": 8} and m["success_rate"] == 1.0 and m["active_per_turn"][0] == 8
 
 
+async def until(event: asyncio.Event, job: asyncio.Task, timeout_s: float = 60.0) -> None:
+    """Wait for `event`; fail at once (with its error) if `job` ends first. The timeout only
+    guards against a hang: nothing here races a clock."""
+    waiter = asyncio.create_task(event.wait())
+    await asyncio.wait({waiter, job}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not event.is_set():
+        raise AssertionError(f"{job.get_name()} ended first: {job.result() if job.done() else job}")
+
+
 async def test_trajectories_come_back_in_task_order_whatever_finishes_first():
     tasks = generate_textops(TextopsConfig(num_tasks=4, seed=0, from_file_prob=0.0))
+    gates = {t.id: asyncio.Event() for t in tasks}  # the test opens them, last task first
 
-    class FirstIsSlowest(FakeAgentClient):
+    class Gated(FakeAgentClient):
+        """Every reply for a task waits until the test opens that task's gate."""
+
         async def complete(self, prompt, **kw):
             text = self.tok.decode(prompt)
-            i = next(i for i, t in enumerate(tasks) if t.instruction in text)
-            await asyncio.sleep(0.03 * (len(tasks) - i))
+            task = next(t for t in tasks if t.instruction in text)
+            await gates[task.id].wait()
             return await super().complete(prompt, **kw)
 
-    client = FirstIsSlowest(tasks)
     finished = []
+    delivered = {t.id: asyncio.Event() for t in tasks}
+
+    def sink(traj):
+        finished.append(traj.task_id)
+        if finished.count(traj.task_id) == 2:
+            delivered[traj.task_id].set()
+
     runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=client,
-                           sink=lambda t: finished.append(t.task_id))  # fmt: skip
-    trajs = await runner.run(tasks)
+                           Backends(real=_local), client=Gated(tasks), sink=sink)  # fmt: skip
+    job = asyncio.create_task(runner.run(tasks), name="rollout")
+    # One group at a time, the last task's first: each gate opens once the group before it
+    # was delivered, so the finishing order is the reverse of the task order on any machine.
+    for task in reversed(tasks):
+        gates[task.id].set()
+        await until(delivered[task.id], job)
+    trajs = await job
+    assert finished == [t.id for t in reversed(tasks) for _ in range(2)]
     assert [t.task_id for t in trajs] == [t.id for t in tasks for _ in range(2)]
-    assert finished[-1] == tasks[0].id  # ... though the first task finished last
 
 
 async def test_failed_sibling_masks_the_group_with_a_reason():
@@ -190,16 +214,25 @@ async def test_admission_bounds_staleness():
 
 async def test_shutdown_cancellation_yields_aborted_trajectories():
     tasks = _tasks(2)
-    client = FakeAgentClient(tasks, delay_s=10.0)
+    asked, never = asyncio.Event(), asyncio.Event()
+
+    class Hangs(FakeAgentClient):
+        """Signals once both episodes are waiting for a reply, and never replies."""
+
+        async def complete(self, prompt, **kw):
+            self.calls += 1
+            if self.calls == len(tasks):
+                asked.set()
+            await never.wait()
+
     got = []
     runner = RolloutRunner(OrchestratorConfig(arm="real"), TERMINAL, RENDERER,
-                           Backends(real=_local), client=client, sink=got.append)  # fmt: skip
+                           Backends(real=_local), client=Hangs(tasks), sink=got.append)  # fmt: skip
     job = asyncio.create_task(runner.run(tasks), name="rollout")
-    await asyncio.sleep(0.5)
+    await until(asked, job)  # both shells are up and both episodes are mid-request
     job.cancel()
     with contextlib.suppress(asyncio.CancelledError):
-        await job
-    await asyncio.sleep(0.2)
+        await job  # run() delivers the aborted trajectories before it re-raises
     assert len(got) == 2 and all(t.status == "aborted" and t.reason for t in got)
     for t in got:
         validate(t)

@@ -17,7 +17,7 @@ from flax import nnx
 from rl.data import ByteTokenizer
 from rl.model import Qwen3, tiny
 from rl.model.params_io import save_params
-from rl.train.publish import InMemoryPublisher, PublishReport, WeightPublisher
+from rl.model.publish import InMemoryPublisher, PublishReport, WeightPublisher
 from serving.client import ClientConfig, ClientError, InferenceClient
 from serving.config import EngineConfig, ServerConfig
 from serving.engine import Engine

@@ -7,7 +7,8 @@ import json
 import re
 
 from launch.cli import main
-from launch.report import bar_chart, line_chart, write_report
+from launch.report.charts import bar_chart, line_chart
+from launch.report.page import write_report
 from rl.data.trajectory import Trajectory, Turn, write_jsonl
 
 

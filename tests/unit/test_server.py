@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -548,20 +549,95 @@ async def test_admin_load_weights_changes_outputs(served, http):
 # ----- disconnects -----------------------------------------------------------------------------
 
 
+class StepGate:
+    """Holds the engine before each device step until the test grants it one: the engine is
+    exactly as slow as the test needs, on any machine. Steps run in a worker thread
+    (`asyncio.to_thread`), so a semaphore holds them; the event loop learns through
+    `call_soon_threadsafe` that the engine is waiting for a grant."""
+
+    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch):
+        self._step = engine._device_step
+        self._loop = asyncio.get_running_loop()
+        self._permits = threading.Semaphore(0)
+        self._open = threading.Event()
+        self._waiting = asyncio.Event()
+        monkeypatch.setattr(engine, "_device_step", self._gated)
+
+    def _gated(self, *args):
+        if not self._open.is_set():
+            self._loop.call_soon_threadsafe(self._waiting.set)
+            self._permits.acquire()
+        return self._step(*args)
+
+    async def engine_waits(self) -> None:
+        """Until the engine is held before its next step (a guard, not a race: 60 s)."""
+        await asyncio.wait_for(self._waiting.wait(), 60)
+        self._waiting.clear()
+
+    def grant(self) -> None:
+        self._permits.release()
+
+    def open(self) -> None:
+        self._open.set()
+        self._permits.release()
+
+
+async def _read_lines_granting_steps(response, gate: StepGate, lines: int) -> None:
+    """Read `lines` lines of a stream, granting the engine one step whenever it waits for one
+    and the client still wants lines (tokens that end mid-character send no chunk, so how many
+    steps that takes is not known in advance; a step or two too many is harmless)."""
+
+    async def read():
+        for _ in range(lines):
+            assert await response.content.readline()
+
+    reading = asyncio.create_task(read())
+    while not reading.done():
+        waits = asyncio.create_task(gate.engine_waits())
+        await asyncio.wait({reading, waits}, return_when=asyncio.FIRST_COMPLETED)
+        if waits.done():
+            waits.result()
+            gate.grant()
+        else:
+            waits.cancel()
+    reading.result()
+
+
 async def _disconnect(served, http, body: dict, read_chunks: int) -> None:
     engine = served.engine
+    assert engine.active_slots == 0
     aborted, generated = engine.stats["aborted"], engine.stats["generated_tokens"]
-    if read_chunks:
-        async with http.post("/v1/completions", json=body) as r:
-            for _ in range(read_chunks):
-                await r.content.readline()
-        # leaving the block closes the connection mid-stream
-    else:
-        with pytest.raises(asyncio.TimeoutError):
-            await http.post("/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=0.5))  # fmt: skip
-    assert engine.active_slots > 0 or engine.stats["aborted"] > aborted
-    assert await wait_until(lambda: engine.active_slots == 0, timeout_s=5.0)
+    asked = asyncio.Event()  # the server asked the engine to abort (it saw the disconnect)
+
+    def abort(request_id: str, real_abort=engine.abort) -> None:
+        real_abort(request_id)
+        asked.set()
+
+    with pytest.MonkeyPatch.context() as mp:  # undone on exit: the engine is shared
+        mp.setattr(engine, "abort", abort)
+        gate = StepGate(engine, mp)
+        try:
+            if read_chunks:
+                async with http.post("/v1/completions", json=body) as r:
+                    await _read_lines_granting_steps(r, gate, read_chunks)
+                # leaving the block closes the connection mid-stream, the engine held
+            else:
+                post = asyncio.create_task(
+                    http.post(
+                        "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.5)
+                    )
+                )
+                await gate.engine_waits()  # the engine took the request, held before a step
+                # ... and takes no step until the client gave up: its 0.5 s timeout fires
+                # however fast the machine.
+                with pytest.raises(asyncio.TimeoutError):
+                    await post
+            await asyncio.wait_for(asked.wait(), 60)
+            # Held, the engine still has the request: the abort happens when it steps again.
+            assert engine.active_slots > 0 and engine.stats["aborted"] == aborted
+        finally:
+            gate.open()
+        assert await wait_until(lambda: engine.active_slots == 0, timeout_s=60.0)
     assert engine.stats["aborted"] == aborted + 1
     n, max_tokens = body.get("n", 1), body["max_tokens"]
     assert engine.stats["generated_tokens"] - generated < n * max_tokens

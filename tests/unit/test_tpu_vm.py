@@ -17,9 +17,15 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
-from launch.config import load_config
-from launch.schema import SimloopConfig
-from launch.tpu_vm import TpuVmError, TpuVmOptions, build_commands, remote_command, remote_dir
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.tpu_vm import (
+    TpuVmError,
+    TpuVmOptions,
+    build_commands,
+    remote_command,
+    remote_dir,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tpu_vm"
 BASE = ["--chips.accelerator", "v6e-8", "--tpu_vm.project", "my-proj"]

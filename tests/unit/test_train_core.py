@@ -1,7 +1,10 @@
 """rl/train core: optimizer schedule, device splitting, the Trainer and its checkpoints.
 
 Trainers on the tiny model are shared through module-scoped fixtures (each one costs a few
-seconds of compilation on CPU); tests that step a shared trainer never assume its step count.
+seconds of compilation on CPU). A test never sees what another test did to them: it gets a
+shared trainer through a function-scoped fixture that puts the trainer's state back to the one
+its reference run left (before and after the test), and the run's metrics and state are
+read-only host copies. Tests pass in any order (`pytest -p randomly` shuffles them).
 """
 
 import dataclasses
@@ -38,6 +41,39 @@ TOTAL = 40
 MODEL = tiny()
 OPT = OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.01, clip_norm=1.0)
 REF_STEPS = 5
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: twice float32's unit roundoff u = 2^-24
+
+
+def f32_mean_tolerance(terms):
+    """How far a float32 mean of `terms` (however XLA orders the sum) may be from the exact mean
+    of the same terms: n * eps32 * mean(|terms|) = 2 n u * mean(|terms|), n = terms.size.
+
+    - Summing n terms in any order (one pass, pairwise, per micro-batch and then combined)
+      is off by at most (n - 1) u * sum(|terms|), to first order in u (Higham, Accuracy and
+      Stability of Numerical Algorithms, 2nd ed., section 4.2); the division by n and the
+      grad-accumulation re-weighting add a few u more. That is the first n u.
+    - The second n u covers each term's own rounding on the device, at most n u relative to
+      it: a few u from exp and the products, and the logp that the step's program recomputes,
+      which may differ from the output of `trainer.logprobs` (another program) in its last
+      bits: n u = 7.6e-6 nats for n = 128 is 16 ulp of a logprob of size < 8.
+
+    The bound scales with the sum of |terms|, not with the result: a mean of terms that cancel
+    (advantages of both signs) is much smaller than its rounding error allows for relative to
+    itself, so an rtol on the result would only pass on machines that happen to round the same.
+    """
+    terms = np.asarray(terms, np.float64)
+    return terms.size * EPS32 * np.abs(terms).mean()
+
+
+def read_only(tree):
+    """Host copies that a test cannot change by accident (numpy raises on writes)."""
+
+    def freeze(x):
+        x = np.array(x)  # a copy: never a view of a device buffer a later step may donate
+        x.setflags(write=False)
+        return x
+
+    return jax.tree.map(freeze, tree)
 
 
 # ----- config validation -----------------------------------------------------------------------
@@ -239,7 +275,7 @@ def make_batch(seed, rows=B):
     }
 
 
-REF_BATCHES = [make_batch(seed) for seed in range(REF_STEPS)]
+REF_BATCHES = read_only([make_batch(seed) for seed in range(REF_STEPS)])
 
 
 def make_trainer(mesh=None, optim=OPT, **kw):
@@ -253,18 +289,46 @@ def run(trainer, batches):
     return {k: np.asarray([float(m[k]) for m in jax.device_get(metrics)]) for k in metrics[0]}
 
 
-@pytest.fixture(scope="module")
-def run_a():
-    trainer = make_trainer()
-    metrics = run(trainer, REF_BATCHES)
-    return trainer, metrics, jax.device_get(trainer.params)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A shared trainer after its reference run, and read-only host copies of what it left."""
+
+    trainer: Trainer
+    metrics: dict
+    state: dict
+    name: str = ""
+
+    @classmethod
+    def of(cls, trainer, batches=REF_BATCHES, name=""):
+        metrics = run(trainer, batches)
+        return cls(trainer, read_only(metrics), read_only(jax.device_get(trainer.state)), name)
+
+    @property
+    def params(self):
+        return self.state["params"]
+
+    def reset(self) -> "Run":
+        """Put the trainer back to the state the reference run left (fresh device buffers:
+        a step donates the ones it is given)."""
+        place = lambda x, s: jax.device_put(np.array(x), s)  # noqa: E731
+        self.trainer.state = jax.tree.map(place, self.state, self.trainer.state_shardings)
+        return self
+
+
+def reset_around(shared):
+    """A function-scoped view of a module-scoped Run: reset before the test, and after it."""
+    yield shared.reset()
+    shared.reset()
 
 
 @pytest.fixture(scope="module")
-def run_b():
-    trainer = make_trainer()
-    metrics = run(trainer, REF_BATCHES)
-    return trainer, metrics, jax.device_get(trainer.params)
+def shared_a():
+    return Run.of(make_trainer())
+
+
+@pytest.fixture(scope="module")
+def shared_b():
+    return Run.of(make_trainer())
 
 
 SHARDED = {
@@ -274,10 +338,34 @@ SHARDED = {
 
 
 @pytest.fixture(scope="module", params=sorted(SHARDED))
-def sharded(request):
+def shared_sharded(request):
     mesh = role_meshes({"policy": SHARDED[request.param]})["policy"]
-    trainer = make_trainer(mesh)
-    return request.param, trainer, run(trainer, REF_BATCHES)
+    return Run.of(make_trainer(mesh), name=request.param)
+
+
+@pytest.fixture(scope="module")
+def shared_accum():
+    return Run.of(make_trainer(optim=dataclasses.replace(OPT, grad_accum=2)))
+
+
+@pytest.fixture
+def run_a(shared_a):
+    yield from reset_around(shared_a)
+
+
+@pytest.fixture
+def run_b(shared_b):
+    yield from reset_around(shared_b)
+
+
+@pytest.fixture
+def sharded(shared_sharded):
+    yield from reset_around(shared_sharded)
+
+
+@pytest.fixture
+def accum(shared_accum):
+    yield from reset_around(shared_accum)
 
 
 def _leaves_equal(a, b):
@@ -290,8 +378,8 @@ def _leaves_equal(a, b):
 
 
 def test_same_seed_gives_identical_losses_and_params(run_a, run_b):
-    _, ma, pa = run_a
-    _, mb, pb = run_b
+    ma, pa = run_a.metrics, run_a.params
+    mb, pb = run_b.metrics, run_b.params
     np.testing.assert_array_equal(ma["loss"], mb["loss"])
     np.testing.assert_array_equal(ma["grad_norm"], mb["grad_norm"])
     _leaves_equal(pa, pb)
@@ -300,7 +388,7 @@ def test_same_seed_gives_identical_losses_and_params(run_a, run_b):
 
 
 def test_metrics_report_the_schedule_and_the_loss(run_a):
-    _, m, _ = run_a
+    m = run_a.metrics
     sched = lr_schedule(OPT, TOTAL)
     np.testing.assert_allclose(m["lr"], [float(sched(s)) for s in range(REF_STEPS)], rtol=1e-6)
     assert m["lr"][0] == 0.0 and m["lr"][2] == pytest.approx(OPT.lr)
@@ -310,17 +398,16 @@ def test_metrics_report_the_schedule_and_the_loss(run_a):
 
 
 def test_sharded_mesh_matches_one_device(run_a, sharded):
-    name, trainer, m = sharded
-    _, ma, pa = run_a
+    m, ps = sharded.metrics, sharded.params
+    ma, pa = run_a.metrics, run_a.params
     np.testing.assert_allclose(m["loss"], ma["loss"], rtol=1e-5)
     np.testing.assert_allclose(m["grad_norm"], ma["grad_norm"], rtol=1e-4)
-    for x, y in zip(jax.tree.leaves(jax.device_get(trainer.params)), jax.tree.leaves(pa),
-                    strict=True):  # fmt: skip
+    for x, y in zip(jax.tree.leaves(ps), jax.tree.leaves(pa), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 def test_sharded_parameters_follow_the_rules(sharded):
-    name, trainer, _ = sharded
+    name, trainer = sharded.name, sharded.trainer
     specs = jax.tree.map(lambda x: x.sharding.spec, trainer.params)
     if name == "data2_tensor4":
         assert specs["layers"]["mlp"]["up"] == P(None, None, "tensor")
@@ -346,7 +433,7 @@ def test_sharded_parameters_follow_the_rules(sharded):
 
 
 def test_rows_must_split_over_data_parallel_devices(sharded):
-    name, trainer, _ = sharded
+    trainer = sharded.trainer
     dp = data_parallel_size(trainer.mesh)
     step = trainer.step_count
     bad = make_batch(0, rows=dp + 1)
@@ -358,21 +445,14 @@ def test_rows_must_split_over_data_parallel_devices(sharded):
     assert trainer.step_count == step
 
 
-@pytest.fixture(scope="module")
-def accum():
-    trainer = make_trainer(optim=dataclasses.replace(OPT, grad_accum=2))
-    return trainer, run(trainer, REF_BATCHES)
-
-
 def test_grad_accum_matches_one_big_batch(run_a, accum):
-    _, ma, pa = run_a
-    trainer, m = accum
+    ma, pa = run_a.metrics, run_a.params
+    trainer, m = accum.trainer, accum.metrics
     np.testing.assert_allclose(m["loss"], ma["loss"], rtol=1e-5)
     np.testing.assert_allclose(m["grad_norm"], ma["grad_norm"], rtol=1e-4)
     np.testing.assert_allclose(m["entropy"], ma["entropy"], rtol=1e-5)
     assert np.all(m["tokens"] == B * MASKED_PER_ROW)
-    for x, y in zip(jax.tree.leaves(jax.device_get(trainer.params)), jax.tree.leaves(pa),
-                    strict=True):  # fmt: skip
+    for x, y in zip(jax.tree.leaves(accum.params), jax.tree.leaves(pa), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
     # Micro-batches split the rows: 8 rows x grad_accum 2 on one device is fine, 3 is not.
     with pytest.raises(ValueError, match=r"grad_accum 2: use a multiple of 2"):
@@ -380,8 +460,7 @@ def test_grad_accum_matches_one_big_batch(run_a, accum):
 
 
 def test_grad_accum_matches_one_big_batch_with_padding_rows(run_a, accum):
-    a, _, _ = run_a
-    c, _ = accum
+    a, c = run_a.trainer, accum.trainer
     host = jax.device_get(a.state)
     c.state = jax.tree.map(lambda x, s: jax.device_put(np.asarray(x), s), host, c.state_shardings)
     batch = make_batch(4321)
@@ -394,7 +473,7 @@ def test_grad_accum_matches_one_big_batch_with_padding_rows(run_a, accum):
 
 
 def test_loss_decreases_on_a_fixed_batch(run_a):
-    trainer, _, _ = run_a
+    trainer = run_a.trainer
     batch = make_batch(1234)
     losses = run(trainer, [batch] * 20)["loss"]
     assert losses[-1] < losses[0] - 0.5, losses
@@ -402,7 +481,7 @@ def test_loss_decreases_on_a_fixed_batch(run_a):
 
 
 def test_logprobs_are_minus_cross_entropy_per_token(run_a):
-    trainer, _, _ = run_a
+    trainer = run_a.trainer
     batch = make_batch(77)
     lp = np.asarray(trainer.logprobs(batch))
     assert lp.shape == (B, T)
@@ -419,14 +498,15 @@ def test_logprobs_are_minus_cross_entropy_per_token(run_a):
     np.testing.assert_array_equal(
         np.asarray(mask_vocab(logits, VALID))[..., VALID:], np.full((B, T, 512 - VALID), -1e9)
     )
-    # The SFT loss of the next step is the masked mean of exactly these logprobs.
+    # The SFT loss of the next step is the masked mean of exactly these logprobs, up to the
+    # float32 rounding of a mean of 128 terms (see f32_mean_tolerance).
     loss = float(trainer.step(batch)["loss"])
-    mask = batch["loss_mask"]
-    np.testing.assert_allclose(loss, -(lp * mask).sum() / mask.sum(), rtol=1e-5)
+    terms = -lp.astype(np.float64)[batch["loss_mask"].astype(bool)]
+    assert abs(loss - terms.mean()) <= f32_mean_tolerance(terms)
 
 
 def test_export_serving_round_trips_exactly(run_a, tmp_path):
-    trainer, _, _ = run_a
+    trainer = run_a.trainer
     path = trainer.export_serving(tmp_path / "w")
     assert read_model_config(path) == MODEL
     loaded = load_params(path, trainer.model())
@@ -445,9 +525,8 @@ def test_export_serving_round_trips_exactly(run_a, tmp_path):
 
 
 def test_place_params_puts_host_weights_on_the_mesh(run_a, sharded):
-    a, _, _ = run_a
-    _, s, _ = sharded
-    host = jax.device_get(a.params)
+    s = sharded.trainer
+    host = run_a.params
     placed = s.place_params(host)
     _leaves_equal(placed, host)
     assert jax.tree.map(lambda x: x.sharding, placed) == s.param_shardings
@@ -461,7 +540,7 @@ GRAIN_STATE = {"next_index": 17, "worker_count": 0, "shards": [0, 3], "name": "t
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_checkpoint_restores_bit_identical_state(run_a, tmp_path, async_save):
-    trainer, _, _ = run_a
+    trainer = run_a.trainer
     step = trainer.step_count
     host = jax.device_get(trainer.state)
     ckpt = Checkpointer(tmp_path / "ckpt", CheckpointConfig(async_save=async_save))
@@ -483,7 +562,7 @@ def test_checkpoint_restores_bit_identical_state(run_a, tmp_path, async_save):
 
 
 def test_checkpoint_keeps_the_last_k_and_reports_missing_steps(run_a, tmp_path):
-    trainer, _, _ = run_a
+    trainer = run_a.trainer
     with Checkpointer(tmp_path / "ckpt", CheckpointConfig(keep=2, async_save=True)) as ckpt:
         for step in (1, 2, 3, 4):
             ckpt.save(step, trainer.state, extra={"step": step})
@@ -501,8 +580,7 @@ def test_checkpoint_keeps_the_last_k_and_reports_missing_steps(run_a, tmp_path):
 
 
 def test_resume_from_a_checkpoint_continues_exactly(run_a, run_b, tmp_path):
-    a, _, _ = run_a
-    b, _, _ = run_b
+    a, b = run_a.trainer, run_b.trainer
     resumed_batches = [make_batch(300 + i) for i in range(3)]
     with Checkpointer(tmp_path / "ckpt", CheckpointConfig(async_save=True)) as ckpt:
         step = a.step_count
@@ -520,8 +598,7 @@ def test_resume_from_a_checkpoint_continues_exactly(run_a, run_b, tmp_path):
 
 
 def test_checkpoint_from_one_device_restores_onto_a_sharded_mesh(run_a, sharded, tmp_path):
-    a, _, _ = run_a
-    _, s, _ = sharded
+    a, s = run_a.trainer, sharded.trainer
     with Checkpointer(tmp_path / "ckpt", CheckpointConfig(async_save=False)) as ckpt:
         ckpt.save(a.step_count, a.state)
         state, extra = ckpt.restore(a.step_count, s.abstract_state())
@@ -545,11 +622,12 @@ POLICY_CFG = PolicyLossConfig(kl_coef=0.1, tis_cap=2.0)
 def policy_run():
     """A policy trainer with a frozen reference and grad_accum 2, and its first two steps on a
     batch whose IS ratios exp(prox - behavior) peak at 3 in rows 0-3 and at 1.5 in rows 4-7
-    (so each micro-batch has its own maximum)."""
+    (so each micro-batch has its own maximum). Everything it returns is a read-only host copy:
+    the tests read, never step, this trainer."""
     optim = dataclasses.replace(OPT, grad_accum=2, warmup_steps=0)
     trainer = Trainer(MODEL, optim, total_steps=TOTAL, loss="policy", loss_cfg=POLICY_CFG,
                       valid_vocab=VALID, seed=0, reference=True)  # fmt: skip
-    initial = jax.device_get(trainer.params)
+    initial = read_only(jax.device_get(trainer.params))
     batch = make_batch(55)
     lp = np.asarray(trainer.logprobs(batch), np.float64)
     rng = np.random.default_rng(55)
@@ -561,30 +639,39 @@ def policy_run():
     batch["advantages"] = (np.where(np.arange(B) % 2, -1.0, 1.0)[:, None] * mask).astype(np.float32)
     m1 = jax.device_get(trainer.step(batch))
     m2 = jax.device_get(trainer.step(batch))
-    return trainer, initial, batch, delta, m1, m2
+    out = {"initial": initial, "params": jax.device_get(trainer.params),
+           "reference": jax.device_get(trainer.reference), "batch": batch, "logprobs": lp,
+           "delta": delta, "m1": m1, "m2": m2}  # fmt: skip
+    return read_only(out)
 
 
 def test_policy_trainer_first_step_matches_the_host_loss(policy_run):
-    trainer, initial, batch, delta, m1, m2 = policy_run
+    batch, delta, m1, m2 = (policy_run[k] for k in ("batch", "delta", "m1", "m2"))
     mask = batch["loss_mask"].astype(bool)
-    adv = batch["advantages"]
-    # prox = logp, so the ratio is 1 and the loss is -mean(min(e^delta, 2) * A).
-    w = np.minimum(np.exp(delta), 2.0)
-    np.testing.assert_allclose(float(m1["loss"]), -(w * adv)[mask].mean(), rtol=1e-5)
+    adv = batch["advantages"].astype(np.float64)
+    # prox = logp, so the ratio is 1 and the loss is -mean(min(e^log_is, 2) * A), where log_is
+    # = logp - behavior is computed from what the device got: the float32 behavior logprobs,
+    # not the float64 delta they were rounded from (half an ulp of a logprob ~ 2.4e-7 each).
+    # The advantages are +-1 by row, so the mean cancels (~0.005 against terms ~1.2): compare
+    # within the float32 error bound of the mean, which scales with sum(|terms|).
+    log_is = policy_run["logprobs"] - batch["behavior_logprobs"].astype(np.float64)
+    terms = (-np.minimum(np.exp(log_is), 2.0) * adv)[mask]
+    assert abs(float(m1["loss"]) - terms.mean()) <= f32_mean_tolerance(terms)
     np.testing.assert_allclose(float(m1["mismatch_kl"]), -delta[mask].mean(), rtol=1e-4)
     np.testing.assert_allclose(float(m1["tis_capped_frac"]), (np.exp(delta) > 2)[mask].mean())
     assert float(m1["tokens"]) == mask.sum()
     # The reference is the initial policy: no KL at first, some after an update.
     assert abs(float(m1["kl_ref"])) < 1e-6
     assert float(m2["kl_ref"]) > 1e-7
-    _leaves_equal(jax.device_get(trainer.reference), initial)
+    initial = policy_run["initial"]
+    _leaves_equal(policy_run["reference"], initial)
     moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(initial),
-             jax.tree.leaves(jax.device_get(trainer.params)), strict=True)]  # fmt: skip
+             jax.tree.leaves(policy_run["params"]), strict=True)]  # fmt: skip
     assert all(moved)
 
 
 def test_policy_trainer_reports_the_batch_max_is_ratio_under_grad_accum(policy_run):
-    _, _, batch, delta, m1, _ = policy_run
+    batch, delta, m1 = policy_run["batch"], policy_run["delta"], policy_run["m1"]
     mask = batch["loss_mask"].astype(bool)
     np.testing.assert_allclose(float(m1["is_ratio_max"]), np.exp(delta[mask]).max(), rtol=1e-4)
     np.testing.assert_allclose(float(m1["is_ratio_min"]), np.exp(delta[mask]).min(), rtol=1e-4)

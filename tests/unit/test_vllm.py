@@ -20,9 +20,9 @@ from aiohttp import web
 from flax import nnx
 from safetensors.numpy import load_file
 
-from launch.deploy_config import VllmConfig
 from rl.model import Qwen3, save_hf, tiny
 from rl.model.params_io import save_params
+from serving.vllm.config import VllmConfig
 from serving.vllm.launcher import (
     REPO_ROOT,
     WORKER_EXTENSION,

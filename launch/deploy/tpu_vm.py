@@ -27,8 +27,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from launch.chips import PlanError, parse_accelerator
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
+from launch.deploy.chips import PlanError, parse_accelerator
 
 EXIT_USAGE = 2
 ACTIONS = ("create", "ssh", "run", "copy", "delete")

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
 
 # flag -> config override key
 FLAG_KEYS = {

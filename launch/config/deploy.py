@@ -3,7 +3,8 @@
 chips:   which accelerator, and how many chips each role gets (`simloop plan-chips`)
 tpu_vm:  the gcloud TPU VM the job runs on (`simloop tpu-vm ...`)
 gke:     the JobSet that runs it on GKE (`simloop gke render`)
-vllm:    how `vllm serve` is started for a serving role (`serving.vllm`)
+
+`VllmConfig` (how `vllm serve` starts) lives with the launcher in `serving/vllm/config.py`.
 """
 
 from __future__ import annotations
@@ -144,29 +145,3 @@ class GkeConfig:
                 raise _bad(c, name, v, "an integer >= 0")
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise _bad(c, "command", self.command, "a non-empty list of strings")
-
-
-@dataclass(frozen=True)
-class VllmConfig:
-    """`vllm serve` for a serving role on TPU (vllm-tpu)."""
-
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    """HBM share for weights + KV cache (vLLM keeps the GPU name on TPU)."""
-    start_stagger_s: float = 20.0
-    """Pause between starting two servers on one host (libtpu and the compile caches)."""
-    health_timeout_s: float = 1800.0
-    """How long to wait for `/health` (the first XLA compile is slow)."""
-    extra_args: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        c = "VllmConfig"
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int):
-            raise _bad(c, "max_model_len", self.max_model_len, "a positive integer")
-        if self.max_model_len < 16:
-            raise _bad(c, "max_model_len", self.max_model_len, "a positive integer >= 16")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise _bad(c, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
-        if self.start_stagger_s < 0 or self.health_timeout_s <= 0:
-            raise _bad(c, "health_timeout_s", self.health_timeout_s, "stagger >= 0, timeout > 0")

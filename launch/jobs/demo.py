@@ -1,6 +1,6 @@
 """`simloop demo`: the whole pipeline (DESIGN.md §1) on CPU with tiny models, in minutes.
 
-    simloop demo --config configs/demo_cpu.yaml --out runs/demo           # ~15 min on 2 cores
+    simloop demo --out runs/demo                     # configs/demo_cpu.yaml, ~15 min on 2 cores
     simloop demo --config configs/demo_cpu.yaml --out runs/demo --quick   # ~3 min, CI-sized
 
 Stages, each a run directory of its own under `--out`, each the same code as its subcommand:
@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from launch.config import ConfigError, load_config
-from launch.schema import SimloopConfig
+from launch.config import ConfigError, load_config, write_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import JobError, UsageError
+from rl.data import rundir
 
 STAGES = ("collect", "sim", "eval_sim", "agent")
-SUMMARY_FILE = "summary.json"
-STAGE_FILE = "stage.json"
 
 
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
@@ -43,12 +42,12 @@ def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> Simloo
 
 
 def _read_stage(path: Path) -> dict | None:
-    f = path / STAGE_FILE
+    f = path / rundir.STAGE
     return json.loads(f.read_text()) if f.exists() else None
 
 
 def _write_stage(path: Path, record: dict) -> None:
-    (path / STAGE_FILE).write_text(json.dumps(record, indent=1))
+    (path / rundir.STAGE).write_text(json.dumps(record, indent=1))
 
 
 def _finished(console, k: int, name: str, text: str, path: Path) -> dict | None:
@@ -64,8 +63,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rich.console import Console
 
     if not args.out:
-        print("simloop demo: --out DIR is required", file=sys.stderr)
-        return 2
+        raise UsageError("--out DIR is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
@@ -74,16 +72,16 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     try:
         stages = _run_stages(args, out, console)
     except ConfigError as e:
-        print(f"simloop demo: config error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(f"config error: {e}") from e
     summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
     summary["wall_s"] = round(time.perf_counter() - began, 1)
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
-    from launch.report import write_report
+    (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))
+    rundir.MetricsLog(out).write({"stage": "demo", **summary})  # its numbers in TensorBoard too
+    from launch.report.page import write_report
 
     report = write_report(out)
     print_summary(console, summary)
-    console.print(f"simloop demo: summary -> {out / SUMMARY_FILE}, report -> {report}")
+    console.print(f"simloop demo: summary -> {out / rundir.SUMMARY}, report -> {report}")
     return 0
 
 
@@ -91,8 +89,8 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
     stages: dict[str, dict] = {}
     dirs = {name: out / name for name in STAGES}
     collect_dir, sim_dir = dirs["collect"], dirs["sim"]
-    trajectories = str(collect_dir / "trajectories")
-    weights = str(sim_dir / "weights" / "final")
+    trajectories = str(collect_dir / rundir.TRAJECTORIES)
+    weights = str(sim_dir / rundir.WEIGHTS / "final")
 
     # 1. collect
     stages["collect"] = _finished(
@@ -120,7 +118,7 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
             "--eval_sim.trajectories",
             json.dumps([trajectories]),
             "--eval_sim.heldout_tasks",
-            str(sim_dir / "heldout_tasks.json"),
+            str(sim_dir / rundir.HELDOUT_TASKS),
         ],  # fmt: skip
     )
 
@@ -139,8 +137,7 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
 def _collect(args, path: Path) -> dict:
     import asyncio
 
-    from launch.collect import collect
-    from launch.config import write_config
+    from launch.jobs.collect import collect
 
     cfg = stage_config(args, [])
     write_config(cfg, path)
@@ -149,7 +146,7 @@ def _collect(args, path: Path) -> dict:
     record = {"wall_s": round(time.perf_counter() - began, 1), **_pick(
         summary, "episodes", "status", "success_rate")}  # fmt: skip
     if cfg.demo.sim_max_tokens_from_data:
-        record["sim_max_tokens"] = _suggest_cap(cfg, path / "trajectories")
+        record["sim_max_tokens"] = _suggest_cap(cfg, path / rundir.TRAJECTORIES)
     print(f"simloop demo: collected {summary['episodes']} episodes {summary['status']} "
           f"(scripted success {summary['success_rate']:.2f})"
           + (f"; simulator token cap {record['sim_max_tokens']}" if "sim_max_tokens" in record
@@ -163,8 +160,8 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     simulator's format, with its end-of-turn token), at most half the simulator's context
     (`env.shell.simulated.max_context_tokens`) so that a prompt still fits beside it."""
     from envs.fidelity import suggest_max_tokens
-    from envs.sim_format import format_observation
     from rl.data import load_tokenizer
+    from rl.data.sim_format import format_observation
     from rl.data.trajectory import load_trajectories
 
     tok = load_tokenizer(cfg.simulator.tokenizer)
@@ -186,34 +183,31 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
 
 
 def _train_sim(args, path: Path, wiring: list[str]) -> dict:
-    from launch.train import run_train_sim
+    from launch.jobs import train_sim
 
     cfg = stage_config(args, wiring)
     began = time.perf_counter()
-    rc = run_train_sim(argparse.Namespace(out=str(path)), cfg)
+    rc = train_sim.run(argparse.Namespace(out=str(path)), cfg)
     if rc != 0:
-        raise SystemExit(f"simloop demo: train-sim failed (exit {rc})")
-    from launch.report import read_metrics
-
-    losses = [r for r in read_metrics(path / "metrics.jsonl")
+        raise JobError(f"train-sim failed (exit {rc})")
+    losses = [r for r in rundir.read_metrics(path / rundir.METRICS)
               if r.get("stage") == "sim_sft" and "loss" in r]  # fmt: skip
     last = losses[-1] if losses else {}
-    heldout = json.loads((path / "heldout_tasks.json").read_text())
+    heldout = json.loads((path / rundir.HELDOUT_TASKS).read_text())
     record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
-              "loss": last.get("loss"), "weights": str(path / "weights" / "final"),
+              "loss": last.get("loss"), "weights": str(path / rundir.WEIGHTS / "final"),
               "heldout_tasks": len(heldout)}  # fmt: skip
     _write_stage(path, record)
     return record
 
 
 def _eval_sim(args, path: Path, wiring: list[str]) -> dict:
-    from launch.config import write_config
-    from launch.eval_sim import eval_sim, print_fidelity, select_trajectories
+    from launch.jobs.eval_sim import eval_sim, print_fidelity, select_trajectories
 
     cfg = stage_config(args, wiring)
     trajs = select_trajectories(cfg)
     if not trajs:
-        raise SystemExit("simloop demo: no held-out real trajectory to replay for eval-sim")
+        raise JobError("no held-out real trajectory to replay for eval-sim")
     write_config(cfg, path)
     began = time.perf_counter()
     result = eval_sim(cfg, path, trajs)
@@ -226,8 +220,7 @@ def _eval_sim(args, path: Path, wiring: list[str]) -> dict:
 def _train_agent(args, path: Path, wiring: list[str]) -> dict:
     import asyncio
 
-    from launch.config import write_config
-    from launch.train import train_agent
+    from launch.jobs.train_agent import train_agent
 
     cfg = stage_config(args, wiring)
     write_config(cfg, path)
@@ -248,11 +241,8 @@ def _pick(d: dict, *keys: str) -> dict:
 
 def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: str | None) -> dict:
     """The demo's numbers, all read back from what the stages wrote."""
-    from launch.eval_sim import FIDELITY_FILE
-    from launch.train import read_evals
-
-    fidelity = json.loads((out / "eval_sim" / FIDELITY_FILE).read_text())
-    evals = read_evals(out / "agent")
+    fidelity = json.loads((out / "eval_sim" / rundir.FIDELITY).read_text())
+    evals = rundir.read_evals(out / "agent")
     pairs, hygiene = fidelity["pairs"], fidelity["hygiene"]
     success = {
         arm: {label: evals.get(label, {}).get(arm, {}).get("success_rate")

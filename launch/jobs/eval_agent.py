@@ -17,102 +17,65 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import sys
 from pathlib import Path
 from typing import Any
 
 from launch.config import write_config
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import UsageError
+from rl.data import rundir
 
 LABEL = "eval"
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not args.out:
-        print("simloop eval-agent: --out DIR is required", file=sys.stderr)
-        return 2
+        raise UsageError("--out DIR is required")
     if cfg.agent.weights is None and cfg.agent.server_url is None:
-        print(
-            "simloop eval-agent: set agent.weights to a trained agent (train-agent writes "
+        raise UsageError(
+            "set agent.weights to a trained agent (train-agent writes "
             "RUN/weights/final), e.g. --agent.weights runs/demo/agent/weights/final, or "
-            "agent.server_url to a server that already serves it",
-            file=sys.stderr,
+            "agent.server_url to a server that already serves it"
         )
-        return 2
     ecfg = cfg.train_agent.eval
     if ecfg.tasks == 0:
-        print(
-            "simloop eval-agent: train_agent.eval.tasks is 0: nothing to evaluate", file=sys.stderr
-        )
-        return 2
+        raise UsageError("train_agent.eval.tasks is 0: nothing to evaluate")
     sim = cfg.simulator
     if "closed_loop" in ecfg.arms and sim.weights is None and sim.server_url is None:
-        print(
-            "simloop eval-agent: the closed_loop arm needs a trained simulator: set "
+        raise UsageError(
+            "the closed_loop arm needs a trained simulator: set "
             "simulator.weights (train-sim writes RUN/weights/final) or simulator.server_url, "
-            "or evaluate in the real shell only with --train_agent.eval.arms '[real]'",
-            file=sys.stderr,
+            "or evaluate in the real shell only with --train_agent.eval.arms '[real]'"
         )
-        return 2
     for role in ("agent", "simulator"):
         weights = getattr(cfg, role).weights
         if weights is not None and not Path(weights).exists():
-            print(f"simloop eval-agent: {role}.weights={weights!r} does not exist", file=sys.stderr)
-            return 2
+            raise UsageError(f"{role}.weights={weights!r} does not exist")
     out = Path(args.out)
     write_config(cfg, out)
     results = evaluate_checkpoint(cfg, out)
     print_eval(results)
-    print(f"simloop eval-agent: -> {out / 'eval.json'}")
+    print(f"simloop eval-agent: -> {out / rundir.EVAL}")
     return 0
 
 
 def evaluate_checkpoint(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
     """Start the servers the arms need (unless their URLs are set), evaluate, return
     `{arm: EvalResult dict}`."""
-    from launch.chips import server_env
-    from launch.local import LocalServer
-    from launch.train import sim_server_args
-
-    arms = cfg.train_agent.eval.arms
-    with contextlib.ExitStack() as stack:
-        urls = {"agent": cfg.agent.server_url}
-        if urls["agent"] is None:
-            print("simloop eval-agent: starting a local agent server ...", flush=True)
-            args = ["--max-seq-len", str(cfg.orchestrator.max_context_tokens)]
-            server = LocalServer.start("agent", out, extra_args=args, env=server_env(cfg, "agent"))
-            urls["agent"] = stack.enter_context(server).url
-        if "closed_loop" in arms:
-            urls["simulator"] = cfg.simulator.server_url
-            if urls["simulator"] is None:
-                print("simloop eval-agent: starting a local simulator server ...", flush=True)
-                server = LocalServer.start("simulator", out, extra_args=sim_server_args(cfg),
-                                           env=server_env(cfg, "simulator"))  # fmt: skip
-                urls["simulator"] = stack.enter_context(server).url
-        return asyncio.run(_evaluate(cfg, out, urls))
+    return asyncio.run(_evaluate(cfg, out))
 
 
-async def _evaluate(cfg: SimloopConfig, out: Path, urls: dict[str, str]) -> dict[str, dict]:
-    from launch.train import agent_tasks, evaluate_agent
+async def _evaluate(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
+    from launch.deploy.local import role_clients
+    from launch.jobs.episodes import agent_tasks, evaluate_agent
     from rl.data import ChatRenderer, load_tokenizer
-    from rl.train.loop import MetricsLog
-    from serving.client import ClientConfig, InferenceClient
 
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     _, tasks = agent_tasks(cfg)
-    async with contextlib.AsyncExitStack() as stack:
-        clients = {}
-        for role, url in urls.items():
-            client = InferenceClient(
-                ClientConfig(url, timeout_s=cfg.orchestrator.request_timeout_s)
-            )
-            clients[role] = await stack.enter_async_context(client)
-            await client.wait_healthy(timeout_s=300)
-        metrics = MetricsLog(out)
-        return await evaluate_agent(
-            cfg, out, LABEL, None, clients, renderer, tasks, metrics, who="eval-agent"
-        )
+    roles = ["agent", "simulator"] if "closed_loop" in cfg.train_agent.eval.arms else ["agent"]
+    async with role_clients(cfg, out, roles, who="eval-agent") as clients:
+        return await evaluate_agent(cfg, out, LABEL, None, clients, renderer, tasks,
+                                    rundir.MetricsLog(out), who="eval-agent")  # fmt: skip
 
 
 def transfer_gap(results: dict[str, dict]) -> float | None:

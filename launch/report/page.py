@@ -13,18 +13,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import html
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.schema import SimloopConfig
-from launch.train import read_evals
+from launch.config.schema import SimloopConfig
+from launch.report.charts import bar_chart, line_chart
+from launch.report.rundir import find, load_json, read_evals, read_metrics, trajectories
+from rl.data import rundir
 
-REPORT_FILE = "report.html"
 SAMPLE_EPISODES = 6
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
@@ -35,165 +34,6 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     path = write_report(run_dir)
     print(f"simloop report: -> {path}")
     return 0
-
-
-# ----- reading a run directory ------------------------------------------------------------------
-
-
-def _find(run_dir: Path, name: str, subdirs: Sequence[str]) -> Path | None:
-    for sub in ("", *subdirs):
-        p = run_dir / sub / name
-        if p.exists():
-            return p
-    return None
-
-
-def _json(path: Path | None) -> Any:
-    return json.loads(path.read_text()) if path is not None else None
-
-
-def read_metrics(path: Path | None) -> list[dict]:
-    """The records of a `metrics.jsonl` ([] when absent; a line cut by a crash is skipped)."""
-    if path is None or not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash: the rest is still worth reporting
-    return out
-
-
-def _trajectories(directory: Path | None, prefix: str, limit: int) -> list[dict]:
-    if directory is None or not directory.is_dir():
-        return []
-    out: list[dict] = []
-    for path in sorted(directory.glob(f"{prefix}*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                out.append(json.loads(line))
-                if len(out) >= limit:
-                    return out
-    return out
-
-
-# ----- SVG charts -------------------------------------------------------------------------------
-
-
-def _nice(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 100:
-        return f"{v:.0f}"
-    if abs(v) >= 1:
-        return f"{v:.2f}".rstrip("0").rstrip(".")
-    return f"{v:.3g}"
-
-
-def line_chart(
-    title: str,
-    series: dict[str, list[tuple[float, float]]],
-    *,
-    xlabel: str = "step",
-    width: int = 460,
-    height: int = 240,
-) -> str:
-    """An inline SVG line chart of one or more (x, y) series, with axes, min/max ticks and a
-    legend; an empty chart says there is no data."""
-    esc = html.escape
-    pts = [p for s in series.values() for p in s if p[1] is not None]
-    left, right, top, bottom = 56, 12, 28, 36
-    w, h = width - left - right, height - top - bottom
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{esc(title)}" class="chart">',
-             f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">'
-             f"{esc(title)}</text>"]  # fmt: skip
-    if not pts:
-        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no data</text>')
-        return "".join(parts) + "</svg>"
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
-
-    def sx(x):
-        return left + (x - x0) / (x1 - x0) * w
-
-    def sy(y):
-        return top + h - (y - y0) / (y1 - y0) * h
-
-    parts.append(f'<rect x="{left}" y="{top}" width="{w}" height="{h}" class="frame"/>')
-    for y in (y0, (y0 + y1) / 2, y1):
-        parts.append(f'<line x1="{left}" x2="{left + w}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                     f'class="grid"/><text x="{left - 4}" y="{sy(y) + 4:.1f}" '
-                     f'text-anchor="end">{_nice(y)}</text>')  # fmt: skip
-    for x in (x0, x1):
-        parts.append(f'<text x="{sx(x):.1f}" y="{top + h + 14}" text-anchor="middle">'
-                     f"{_nice(x)}</text>")  # fmt: skip
-    parts.append(f'<text x="{left + w / 2}" y="{height - 4}" text-anchor="middle">'
-                 f"{esc(xlabel)}</text>")  # fmt: skip
-    for i, (name, s) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
-        s = [(x, y) for x, y in s if y is not None]
-        if not s:
-            continue
-        d = " ".join(
-            f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(s)
-        )
-        parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.8"/>')
-        if len(s) <= 40:
-            parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}"/>'
-                      for x, y in s]  # fmt: skip
-        ly = top + 12 + 14 * i
-        parts.append(f'<rect x="{left + 8}" y="{ly - 8}" width="10" height="3" fill="{color}"/>'
-                     f'<text x="{left + 22}" y="{ly - 3}">{esc(name)}</text>')  # fmt: skip
-    return "".join(parts) + "</svg>"
-
-
-def bar_chart(title: str, groups: dict[str, dict[str, float | None]], *, width: int = 460,
-              height: int = 240) -> str:  # fmt: skip
-    """Grouped bars in [0, 1] (e.g. success by arm, before and after): {group: {bar: value}}."""
-    esc = html.escape
-    left, top, bottom = 40, 28, 40
-    w, h = width - left - 12, height - top - bottom
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{esc(title)}" class="chart">',
-             f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">{esc(title)}</text>',
-             f'<rect x="{left}" y="{top}" width="{w}" height="{h}" class="frame"/>']  # fmt: skip
-    for y in (0.0, 0.5, 1.0):
-        yy = top + h - y * h
-        parts.append(f'<line x1="{left}" x2="{left + w}" y1="{yy}" y2="{yy}" class="grid"/>'
-                     f'<text x="{left - 4}" y="{yy + 4}" text-anchor="end">'
-                     f"{y:g}</text>")  # fmt: skip
-    names = list(groups)
-    bars = sorted({b for g in groups.values() for b in g}, key=lambda b: (b != "before", b))
-    gw = w / max(len(names), 1)
-    bw = gw * 0.7 / max(len(bars), 1)
-    for gi, name in enumerate(names):
-        gx = left + gi * gw + gw * 0.15
-        for bi, bar in enumerate(bars):
-            v = groups[name].get(bar)
-            if v is None:
-                continue
-            bh = max(0.0, min(1.0, v)) * h
-            x = gx + bi * bw
-            parts.append(f'<rect x="{x:.1f}" y="{top + h - bh:.1f}" width="{bw - 2:.1f}" '
-                         f'height="{bh:.1f}" fill="{PALETTE[bi % len(PALETTE)]}"/>'
-                         f'<text x="{x + bw / 2 - 1:.1f}" y="{top + h - bh - 3:.1f}" '
-                         f'text-anchor="middle" class="small">{v:.2f}</text>')  # fmt: skip
-        parts.append(f'<text x="{left + gi * gw + gw / 2:.1f}" y="{top + h + 14}" '
-                     f'text-anchor="middle">{esc(name)}</text>')  # fmt: skip
-    for bi, bar in enumerate(bars):
-        parts.append(f'<rect x="{left + 8 + 90 * bi}" y="{height - 12}" width="10" height="8" '
-                     f'fill="{PALETTE[bi % len(PALETTE)]}"/><text x="{left + 22 + 90 * bi}" '
-                     f'y="{height - 4}">{esc(bar)}</text>')  # fmt: skip
-    return "".join(parts) + "</svg>"
 
 
 # ----- HTML -------------------------------------------------------------------------------------
@@ -244,7 +84,7 @@ def _pre(text: str | None) -> str:
 
 def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
     if summary is None:
-        return _missing("summary.json", "written by `simloop demo`")
+        return _missing(rundir.SUMMARY, "written by `simloop demo`")
     walls = [*summary.get("stages_wall_s", {}).items(), ("total", summary.get("wall_s"))]
     rows = [[name, None if wall is None else f"{wall:.0f}"] for name, wall in walls]
     stages = summary.get("stages", {})
@@ -268,7 +108,7 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
 def _section_fidelity(fid: dict | None) -> str:
     if fid is None:
         return _missing(
-            "fidelity.json", "written by `simloop eval-sim` / the demo's eval_sim stage"
+            rundir.FIDELITY, "written by `simloop eval-sim` / the demo's eval_sim stage"
         )
     p, h, r = fid["pairs"], fid["hygiene"], fid["real_hygiene"]
     out = [
@@ -333,7 +173,7 @@ def _section_training(metrics: list[dict], sim_metrics: list[dict]) -> str:
 
 def _section_success(evals: dict | None, summary: dict | None) -> str:
     if not evals:
-        return _missing("eval.json", "`simloop train-agent` with train_agent.eval.tasks > 0")
+        return _missing(rundir.EVAL, "`simloop train-agent` with train_agent.eval.tasks > 0")
     arms = sorted({arm for label in evals.values() for arm in label})
     label = {"real": "real shell", "closed_loop": "simulator"}
     groups = {label.get(a, a): {k: evals.get(k, {}).get(a, {}).get("success_rate")
@@ -425,19 +265,19 @@ def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: lis
 def write_report(run_dir: str | Path) -> Path:
     """Write `report.html` into `run_dir` from whatever the run left there; returns its path."""
     run_dir = Path(run_dir)
-    summary = _json(_find(run_dir, "summary.json", ()))
-    fid = _json(_find(run_dir, "fidelity.json", ("eval_sim",)))
+    summary = load_json(find(run_dir, rundir.SUMMARY, ()))
+    fid = load_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))
     agent_dir = run_dir / "agent" if (run_dir / "agent").is_dir() else run_dir
     evals = read_evals(agent_dir)
-    metrics = read_metrics(agent_dir / "metrics.jsonl")
-    sim_metrics = read_metrics(_find(run_dir, "metrics.jsonl", ("sim",)))
-    tail_metrics = metrics + read_metrics(_find(run_dir, "metrics.jsonl", ("collect",)))
+    metrics = read_metrics(agent_dir / rundir.METRICS)
+    sim_metrics = read_metrics(find(run_dir, rundir.METRICS, ("sim",)))
+    tail_metrics = metrics + read_metrics(find(run_dir, rundir.METRICS, ("collect",)))
     replays = next((r for sub in ("", "eval_sim")
-                    if (r := _trajectories(run_dir / sub / "trajectories", "replay",
+                    if (r := trajectories(run_dir / sub / rundir.TRAJECTORIES, "replay",
                                            SAMPLE_EPISODES))), [])  # fmt: skip
-    agent_traj = agent_dir / "trajectories"
-    agent_real = _trajectories(agent_traj, "eval-after-real", 200)
-    agent_sim = _trajectories(agent_traj, "eval-after-closed_loop", 200)
+    agent_traj = agent_dir / rundir.TRAJECTORIES
+    agent_real = trajectories(agent_traj, "eval-after-real", 200)
+    agent_sim = trajectories(agent_traj, "eval-after-closed_loop", 200)
     # One episode per task, in task order, so the two columns show the same tasks.
     agent_real = list({t["task_id"]: t for t in reversed(agent_real)}.values())[::-1]
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -457,6 +297,6 @@ def write_report(run_dir: str | Path) -> Path:
         "<title>simloop report</title><style>" + CSS + "</style></head><body>"
         + "".join(body) + "</body></html>"
     )  # fmt: skip
-    path = run_dir / REPORT_FILE
+    path = run_dir / rundir.REPORT
     path.write_text(page, encoding="utf-8")
     return path

@@ -14,23 +14,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from pathlib import Path
 
 from launch.config import write_config
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import UsageError
+from rl.data import rundir
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not args.out:
-        print("simloop collect: --out DIR is required", file=sys.stderr)
-        return 2
+        raise UsageError("--out DIR is required")
     out = Path(args.out)
     write_config(cfg, out)
     summary = asyncio.run(collect(cfg, out))
     print(
         f"simloop collect: {summary['episodes']} episodes {summary['status']} "
-        f"success {summary['success_rate']:.2f} -> {out / 'trajectories'}"
+        f"success {summary['success_rate']:.2f} -> {out / rundir.TRAJECTORIES}"
     )
     return 0 if summary["episodes"] else 1
 
@@ -54,7 +54,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     from rich.progress import Progress
 
     from envs.textops import generate_textops
-    from launch.backends import shell_backends
+    from launch.jobs.episodes import job_backends
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.scripted import ScriptedAgentClient
@@ -79,7 +79,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
             ocfg,
             cfg.env.terminal,
             renderer,
-            shell_backends(cfg),
+            job_backends(cfg),
             client=client,
             sink=sink,
         )
@@ -87,5 +87,5 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
             await runner.run(episodes)
         finally:
             writer.close()
-            runner.metrics.write(out / "metrics.jsonl", stage="collect", noise=c.noise)
+            runner.metrics.write(rundir.MetricsLog(out), stage="collect", noise=c.noise)
     return runner.metrics.summary()

@@ -2,11 +2,15 @@
 
     simloop import --format swe-agent ../shared/data/swe-agent-trajectories --out runs/imported
     simloop import --format chat a.json b.json --out runs/chat --config configs/demo_cpu.yaml
+    simloop import --format mini-swe-agent runs/mini/ --out runs/mini-imported
 
-Folders are searched recursively (`*.traj` for swe-agent, `*.json` for chat). The token view is
-rendered with the config's agent tokenizer (`agent.tokenizer`: the byte tokenizer by default,
-so this runs on any CPU). Writes `<out>/config.yaml` and `<out>/trajectories/imported-NNNNN.jsonl`,
-prints a summary, and exits 1 when any file failed (after writing the ones that imported).
+Folders are searched recursively (`*.traj` for swe-agent, `*.json` for chat, `*.traj.json` for
+mini-swe-agent). SWE-agent files that hold only `history` (function calling) import from their
+tool calls; a file that cannot be read is named with the reason and the rest still import.
+The token view is rendered with the config's agent tokenizer (`agent.tokenizer`: the byte
+tokenizer by default, so this runs on any CPU). Writes `<out>/config.yaml` and
+`<out>/trajectories/imported-NNNNN.jsonl`, prints a summary, and exits 1 when any file failed
+(after writing the ones that imported).
 Dotted config overrides go after the paths (or as `--key=value`).
 """
 
@@ -16,12 +20,11 @@ import argparse
 from pathlib import Path
 
 from launch.config import write_config
-from launch.schema import SimloopConfig
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import EXIT_FAILED, EXIT_USAGE
+from rl.data import rundir
 from rl.data.importers import FORMATS, PATTERNS, ImportConfig, import_files
 from rl.data.trajectory import write_jsonl
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     trajectories = [traj for _, traj in report.imported]
     shards = []
     for start in range(0, len(trajectories), icfg.shard_size):
-        shard = out / "trajectories" / f"imported-{start // icfg.shard_size:05d}.jsonl"
+        shard = out / rundir.TRAJECTORIES / f"imported-{start // icfg.shard_size:05d}.jsonl"
         shards.append(write_jsonl(shard, trajectories[start : start + icfg.shard_size]))
 
     table = Table(title=f"simloop import ({icfg.format})")
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     tokens = sum(len(t.token_ids) for t in trajectories)
     console.print(
         f"files ok: {len(report.imported)}  failed: {len(report.failed)}  "
-        f"turns: {turns}  tokens: {tokens}  -> {out / 'trajectories'} ({len(shards)} shard(s))",
+        f"turns: {turns}  tokens: {tokens}  -> {out / rundir.TRAJECTORIES} "
+        f"({len(shards)} shard(s))",
         markup=False,
     )
     for _, message in report.failed:  # the message names the file and the field

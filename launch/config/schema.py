@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from envs.config import ShellConfig, TerminalConfig, TextopsConfig
-from launch.deploy_config import ChipsConfig, GkeConfig, TpuVmConfig, VllmConfig
-from rl.data.tokenizer import TokenizerConfig
-from rl.model.config import MeshConfig, ModelConfig, ShardingConfig, tiny
+from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
+from rl.model.config import ShardingConfig
 from rl.orchestrator.config import OrchestratorConfig
-from rl.train.config import TrainAgentConfig, TrainSimConfig
+from rl.train.config import RoleConfig, TrainAgentConfig, TrainSimConfig
 from serving.config import EngineConfig, ServerConfig
+from serving.vllm.config import VllmConfig
 
 
 @dataclass(frozen=True)
@@ -26,32 +26,31 @@ class RunConfig:
     """Shown in logs and reports; tags cloud resources."""
     seed: int = 0
     """Root PRNG seed; every component derives its keys from it."""
+    wandb: bool = False
+    """Also log the scalars of `metrics.jsonl` to Weights & Biases (they always go to
+    `<run>/tensorboard/`). Needs `pip install 'simloop[wandb]'`; without it the run warns once
+    and carries on."""
+    wandb_project: str = "simloop"
+    """The W&B project. Runs are grouped by `name` and named after their run directory."""
+    wandb_mode: Literal["auto", "offline", "online"] = "auto"
+    """`offline` writes `<run>/wandb/` for a later `wandb sync` and never needs the network;
+    `auto` is `online` when WANDB_API_KEY is set, else `offline`."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"RunConfig.name={self.name!r} is invalid: a non-empty string")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"RunConfig.seed={self.seed!r} is invalid: an integer >= 0")
-
-
-@dataclass(frozen=True)
-class RoleConfig:
-    """One model role (the agent or the simulator): architecture, weights, tokenizer, mesh."""
-
-    model: ModelConfig = field(default_factory=tiny)
-    """Architecture; `preset: NAME` in YAML starts from a preset."""
-    hf_path: str | None = None
-    """Local HF directory to load weights (and the architecture) from; None: random init."""
-    weights: str | None = None
-    """Serving-format weights to start from (`<dir>/params` + `model_config.json`, what
-    trainers export, e.g. `runs/sim/weights/final`); wins over `hf_path`."""
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    """`byte` for tiny models, `hf` with a local path otherwise."""
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Sub-mesh shape of this role's trainer (data x fsdp x tensor devices)."""
-    server_url: str | None = None
-    """Inference server of this role (simloop serve or vllm-tpu); None: jobs that need one
-    start a local `simloop serve` for it."""
+        if not isinstance(self.wandb, bool):
+            raise ValueError(f"RunConfig.wandb={self.wandb!r} is invalid: true or false")
+        if not self.wandb_project or not isinstance(self.wandb_project, str):
+            raise ValueError(
+                f"RunConfig.wandb_project={self.wandb_project!r} is invalid: a non-empty string"
+            )
+        if self.wandb_mode not in ("auto", "offline", "online"):
+            raise ValueError(
+                f"RunConfig.wandb_mode={self.wandb_mode!r} is invalid: auto, offline or online"
+            )
 
 
 @dataclass(frozen=True)

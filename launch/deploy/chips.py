@@ -398,12 +398,16 @@ def config_plan(
     )
 
 
-def trainer_device_ids(cfg, model_role: str, device_count: int) -> list[int] | None:
+def trainer_device_ids(cfg, model_role: str, device_count: int | None = None) -> list[int] | None:
     """The device ids a CPU plan gives `model_role`'s trainer (`agent` -> `policy_train`),
-    checked against the devices this process has; None on TPU (a process there sees only
-    its own chips) or when the plan has no such role."""
+    checked against the devices this process has (`device_count`; None: ask JAX); None on TPU
+    (a process there sees only its own chips) or when the plan has no such role."""
     if cfg.chips.accelerator.startswith("cpu-") and TRAIN_ROLE[model_role] in cfg.chips.roles:
         plan = config_plan(cfg)
+        if device_count is None:
+            import jax
+
+            device_count = jax.device_count()
         if device_count < plan.accelerator.chips:
             raise PlanError(
                 f"the chip plan {cfg.chips.accelerator} needs {plan.accelerator.chips} devices "

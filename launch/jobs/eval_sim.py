@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from launch.config import write_config
-from launch.schema import SimloopConfig
-
-FIDELITY_FILE = "fidelity.json"
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import UsageError
+from rl.data import rundir
 
 
 def select_trajectories(cfg: SimloopConfig) -> list:
@@ -56,68 +54,49 @@ def select_trajectories(cfg: SimloopConfig) -> list:
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not args.out:
-        print("simloop eval-sim: --out DIR is required", file=sys.stderr)
-        return 2
+        raise UsageError("--out DIR is required")
     if not cfg.eval_sim.trajectories:
-        print(
-            "simloop eval-sim: eval_sim.trajectories is empty: point it at real trajectories "
+        raise UsageError(
+            "eval_sim.trajectories is empty: point it at real trajectories "
             "(from `simloop collect` / `simloop import`), e.g. "
-            "--eval_sim.trajectories '[runs/collect/trajectories]'",
-            file=sys.stderr,
+            "--eval_sim.trajectories '[runs/collect/trajectories]'"
         )
-        return 2
     try:
         trajs = select_trajectories(cfg)
     except (ValueError, OSError) as e:
-        print(f"simloop eval-sim: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     if not trajs:
-        print(
-            "simloop eval-sim: no real trajectory with a recorded command and observation "
-            "to replay (check eval_sim.trajectories and eval_sim.heldout_tasks)",
-            file=sys.stderr,
+        raise UsageError(
+            "no real trajectory with a recorded command and observation "
+            "to replay (check eval_sim.trajectories and eval_sim.heldout_tasks)"
         )
-        return 2
     out = Path(args.out)
     write_config(cfg, out)
     result = eval_sim(cfg, out, trajs)
     print_fidelity(result)
-    print(f"simloop eval-sim: -> {out / FIDELITY_FILE}")
+    print(f"simloop eval-sim: -> {out / rundir.FIDELITY}")
     return 0
 
 
 def eval_sim(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
-    """Start (or use `simulator.server_url`) the simulator server, replay `trajs`, write and
-    return the fidelity result."""
-    from launch.chips import server_env
-    from launch.local import LocalServer
-    from launch.train import sim_server_args
-
-    with contextlib.ExitStack() as stack:
-        url = cfg.simulator.server_url
-        if url is None:
-            print("simloop eval-sim: starting a local simulator server ...", flush=True)
-            server = LocalServer.start("simulator", out, extra_args=sim_server_args(cfg),
-                                       env=server_env(cfg, "simulator"))  # fmt: skip
-            url = stack.enter_context(server).url
-        return asyncio.run(_replay(cfg, out, url, trajs))
+    """Replay `trajs` against the simulator (`simulator.server_url`, or a local server),
+    write and return the fidelity result."""
+    return asyncio.run(_replay(cfg, out, trajs))
 
 
-async def _replay(cfg: SimloopConfig, out: Path, url: str, trajs: list) -> dict[str, Any]:
+async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from launch.backends import shell_backends
+    from launch.deploy.local import role_clients
+    from launch.jobs.episodes import job_backends
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.evaluate import replay_fidelity
     from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.storage import TrajectoryWriter
-    from serving.client import ClientConfig, InferenceClient
 
     ocfg = dataclasses.replace(cfg.orchestrator, arm="replay", max_staleness=None)
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
-    client = InferenceClient(ClientConfig(url, timeout_s=ocfg.request_timeout_s))
-    async with client:
-        await client.wait_healthy(timeout_s=300)
+    async with role_clients(cfg, out, ["simulator"], who="eval-sim") as clients:
         writer = TrajectoryWriter(out, prefix="replay")
         columns = [TextColumn("[bold]eval-sim[/] {task.description}"), BarColumn(),
                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
@@ -129,15 +108,18 @@ async def _replay(cfg: SimloopConfig, out: Path, url: str, trajs: list) -> dict[
                 progress.advance(bar)
 
             runner = RolloutRunner(ocfg, cfg.env.terminal, renderer,
-                                   shell_backends(cfg, client), sink=sink)  # fmt: skip
+                                   job_backends(cfg, clients["simulator"]), sink=sink)  # fmt: skip
             try:
                 replays = await runner.run([], replay=trajs)
             finally:
                 writer.close()
-                runner.metrics.write(out / "metrics.jsonl", stage="eval_sim", arm="replay")
+                runner.metrics.write(rundir.MetricsLog(out), stage="eval_sim", arm="replay")
     result = replay_fidelity(replays, context_edges=cfg.eval_sim.context_edges)
     result["wall_s"] = runner.metrics.summary()["wall_s"]
-    (out / FIDELITY_FILE).write_text(json.dumps(result, indent=1))
+    (out / rundir.FIDELITY).write_text(json.dumps(result, indent=1))
+    # The headline scores also go to the metrics log (and so to TensorBoard / W&B).
+    rundir.MetricsLog(out).write({"stage": "fidelity", "pairs": result["pairs"],
+                                  "hygiene": result["hygiene"]})  # fmt: skip
     return result
 
 

@@ -1,0 +1,88 @@
+"""What the jobs that run episodes share: shell backends and tasks from the config, and the
+held-out evaluation of a served policy (`train-agent` before/after RL, `eval-agent`).
+
+    backends = job_backends(cfg, clients.get("simulator"))
+    train_tasks, eval_tasks = agent_tasks(cfg)
+    results = await evaluate_agent(cfg, out, "before", version, clients, renderer, eval_tasks,
+                                    metrics)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launch.config.schema import SimloopConfig
+from rl.data import rundir
+
+
+def job_backends(cfg: SimloopConfig, simulator_client=None):
+    """The config's real shell and, with a simulator client, the simulated one."""
+    from envs.backends import shell_backends
+
+    return shell_backends(
+        cfg.env.shell,
+        run_id=cfg.run.name,
+        simulator_client=simulator_client,
+        simulator_tokenizer=cfg.simulator.tokenizer,
+    )
+
+
+def agent_tasks(cfg: SimloopConfig) -> tuple[list, list]:
+    """(training tasks, held-out evaluation tasks) of the config's textops family."""
+    from envs.textops import split_textops
+
+    return split_textops(cfg.env.textops, cfg.train_agent.eval.tasks)
+
+
+async def evaluate_agent(
+    cfg: SimloopConfig,
+    out: Path,
+    label: str,
+    version: int | None,
+    clients: dict,
+    renderer,
+    tasks: list,
+    metrics: rundir.MetricsLog,
+    who: str = "train-agent",
+) -> dict:
+    """Evaluate the served policy (`version`) on the held-out tasks in every
+    `train_agent.eval.arms`; results go to `eval.json` (under `label`), `metrics.jsonl` and
+    `trajectories/eval-*`. `who` names the subcommand in the progress lines."""
+    from rl.orchestrator.evaluate import evaluate_policy
+    from rl.orchestrator.storage import TrajectoryWriter
+
+    ecfg = cfg.train_agent.eval
+    title = f"{label} RL" if who == "train-agent" else label
+    policy = "policy" if version is None else f"policy v{version}"
+    saved = rundir.read_evals(out)
+    results = {}
+    for arm in ecfg.arms:
+        writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
+        try:
+            r = await evaluate_policy(
+                cfg.orchestrator,
+                cfg.env.terminal,
+                renderer,
+                job_backends(cfg, clients.get("simulator")),
+                clients["agent"],
+                tasks,
+                arm=arm,
+                samples=ecfg.samples,
+                seed=cfg.run.seed + 1_000_003,
+                version=version,
+                sink=writer.add,
+            )
+        finally:
+            writer.close()
+        results[arm] = r.to_dict()
+        metrics.write({"stage": "eval", "label": label, **results[arm]})
+        kinds = " ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.by_kind.items())
+        print(
+            f"simloop {who}: eval {title}, {arm}: {policy} success "
+            f"{r.success_rate:.3f} over {r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s",
+            flush=True,
+        )
+    saved[label] = results
+    (out / rundir.EVAL).write_text(json.dumps(saved, indent=1))
+    return results

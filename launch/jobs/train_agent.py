@@ -1,0 +1,293 @@
+"""`simloop train-agent`: SFT warm start on scripted demonstrations, then RL on live episodes
+(in the real shell, in closed loop with the simulator, or a mix), evaluated before and after.
+
+    simloop train-agent --config configs/demo_cpu.yaml --out runs/agent
+
+Writes `config.yaml`, `metrics.jsonl`, `eval.json`, `checkpoints/`, `weights/` and the RL
+episodes (`trajectories/`) into `--out`, shows progress, and resumes from the newest
+checkpoint when `--out` already holds one. It starts (or uses `agent.server_url` /
+`simulator.server_url`) the servers its rollouts need and publishes every new policy version to
+the agent server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from launch.config import write_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.episodes import agent_tasks, evaluate_agent, job_backends
+from launch.jobs.errors import UsageError
+from rl.data import rundir
+
+ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
+
+
+def _needs_sim(arm: str) -> bool:
+    return arm in ("closed_loop", "mixed")
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        raise UsageError("--out DIR is required")
+    ocfg = cfg.orchestrator
+    if ocfg.arm == "replay":
+        raise UsageError(
+            "orchestrator.arm=replay has no agent to train; use real, closed_loop or mixed"
+        )
+    if ocfg.max_staleness is None:
+        raise UsageError(
+            "set orchestrator.max_staleness (0 = synchronous RL, S > 0 lets rollouts run up "
+            "to S versions ahead)"
+        )
+    if ocfg.batch_size % ocfg.group_size:
+        raise UsageError(
+            f"orchestrator.batch_size={ocfg.batch_size} must be a multiple of "
+            f"orchestrator.group_size={ocfg.group_size}"
+        )
+    if cfg.agent.server_url is not None and ADMIN_TOKEN_ENV not in os.environ:
+        raise UsageError(
+            f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
+            "new weights can be published to it"
+        )
+    out = Path(args.out)
+    write_config(cfg, out)
+    summary = asyncio.run(train_agent(cfg, out))
+    print(f"simloop train-agent: {json.dumps(summary)}")
+    return 0
+
+
+async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
+    """Scripted episodes (marker style, one turn) in the real shell: experts, with
+    `warm_start.noise` of them imperfect (those are kept: they are the demonstrations)."""
+    from rl.orchestrator.config import OrchestratorConfig
+    from rl.orchestrator.runner import RolloutRunner
+    from rl.orchestrator.scripted import ScriptedAgentClient
+
+    o = cfg.orchestrator
+    ocfg = OrchestratorConfig(
+        arm="real",
+        group_size=1,
+        max_context_tokens=o.max_context_tokens,
+        max_tokens_per_turn=o.max_tokens_per_turn,
+        seed=cfg.run.seed,
+        max_concurrent_episodes=8,
+    )
+    ws = cfg.train_agent.warm_start
+    client = ScriptedAgentClient(
+        tasks,
+        renderer.tokenizer,
+        style="marker",
+        noise=ws.noise,
+        noise_kinds=ws.noise_kinds,
+        seed=cfg.run.seed,
+    )
+    runner = RolloutRunner(
+        ocfg,
+        cfg.env.terminal,
+        renderer,
+        job_backends(cfg),
+        client=client,
+    )
+    demos = await runner.run([tasks[i % len(tasks)] for i in range(n)])
+    return [t for t in demos if t.status in ("ok", "truncated") and t.turns]
+
+
+def _trainer(cfg: SimloopConfig, tok, **kwargs):
+    from launch.deploy.chips import trainer_device_ids
+    from rl.train.build import build_trainer
+
+    return build_trainer(cfg.agent, tok, rules=cfg.sharding.rules, seed=cfg.run.seed,
+                         device_ids=trainer_device_ids(cfg, "agent"), **kwargs)  # fmt: skip
+
+
+async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.data.datasets import agent_sft_dataset
+    from rl.data.trajectory import load_trajectories, write_jsonl
+    from rl.train.build import export_weights
+    from rl.train.checkpoint import Checkpointer, export_path
+    from rl.train.loop import resume, sft_loop
+
+    tcfg, ocfg = cfg.train_agent, cfg.orchestrator
+    tok = load_tokenizer(cfg.agent.tokenizer)
+    renderer = ChatRenderer(tok)
+    tasks, eval_tasks = agent_tasks(cfg)
+    metrics = rundir.MetricsLog(out)
+    summary: dict[str, Any] = {}
+    rl_ckpt_dir = out / rundir.CHECKPOINTS / "rl"
+    init_params = None
+    ws = tcfg.warm_start
+    resuming_rl = rl_ckpt_dir.exists() and any(p.name.isdigit() for p in rl_ckpt_dir.iterdir())
+    if ws.steps > 0 and not resuming_rl:
+        if ws.trajectories:
+            demos = load_trajectories(ws.trajectories)
+        else:
+            demos = await collect_demos(cfg, tasks, renderer, ws.num_demos)
+            write_jsonl(out / rundir.TRAJECTORIES / "demos.jsonl", demos)
+        print(f"simloop train-agent: warm start on {len(demos)} demonstrations", flush=True)
+        ds, _ = agent_sft_dataset(demos, renderer, ws.data)
+        trainer = _trainer(cfg, tok, optim=ws.optim, steps=ws.steps, loss="sft")
+        batches = iter(ds)
+        with Checkpointer(out / rundir.CHECKPOINTS / "warm_start", tcfg.checkpoint) as ckpt:
+            resume(trainer, ckpt, batches)
+            s = await asyncio.to_thread(
+                sft_loop,
+                trainer,
+                batches,
+                steps=ws.steps,
+                log=metrics,
+                stage="warm_start",
+                log_every=min(10, ws.steps),
+                ckpt=ckpt,
+                ckpt_every=tcfg.checkpoint.every_steps,
+            )
+        summary["warm_start"] = {k: v for k, v in s.items() if k != "last"}
+        summary["warm_start"]["loss"] = s["last"].get("loss")
+        init_params = trainer.params
+    if tcfg.steps == 0:
+        return summary
+    from rl.train.config import PolicyLossConfig
+
+    loss_cfg: PolicyLossConfig = tcfg.loss
+    trainer = _trainer(
+        cfg,
+        tok,
+        optim=tcfg.optim,
+        steps=tcfg.steps,
+        loss="policy",
+        loss_cfg=loss_cfg,
+        init_params=init_params,
+        reference=loss_cfg.kl_coef > 0,
+    )
+    seq_len = tcfg.seq_len or ocfg.max_context_tokens
+    with Checkpointer(rl_ckpt_dir, tcfg.checkpoint) as ckpt:
+        extra = resume(trainer, ckpt)
+        if extra is not None:
+            print(f"simloop train-agent: resuming RL at step {trainer.step_count}", flush=True)
+        start_version = 1 + trainer.step_count
+        start_path = export_path(out, start_version)
+        await asyncio.to_thread(trainer.export_serving, start_path, tcfg.checkpoint.export_dtype)
+        summary["rl"] = await _rl(
+            cfg,
+            out,
+            trainer,
+            tasks,
+            renderer,
+            ckpt,
+            metrics,
+            seq_len,
+            start_path,
+            start_version,
+            eval_tasks,
+        )
+    final = export_weights(trainer, out, "final", tcfg.checkpoint)
+    summary["weights"] = str(final)
+    return summary
+
+
+async def _rl(
+    cfg,
+    out,
+    trainer,
+    tasks,
+    renderer,
+    ckpt,
+    metrics,
+    seq_len,
+    start_path,
+    start_version,
+    eval_tasks,
+) -> dict:
+    from launch.deploy.local import role_clients
+    from rl.orchestrator.buffer import RolloutBuffer
+    from rl.orchestrator.runner import RolloutRunner
+    from rl.orchestrator.storage import TrajectoryWriter
+    from rl.train.loop import rl_loop
+    from serving.publisher import EnginePublisher
+
+    tcfg, ocfg = cfg.train_agent, cfg.orchestrator
+    token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16)
+    ecfg = tcfg.eval
+    evaluating = ecfg.tasks > 0 and bool(eval_tasks)
+    roles = ["agent"]
+    if _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms):
+        roles.append("simulator")
+    async with role_clients(cfg, out, roles, who="train-agent", admin_token=token) as clients:
+        publisher = EnginePublisher([clients["agent"]], token=token)
+        report = await publisher.publish(str(start_path), start_version)
+        print(
+            f"simloop train-agent: serving policy v{start_version} "
+            f"({report.first_token_s:.2f}s to first token)",
+            flush=True,
+        )
+        before = None
+        if evaluating:
+            before = rundir.read_evals(out).get("before") or await evaluate_agent(
+                cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
+            )
+        backends = job_backends(cfg, clients.get("simulator"))
+        runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends, client=clients["agent"])
+        writer = TrajectoryWriter(out, prefix="rl")
+        remaining = tcfg.steps - trainer.step_count
+        buffer = RolloutBuffer(
+            runner,
+            tasks,
+            steps=remaining,
+            seed=cfg.run.seed + start_version,
+            sink=writer.add,
+            batch_timeout_s=ocfg.episode_timeout_s * 2,
+        )
+        await buffer.start(start_version)
+        try:
+            summary = await rl_loop(
+                trainer,
+                buffer,
+                publisher,
+                run_dir=out,
+                steps=tcfg.steps,
+                rows=ocfg.batch_size,
+                seq_len=seq_len,
+                loss_cfg=tcfg.loss,
+                pad_id=renderer.tokenizer.pad_id,
+                base_version=1,
+                publish_every=tcfg.publish_every,
+                export_dtype=tcfg.checkpoint.export_dtype,
+                log=metrics,
+                log_every=tcfg.log_every,
+                ckpt=ckpt,
+                ckpt_every=tcfg.checkpoint.every_steps,
+            )
+        finally:
+            await buffer.close()
+            writer.close()
+            runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout", arm=ocfg.arm)
+        if evaluating:
+            after = await evaluate_agent(
+                cfg,
+                out,
+                "after",
+                1 + trainer.step_count,
+                clients,
+                renderer,
+                eval_tasks,
+                metrics,
+            )
+            summary["eval"] = {
+                arm: {
+                    "before": before[arm]["success_rate"] if arm in before else None,
+                    "after": after[arm]["success_rate"],
+                }
+                for arm in after
+            }
+    history = summary.pop("history")
+    rewards = [h["reward_mean"] for h in history]
+    summary["reward_first"] = rewards[0] if rewards else None
+    summary["reward_last"] = rewards[-1] if rewards else None
+    return summary

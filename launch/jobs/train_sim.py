@@ -1,0 +1,87 @@
+"""`simloop train-sim`: supervised fine-tuning of the simulator on real trajectories.
+
+    simloop train-sim --config configs/demo_cpu.yaml --out runs/sim \\
+        --train_sim.trajectories '[runs/collect/trajectories]'
+
+Writes `config.yaml`, `metrics.jsonl`, `heldout_tasks.json`, `checkpoints/` and
+`weights/final` into `--out`, shows progress, and resumes from the newest checkpoint when
+`--out` already holds one (run the same command again after a crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from launch.config import write_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.errors import UsageError
+from rl.data import rundir
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if not args.out:
+        raise UsageError("--out DIR is required")
+    tcfg = cfg.train_sim
+    if not tcfg.trajectories:
+        raise UsageError(
+            "train_sim.trajectories is empty: point it at real trajectories "
+            "(JSONL files or folders from `simloop collect` / `simloop import`), e.g. "
+            "--train_sim.trajectories '[runs/collect/trajectories]'"
+        )
+    out = Path(args.out)
+    write_config(cfg, out)
+    from envs.tasks import is_heldout
+    from launch.deploy.chips import trainer_device_ids
+    from rl.data import load_tokenizer
+    from rl.data.datasets import sim_sft_dataset
+    from rl.data.trajectory import load_trajectories
+    from rl.train.build import build_trainer, export_weights
+    from rl.train.checkpoint import Checkpointer
+    from rl.train.loop import resume, sft_loop
+
+    trajs = load_trajectories(tcfg.trajectories)
+    train = [t for t in trajs if not is_heldout(t.task_id, tcfg.heldout_fraction)]
+    heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
+    (out / rundir.HELDOUT_TASKS).write_text(json.dumps(heldout, indent=1))
+    tok = load_tokenizer(cfg.simulator.tokenizer)
+    sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
+    ds, stats = sim_sft_dataset(train, tok, tcfg.data, system_prompt=sim_shell.system_prompt,
+                                show_task=sim_shell.show_task)  # fmt: skip
+    print(
+        f"simloop train-sim: {len(train)} trajectories ({len(heldout)} tasks held out) -> "
+        f"{stats.examples} examples, {stats.target_tokens} target tokens",
+        flush=True,
+    )
+    trainer = build_trainer(
+        cfg.simulator,
+        tok,
+        optim=tcfg.optim,
+        steps=tcfg.steps,
+        loss="sft",
+        rules=cfg.sharding.rules,
+        seed=cfg.run.seed,
+        device_ids=trainer_device_ids(cfg, "simulator"),
+    )
+    batches = iter(ds)
+    with Checkpointer(out / rundir.CHECKPOINTS, tcfg.checkpoint) as ckpt:
+        if resume(trainer, ckpt, batches) is not None:
+            print(f"simloop train-sim: resuming at step {trainer.step_count}", flush=True)
+        summary = sft_loop(
+            trainer,
+            batches,
+            steps=tcfg.steps,
+            log=rundir.MetricsLog(out),
+            stage="sim_sft",
+            log_every=tcfg.log_every,
+            ckpt=ckpt,
+            ckpt_every=tcfg.checkpoint.every_steps,
+        )
+    path = export_weights(trainer, out, "final", tcfg.checkpoint)
+    last = summary["last"]
+    print(
+        f"simloop train-sim: step {summary['steps']} loss {last.get('loss', float('nan')):.4f} "
+        f"({summary['tokens_per_s']:.0f} target tok/s, {summary['wall_s']:.0f}s) -> {path}"
+    )
+    return 0

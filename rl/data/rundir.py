@@ -1,0 +1,135 @@
+"""The run directory every subcommand writes (DESIGN §4): its file names, in one place, and the
+metrics log that jobs, trainers and the orchestrator append to (mirrored to TensorBoard and, when
+`configure_wandb` turned it on, W&B: `rl.data.metrics_sinks`).
+
+    <run>/config.yaml  metrics.jsonl  eval.json  fidelity.json  summary.json  report.html
+          trajectories/  checkpoints/  weights/  logs/  heldout_tasks.json  stage.json
+          tensorboard/  wandb/
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+from rl.data.metrics_sinks import RunSinks
+
+CONFIG = "config.yaml"
+"""The resolved config the run was started with."""
+METRICS = "metrics.jsonl"
+"""One JSON object per line: losses, rewards, rollout summaries, evaluations."""
+EVAL = "eval.json"
+"""Policy evaluations: `{label: {arm: result}}` (`before` / `after` RL, `eval`)."""
+FIDELITY = "fidelity.json"
+"""`simloop eval-sim`: the simulator's fidelity on replayed real commands (arm c)."""
+SUMMARY = "summary.json"
+"""`simloop demo`: the numbers of the whole pipeline."""
+STAGE = "stage.json"
+"""`simloop demo`: a finished stage's record (a rerun skips the stage)."""
+REPORT = "report.html"
+"""`simloop report`: the self-contained page."""
+HELDOUT_TASKS = "heldout_tasks.json"
+"""`simloop train-sim`: the task ids it held out of training."""
+TRAJECTORIES = "trajectories"
+CHECKPOINTS = "checkpoints"
+WEIGHTS = "weights"
+"""Serving-format exports (`weights/final`, `weights/v000007`)."""
+LOGS = "logs"
+TENSORBOARD = "tensorboard"
+"""TensorBoard event files of the scalars in `metrics.jsonl`."""
+
+
+def read_json(path: str | Path | None, default: Any = None) -> Any:
+    """A JSON file's content, or `default` when it does not exist (yet)."""
+    if path is None or not Path(path).exists():
+        return default
+    return json.loads(Path(path).read_text())
+
+
+def read_metrics(path: str | Path | None) -> list[dict]:
+    """The records of a `metrics.jsonl` ([] when absent); a torn last line (a killed run) is
+    skipped."""
+    if path is None or not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def read_evals(run_dir: str | Path) -> dict:
+    """`eval.json` of a run directory ({label: {arm: result}}), or {} before the first."""
+    return read_json(Path(run_dir) / EVAL, {})
+
+
+def plain(v: Any) -> Any:
+    """A JSON-safe scalar: device/numpy scalars become Python numbers, non-finite floats None."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<run>/metrics.jsonl` (flushed every write, so a
+    killed run keeps what it logged), and the same scalars to `<run>/tensorboard/` and W&B.
+
+    Jobs open many logs on one run directory; they share that directory's TensorBoard file and
+    W&B run (one per process), which stay open until `close()` on any of them, or exit."""
+
+    def __init__(self, run_dir: str | Path, filename: str = METRICS):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / filename
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps({k: plain(v) for k, v in record.items()})
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+        _sinks(self.run_dir).write(record)
+
+    def close(self) -> None:
+        """Close the run directory's TensorBoard file and finish its W&B run; a later write
+        opens new ones."""
+        with _SINKS_LOCK:
+            sinks = _SINKS.pop(self.run_dir.resolve(), None)
+        if sinks is not None:
+            sinks.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_SINKS: dict[Path, RunSinks] = {}
+_SINKS_LOCK = threading.Lock()
+
+
+def _sinks(run_dir: Path) -> RunSinks:
+    key = run_dir.resolve()
+    with _SINKS_LOCK:
+        if key not in _SINKS:
+            _SINKS[key] = RunSinks(key, key / TENSORBOARD, key / CONFIG)
+        return _SINKS[key]
+
+
+def close_all() -> None:
+    """Close every run directory's TensorBoard file and W&B run this process opened."""
+    with _SINKS_LOCK:
+        open_sinks = list(_SINKS.values())
+        _SINKS.clear()
+    for sinks in open_sinks:
+        sinks.close()
+
+
+atexit.register(close_all)

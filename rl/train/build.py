@@ -1,0 +1,86 @@
+"""Building a role's trainer from its config (`RoleConfig`: architecture, HF checkpoint or
+serving weights, sub-mesh) and exporting what it trained: what `simloop train-sim` and
+`simloop train-agent` share.
+
+    trainer = build_trainer(cfg.simulator, tok, optim=..., steps=..., loss="sft",
+                            rules=cfg.sharding.rules, seed=cfg.run.seed, device_ids=ids)
+    export_weights(trainer, run_dir, "final", ckpt_cfg)   # <run>/weights/final (+ -hf)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rl.data.rundir import WEIGHTS
+from rl.train.config import CheckpointConfig, RoleConfig
+
+
+def model_and_params(role: RoleConfig):
+    """(architecture, host params from `hf_path` or None, serving `weights` dir or None)."""
+    if role.weights:
+        from rl.model.params_io import read_model_config
+
+        return read_model_config(role.weights), None, role.weights
+    if role.hf_path:
+        from flax import nnx
+
+        from rl.model import load_hf
+
+        cfg, model = load_hf(role.hf_path)
+        return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), None
+    return role.model, None, None
+
+
+def build_trainer(
+    role: RoleConfig,
+    tokenizer,
+    *,
+    optim,
+    steps: int,
+    loss: str,
+    rules,
+    seed: int,
+    device_ids: Sequence[int] | None = None,
+    loss_cfg=None,
+    init_params=None,
+    reference: bool = False,
+):
+    """The role's `Trainer` on its own sub-mesh (`device_ids`: the planned devices, None: the
+    first ones), starting from `init_params` if given, else from the role's serving weights /
+    HF checkpoint, else a random init."""
+    from rl.train.mesh import role_meshes
+    from rl.train.trainer import Trainer
+
+    model_cfg, hf_params, weights = model_and_params(role)
+    params = hf_params if init_params is None else init_params
+    ids = None if device_ids is None else {"trainer": list(device_ids)}
+    mesh = role_meshes({"trainer": role.mesh}, device_ids=ids)
+    trainer = Trainer(
+        model_cfg,
+        optim,
+        total_steps=steps,
+        loss=loss,
+        loss_cfg=loss_cfg,
+        mesh=mesh["trainer"],
+        rules=rules,
+        # ids the sampler may draw, which the trainer must normalise over (serving's sampler)
+        valid_vocab=min(model_cfg.vocab_size, tokenizer.vocab_size),
+        seed=seed,
+        init_params=params,
+        reference=reference,
+    )
+    if params is None and weights is not None:
+        # Orbax restores straight into the trainer's placement, so load after building it.
+        trainer.reset_params(trainer.load_serving(weights))
+    return trainer
+
+
+def export_weights(trainer, run_dir: str | Path, name: str, ckpt_cfg: CheckpointConfig) -> Path:
+    """Serving weights at `<run>/weights/<name>` (and an HF copy at `<name>-hf` when
+    `export_hf`); returns the serving path."""
+    out = Path(run_dir) / WEIGHTS
+    path = trainer.export_serving(out / name, ckpt_cfg.export_dtype)
+    if ckpt_cfg.export_hf:
+        trainer.export_hf(out / f"{name}-hf", ckpt_cfg.export_dtype)
+    return path

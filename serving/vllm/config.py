@@ -1,0 +1,35 @@
+"""`VllmConfig`: how `vllm serve` is started for a serving role on TPU (no JAX, no vLLM
+import), read by `serving/vllm/launcher.py` and the `vllm` section of the root config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _bad(name: str, value: object, allowed: str) -> ValueError:
+    return ValueError(f"VllmConfig.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """`vllm serve` for a serving role on TPU (vllm-tpu)."""
+
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    """HBM share for weights + KV cache (vLLM keeps the GPU name on TPU)."""
+    start_stagger_s: float = 20.0
+    """Pause between starting two servers on one host (libtpu and the compile caches)."""
+    health_timeout_s: float = 1800.0
+    """How long to wait for `/health` (the first XLA compile is slow)."""
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int):
+            raise _bad("max_model_len", self.max_model_len, "a positive integer")
+        if self.max_model_len < 16:
+            raise _bad("max_model_len", self.max_model_len, "a positive integer >= 16")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        if self.start_stagger_s < 0 or self.health_timeout_s <= 0:
+            raise _bad("health_timeout_s", self.health_timeout_s, "stagger >= 0, timeout > 0")
