@@ -65,6 +65,8 @@ def parse_action(text: str) -> Action:
     command = blocks[0].strip()
     if not command:
         raise FormatError("the bash code block is empty")
+    if "\0" in command:  # no shell can take it as an argument (and bash drops it from input)
+        raise FormatError("the command contains a NUL byte (\\0); a shell cannot run it")
     if _SUBMIT.match(command):
         return Action("submit", command, answer=command[len("submit") :].strip())
     return Action("command", command)

@@ -179,6 +179,12 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
             flags.append("agent_cap_hit")
             _append_env(traj, [eos])
         text = out.text
+        # The turn owns its generated tokens from here on, whatever the env step does (a shell
+        # that raises, a cancellation): a trajectory never holds sampled tokens outside a turn.
+        turn = Turn(agent_text=text, command=None, observation=None, exit_code=None,
+                    timings={"agent_s": agent_s}, flags=flags, token_span=span,
+                    info={"finish_reason": out.finish_reason})  # fmt: skip
+        traj.turns.append(turn)
         started = time.perf_counter()
         step = await env.step(text)
         env_s = time.perf_counter() - started
@@ -187,16 +193,13 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
         flags += [k for k in SHELL_FLAGS if shell_info.get(k)]
         if "format_error" in info:
             flags.append("format_error")
-        turn = Turn(agent_text=text, command=info.get("command"), observation=None,
-                    exit_code=info.get("exit_code"), timings={"agent_s": agent_s, "env_s": env_s},
-                    flags=flags, token_span=span,
-                    info={"finish_reason": out.finish_reason})  # fmt: skip
+        turn.command, turn.exit_code = info.get("command"), info.get("exit_code")
+        turn.timings["env_s"] = env_s
         # The turn keeps the shell's raw output (what a simulator must reproduce, as in
         # imported trajectories); the rendered message the agent saw is in env_messages.
         if "output" in info:
             turn.observation = info["output"]
         result.timings.append(TurnTiming(turn_index, agent_s, env_s, len(gen)))
-        traj.turns.append(turn)
         if step.done:
             env_status = info.get("status", "error")
             traj.status = ENV_STATUS.get(env_status, "error")

@@ -212,6 +212,55 @@ async def test_admission_bounds_staleness():
         await loose.set_version(-1)
 
 
+async def test_a_shell_that_raises_mid_turn_keeps_the_reply_in_its_turn():
+    """The reply was sampled before the shell broke: its tokens stay inside a turn, so the
+    trajectory validates (and a writer stores it) instead of failing the whole rollout."""
+    tasks = _tasks(2)
+
+    class Breaks(LocalShell):
+        async def run(self, command, timeout_s):
+            raise ValueError("the shell broke")
+
+    writer_got = []
+
+    def sink(traj):
+        validate(traj)  # what TrajectoryWriter.add does first
+        writer_got.append(traj)
+
+    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
+                           Backends(real=lambda task: Breaks(LocalShellConfig(), setup=task.setup)),
+                           client=FakeAgentClient(tasks), sink=sink)  # fmt: skip
+    trajs = await runner.run(tasks)
+    assert len(writer_got) == len(trajs) == 4
+    for t in trajs:
+        assert t.status == "error" and "the shell broke" in t.reason
+        (turn,) = t.turns
+        start, end = turn.token_span
+        assert sum(t.loss_mask) == end - start > 0 and turn.agent_text
+        assert turn.command is None and turn.observation is None
+
+
+async def test_a_nul_byte_in_the_command_is_a_format_error_not_a_crash():
+    tasks = _tasks(1)
+
+    class Nul(FakeAgentClient):
+        async def complete(self, prompt, **kw):
+            out = await super().complete(prompt, **kw)
+            ids = self.tok.encode("```bash\necho a\0b\n```") + [self.tok.eos_id]
+            out.text, out.token_ids, out.logprobs = (
+                self.tok.decode(ids[:-1]),
+                ids,
+                [-0.5] * len(ids),
+            )
+            out.token_versions = [self.version] * len(ids)
+            return out
+
+    (t,) = await _runner(OrchestratorConfig(arm="real"), Nul(tasks), real=_local).run(tasks)
+    validate(t)
+    assert t.status == "truncated" and all("format_error" in u.flags for u in t.turns)
+    assert "NUL byte" in t.turns[0].env_messages[0]["content"]
+
+
 async def test_shutdown_cancellation_yields_aborted_trajectories():
     tasks = _tasks(2)
     asked, never = asyncio.Event(), asyncio.Event()
