@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
-STEPS = 40
+STEPS = 24
 
 
 def simloop(*args: str) -> list[str]:
