@@ -116,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = flag_overrides(args) + list(rest)
     if args.command == "demo" and args.config is None:
         if not DEMO_CONFIG.exists():
-            return _fail(args.command, f"no --config given and {DEMO_CONFIG} is missing", 2)
+            return _fail(
+                args.command, f"no --config given and {DEMO_CONFIG} is missing", EXIT_USAGE
+            )
         args.config = str(DEMO_CONFIG)
     try:
         cfg = load_config(SimloopConfig, args.config, rest)

@@ -20,7 +20,7 @@ from typing import Any
 
 from launch.config.schema import SimloopConfig
 from launch.report.charts import bar_chart, line_chart
-from launch.report.rundir import find, load_json, read_evals, read_metrics, trajectories
+from launch.report.rundir import find, read_evals, read_json, read_metrics, trajectories
 from rl.data import rundir
 
 SAMPLE_EPISODES = 6
@@ -265,8 +265,8 @@ def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: lis
 def write_report(run_dir: str | Path) -> Path:
     """Write `report.html` into `run_dir` from whatever the run left there; returns its path."""
     run_dir = Path(run_dir)
-    summary = load_json(find(run_dir, rundir.SUMMARY, ()))
-    fid = load_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))
+    summary = read_json(find(run_dir, rundir.SUMMARY, ()))
+    fid = read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))
     agent_dir = run_dir / "agent" if (run_dir / "agent").is_dir() else run_dir
     evals = read_evals(agent_dir)
     metrics = read_metrics(agent_dir / rundir.METRICS)

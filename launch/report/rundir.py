@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from rl.data.rundir import read_evals, read_metrics
+from rl.data.rundir import read_evals, read_json, read_metrics
 
-__all__ = ["find", "load_json", "read_evals", "read_metrics", "trajectories"]
+__all__ = ["find", "read_evals", "read_json", "read_metrics", "trajectories"]
 
 
 def find(run_dir: Path, name: str, subdirs: Sequence[str]) -> Path | None:
@@ -19,10 +18,6 @@ def find(run_dir: Path, name: str, subdirs: Sequence[str]) -> Path | None:
         if p.exists():
             return p
     return None
-
-
-def load_json(path: Path | None) -> Any:
-    return json.loads(path.read_text()) if path is not None else None
 
 
 def trajectories(directory: Path | None, prefix: str, limit: int) -> list[dict]:
