@@ -14,6 +14,7 @@ process and recorded (`LocalShell.isolation`, `Observation.info["isolation"]`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import pwd
@@ -352,19 +353,34 @@ class LocalShell(ShellLifecycle):
             kwargs = {"user": iso.uid, "group": iso.gid, "extra_groups": []}
         loop = asyncio.get_running_loop()
         start = time.monotonic()
-        transport, proto = await loop.subprocess_exec(
-            lambda: _Collector(loop, cfg.max_output_bytes, cfg.kill_after_output_bytes),
-            *iso.prefix,
-            *self._wrapper,
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=self.workspace,
-            env=self._env,
-            start_new_session=True,  # its own process group: one killpg reaches every child
-            **kwargs,
+        spawn = asyncio.ensure_future(
+            loop.subprocess_exec(
+                lambda: _Collector(loop, cfg.max_output_bytes, cfg.kill_after_output_bytes),
+                *iso.prefix,
+                *self._wrapper,
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd=self.workspace,
+                env=self._env,
+                start_new_session=True,  # its own process group: one killpg reaches every child
+                **kwargs,
+            )
         )
+        try:
+            # Shielded: a cancellation while the process starts must still kill its whole
+            # group. asyncio's own clean-up would kill only the direct child (unshare, whose
+            # --kill-child signal the privilege drop clears) and then wait for the pipe, i.e.
+            # for the command to end on its own (a `sleep 400` held an episode for 400 s).
+            transport, proto = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            if not spawn.cancelled():
+                with contextlib.suppress(Exception):  # it never started: nothing to kill
+                    transport, _ = await spawn
+                    _kill_group(transport.get_pid())
+                    transport.close()
+            raise
         pgid = transport.get_pid()
         proto.pgid = pgid
         timed_out = False

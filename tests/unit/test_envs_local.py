@@ -308,6 +308,37 @@ async def test_workspace_and_command_gone_when_cancelled():
     assert await wait_until(lambda: procs_running(["sleep", "432.5"]) == [], timeout_s=10)
 
 
+@needs_command_user
+async def test_cancelled_while_the_command_starts_still_kills_its_group(monkeypatch):
+    """A cancellation that lands while asyncio is still connecting the new process's pipes
+    (seen under load: a 432 s `sleep` outlived its cancelled episode) kills the whole group."""
+    loop = asyncio.get_running_loop()
+    real = loop.subprocess_exec
+    spawned = asyncio.Event()
+
+    async def slow_to_connect(*args, **kwargs):
+        result = await real(*args, **kwargs)
+        spawned.set()
+        await asyncio.sleep(1.0)  # the window in which the cancellation arrives
+        return result
+
+    monkeypatch.setattr(loop, "subprocess_exec", slow_to_connect)
+    shell = LocalShell()
+    await shell.start()
+    try:
+        task = asyncio.create_task(shell.run("sleep 431.5", timeout_s=60))
+        await spawned.wait()
+        assert await wait_until(lambda: procs_running(["sleep", "431.5"]) != [], timeout_s=30)
+        task.cancel()
+        began = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - began < 30  # the start-up window, not the command's 431 s
+        assert await wait_until(lambda: procs_running(["sleep", "431.5"]) == [], timeout_s=10)
+    finally:
+        await shell.close()
+
+
 def test_config_validation_names_field_and_value():
     with pytest.raises(ValueError, match=r"LocalShellConfig.max_processes=0 is invalid"):
         LocalShellConfig(max_processes=0)
