@@ -427,6 +427,17 @@ def server_env(cfg, model_role: str) -> dict[str, str] | None:
     return {k: v for k, v in proc.env.items() if k != "SIMLOOP_HTTP_PORT"}
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def merge_xla_flags(inherited: str, planned: str) -> str:
+    """A planned process's XLA_FLAGS: the plan's (its fake-device count) after the ones the
+    user set for the whole run (dumps, optimisation levels), whose own device count, if any,
+    the plan replaces."""
+    kept = [f for f in inherited.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, *planned.split()])
+
+
 def cpu_device_flag(cfg, environ: Mapping[str, str]) -> str | None:
     """The XLA_FLAGS value that gives this process the fake devices of a `cpu-N` plan, or None
     (not a CPU plan, or XLA_FLAGS already chooses a device count)."""

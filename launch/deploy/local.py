@@ -47,9 +47,14 @@ class LocalServer:
         cmd = [sys.executable, "-m", "launch", "serve", "--config", str(run_dir / CONFIG),
                "--role", role, "--port", str(port), *extra_args]  # fmt: skip
         log = log_path.open("w")
+        if env is not None:
+            from launch.deploy.chips import merge_xla_flags
+
+            env = {**os.environ, **env}
+            if "XLA_FLAGS" in os.environ and "XLA_FLAGS" in env:
+                env["XLA_FLAGS"] = merge_xla_flags(os.environ["XLA_FLAGS"], env["XLA_FLAGS"])
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True,
-                                env=None if env is None else {**os.environ, **env})  # fmt: skip
+                                start_new_session=True, env=env)  # fmt: skip
         deadline = time.monotonic() + timeout_s
         url = None
         while url is None:

@@ -215,6 +215,17 @@ def test_cpu_plans_give_device_ids_and_server_device_counts():
     assert "TPU_VISIBLE_CHIPS" not in agent.env
 
 
+def test_a_planned_server_keeps_the_users_xla_flags_but_the_plans_device_count():
+    from launch.deploy.chips import merge_xla_flags
+
+    user = "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 --xla_cpu_x=1"
+    planned = "--xla_force_host_platform_device_count=1"
+    assert merge_xla_flags(user, planned) == (
+        "--xla_dump_to=/tmp/d --xla_cpu_x=1 --xla_force_host_platform_device_count=1"
+    )
+    assert merge_xla_flags("", planned) == planned
+
+
 def test_parse_roles():
     assert parse_roles("policy_train=4, agent_serve=2") == {"policy_train": 4, "agent_serve": 2}
     for bad in ("policy_train", "policy_train=x", "Policy=2", "a=1,a=2"):
