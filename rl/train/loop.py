@@ -156,6 +156,10 @@ def sft_loop(
     return summary
 
 
+def _step_and_wait(trainer: Trainer, batch: dict) -> dict:
+    return jax.block_until_ready(trainer.step(batch))
+
+
 async def rl_loop(
     trainer: Trainer,
     source: EpisodeSource,
@@ -198,8 +202,10 @@ async def rl_loop(
                 episodes, rows=rows, seq_len=seq_len, cfg=loss_cfg, version=version, pad_id=pad_id
             )
             t = time.perf_counter()
-            metrics = await asyncio.to_thread(trainer.step, batch)
-            step_s = time.perf_counter() - t  # dispatch; the device work lands in publish
+            # Wait for the device work here (in a thread: rollouts keep flowing) so step_s is
+            # the step's real cost and export_s the export's alone, not the step's remainder.
+            metrics = await asyncio.to_thread(_step_and_wait, trainer, batch)
+            step_s = time.perf_counter() - t
             done = step + 1
             new_version = base_version + done
             publish: dict[str, Any] = {}
