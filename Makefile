@@ -45,8 +45,13 @@ browser:
 	    || echo "chromium install failed: the report's browser test will skip"; \
 	  else echo "no chromium, and no root apt-get to install it: the browser test will skip"; fi; }
 
+# Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built
+# once): on 2 cores the suite is half compile and process start-up, which one worker leaves
+# the second core idle for. `make test TEST_WORKERS=0` runs it in this process.
+TEST_WORKERS ?= 2
+
 test: lint browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 demo: $(BASE_STAMP)
 	$(BIN)/simloop demo --config configs/demo_cpu.yaml --out runs/demo

@@ -3,10 +3,16 @@
 import os
 from pathlib import Path
 
+# XLA:CPU flags for the test processes: the tests' programs are tiny, so compiling them costs
+# more than running them; the backend's cheapest optimisation level cuts the compile-bound
+# unit tests' time by ~30% (measured on test_train_core + test_model: 141 s -> 101 s). It
+# changes no semantics (float results may differ in the last bits, as on any other machine).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 # Must run before JAX is imported anywhere: sharding and sub-mesh code runs for real on 8 fake
 # CPU devices. Set once here; never per test file.
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS} "
+    "--xla_force_host_platform_device_count=8"
 ).strip()
 # CPU unless the caller chose: on a TPU VM, `JAX_PLATFORMS=tpu,cpu pytest -m tpu` runs the
 # hardware tests (they compare the TPU against the CPU backend).
@@ -21,8 +27,17 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+# The files whose module fixtures run whole jobs (minutes each) go first: under `make test`'s
+# two workers (one file per worker at a time) a long file started last would leave the other
+# worker idle at the end.
+LONG_FILES = ("test_train_agent.py", "test_demo.py", "test_train_cli.py", "test_chip_plan_cpu.py")
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
+
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable
 
     on_tpu = any(d.platform == "tpu" for d in jax.devices())
     skip_tpu = pytest.mark.skip(reason="needs TPU hardware (jax.devices() has no TPU)")
