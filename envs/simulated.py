@@ -137,7 +137,9 @@ class SimulatedShell(ShellLifecycle):
                     f"the prompt alone has {len(ids)} tokens, more than "
                     f"max_context_tokens={cfg.max_context_tokens}"
                 )
-            history = history[1:]  # oldest turn first: recent context matters most
+            # Oldest whole turn first (recent context matters most): the rule of
+            # `sim_format.kept_history`, which `simloop train-sim` builds its examples with.
+            history = history[1:]
             dropped += 1
 
     async def run(self, command: str, timeout_s: float) -> Observation:

@@ -47,8 +47,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     (out / rundir.HELDOUT_TASKS).write_text(json.dumps(heldout, indent=1))
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
+    # The prompts the simulated shell will send: over its context, whole oldest turns go.
+    budget = None
+    if sim_shell.max_context_tokens is not None:
+        budget = sim_shell.max_context_tokens - sim_shell.max_tokens
     ds, stats = sim_sft_dataset(train, tok, tcfg.data, system_prompt=sim_shell.system_prompt,
-                                show_task=sim_shell.show_task)  # fmt: skip
+                                show_task=sim_shell.show_task, context_budget=budget)  # fmt: skip
     print(
         f"simloop train-sim: {len(train)} trajectories ({len(heldout)} tasks held out) -> "
         f"{stats.examples} examples, {stats.target_tokens} target tokens",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rl.data.chat import ChatRenderer, generation_prompt, message_text
-from rl.data.sim_format import format_observation, render_sim_messages
+from rl.data.sim_format import format_observation, kept_history, render_sim_messages
 from rl.data.tokenizer import IM_END, Tokenizer
 from rl.data.trajectory import Trajectory, render_token_view
 
@@ -126,14 +126,17 @@ def sim_sft_examples(
     missing_exit_code: int | None = 0,
     system_prompt: str | None = None,
     show_task: bool = True,
+    context_budget: int | None = None,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
-    (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). Contexts longer than
-    `max_len` minus the target lose their oldest turns first; the newest turn that no longer
-    fits whole is cut from the left to fill the room; the system/task prefix and the current
-    command are always kept (an example that cannot keep them, or whose target alone is too
-    long, is skipped: a target cut before its end-of-turn token would teach the simulator to
-    run away)."""
+    (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
+    budget loses whole turns, oldest first (`sim_format.kept_history`, the rule the simulated
+    shell asks with); the system/task prefix and the current command are always kept. The
+    budget is `context_budget` when given (the shell's `max_context_tokens - max_tokens`, so
+    training sees exactly the prompts serving will send) and never more than `max_len` minus
+    the target. An example that cannot keep the prefix and command, or whose target alone is
+    too long, is skipped: a target cut before its end-of-turn token would teach the simulator
+    to run away."""
     examples: list[Example] = []
     stats = SFTStats()
     enc = tokenizer.encode
@@ -162,21 +165,17 @@ def sim_sft_examples(
         for k, (_, obs) in enumerate(pairs):
             target = enc(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
             suffix = commands[k] + gen_prompt
-            room = max_len - len(target) - len(system) - len(suffix)
-            if room < 0:
+            budget = max_len - len(target)
+            if context_budget is not None:
+                budget = min(budget, context_budget)
+            if len(system) + len(suffix) > budget:
                 stats.skipped["too_long"] += 1
                 continue
-            kept: list[list[int]] = []
-            for j in range(k - 1, -1, -1):  # newest first
-                turn_ids = commands[j] + answers[j]
-                if len(turn_ids) > room:
-                    if room > 0:
-                        kept.append(turn_ids[-room:])
-                    stats.truncated += 1
-                    break
-                kept.append(turn_ids)
-                room -= len(turn_ids)
-            context = system + [t for chunk in reversed(kept) for t in chunk] + suffix
+            turns = [commands[j] + answers[j] for j in range(k)]
+            n = kept_history(len(system), [len(t) for t in turns], len(suffix), budget)
+            if n < k:
+                stats.truncated += 1
+            context = system + [t for turn in turns[k - n :] for t in turn] + suffix
             examples.append(_example(context, target))
             stats.examples += 1
             stats.target_tokens += len(target)
@@ -293,6 +292,7 @@ def sim_sft_dataset(
     *,
     system_prompt: str | None = None,
     show_task: bool = True,
+    context_budget: int | None = None,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -302,6 +302,7 @@ def sim_sft_dataset(
         missing_exit_code=cfg.missing_exit_code,
         system_prompt=system_prompt,
         show_task=show_task,
+        context_budget=context_budget,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

@@ -104,6 +104,23 @@ def setup_description(files: Mapping[str, str]) -> str:
     return "\n".join(parts)
 
 
+def kept_history(prefix_len: int, turn_lens: Sequence[int], suffix_len: int, budget: int) -> int:
+    """How many of the newest history turns the simulator sees: whole turns, newest first,
+    while the prompt (`prefix_len` system tokens + the kept turns + `suffix_len` for the
+    current command and generation prompt) stays within `budget` tokens. The one rule for
+    both sides: `SimulatedShell` asks with exactly the contexts `simloop train-sim` trains on
+    (a turn is never cut in part, so a long history renders the same in training and serving).
+    """
+    room = budget - prefix_len - suffix_len
+    kept = 0
+    for n in reversed(turn_lens):
+        if n > room:
+            break
+        room -= n
+        kept += 1
+    return kept
+
+
 def render_sim_messages(
     task_instruction: str,
     history: Sequence[tuple[str, HasOutput]],

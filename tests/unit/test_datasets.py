@@ -1,6 +1,7 @@
 """SFT examples and grain packing: simulator examples use the one shared simulator format (and
-build from the real SWE-agent files), contexts truncate from the left keeping the task, packed
-batches keep segments apart, and the iterator is deterministic and resumable."""
+build from the real SWE-agent files), long contexts lose whole oldest turns exactly as the
+simulated shell's prompts do, packed batches keep segments apart, and the iterator is
+deterministic and resumable."""
 
 import json
 from collections import Counter
@@ -87,26 +88,73 @@ def test_sim_examples_match_the_simulated_shell_prompt(kind, prompt, tmp_path):
         assert ex["loss_mask"].tolist() == [0] * len(context) + [1] * len(target)
 
 
-def test_long_contexts_drop_oldest_turns_then_cut_from_the_left():
+def test_long_contexts_drop_whole_oldest_turns():
     traj = real_trajectory(6)
     full, _ = sim_sft_examples([traj], BYTES, max_len=100_000)
-    max_len = len(full[5]["tokens"]) - 120  # the last example must lose ~1.5 turns
+    turn = len(full[1]["tokens"]) - len(full[0]["tokens"])  # one (command, output) pair
+    max_len = len(full[5]["tokens"]) - turn + 10  # a tenth of the oldest turn would still fit
     examples, stats = sim_sft_examples([traj], BYTES, max_len=max_len)
     last = examples[-1]
-    assert len(last["tokens"]) == max_len  # the freed room is filled, not wasted
+    assert len(last["tokens"]) == len(full[5]["tokens"]) - turn  # the whole turn went
     context = BYTES.decode(last["tokens"][last["loss_mask"] == 0].tolist())
     system = render_sim_messages(traj.instruction, [], "x", setup_files=traj.setup_files)[0]
-    assert context.startswith(f"<|im_start|>system\n{system['content']}<|im_end|>\n")
+    head = f"<|im_start|>system\n{system['content']}<|im_end|>\n"
+    assert context.startswith(head)
     assert context.endswith(f"<|im_start|>user\ncat f5.txt<|im_end|>\n{GEN}")
-    assert "cat f0.txt" not in context and "line 4: " in context  # oldest gone, newest kept
-    cut = context[len(system["content"]) + 30 :].split("<|im_start|>")[0]
-    assert cut and not cut.startswith("user")  # a turn cut from its left fills the room
+    # The oldest turn went whole, none was cut in part: the next one follows the system.
+    assert "cat f0.txt" not in context and "line 0: " not in context
+    assert context[len(head) :].startswith("<|im_start|>user\ncat f1.txt<|im_end|>")
     target = BYTES.decode(last["tokens"][last["loss_mask"] == 1].tolist())
     assert target == format_observation(traj.turns[5].observation, 1) + "<|im_end|>"
     assert stats.truncated >= 1
 
     _, stats = sim_sft_examples([traj], BYTES, max_len=60)  # targets alone don't fit
     assert stats.examples == 0 and stats.skipped["too_long"] == 6
+
+
+class RecordingSimulator:
+    """A simulator client that records each prompt and answers with the recorded real
+    observation (so the shell's history is the trajectory's)."""
+
+    def __init__(self, traj):
+        self.prompts, self.answers = (
+            [],
+            [format_observation(t.observation, t.exit_code) for t in traj.turns if t.observation],
+        )
+
+    async def complete(self, prompt, **kw):
+        from serving.client import Completion
+
+        self.prompts.append(list(prompt))
+        return Completion(self.answers[len(self.prompts) - 1], [], "stop")
+
+
+@pytest.mark.parametrize("max_context_tokens", [800, 1000, 1300])
+async def test_serve_time_prompts_equal_training_prompts_past_the_context(max_context_tokens):
+    """A history longer than the simulator's context: every prompt `SimulatedShell` sends is
+    the context `simloop train-sim` trains on for that turn (same turns dropped, none cut)."""
+    from envs.config import SimulatedShellConfig
+    from envs.shell import TaskSetup
+    from envs.simulated import SimulatedShell
+
+    traj = real_trajectory(8)
+    max_tokens = 64
+    cfg = SimulatedShellConfig(max_context_tokens=max_context_tokens, max_tokens=max_tokens)
+    client = RecordingSimulator(traj)
+    shell = SimulatedShell(client, task_instruction=traj.instruction,
+                           setup=TaskSetup(files=traj.setup_files), config=cfg,
+                           renderer=ChatRenderer(BYTES))  # fmt: skip
+    async with shell:
+        for turn in traj.turns[:8]:
+            await shell.run(turn.command, timeout_s=5)
+    examples, stats = sim_sft_examples(
+        [traj], BYTES, max_len=100_000, context_budget=max_context_tokens - max_tokens
+    )
+    assert len(examples) == len(client.prompts) == 8
+    for ex, prompt in zip(examples, client.prompts, strict=True):
+        assert ex["tokens"][ex["loss_mask"] == 0].tolist() == prompt
+    whole, _ = sim_sft_examples([traj], BYTES, max_len=100_000)
+    assert len(whole[-1]["tokens"]) > max_context_tokens and stats.truncated > 0  # the case
 
 
 def test_sim_examples_skip_simulated_and_unknown_return_codes():
