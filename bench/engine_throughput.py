@@ -179,7 +179,7 @@ def main() -> None:
     with console.status(f"continuous batching: {n_conc} concurrent vs sequential"):
         t_conc, t_seq = asyncio.run(batching(model, n_conc, 32, conc_new, 256))
     results["batching"] = dict(concurrent_s=t_conc, sequential_s=t_seq, requests=n_conc)
-    max_len = 4096
+    max_len = 512 if q else 4096  # quick: the 3 short turns fit; decode cost follows it
     with console.status(f"{turns}-turn session: prefix reuse"):
         t_reuse, cached = asyncio.run(session(model, turns, obs_len, turn_new, True, max_len))
     with console.status(f"{turns}-turn session: full re-prefill"):
