@@ -19,9 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 from envs.config import SimulatedShellConfig
 from envs.fidelity import is_repetitive
 from envs.shell import Observation, ShellError, ShellLifecycle, TaskSetup
-from rl.data.chat import ChatRenderer, render_text
+from rl.data.chat import ChatRenderer, generation_prompt, message_text, render_text
 from rl.data.sim_format import (
     ObservationFormatError,
+    kept_history,
     parse_observation,
     parse_observation_prefix,
     render_sim_messages,
@@ -113,34 +114,40 @@ class SimulatedShell(ShellLifecycle):
         history = self.history
         if cfg.max_history_turns is not None:
             history = history[-cfg.max_history_turns :]
+
+        def messages_with(turns):
+            return render_sim_messages(self.task_instruction, turns, command,
+                                       setup_files=self.setup.files,
+                                       system_prompt=cfg.system_prompt,
+                                       show_task=cfg.show_task)  # fmt: skip
+
+        messages = messages_with(history)
+        if self.renderer is None:
+            text = render_text(messages, add_generation_prompt=True, enable_thinking=False)
+            return text, cfg.max_tokens, len(self.history) - len(history)
+        if cfg.max_context_tokens is not None:
+            # Whole oldest turns go until the prompt leaves room for max_tokens: the rule
+            # `simloop train-sim` builds its examples with (ChatML messages tokenize alone).
+            enc = self.renderer.tokenizer.encode
+            lens = [len(enc(message_text(m))) for m in messages]
+            turns = [lens[i] + lens[i + 1] for i in range(1, len(lens) - 1, 2)]
+            suffix = lens[-1] + len(enc(generation_prompt(enable_thinking=False)))
+            budget = cfg.max_context_tokens - cfg.max_tokens
+            kept = kept_history(lens[0], turns, suffix, budget)
+            if kept < len(history):
+                history = history[len(history) - kept :]
+                messages = messages_with(history)
+        ids = self.renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
         dropped = len(self.history) - len(history)
-        while True:
-            messages = render_sim_messages(
-                self.task_instruction,
-                history,
-                command,
-                setup_files=self.setup.files,
-                system_prompt=cfg.system_prompt,
-                show_task=cfg.show_task,
+        if cfg.max_context_tokens is None:
+            return ids, cfg.max_tokens, dropped
+        room = cfg.max_context_tokens - len(ids)
+        if room <= 0:
+            raise SimulatorError(
+                f"the prompt alone has {len(ids)} tokens, more than "
+                f"max_context_tokens={cfg.max_context_tokens}"
             )
-            if self.renderer is None:
-                text = render_text(messages, add_generation_prompt=True, enable_thinking=False)
-                return text, cfg.max_tokens, dropped
-            ids = self.renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
-            if cfg.max_context_tokens is None:
-                return ids, cfg.max_tokens, dropped
-            room = cfg.max_context_tokens - len(ids)
-            if room >= cfg.max_tokens or (not history and room > 0):
-                return ids, min(cfg.max_tokens, room), dropped
-            if not history:
-                raise SimulatorError(
-                    f"the prompt alone has {len(ids)} tokens, more than "
-                    f"max_context_tokens={cfg.max_context_tokens}"
-                )
-            # Oldest whole turn first (recent context matters most): the rule of
-            # `sim_format.kept_history`, which `simloop train-sim` builds its examples with.
-            history = history[1:]
-            dropped += 1
+        return ids, min(cfg.max_tokens, room), dropped
 
     async def run(self, command: str, timeout_s: float) -> Observation:
         async with self._lock:
