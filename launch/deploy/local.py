@@ -50,9 +50,12 @@ class LocalServer:
         if env is not None:
             from launch.deploy.chips import merge_xla_flags
 
-            env = {**os.environ, **env}
-            if "XLA_FLAGS" in os.environ and "XLA_FLAGS" in env:
-                env["XLA_FLAGS"] = merge_xla_flags(os.environ["XLA_FLAGS"], env["XLA_FLAGS"])
+            planned = dict(env)
+            if "XLA_FLAGS" in planned:
+                planned["XLA_FLAGS"] = merge_xla_flags(
+                    os.environ.get("XLA_FLAGS", ""), planned["XLA_FLAGS"]
+                )
+            env = {**os.environ, **planned}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                 start_new_session=True, env=env)  # fmt: skip
         deadline = time.monotonic() + timeout_s
