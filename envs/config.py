@@ -339,3 +339,45 @@ class TextopsConfig:
         )
         p = self.from_file_prob
         _check(cls, "from_file_prob", p, 0 <= p <= 1, "a probability in [0, 1]")
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """What `sample_case` draws from."""
+
+    seed: int = 0
+    min_len: int = 1
+    """Shortest random word."""
+    max_len: int = 14
+    """Longest random word (textops words have 4-12 letters)."""
+    repeat_prob: float = 0.35
+    """Share of words drawn from a small alphabet (3-6 letters), so letters repeat: copying and
+    sorting must then track positions, not only letters."""
+    textops_prob: float = 0.5
+    """Share of commands in the textops agent's shape (`[echo MARKER\\n]tr -d '\\n' <
+    input.txt | OP`)."""
+    error_prob: float = 0.12
+    """Share of commands made to fail (a misspelt program, a missing file, a bad option)."""
+    commands_per_case: int = 6
+    """Commands run against one workspace (each is its own example)."""
+    session_prob: float = 0.1
+    """Share of cases whose first two commands are also kept as one two-turn session."""
+    bare_prob: float = 0.3
+    """Share of cases with no files: the words are in the commands (`printf`/`echo`), so the
+    rows are short and the word is a few dozen bytes before the output: the distance at which
+    copying is learned first (a curriculum starts with these)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(
+                f"GrammarConfig: min_len={self.min_len}, max_len={self.max_len} is invalid: "
+                "1 <= min_len <= max_len"
+            )
+        for name in ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"GrammarConfig.{name}={value!r} is invalid: within [0, 1]")
+        if self.commands_per_case < 1:
+            raise ValueError(
+                f"GrammarConfig.commands_per_case={self.commands_per_case!r} is invalid: >= 1"
+            )

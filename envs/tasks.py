@@ -71,6 +71,13 @@ class Task:
         if not isinstance(self.instruction, str) or not self.instruction.strip():
             raise ValueError(f"Task.instruction of {self.id!r} is invalid: a non-empty string")
 
+    @property
+    def kind(self) -> str:
+        """What reports group by: the operation (`reward.params.op`, e.g. a textops
+        operation), else the family."""
+        op = self.reward.params.get("op") if self.reward is not None else None
+        return str(op or self.family or "task")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,

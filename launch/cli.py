@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "demo": ("the whole pipeline on CPU with tiny models, in minutes", True),
     "collect": ("run agents in real shells (local / E2B) and store trajectories", True),
     "import": ("convert SWE-agent .traj / chat JSON files into simloop trajectories", True),
+    "pretrain-sim": ("the simulator learns bash output on a real-bash utility grammar", True),
     "train-sim": ("supervised fine-tuning of the simulator on real trajectories", True),
     "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
@@ -51,6 +52,7 @@ MODULES: dict[str, str] = {
     "demo": "launch.jobs.demo",
     "collect": "launch.jobs.collect",
     "import": "launch.jobs.import_trajectories",
+    "pretrain-sim": "launch.jobs.pretrain_sim",
     "train-sim": "launch.jobs.train_sim",
     "eval-sim": "launch.jobs.eval_sim",
     "train-agent": "launch.jobs.train_agent",
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(dump_config(cfg))
         return 0
-    if args.command in ("train-sim", "train-agent", "demo"):
+    if args.command in ("pretrain-sim", "train-sim", "train-agent", "demo"):
         # A cpu-N chip plan: this process holds the N fake devices the trainers are planned
         # on (before anything imports JAX).
         from launch.deploy.chips import cpu_device_flag

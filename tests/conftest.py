@@ -30,7 +30,13 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # The files whose module fixtures run whole jobs (minutes each) go first: under `make test`'s
 # two workers (one file per worker at a time) a long file started last would leave the other
 # worker idle at the end.
-LONG_FILES = ("test_train_agent.py", "test_demo.py", "test_train_cli.py", "test_chip_plan_cpu.py")
+LONG_FILES = (
+    "test_train_agent.py",
+    "test_demo.py",
+    "test_train_cli.py",
+    "test_chip_plan_cpu.py",
+    "test_pretrain_sim.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -142,10 +142,26 @@ def load_config(
             raise ConfigError(f"{file} is not valid YAML: {e}") from e
         if not isinstance(tree, dict | None):
             raise ConfigError(f"{file} must hold a mapping at the top level, got {tree!r}")
+        _anchor_paths(tree or {}, file.resolve().parent)
     tree = tree or {}
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
     return build_config(cls, tree)
+
+
+# Paths a config file may give relative to itself (a checkpoint shipped beside the config).
+FILE_RELATIVE_PATHS = (("agent", "weights"), ("agent", "hf_path"), ("simulator", "weights"),
+                       ("simulator", "hf_path"))  # fmt: skip
+
+
+def _anchor_paths(tree: dict, folder: Path) -> None:
+    """A relative model path written in a config file is relative to that file's folder
+    (`configs/demo_cpu.yaml` names `pretrained/...` under `configs/`), so the config works from
+    any working directory; on the command line a relative path is the working directory's."""
+    for section, key in FILE_RELATIVE_PATHS:
+        value = (tree.get(section) or {}).get(key) if isinstance(tree.get(section), dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            tree[section][key] = str(folder / value)
 
 
 def dump_config(cfg: Any) -> str:

@@ -9,11 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from envs.config import ShellConfig, TerminalConfig, TextopsConfig
+from envs.config import GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
+from rl.data.datasets import DatasetConfig
 from rl.model.config import ShardingConfig
 from rl.orchestrator.config import OrchestratorConfig
-from rl.train.config import RoleConfig, TrainAgentConfig, TrainSimConfig
+from rl.train.config import (
+    CheckpointConfig,
+    OptimConfig,
+    RoleConfig,
+    TrainAgentConfig,
+    TrainSimConfig,
+)
 from serving.config import EngineConfig, ServerConfig
 from serving.vllm.config import VllmConfig
 
@@ -79,6 +86,51 @@ def _noise_kinds() -> tuple[str, ...]:
     from rl.orchestrator.scripted import NOISE_KINDS
 
     return NOISE_KINDS
+
+
+@dataclass(frozen=True)
+class PretrainSimConfig:
+    """`simloop pretrain-sim`: the simulator learns to compute terminal output from its context
+    on real-bash transcripts of a utility grammar (`envs.shellgrammar`), before any agent's
+    trajectories. Its weights seed `train-sim` through `simulator.weights`."""
+
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    cases: int = 12_000
+    """Workspaces run in real bash; each gives `grammar.commands_per_case` examples."""
+    eval_cases: int = 200
+    """Held-out workspaces (another seed) scored every `eval_every` steps."""
+    concurrency: int = 8
+    """Workspaces run at once while collecting."""
+    steps: int = 4_000
+    """Optimizer steps in all (the short stage's included)."""
+    short_steps: int = 1_000
+    """Curriculum: the first steps train only on rows of at most `short_data.seq_len` tokens
+    (commands that carry their word, a few dozen bytes before the output), where copying is
+    learned soonest; then every row."""
+    short_data: DatasetConfig = field(
+        default_factory=lambda: DatasetConfig(seq_len=128, batch_size=64, num_epochs=None)
+    )
+    data: DatasetConfig = field(
+        default_factory=lambda: DatasetConfig(seq_len=384, batch_size=16, num_epochs=None)
+    )
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=100))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval_every: int = 250
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name, low in (("cases", 1), ("eval_cases", 1), ("concurrency", 1), ("steps", 1),
+                          ("short_steps", 0), ("eval_every", 1), ("log_every", 1)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"PretrainSimConfig.{name}={value!r} is invalid: an integer >= {low}"
+                )
+        if self.short_steps > self.steps:
+            raise ValueError(
+                f"PretrainSimConfig.short_steps={self.short_steps} is invalid: at most steps "
+                f"({self.steps})"
+            )
 
 
 @dataclass(frozen=True)
@@ -174,6 +226,9 @@ class DemoConfig:
     demo), `real` or `mixed`."""
     eval_arms: list[str] = field(default_factory=lambda: ["real", "closed_loop"])
     """Where the agent is evaluated before and after RL."""
+    real_rl: bool = True
+    """The deciding experiment's control arm: RL in the real shell from the same warm start
+    with the same number of episodes, evaluated in the real shell like the simulator arm."""
     sim_max_tokens_from_data: bool = True
     """Set the simulator's token cap (`env.shell.simulated.max_tokens`) from the collected
     real observations (`envs.fidelity.suggest_max_tokens`), so a runaway costs little."""
@@ -223,6 +278,8 @@ class SimloopConfig:
     """Rollouts: arm, groups, limits, concurrency, staleness."""
     collect: CollectConfig = field(default_factory=CollectConfig)
     """`simloop collect`: scripted real trajectories for the simulator."""
+    pretrain_sim: PretrainSimConfig = field(default_factory=PretrainSimConfig)
+    """`simloop pretrain-sim`: the simulator on real bash over a utility grammar."""
     train_sim: TrainSimConfig = field(default_factory=TrainSimConfig)
     """`simloop train-sim`: simulator SFT (mesh: `simulator.mesh`)."""
     eval_sim: EvalSimConfig = field(default_factory=EvalSimConfig)

@@ -12,7 +12,10 @@ Stages, each a run directory of its own under `--out`, each the same code as its
                  servers are separate processes; every policy version is published to the agent
                  server as an Orbax checkpoint), the agent evaluated in the real shell and in the
                  simulator before and after RL
-5. `summary.json` and `report.html` at the top of `--out`
+5. `agent_real/` the control arm: RL in the real shell from the same warm start with the same
+                 number of episodes, evaluated in the real shell on the same tasks and seeds
+6. `summary.json` (`thesis`: the deciding experiment, recomputed from the stored episodes)
+   and `report.html` at the top of `--out`
 
 A finished stage leaves `stage.json`; running the same command again skips finished stages and
 resumes an interrupted one from its checkpoints.
@@ -31,7 +34,7 @@ from launch.config.schema import SimloopConfig
 from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
-STAGES = ("collect", "sim", "eval_sim", "agent")
+STAGES = ("collect", "sim", "eval_sim", "agent", "agent_real")
 
 
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
@@ -131,6 +134,21 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
     stages["agent"] = _finished(
         console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})", dirs["agent"]
     ) or _train_agent(args, dirs["agent"], agent_wiring)
+
+    # 5. the control arm: RL in the real shell from the same warm start, same episodes
+    if base.demo.real_rl:
+        warm = dirs["agent"] / rundir.WEIGHTS / "warm_start"
+        real_wiring = wired + [
+            "--agent.weights", str(warm),
+            "--train_agent.warm_start.steps", "0",
+            "--orchestrator.arm", "real",
+            "--train_agent.eval.arms", json.dumps(["real"]),
+            "--train_agent.eval.before", "false",  # measured in stage 4, same policy and seeds
+        ]  # fmt: skip
+        stages["agent_real"] = _finished(
+            console, 5, "train-agent", "the control: RL in the real shell, same warm start",
+            dirs["agent_real"],
+        ) or _train_agent(args, dirs["agent_real"], real_wiring)  # fmt: skip
     return stages
 
 
@@ -196,9 +214,34 @@ def _train_sim(args, path: Path, wiring: list[str]) -> dict:
     heldout = json.loads((path / rundir.HELDOUT_TASKS).read_text())
     record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
               "loss": last.get("loss"), "weights": str(path / rundir.WEIGHTS / "final"),
-              "heldout_tasks": len(heldout)}  # fmt: skip
+              "heldout_tasks": len(heldout),
+              "simulator": describe_simulator(cfg, path)}  # fmt: skip
     _write_stage(path, record)
     return record
+
+
+def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
+    """What the report says the simulator is: its size, where it started, what it saw."""
+    from rl.model.params_io import read_model_config
+
+    model = read_model_config(sim_dir / rundir.WEIGHTS / "final")
+    start = cfg.simulator.weights
+    pretrained = rundir.read_json(Path(start) / "pretrain_sim.json") if start else None
+    examples = [r for r in rundir.read_metrics(sim_dir / rundir.METRICS)
+                if r.get("stage") == "train_sim_data"]  # fmt: skip
+    return {
+        "params": model.num_params(),
+        "layers": model.num_layers,
+        "hidden": model.hidden_size,
+        "heads": model.num_heads,
+        "started_from": start or "random initialisation",
+        "pretrained_on": None if not pretrained else {
+            k: pretrained.get(k) for k in ("examples", "steps", "wall_s", "command", "exact",
+                                           "textops")
+        },
+        "fine_tuned_on": examples[-1] if examples else None,
+        "fine_tune_steps": cfg.train_sim.steps,
+    }  # fmt: skip
 
 
 def _eval_sim(args, path: Path, wiring: list[str]) -> dict:
@@ -240,7 +283,10 @@ def _pick(d: dict, *keys: str) -> dict:
 
 
 def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: str | None) -> dict:
-    """The demo's numbers, all read back from what the stages wrote."""
+    """The demo's numbers, all read back from what the stages wrote (`thesis` from the stored
+    episodes themselves: `launch.report.thesis`)."""
+    from launch.report.thesis import thesis
+
     fidelity = json.loads((out / "eval_sim" / rundir.FIDELITY).read_text())
     evals = rundir.read_evals(out / "agent")
     pairs, hygiene = fidelity["pairs"], fidelity["hygiene"]
@@ -281,7 +327,17 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
                 k: {"observations": v.get("count", 0), "exact_masked": v.get("exact_masked")}
                 for k, v in fidelity.get("by_context", {}).items()
             },
+            "by_kind": {
+                k: {
+                    "observations": v.get("count", 0),
+                    "exact_masked": v.get("exact_masked"),
+                    "exit_code_agreement": v.get("exit_code_agreement"),
+                }
+                for k, v in fidelity.get("by_kind", {}).items()
+            },  # fmt: skip
+            "simulator": stages.get("sim", {}).get("simulator"),
         },
+        "thesis": thesis(out),
         "agent_success": success,
         "agent_success_by_kind": by_kind,
         "transfer_gap": gap,
@@ -321,10 +377,35 @@ def print_summary(console, s: dict) -> None:
         "transfer gap (sim - real): before / after", f"{_fmt(g['before'])} / {_fmt(g['after'])}"
     )
     t.add_row("RL steps (arm)", f"{_fmt(s['rl']['steps'])} ({s['rl']['arm']})")
+    th = s.get("thesis") or {}
+    if "ci95" in th:
+        ci = th["ci95"]
+        for name, key in (("warm start", "warm_start"), ("RL in the simulator", "rl_in_sim"),
+                          ("RL in the real shell", "rl_in_real")):  # fmt: skip
+            lo, hi = ci[key]
+            t.add_row(f"real-shell success: {name} (95% CI)",
+                      f"{_fmt(th[key]['real'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+        lo, hi = ci["gain_rl_in_sim"]
+        t.add_row("gain of RL in the simulator (95% CI)",
+                  f"{_fmt(th['gain']['rl_in_sim'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+        lo, hi = ci["sim_minus_real"]
+        t.add_row("RL in sim minus RL in real (95% CI)",
+                  f"{_fmt(th['sim_minus_real'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+    elif th:
+        t.add_row("the deciding experiment", f"incomplete: {th.get('missing')}")
     for name, wall in s["stages_wall_s"].items():
         t.add_row(f"wall: {name}", f"{_fmt(wall, 0)} s")
     t.add_row("wall: total", f"{_fmt(s.get('wall_s'), 0)} s")
     console.print(t)
+    fk = f.get("by_kind") or {}
+    if fk:
+        k = Table(title="simulator fidelity by operation (arm c, held out)")
+        for name in ("operation", "observations", "exact (masked)", "return code"):
+            k.add_column(name, justify="left" if name == "operation" else "right")
+        for kind, v in fk.items():
+            k.add_row(kind, str(v["observations"]), _fmt(v["exact_masked"]),
+                      _fmt(v["exit_code_agreement"]))  # fmt: skip
+        console.print(k)
     by_kind = s.get("agent_success_by_kind") or {}
     if by_kind:
         k = Table(title="agent success by operation: before -> after RL")

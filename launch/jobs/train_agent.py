@@ -151,6 +151,11 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
         summary["warm_start"] = {k: v for k, v in s.items() if k != "last"}
         summary["warm_start"]["loss"] = s["last"].get("loss")
         init_params = trainer.params
+        # The policy RL starts from, for runs that must start from the same one (the demo's
+        # RL-in-the-real-shell arm: `--agent.weights <run>/weights/warm_start`).
+        summary["warm_start"]["weights"] = str(
+            export_weights(trainer, out, "warm_start", tcfg.checkpoint)
+        )
     if tcfg.steps == 0:
         return summary
     from rl.train.config import PolicyLossConfig
@@ -228,7 +233,7 @@ async def _rl(
             flush=True,
         )
         before = None
-        if evaluating:
+        if evaluating and ecfg.before:
             before = rundir.read_evals(out).get("before") or await evaluate_agent(
                 cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
             )
@@ -281,7 +286,7 @@ async def _rl(
             )
             summary["eval"] = {
                 arm: {
-                    "before": before[arm]["success_rate"] if arm in before else None,
+                    "before": before[arm]["success_rate"] if before and arm in before else None,
                     "after": after[arm]["success_rate"],
                 }
                 for arm in after

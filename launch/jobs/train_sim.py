@@ -51,8 +51,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     budget = None
     if sim_shell.max_context_tokens is not None:
         budget = sim_shell.max_context_tokens - sim_shell.max_tokens
-    ds, stats = sim_sft_dataset(train, tok, tcfg.data, system_prompt=sim_shell.system_prompt,
-                                show_task=sim_shell.show_task, context_budget=budget)  # fmt: skip
+    prompt = dict(system_prompt=sim_shell.system_prompt, show_task=sim_shell.show_task,
+                  context_budget=budget)  # fmt: skip
+    ds, stats = sim_sft_dataset(train, tok, tcfg.data, **prompt)
+    log = rundir.MetricsLog(out)
+    log.write({"stage": "train_sim_data", "trajectories": len(train),
+               "heldout_tasks": len(heldout), **stats.to_dict()})  # fmt: skip
     print(
         f"simloop train-sim: {len(train)} trajectories ({len(heldout)} tasks held out) -> "
         f"{stats.examples} examples, {stats.target_tokens} target tokens",
@@ -69,6 +73,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         device_ids=trainer_device_ids(cfg, "simulator"),
     )
     batches = iter(ds)
+    on_log = None
+    if tcfg.eval_every:
+        held = set(heldout)
+        on_log = heldout_curve(trainer, [t for t in trajs if t.task_id in held], tok, tcfg,
+                               prompt, log)  # fmt: skip
     with Checkpointer(out / rundir.CHECKPOINTS, tcfg.checkpoint) as ckpt:
         if resume(trainer, ckpt, batches) is not None:
             print(f"simloop train-sim: resuming at step {trainer.step_count}", flush=True)
@@ -76,11 +85,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             trainer,
             batches,
             steps=tcfg.steps,
-            log=rundir.MetricsLog(out),
+            log=log,
             stage="sim_sft",
             log_every=tcfg.log_every,
             ckpt=ckpt,
             ckpt_every=tcfg.checkpoint.every_steps,
+            on_log=on_log,
         )
     path = export_weights(trainer, out, "final", tcfg.checkpoint)
     last = summary["last"]
@@ -89,3 +99,32 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         f"({summary['tokens_per_s']:.0f} target tok/s, {summary['wall_s']:.0f}s) -> {path}"
     )
     return 0
+
+
+def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):
+    """An `sft_loop` hook that scores the held-out trajectories' examples every
+    `tcfg.eval_every` steps (greedy exact match by `meta.task_kind`) into `log`."""
+    from rl.data.datasets import sim_sft_examples
+    from rl.train.loop import greedy_exact_by_group
+
+    examples, kinds = [], []
+    for t in trajs:
+        ex, _ = sim_sft_examples([t], tok, max_len=tcfg.data.seq_len + 1, **prompt)
+        examples += ex
+        kinds += [str(t.meta.get("task_kind") or "all")] * len(ex)
+    if not examples:
+        return None
+
+    def on_log(last: dict) -> None:
+        step = int(last["step"])
+        if step % tcfg.eval_every and step != tcfg.steps:
+            return
+        r = greedy_exact_by_group(trainer, examples, kinds, batch_size=tcfg.data.batch_size,
+                                  pad_id=tok.pad_id)  # fmt: skip
+        log.write({"stage": "sim_sft_eval", "step": step, "exact": r["exact"],
+                   **{f"exact_{k}": v for k, v in r["by_group"].items()}})  # fmt: skip
+        kinds_text = " ".join(f"{k} {v:.2f}" for k, v in r["by_group"].items())
+        print(f"simloop train-sim: step {step}: held-out greedy exact {r['exact']:.3f} "
+              f"({kinds_text})", flush=True)  # fmt: skip
+
+    return on_log

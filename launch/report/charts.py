@@ -4,6 +4,7 @@ no JavaScript, nothing loaded from the network."""
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b")
 
@@ -82,8 +83,10 @@ def line_chart(
 
 
 def bar_chart(title: str, groups: dict[str, dict[str, float | None]], *, width: int = 460,
-              height: int = 240) -> str:  # fmt: skip
-    """Grouped bars in [0, 1] (e.g. success by arm, before and after): {group: {bar: value}}."""
+              height: int = 240,
+              intervals: dict[str, dict[str, Sequence[float]]] | None = None) -> str:  # fmt: skip
+    """Grouped bars in [0, 1] (e.g. success by arm, before and after): {group: {bar: value}};
+    `intervals` ({group: {bar: [low, high]}}) draws an error bar on a bar (a 95% interval)."""
     esc = html.escape
     left, top, bottom = 40, 28, 40
     w, h = width - left - 12, height - top - bottom
@@ -112,6 +115,12 @@ def bar_chart(title: str, groups: dict[str, dict[str, float | None]], *, width: 
                          f'height="{bh:.1f}" fill="{PALETTE[bi % len(PALETTE)]}"/>'
                          f'<text x="{x + bw / 2 - 1:.1f}" y="{top + h - bh - 3:.1f}" '
                          f'text-anchor="middle" class="small">{v:.2f}</text>')  # fmt: skip
+            ci = (intervals or {}).get(name, {}).get(bar)
+            if ci:
+                lo, hi = (top + h - max(0.0, min(1.0, c)) * h for c in ci)
+                cx = x + bw / 2 - 1
+                parts.append(f'<path d="M{cx:.1f} {lo:.1f}V{hi:.1f}M{cx - 4:.1f} {lo:.1f}'
+                             f'h8M{cx - 4:.1f} {hi:.1f}h8" class="ci"/>')  # fmt: skip
         parts.append(f'<text x="{left + gi * gw + gw / 2:.1f}" y="{top + h + 14}" '
                      f'text-anchor="middle">{esc(name)}</text>')  # fmt: skip
     for bi, bar in enumerate(bars):

@@ -47,7 +47,8 @@ text-align:right;font-variant-numeric:tabular-nums} th{background:#f5f5f5}
 td:first-child,th:first-child{text-align:left}
 .chart{margin:6px 12px 6px 0;font-size:11px;font-family:inherit} .chart .ct{font-size:13px;
 font-weight:600} .chart .frame{fill:none;stroke:#999} .chart .grid{stroke:#eee}
-.chart .small{font-size:10px} .charts{display:flex;flex-wrap:wrap}
+.chart .ci{stroke:#222;stroke-width:1.5;fill:none} .chart .small{font-size:10px}
+.charts{display:flex;flex-wrap:wrap}
 .note{color:#555;font-size:14px} .missing{color:#a33}
 pre{background:#f7f7f7;border:1px solid #e3e3e3;padding:6px;margin:0;white-space:pre-wrap;
 word-break:break-all;font-size:12px;max-height:220px;overflow:auto}
@@ -105,6 +106,98 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
             + _table(["stage", "wall (s)"], rows))  # fmt: skip
 
 
+def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: list[dict]) -> str:
+    t = (summary or {}).get("thesis")
+    if not t:
+        return _missing("the deciding experiment", "`simloop demo` with demo.real_rl (default)")
+    if "missing" in t:
+        why = html.escape(t["missing"])
+        return f'<p class="missing">The deciding experiment is incomplete: {why}.</p>'
+    ci = t["ci95"]
+    bars = {"warm start": {"real shell": t["warm_start"]["real"]},
+            "RL in the simulator": {"real shell": t["rl_in_sim"]["real"]},
+            "RL in the real shell": {"real shell": t["rl_in_real"]["real"]}}  # fmt: skip
+    intervals = {"warm start": {"real shell": ci["warm_start"]},
+                 "RL in the simulator": {"real shell": ci["rl_in_sim"]},
+                 "RL in the real shell": {"real shell": ci["rl_in_real"]}}  # fmt: skip
+    rl_sim = [m for m in metrics if m.get("stage") == "rl" and "step" in m]
+    rl_real = [m for m in real_metrics if m.get("stage") == "rl" and "step" in m]
+    curves = line_chart("RL: batch reward where it trains",
+                        {"in the simulator": _series(rl_sim, "reward_mean"),
+                         "in the real shell": _series(rl_real, "reward_mean")})  # fmt: skip
+    g = t["gain"]
+    rows = [
+        ["warm start", t["warm_start"]["real"], ci["warm_start"], "", ""],
+        ["RL in the simulator", t["rl_in_sim"]["real"], ci["rl_in_sim"], g["rl_in_sim"],
+         ci["gain_rl_in_sim"]],
+        ["RL in the real shell", t["rl_in_real"]["real"], ci["rl_in_real"], g["rl_in_real"],
+         ci["gain_rl_in_real"]],
+    ]  # fmt: skip
+    verdicts = "".join(
+        f"<li>{html.escape(k.replace('_', ' '))}: "
+        + ('<span class="ok">yes</span>' if v else '<span class="bad">no</span>')
+        + "</li>"
+        for k, v in t.get("acceptance", {}).items()
+    )
+    return (
+        f'<p class="note">One warm-started agent; RL with the same number of episodes '
+        f"({_f(t['rl_in_sim']['episodes'])} in the simulator, {_f(t['rl_in_real']['episodes'])} "
+        f"in the real shell); all three evaluated in the <b>real shell</b> on the same "
+        f"{_f(t.get('eval_tasks'))} held-out tasks with the same sampling seeds "
+        f"({_f(t['eval_episodes'])} episodes each). Intervals: {html.escape(t['ci95_method'])}, "
+        "95%.</p>"
+        + '<div class="charts">'
+        + bar_chart("Real-shell success (95% intervals)", bars, intervals=intervals)
+        + curves + "</div>"
+        + _table(["policy", "real-shell success", "95% interval", "gain over warm start",
+                  "95% interval"], [[r[0], r[1], _ci(r[2]), r[3], _ci(r[4])] for r in rows])
+        + f"<p>RL in the simulator minus RL in the real shell: {_f(t['sim_minus_real'])} "
+        f"(95% interval {_ci(ci['sim_minus_real'])}). In the simulator itself the RL-in-sim "
+        f"policy succeeds {_f(t['rl_in_sim'].get('sim'))}.</p><ul>{verdicts}</ul>"
+    )  # fmt: skip
+
+
+def _ci(v: Any) -> str:
+    return f"[{v[0]:.3f}, {v[1]:.3f}]" if isinstance(v, list | tuple) and len(v) == 2 else "–"
+
+
+def _section_simulator(summary: dict | None, sim_metrics: list[dict],
+                       pretrain: dict | None) -> str:  # fmt: skip
+    """What the simulator is, and its fidelity learning curves by operation."""
+    sim = ((summary or {}).get("fidelity") or {}).get("simulator") or {}
+    out = []
+    if sim:
+        pre = sim.get("pretrained_on") or {}
+        ft = sim.get("fine_tuned_on") or {}
+        out.append(
+            f'<p class="note">The simulator: {_f(sim.get("params"))} parameters '
+            f"({_f(sim.get('layers'))} layers, width {_f(sim.get('hidden'))}, "
+            f"{_f(sim.get('heads'))} heads, byte tokens), started from "
+            f"<code>{html.escape(str(sim.get('started_from')))}</code>"
+            + (f" (pretrained by <code>{html.escape(str(pre.get('command')))}</code>: "
+               f"{_f(pre.get('examples'))} real-bash examples of a utility grammar, "
+               f"{_f(pre.get('steps'))} steps, {_f(pre.get('wall_s'), 0)} s)" if pre else "")
+            + f", then fine-tuned {_f(sim.get('fine_tune_steps'))} steps on "
+            f"{_f(ft.get('examples'))} examples from the collected real trajectories. Every "
+            "simulated observation is written by this model from its context.</p>"
+        )  # fmt: skip
+    charts = []
+    curve = (pretrain or {}).get("curve") or []
+    if curve:
+        keys = sorted({k for r in curve for k in r if k.startswith("exact_")})
+        charts.append(line_chart("Pretraining: held-out greedy exact by kind",
+                                 {k[6:]: _series(curve, k) for k in keys}
+                                 | {"induction": _series(curve, "induction")}))  # fmt: skip
+    ev = [m for m in sim_metrics if m.get("stage") == "sim_sft_eval"]
+    if ev:
+        keys = sorted({k for r in ev for k in r if k.startswith("exact_")})
+        charts.append(line_chart("Fine-tuning: held-out greedy exact by operation",
+                                 {k[6:]: _series(ev, k) for k in keys}))  # fmt: skip
+    if charts:
+        out.append('<div class="charts">' + "".join(charts) + "</div>")
+    return "".join(out)
+
+
 def _section_fidelity(fid: dict | None) -> str:
     if fid is None:
         return _missing(
@@ -133,7 +226,8 @@ def _section_fidelity(fid: dict | None) -> str:
     out.append(_table([""] + [n.replace("_", " ") for n in names],
                       [["simulated"] + [h.get(n) for n in names],
                        ["real"] + [r.get(n) for n in names]]))  # fmt: skip
-    for key, title, first in (("by_context", "By context length (prompt tokens)", "prompt tokens"),
+    for key, title, first in (("by_kind", "By operation (the replayed task's)", "operation"),
+                              ("by_context", "By context length (prompt tokens)", "prompt tokens"),
                               ("by_command", "By command", "command")):  # fmt: skip
         out.append(f"<h3>{title}</h3>")
         rows = [[k, v.get("count"), v.get("exact_masked"), v.get("exit_code_agreement"),
@@ -229,7 +323,7 @@ def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: lis
     out = []
     if replays:
         out.append('<p class="note">Arm (c): the same command, its real observation and the '
-                   "simulator's.</p>")  # fmt: skip
+                   "simulator's; where the simulator is still wrong first.</p>")  # fmt: skip
         for traj in replays[:SAMPLE_EPISODES]:
             for turn in traj.get("turns", [])[:2]:
                 same = (turn.get("info") or {}).get("exact_masked")
@@ -274,19 +368,28 @@ def write_report(run_dir: str | Path) -> Path:
     tail_metrics = metrics + read_metrics(find(run_dir, rundir.METRICS, ("collect",)))
     replays = next((r for sub in ("", "eval_sim")
                     if (r := trajectories(run_dir / sub / rundir.TRAJECTORIES, "replay",
-                                           SAMPLE_EPISODES))), [])  # fmt: skip
+                                           500))), [])  # fmt: skip
+    # Where the simulator is still wrong first, then matches.
+    replays.sort(key=lambda t: all((u.get("info") or {}).get("exact_masked")
+                                   for u in t.get("turns", [])[:2]))  # fmt: skip
     agent_traj = agent_dir / rundir.TRAJECTORIES
     agent_real = trajectories(agent_traj, "eval-after-real", 200)
     agent_sim = trajectories(agent_traj, "eval-after-closed_loop", 200)
     # One episode per task, in task order, so the two columns show the same tasks.
     agent_real = list({t["task_id"]: t for t in reversed(agent_real)}.values())[::-1]
+    real_metrics = read_metrics(run_dir / "agent_real" / rundir.METRICS)
+    started = (((summary or {}).get("fidelity") or {}).get("simulator") or {}).get("started_from")
+    pretrain = read_json(Path(started) / "pretrain_sim.json") if started else None
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = [
         f"<h1>simloop report</h1><p class='note'>{html.escape(str(run_dir.resolve()))} · {stamp}"
         + (" · <b>--quick run</b> (CI-sized: the numbers are real but tiny)"
            if summary and summary.get("quick") else "") + "</p>",  # fmt: skip
         "<h2>Pipeline</h2>", _section_pipeline(summary, run_dir),
+        "<h2>The deciding experiment: RL in the simulator vs RL in the real shell</h2>",
+        _section_thesis(summary, metrics, real_metrics),
         "<h2>Agent success: real shell vs simulator</h2>", _section_success(evals, summary),
+        "<h2>The simulator</h2>", _section_simulator(summary, sim_metrics, pretrain),
         "<h2>Simulator fidelity (arm c)</h2>", _section_fidelity(fid),
         "<h2>Training curves</h2>", _section_training(metrics, sim_metrics),
         "<h2>Active episodes per turn</h2>", _section_tail(tail_metrics),

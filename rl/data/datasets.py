@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -220,6 +220,28 @@ def shift(example: Example) -> Example:
     """Next-token form of one example: inputs, the token after each, and the mask of that."""
     tokens, mask = example["tokens"], example["loss_mask"]
     return {"tokens": tokens[:-1], "targets": tokens[1:], "loss_mask": mask[1:]}
+
+
+def padded_batches(
+    examples: Sequence[Example], *, batch_size: int, pad_id: int
+) -> Iterator[tuple[int, Example]]:
+    """Unpacked evaluation batches: (rows used, `[B, L]` batch), one shifted example per row,
+    padded to the chunk's longest (L) and to `batch_size` rows; the keys of a packed batch."""
+    rows = [shift(e) for e in examples]
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        width = max(len(r["tokens"]) for r in chunk)
+        batch = {k: np.zeros((batch_size, width), np.int32) for k in (*FEATURES, "segment_ids")}
+        batch["tokens"][:] = pad_id
+        batch["targets"][:] = pad_id
+        batch["positions"] = np.zeros((batch_size, width), np.int32)
+        for i, r in enumerate(chunk):
+            n = len(r["tokens"])
+            for k in FEATURES:
+                batch[k][i, :n] = r[k]
+            batch["segment_ids"][i, :n] = 1
+            batch["positions"][i, :n] = np.arange(n)
+        yield len(chunk), batch
 
 
 def _row(packed: Example) -> Example:

@@ -108,7 +108,8 @@ async def run_agent_episode(
         task_id=spec.task.id, arm=spec.arm, env_backend=spec.env_backend, status="aborted",
         reason="not started", group_id=spec.group_id, instruction=spec.task.instruction,
         setup_files=dict(spec.task.setup.files), tokenizer=type(renderer.tokenizer).__name__,
-        meta={"group_index": spec.index, "admitted_version": spec.admitted_version},
+        meta={"group_index": spec.index, "admitted_version": spec.admitted_version,
+              "task_kind": spec.task.kind},
     )  # fmt: skip
     result = EpisodeResult(traj)
     try:
@@ -241,7 +242,9 @@ async def run_replay_episode(
         reason="not started", group_id=group_id, instruction=real.instruction,
         setup_files=dict(real.setup_files), prompt=list(real.prompt), source="rendered",
         behavior_logprobs=None, policy_version=None,
-        tokenizer=type(renderer.tokenizer).__name__, meta={"replayed": real.task_id},
+        tokenizer=type(renderer.tokenizer).__name__,
+        meta={"replayed": real.task_id, **({"task_kind": real.meta["task_kind"]}
+                                           if real.meta.get("task_kind") else {})},
     )  # fmt: skip
     result = EpisodeResult(traj)
     sims = []

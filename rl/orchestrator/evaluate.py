@@ -48,8 +48,7 @@ class EvalResult:
 
 
 def task_kind(task: Task) -> str:
-    op = task.reward.params.get("op") if task.reward is not None else None
-    return str(op or task.family or "task")
+    return task.kind
 
 
 def score(
@@ -162,7 +161,8 @@ def replay_fidelity(
     simulated observation is one pair. Returns pair metrics (exact match, masked exact match,
     return-code agreement, similarity, length ratio), the simulated observations' hygiene
     rates (cap hit, think leak, repetition, empty, malformed) next to the same rates of the
-    real observations, and pair metrics by prompt length and by command."""
+    real observations, and pair metrics by prompt length, by command and by the replayed
+    task's kind (`meta.task_kind`, e.g. the textops operation)."""
     from envs.fidelity import (
         Hygiene,
         compare_observations,
@@ -174,6 +174,7 @@ def replay_fidelity(
 
     pairs, keyed, sim_hygiene, real_hygiene = [], [], [], []
     by_command: dict[str, list] = defaultdict(list)
+    by_kind: dict[str, list] = defaultdict(list)
     malformed = 0
     statuses = Counter(t.status for t in trajectories)
     for traj in trajectories:
@@ -194,6 +195,8 @@ def replay_fidelity(
             if isinstance(tokens, int):
                 keyed.append((tokens, m))
             by_command[command_key(turn.command or "")].append(m)
+            if traj.meta.get("task_kind"):
+                by_kind[str(traj.meta["task_kind"])].append(m)
     ranked = sorted(by_command.items(), key=lambda kv: -len(kv[1]))
     commands = {k: summarize_pairs(v) for k, v in ranked[:top_commands]}
     rest = [m for _, v in ranked[top_commands:] for m in v]
@@ -210,4 +213,5 @@ def replay_fidelity(
         "real_hygiene": summarize_hygiene(real_hygiene),
         "by_context": summarize_by(keyed, list(context_edges)),
         "by_command": commands,
+        "by_kind": {k: summarize_pairs(v) for k, v in sorted(by_kind.items())},
     }

@@ -45,7 +45,9 @@ class RoleConfig:
     """Local HF directory to load weights (and the architecture) from; None: random init."""
     weights: str | None = None
     """Serving-format weights to start from (`<dir>/params` + `model_config.json`, what
-    trainers export, e.g. `runs/sim/weights/final`); wins over `hf_path`."""
+    trainers export, e.g. `runs/sim/weights/final`); wins over `hf_path`. A relative path in a
+    config file is relative to that file's folder; on the command line, to the working
+    directory."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """`byte` for tiny models, `hf` with a local path otherwise."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -176,11 +178,20 @@ class TrainSimConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log_every: int = 10
     """Pull metrics from the device (and print / write them) every N steps."""
+    eval_every: int = 0
+    """Every N steps (a multiple of `log_every`; 0: never), the held-out trajectories' greedy
+    exact match per task kind (one teacher-forced forward; `sim_sft_eval` records in
+    `metrics.jsonl`): the simulator's fidelity learning curve by operation."""
 
     def __post_init__(self) -> None:
         c = "TrainSimConfig"
         _int(c, self, "steps", 1)
         _int(c, self, "log_every", 1)
+        _int(c, self, "eval_every", 0)
+        if self.eval_every % self.log_every:
+            raise _bad(
+                c, "eval_every", self.eval_every, f"a multiple of log_every ({self.log_every})"
+            )
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise _bad(c, "heldout_fraction", self.heldout_fraction, "a number in [0, 1)")
 
@@ -221,11 +232,16 @@ class AgentEvalConfig:
     """Episodes per task (sampled at the rollout temperature, fixed seed)."""
     arms: list[str] = field(default_factory=lambda: ["real"])
     """Where to evaluate: `real` (the real shell) and/or `closed_loop` (the simulator)."""
+    before: bool = True
+    """Also evaluate the policy RL starts from; false when another run already measured that
+    policy (the demo's real-shell RL arm starts from the simulator arm's warm start)."""
 
     def __post_init__(self) -> None:
         c = "AgentEvalConfig"
         _int(c, self, "tasks", 0)
         _int(c, self, "samples", 1)
+        if not isinstance(self.before, bool):
+            raise _bad(c, "before", self.before, "true or false")
         allowed = ("real", "closed_loop")
         if not self.arms or any(a not in allowed for a in self.arms):
             raise _bad(c, "arms", self.arms, f"a non-empty list drawn from {list(allowed)}")

@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from rl.data.rundir import MetricsLog
 from rl.model.publish import WeightPublisher
@@ -154,6 +156,33 @@ def sft_loop(
             }
         )
     return summary
+
+
+def greedy_exact_by_group(
+    trainer: Trainer,
+    examples: Sequence[dict],
+    groups: Sequence[str],
+    *,
+    batch_size: int,
+    pad_id: int,
+) -> dict[str, Any]:
+    """Held-out greedy exact match (`Trainer.greedy_exact`, one teacher-forced forward per
+    batch): `{"exact": rate over all, "by_group": {group: rate}, "counts": {group: n}}`."""
+    from rl.data.datasets import padded_batches
+
+    if len(examples) != len(groups):
+        raise ValueError(f"{len(examples)} examples but {len(groups)} group labels")
+    hits: list[bool] = []
+    for n, batch in padded_batches(examples, batch_size=batch_size, pad_id=pad_id):
+        hits += np.asarray(trainer.greedy_exact(batch))[:n].tolist()
+    by: dict[str, list[bool]] = defaultdict(list)
+    for group, hit in zip(groups, hits, strict=True):
+        by[group].append(hit)
+    return {
+        "exact": float(np.mean(hits)) if hits else float("nan"),
+        "by_group": {g: float(np.mean(v)) for g, v in sorted(by.items())},
+        "counts": {g: len(v) for g, v in sorted(by.items())},
+    }
 
 
 def _step_and_wait(trainer: Trainer, batch: dict) -> dict:

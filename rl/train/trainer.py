@@ -124,6 +124,11 @@ class Trainer:
             in_shardings=(self.param_shardings, self.batch_sharding),
             out_shardings=self.batch_sharding,
         )
+        self._exact_fn = jax.jit(
+            self._greedy_exact,
+            in_shardings=(self.param_shardings, self.batch_sharding),
+            out_shardings=replicated,
+        )
         params = self._init_params() if init_params is None else self.place_params(init_params)
         self.state = self._init_state(params)
         self.reference = self.copy_params(params) if reference else None
@@ -203,6 +208,11 @@ class Trainer:
 
     def _logprobs(self, params, batch) -> jax.Array:
         return token_logprobs(self._logits(params, batch), batch["targets"])[0]
+
+    def _greedy_exact(self, params, batch) -> jax.Array:
+        logits_BTV = self._logits(params, batch)
+        hit_BT = (jnp.argmax(logits_BTV, axis=-1) == batch["targets"]) | (batch["loss_mask"] == 0)
+        return jnp.all(hit_BT, axis=-1)
 
     def _loss(self, params, batch):
         return self.loss_fn(self._logits(params, batch), batch, self.loss_cfg)
@@ -299,6 +309,17 @@ class Trainer:
         """log p(targets) under `params` (default: current), [B, T] on the device."""
         with use_mesh(self.mesh, self.rules):
             return self._logp_fn(
+                self.params if params is None else params, self.device_batch(batch)
+            )
+
+    def greedy_exact(self, batch: Mapping[str, np.ndarray], params: Mapping | None = None):
+        """[B] bool, one unpacked example per row: every masked target token is the argmax of
+        its logits. That is exactly "greedy decoding from the row's context writes its target"
+        (each step's input is then the target token), computed in one teacher-forced forward
+        instead of a decode loop (argmax takes the first of equal logits, as greedy sampling
+        does)."""
+        with use_mesh(self.mesh, self.rules):
+            return self._exact_fn(
                 self.params if params is None else params, self.device_batch(batch)
             )
 

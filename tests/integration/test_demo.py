@@ -1,7 +1,8 @@
 """`simloop demo --quick` as CI runs it: every stage for real at CI size (real bash, two
 `simloop serve` processes, Orbax checkpoints, grain pipelines), then checks that each
 artifact exists and that the summary's numbers are the ones the stages' own records give
-(fidelity recomputed from the replayed pairs, success recounted from the evaluation episodes).
+(fidelity recomputed from the replayed pairs, success recounted from the evaluation episodes,
+the deciding experiment's `thesis` recomputed from the stored episodes of both RL arms).
 The report is rendered in headless Chromium (Debian's `chromium`; `make test` installs it)."""
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def test_every_stage_leaves_its_artifacts(demo):
     out, proc = demo
     for path in ("collect/trajectories", "sim/weights/final", "sim/heldout_tasks.json",
                  "eval_sim/fidelity.json", "agent/eval.json", "agent/weights/final",
-                 "agent/trajectories/demos.jsonl", "summary.json", "report.html"):  # fmt: skip
+                 "agent/trajectories/demos.jsonl", "agent/weights/warm_start",
+                 "agent_real/eval.json", "agent_real/weights/final", "summary.json",
+                 "report.html"):  # fmt: skip
         assert (out / path).exists(), path
-    for stage in ("collect", "sim", "eval_sim", "agent"):
+    for stage in ("collect", "sim", "eval_sim", "agent", "agent_real"):
         assert json.loads((out / stage / "stage.json").read_text())["wall_s"] > 0
         assert (out / stage / "config.yaml").exists()
     # Every run directory is watchable in TensorBoard: the scalars of its metrics.jsonl.
@@ -111,14 +114,88 @@ def test_summary_numbers_come_from_the_stages_records(demo):
     assert s["rl"] == {**s["rl"], "arm": "closed_loop", "steps": 2}
     rl_eps = load_trajectories(sorted((out / "agent" / "trajectories").glob("rl-*.jsonl")))
     assert rl_eps and {e.env_backend for e in rl_eps} == {"simulated"}
-    assert set(s["stages_wall_s"]) == {"collect", "sim", "eval_sim", "agent"}
+    assert set(s["stages_wall_s"]) == {"collect", "sim", "eval_sim", "agent", "agent_real"}
+    # Fidelity by the replayed task's operation: every replayed operation, recounted.
+    by_kind, kinds_all = s["fidelity"]["by_kind"], _collect_kinds(out)
+    assert set(by_kind) == {kinds_all[r.task_id] for r in replays}
+    for kind, v in by_kind.items():
+        mine = [compare_observations(t.sim_observation, t.observation, t.sim_exit_code,
+                                     t.exit_code).exact_masked
+                for r in replays if kinds_all[r.task_id] == kind
+                for t in r.turns if t.sim_observation is not None]  # fmt: skip
+        assert v["observations"] == len(mine)
+        assert v["exact_masked"] == pytest.approx(sum(mine) / len(mine))
+
+
+def _collect_kinds(out: Path) -> dict[str, str]:
+    """Task id -> operation of the collect stage's own tasks (regenerated from its config)."""
+    from envs.textops import generate_textops
+    from launch.jobs.collect import collect_tasks_config
+
+    cfg = load_config(SimloopConfig, out / "collect" / "config.yaml")
+    return {t.id: t.kind for t in generate_textops(collect_tasks_config(cfg))}
+
+
+def _wins(episodes) -> float:
+    return sum((e.reward or 0.0) >= 1.0 for e in episodes) / len(episodes)
+
+
+def _task_rates(episodes) -> dict[str, float]:
+    by: dict[str, list[float]] = {}
+    for e in episodes:
+        by.setdefault(e.task_id, []).append(float((e.reward or 0.0) >= 1.0))
+    return {k: sum(v) / len(v) for k, v in by.items()}
+
+
+def test_thesis_is_recomputed_from_the_stored_episodes(demo):
+    """The deciding experiment: the warm start, RL in the simulator and RL in the real shell,
+    all evaluated in the real shell on the same tasks and seeds; every number in
+    summary.json's `thesis` is recounted here from the episodes on disk."""
+    import math
+    import statistics
+
+    out, _ = demo
+    t = json.loads((out / "summary.json").read_text())["thesis"]
+
+    def eps(run: str, prefix: str) -> list:
+        return load_trajectories(sorted((out / run / "trajectories").glob(f"{prefix}-*.jsonl")))
+
+    warm, sim_real = eps("agent", "eval-before-real"), eps("agent", "eval-after-real")
+    sim_sim, real_real = (
+        eps("agent", "eval-after-closed_loop"),
+        eps("agent_real", "eval-after-real"),
+    )
+    assert t["warm_start"]["real"] == pytest.approx(_wins(warm), abs=1e-4)
+    assert t["rl_in_sim"]["real"] == pytest.approx(_wins(sim_real), abs=1e-4)
+    assert t["rl_in_sim"]["sim"] == pytest.approx(_wins(sim_sim), abs=1e-4)
+    assert t["rl_in_real"]["real"] == pytest.approx(_wins(real_real), abs=1e-4)
+    assert t["eval_episodes"] == len(warm) == len(sim_real) == len(real_real) == 6 * 2
+    # Same tasks, same sampling seeds: the three evaluations are paired by task.
+    assert (
+        {e.task_id for e in warm} == {e.task_id for e in sim_real} == {e.task_id for e in real_real}
+    )
+    # Equal RL budgets: the same number of episodes, in the simulator and in the real shell.
+    rl_sim, rl_real = eps("agent", "rl"), eps("agent_real", "rl")
+    assert {e.env_backend for e in rl_sim} == {"simulated"}
+    assert {e.env_backend for e in rl_real} == {"local"}
+    assert t["rl_in_sim"]["episodes"] == len(rl_sim) == len(rl_real) == t["rl_in_real"]["episodes"]
+    # The intervals: mean +- 1.96 sd / sqrt(n) over per-task rates (differences paired).
+    w, sr, rr = _task_rates(warm), _task_rates(sim_real), _task_rates(real_real)
+    for key, values in (("warm_start", list(w.values())),
+                        ("gain_rl_in_sim", [sr[k] - w[k] for k in w]),
+                        ("sim_minus_real", [sr[k] - rr[k] for k in w])):  # fmt: skip
+        m = statistics.fmean(values)
+        half = 1.959964 * statistics.stdev(values) / math.sqrt(len(values))
+        assert t["ci95"][key] == pytest.approx([m - half, m + half], abs=2e-4), key
+    assert t["gain"]["rl_in_sim"] == pytest.approx(_wins(sim_real) - _wins(warm), abs=1e-4)
+    assert t["sim_minus_real"] == pytest.approx(_wins(sim_real) - _wins(real_real), abs=1e-4)
 
 
 def test_rerun_skips_finished_stages_and_report_cli(demo):
     out, _ = demo
     proc = _demo(out)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("done: skipped") == 4
+    assert proc.stdout.count("done: skipped") == 5
     (out / "report.html").unlink()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-m", "launch", "report", str(out)],
@@ -146,7 +223,9 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     dom = proc.stdout
-    for text in ("Pipeline", "Agent success: real shell vs simulator",
+    for text in ("Pipeline", "The deciding experiment", "Real-shell success (95% intervals)",
+                 "RL: batch reward where it trains", "The simulator", "By operation",
+                 "Agent success: real shell vs simulator",
                  "Simulator fidelity (arm c)", "By context length", "Training curves",
                  "Active episodes per turn", "Sample episodes side by side",
                  "Held-out success before and after RL", "--quick run"):  # fmt: skip

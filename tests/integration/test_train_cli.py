@@ -79,6 +79,11 @@ def train_sim_cmd(out: Path, data: Path) -> list[str]:
         "768",
         "--train_sim.heldout_fraction",
         "0.2",
+        "--train_sim.eval_every",
+        "8",
+        # From a random initialisation (the demo config starts from its pretrained checkpoint).
+        "--simulator.weights",
+        "null",
     )
 
 
@@ -109,6 +114,14 @@ def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
     assert (whole / "weights" / "final" / "model_config.json").exists()
     assert json.loads((whole / "heldout_tasks.json").read_text())  # some tasks held out
     assert committed_steps(whole)[-1] == STEPS
+    # The held-out fidelity learning curve: greedy exact by operation every eval_every steps.
+    curve = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    curve = [r for r in curve if r.get("stage") == "sim_sft_eval"]
+    assert [r["step"] for r in curve] == [8, 16, 24]
+    for r in curve:
+        kinds = {k for k in r if k.startswith("exact_")}
+        assert kinds and kinds <= {f"exact_{op}" for op in ("reverse", "upper", "sort", "count")}
+        assert all(0.0 <= r[k] <= 1.0 for k in kinds | {"exact"})
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(

@@ -195,3 +195,20 @@ def test_config_validation_never_imports_jax():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_model_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeypatch):
+    folder = tmp_path / "cfgs"
+    folder.mkdir()
+    path = folder / "c.yaml"
+    path.write_text("simulator:\n  weights: pretrained/sim\nagent:\n  hf_path: /abs/model\n")
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    cfg = load_config(SimloopConfig, path)
+    assert cfg.simulator.weights == str(folder / "pretrained" / "sim")
+    assert cfg.agent.hf_path == "/abs/model"
+    # On the command line a relative path is the working directory's, as a shell user expects.
+    cfg = load_config(SimloopConfig, path, ["--simulator.weights", "runs/sim/weights/final"])
+    assert cfg.simulator.weights == "runs/sim/weights/final"
+    # The demo's shipped simulator is found from any working directory.
+    demo = load_config(SimloopConfig, REPO / "configs" / "demo_cpu.yaml")
+    assert demo.simulator.weights is None or Path(demo.simulator.weights).is_dir()

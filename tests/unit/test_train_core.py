@@ -675,3 +675,34 @@ def test_policy_trainer_reports_the_batch_max_is_ratio_under_grad_accum(policy_r
     mask = batch["loss_mask"].astype(bool)
     np.testing.assert_allclose(float(m1["is_ratio_max"]), np.exp(delta[mask]).max(), rtol=1e-4)
     np.testing.assert_allclose(float(m1["is_ratio_min"]), np.exp(delta[mask]).min(), rtol=1e-4)
+
+
+def test_greedy_exact_is_greedy_decoding_in_one_forward(shared_a):
+    """A row whose target is the model's own greedy continuation scores True; change one
+    target token and it scores False (and padding rows never count)."""
+    from rl.data.datasets import padded_batches
+
+    trainer = shared_a.reset().trainer
+    rng = np.random.default_rng(7)
+
+    def greedy(context, n):
+        ids = list(context)
+        for _ in range(n):
+            arr = np.asarray([ids], np.int32)
+            batch = {"tokens": arr, "positions": np.arange(len(ids))[None].astype(np.int32),
+                     "segment_ids": np.ones_like(arr)}  # fmt: skip
+            ids.append(int(jnp.argmax(trainer._logits(trainer.params, batch)[0, -1])))
+        return ids
+
+    rows = []
+    for length in (5, 9):
+        ids = greedy(rng.integers(0, VALID, length).tolist(), 4)
+        mask = np.zeros(len(ids), np.int32)
+        mask[length:] = 1
+        rows.append({"tokens": np.asarray(ids, np.int32), "loss_mask": mask})
+    wrong = dict(rows[1], tokens=rows[1]["tokens"].copy())
+    wrong["tokens"][-2] = (wrong["tokens"][-2] + 1) % VALID
+    rows.append(wrong)
+    ((n, batch),) = padded_batches(rows, batch_size=4, pad_id=0)
+    assert n == 3 and batch["tokens"].shape == (4, 12)
+    assert np.asarray(trainer.greedy_exact(batch)).tolist()[:3] == [True, True, False]

@@ -1,0 +1,264 @@
+"""A seeded grammar of text-utility commands over random words and files, run in real bash:
+the data `simloop pretrain-sim` teaches the simulator to *compute* outputs from its context.
+
+A textops agent's own trajectories show a simulator a few command shapes over a few hundred
+words, and a small model memorises those instead of learning to read the word it is given
+(see the note on issue 16). This grammar makes the word fresh in every example and varies the
+command, so the only way to predict the output is to compute it from the files and the command:
+`rev`, `tr`, `sort`, `fold`, `cut`, `head`, `wc`, `grep`, `sed`, `printf`, `cat`, `echo`, pipes,
+`&&`, typos (command not found), missing files and bad options. About half the commands have the
+textops agent's exact shapes (an `echo` of the submit marker, possibly misspelt, then
+`tr -d '\\n' < input.txt | OP`), so the pretrained simulator already speaks the demo's dialect.
+
+Every observation comes from `LocalShell` (`run_cases`): real bash, the same process, limits
+and environment as the shell the simulator will stand in for. Nothing here computes an output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from envs.config import GrammarConfig, LocalShellConfig
+from envs.shell import TaskSetup
+from envs.terminal import SUBMIT_MARKER
+
+LETTERS = string.ascii_lowercase
+TEXTOPS_FILE = "input.txt"
+# The textops agent's pipelines, by operation (`envs.textops.TRANSFORMS` plus count).
+STRING_OPS = ("reverse", "upper", "sort", "count")
+
+
+@dataclass(frozen=True)
+class Command:
+    text: str
+    kind: str
+    """What the command computes: a textops operation (`reverse`, `upper`, `sort`, `count`)
+    or `grammar:<last stage>`; fidelity is reported per kind."""
+
+
+@dataclass
+class Case:
+    """One workspace (its files) and the commands run in it."""
+
+    files: dict[str, str]
+    commands: list[Command]
+    session: bool = False
+    """Also keep the first two commands as one two-turn session."""
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    outputs: list[tuple[str, int]] = field(default_factory=list)
+    """(output, exit code) per command, from real bash."""
+
+
+def random_word(rng: random.Random, cfg: GrammarConfig, *, min_len: int | None = None) -> str:
+    n = rng.randint(min_len or cfg.min_len, cfg.max_len)
+    alphabet = LETTERS
+    if rng.random() < cfg.repeat_prob:
+        alphabet = "".join(rng.sample(LETTERS, rng.randint(3, 6)))
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def misspell(text: str, rng: random.Random) -> str:
+    """Drop one character (the textops noise's typo)."""
+    if len(text) < 2:
+        return text
+    i = rng.randrange(len(text))
+    return text[:i] + text[i + 1 :]
+
+
+def _marker(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.6:
+        return SUBMIT_MARKER
+    if r < 0.85:
+        return misspell(SUBMIT_MARKER, rng)
+    parts = ["".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(2, 8)))
+             for _ in range(rng.randint(1, 4))]  # fmt: skip
+    return "_".join(parts)
+
+
+def _letter(rng: random.Random, word: str) -> str:
+    return rng.choice(word) if word and rng.random() < 0.8 else rng.choice(LETTERS)
+
+
+# One pipeline stage: (stage text, kind), given the word that flows into it (for letters).
+Stage = Callable[[random.Random, str], tuple[str, str]]
+
+
+def _textops_stage(op: str, rng: random.Random, word: str) -> str:
+    if op == "reverse":
+        return "rev"
+    if op == "upper":
+        return "tr a-z A-Z"
+    if op == "sort":
+        return "fold -w1 | sort | tr -d '\\n'"
+    return f"tr -cd '{_letter(rng, word)}' | wc -c"
+
+
+def _filter(rng: random.Random, word: str) -> tuple[str, str]:
+    c, d = _letter(rng, word), rng.choice(LETTERS)
+    i = rng.randint(1, max(1, len(word)))
+    j = rng.randint(i, max(i, len(word) + 2))
+    choices = [
+        ("rev", "rev"),
+        ("tr a-z A-Z", "upper"),
+        ("tr A-Z a-z", "lower"),
+        ("fold -w1 | sort | tr -d '\\n'", "sort"),
+        (f"tr -cd '{c}' | wc -c", "count"),
+        ("wc -c", "wc"),
+        ("wc -l", "wc"),
+        ("fold -w1", "fold"),
+        ("fold -w1 | sort -r | tr -d '\\n'", "sort"),
+        (f"cut -c{i}-{j}", "cut"),
+        (f"head -c {i}", "head"),
+        (f"grep -o {c} | wc -l", "grep"),
+        (f"grep -c {c}", "grep"),
+        (f"sed 's/{c}/{d}/g'", "sed"),
+        (f"tr {c} {d}", "tr"),
+        (f"tr -d {c}", "tr"),
+    ]
+    text, kind = rng.choice(choices)
+    return text, kind
+
+
+def _source(rng: random.Random, files: dict[str, str], word: str) -> tuple[str, str]:
+    """A command that prints text (and the word it prints, for the next stage's letters)."""
+    path = rng.choice(sorted(files))
+    content = files[path].strip("\n")
+    k = rng.randint(1, max(1, len(content)))
+    choices = [
+        (f"cat {path}", content),
+        (f"tr -d '\\n' < {path}", content.replace("\n", "")),
+        (f"printf '%s' {word}", word),
+        (f"printf '%s\\n' {word}", word),
+        (f"echo {word}", word),
+        (f"echo -n {word}", word),
+        (f"head -c {k} {path}", content[:k]),
+        (f"head -n 1 {path}", content.split("\n")[0]),
+    ]
+    return rng.choice(choices)
+
+
+def _error(rng: random.Random, files: dict[str, str], word: str) -> Command:
+    r = rng.random()
+    if r < 0.4:  # a misspelt program
+        stage, _ = _filter(rng, word)
+        name, _, rest = stage.partition(" ")
+        bad = misspell(name, rng) if len(name) > 2 else name + rng.choice(LETTERS)
+        return Command(f"tr -d '\\n' < {TEXTOPS_FILE} | {bad} {rest}".rstrip(), "grammar:error")
+    if r < 0.75:  # a missing file
+        missing = rng.choice(["input.tx", "inpt.txt", "nope.txt", "words.txt", "out.txt"])
+        if missing in files:
+            missing = "missing.txt"
+        prog = rng.choice(["cat", "head -n 1", "wc -c", "sort", "rev"])
+        return Command(f"{prog} {missing}", "grammar:error")
+    opt = rng.choice(["-q", "-z", "-y", "--nope"])  # a bad option
+    prog = rng.choice(["rev", "fold", "cut", "wc", "tr"])
+    return Command(f"{prog} {opt} {TEXTOPS_FILE}", "grammar:error")
+
+
+def sample_bare_command(rng: random.Random, cfg: GrammarConfig) -> Command:
+    """A command over a word it carries itself (no files)."""
+    word = random_word(rng, cfg)
+    if rng.random() < cfg.textops_prob:
+        op = rng.choice(STRING_OPS)
+        src = rng.choice([f"printf '%s' '{word}'", f"printf '%s' {word}", f"echo -n {word}"])
+        text, kind = f"{src} | {_textops_stage(op, rng, word)}", f"bare:{op}"
+    else:
+        src = rng.choice([f"printf '%s' {word}", f"printf '%s\\n' {word}", f"echo {word}"])
+        stage, kind = _filter(rng, word)
+        text, kind = f"{src} | {stage}", f"bare:{kind}"
+    if rng.random() < 0.15:
+        text = f"echo {_marker(rng)}\n{text}"
+    if rng.random() < 0.05:
+        text, kind = misspell(text, rng), "bare:typo"
+    return Command(text, kind)
+
+
+def sample_command(rng: random.Random, cfg: GrammarConfig, files: dict[str, str]) -> Command:
+    if TEXTOPS_FILE not in files:
+        return sample_bare_command(rng, cfg)
+    word = files[TEXTOPS_FILE].strip("\n")
+    if rng.random() < cfg.error_prob:
+        return _error(rng, files, word)
+    if rng.random() < cfg.textops_prob:
+        op = rng.choice(STRING_OPS)
+        text = f"tr -d '\\n' < {TEXTOPS_FILE} | {_textops_stage(op, rng, word)}"
+        kind = op
+        if rng.random() < 0.75:
+            text = f"echo {_marker(rng)}\n{text}"
+        if rng.random() < 0.1:  # the textops noise's typo, anywhere in the command
+            text, kind = misspell(text, rng), f"{op}:typo"
+        return Command(text, kind)
+    src, flowing = _source(rng, files, random_word(rng, cfg))
+    parts, kind = [src], "grammar:source"
+    for _ in range(rng.choice([1, 1, 1, 2])):
+        stage, kind = _filter(rng, flowing)
+        parts.append(stage)
+    text = " | ".join(parts)
+    if rng.random() < 0.3:
+        text = f"echo {_marker(rng)}\n{text}"
+    elif rng.random() < 0.1:
+        text = f"echo {random_word(rng, cfg)} && {text}"
+    return Command(text, f"grammar:{kind}")
+
+
+def sample_case(rng: random.Random, cfg: GrammarConfig) -> Case:
+    if rng.random() < cfg.bare_prob:
+        commands = [sample_bare_command(rng, cfg) for _ in range(cfg.commands_per_case)]
+        return Case({}, commands, session=rng.random() < cfg.session_prob)
+    files = {TEXTOPS_FILE: random_word(rng, cfg) + "\n"}
+    if rng.random() < 0.25:
+        lines = [random_word(rng, cfg) for _ in range(rng.randint(2, 4))]
+        files["words.txt"] = "\n".join(lines) + "\n"
+    commands = [sample_command(rng, cfg, files) for _ in range(cfg.commands_per_case)]
+    return Case(files, commands, session=rng.random() < cfg.session_prob)
+
+
+def sample_cases(cfg: GrammarConfig, n: int, *, offset: int = 0) -> list[Case]:
+    """Cases `offset .. offset+n-1` of the seeded stream (each case has its own seed, so a
+    prefix never depends on `n`)."""
+    return [sample_case(random.Random(f"{cfg.seed}:{i}"), cfg) for i in range(offset, offset + n)]
+
+
+async def run_cases(
+    cases: Sequence[Case],
+    shell_config: LocalShellConfig | None = None,
+    *,
+    concurrency: int = 8,
+    timeout_s: float = 10.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[CaseResult]:
+    """Run every case's commands in real bash (`LocalShell`, one workspace per case)."""
+    from envs.local import LocalShell
+
+    sem = asyncio.Semaphore(concurrency)
+    results: list[CaseResult | None] = [None] * len(cases)
+    done = 0
+
+    async def one(i: int, case: Case) -> None:
+        nonlocal done
+        async with sem:
+            shell = LocalShell(shell_config, TaskSetup(files=dict(case.files)))
+            try:
+                await shell.start()
+                res = CaseResult(case)
+                for cmd in case.commands:
+                    obs = await shell.run(cmd.text, timeout_s=timeout_s)
+                    res.outputs.append((obs.output, obs.exit_code))
+                results[i] = res
+            finally:
+                await shell.close()
+        done += 1
+        if progress is not None:
+            progress(done, len(cases))
+
+    await asyncio.gather(*(one(i, c) for i, c in enumerate(cases)))
+    return [r for r in results if r is not None]

@@ -1,0 +1,112 @@
+"""The deciding experiment, recomputed from the stored episodes of a demo run.
+
+From one warm-started agent, RL runs with the same number of episodes (a) in closed loop with
+the simulator (`<run>/agent`) and (b) in the real shell (`<run>/agent_real`); the warm start
+and both results are evaluated in the real shell on the same held-out tasks with the same
+sampling seeds. Everything here is read from `trajectories/` (the episodes themselves), not
+from the jobs' own summaries, so a reader can check the numbers against the data.
+
+Intervals are 95% normal intervals over tasks: the episodes of one task (its samples) are
+not independent, so the unit is the task's success rate; a difference between two policies
+is paired by task (same tasks, same seeds).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rl.data import rundir
+
+Z95 = 1.959963984540054
+SIM_RUN, REAL_RUN = "agent", "agent_real"
+
+
+def episodes(run_dir: Path, prefix: str) -> list:
+    """Every trajectory in `<run_dir>/trajectories/<prefix>-*.jsonl` (all shards)."""
+    from rl.data.trajectory import load_trajectories
+
+    shards = sorted((Path(run_dir) / rundir.TRAJECTORIES).glob(f"{prefix}-*.jsonl"))
+    return load_trajectories(shards) if shards else []
+
+
+def per_task(trajs: Sequence) -> dict[str, float]:
+    """Task id -> its episodes' success rate (reward >= 1; a missing reward is a failure)."""
+    wins: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        wins[t.task_id].append(1.0 if (t.reward or 0.0) >= 1.0 else 0.0)
+    return {k: sum(v) / len(v) for k, v in wins.items()}
+
+
+def mean_ci(values: Sequence[float]) -> tuple[float, list[float]]:
+    """(mean, [low, high]): a 95% normal interval for the mean of `values`."""
+    m = statistics.fmean(values)
+    half = Z95 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return m, [round(m - half, 4), round(m + half, 4)]
+
+
+def paired(a: dict[str, float], b: dict[str, float]) -> tuple[float, list[float]]:
+    """Mean and 95% interval of a - b over the tasks both measured."""
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError("the two evaluations share no task: they cannot be paired")
+    return mean_ci([a[k] - b[k] for k in common])
+
+
+def _rate(trajs: Sequence) -> float:
+    return sum(1.0 for t in trajs if (t.reward or 0.0) >= 1.0) / len(trajs)
+
+
+def thesis(run_dir: str | Path, *, min_gain: float = 0.10, max_gap: float = 0.05) -> dict[str, Any]:
+    """The deciding experiment's numbers (`summary.json["thesis"]`) from a demo run directory,
+    or `{"missing": reason}` when a part of it was not run."""
+    run_dir = Path(run_dir)
+    sim_dir, real_dir = run_dir / SIM_RUN, run_dir / REAL_RUN
+    warm = episodes(sim_dir, "eval-before-real")
+    sim_real = episodes(sim_dir, "eval-after-real")
+    sim_sim = episodes(sim_dir, "eval-after-closed_loop")
+    real_real = episodes(real_dir, "eval-after-real")
+    for name, got in (("the warm start's real-shell evaluation", warm),
+                      ("RL-in-sim's real-shell evaluation", sim_real),
+                      ("RL-in-real's real-shell evaluation", real_real)):  # fmt: skip
+        if not got:
+            return {"missing": f"{name} has no stored episodes"}
+    w, s, r = per_task(warm), per_task(sim_real), per_task(real_real)
+    gain_sim, ci_gain_sim = paired(s, w)
+    gain_real, ci_gain_real = paired(r, w)
+    gap, ci_gap = paired(s, r)
+    out: dict[str, Any] = {
+        "warm_start": {"real": round(_rate(warm), 4)},
+        "rl_in_sim": {
+            "real": round(_rate(sim_real), 4),
+            "sim": round(_rate(sim_sim), 4) if sim_sim else None,
+            "episodes": len(episodes(sim_dir, "rl")),
+        },
+        "rl_in_real": {
+            "real": round(_rate(real_real), 4),
+            "episodes": len(episodes(real_dir, "rl")),
+        },
+        "eval_episodes": min(len(warm), len(sim_real), len(real_real)),
+        "eval_tasks": len(w),
+        "gain": {"rl_in_sim": round(gain_sim, 4), "rl_in_real": round(gain_real, 4)},
+        "sim_minus_real": round(gap, 4),
+        "ci95": {
+            "warm_start": mean_ci(list(w.values()))[1],
+            "rl_in_sim": mean_ci(list(s.values()))[1],
+            "rl_in_real": mean_ci(list(r.values()))[1],
+            "gain_rl_in_sim": ci_gain_sim,
+            "gain_rl_in_real": ci_gain_real,
+            "sim_minus_real": ci_gap,
+        },
+        "ci95_method": "normal interval over held-out tasks (task success rates; differences "
+        "paired by task)",
+    }
+    out["acceptance"] = {
+        f"rl_in_sim_gain_at_least_{min_gain}": gain_sim >= min_gain,
+        f"rl_in_sim_at_most_{max_gap}_below_rl_in_real": gap >= -max_gap,
+    }
+    return out

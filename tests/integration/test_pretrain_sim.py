@@ -1,0 +1,73 @@
+"""`simloop pretrain-sim` at CI size, as a user runs it: the utility grammar in real bash, the
+curriculum, held-out learning curves, serving weights that carry their own record, and a rerun
+that resumes from the checkpoint and reuses the collected transcripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl.data.trajectory import load_trajectories
+from rl.model.params_io import read_model_config
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pretrain(out: Path, steps: int) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "launch", "pretrain-sim", "--config",
+           str(ROOT / "configs" / "demo_cpu.yaml"), "--out", str(out),
+           "--pretrain_sim.cases", "24", "--pretrain_sim.eval_cases", "6",
+           "--pretrain_sim.steps", str(steps), "--pretrain_sim.short_steps", "3",
+           "--pretrain_sim.short_data.batch_size", "4", "--pretrain_sim.data.batch_size", "2",
+           "--pretrain_sim.eval_every", "3", "--pretrain_sim.log_every", "3"]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
+    out = tmp_path / "pre"
+    done = pretrain(out, 6)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "24/24 workspaces in real bash" in done.stdout
+    train = load_trajectories([out / "trajectories" / "grammar-train.jsonl"])
+    held = load_trajectories([out / "trajectories" / "grammar-eval.jsonl"])
+    assert {t.env_backend for t in train + held} == {"local"}
+    assert not {t.task_id for t in train} & {t.task_id for t in held}
+    assert all(t.turns[0].exit_code is not None for t in train)
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r.get("stage") == "pretrain_sim_eval"]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(0.0 <= r["exact"] <= 1.0 and 0.0 <= r["induction"] <= 1.0 for r in evals)
+    weights = out / "weights" / "final"
+    assert read_model_config(weights).num_layers == 3  # demo_cpu.yaml's simulator.model
+    record = json.loads((weights / "pretrain_sim.json").read_text())
+    assert record == json.loads((out / "pretrain_sim.json").read_text())
+    assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
+
+    again = pretrain(out, 9)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "resuming at step 6" in again.stdout
+    assert "workspaces in real bash" not in again.stdout  # the transcripts were reused
+    record = json.loads((out / "pretrain_sim.json").read_text())
+    assert [r["step"] for r in record["curve"]] == [3, 6, 9]  # the whole curve, resumed
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [(["--out", "x", "--pretrain_sim.steps", "0"], "PretrainSimConfig.steps=0 is invalid"),
+     (["--out", "x", "--pretrain_sim.short_steps", "5", "--pretrain_sim.steps", "4"],
+      "short_steps=5 is invalid: at most steps (4)"),
+     ([], "--out DIR is required")],
+)  # fmt: skip
+def test_pretrain_sim_mistakes_exit_2_with_one_line(args, message):
+    cmd = [sys.executable, "-m", "launch", "pretrain-sim", *args]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

@@ -1,0 +1,65 @@
+"""The utility grammar `simloop pretrain-sim` learns from: seeded, prefix-stable, in the textops
+agent's own dialect where it claims to be, and every observation from real bash."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from envs.config import GrammarConfig
+from envs.shellgrammar import Case, Command, run_cases, sample_cases
+from envs.terminal import SUBMIT_MARKER
+from envs.textops import TRANSFORMS
+
+
+def test_cases_are_seeded_and_prefix_stable():
+    cfg = GrammarConfig(seed=3)
+    assert sample_cases(cfg, 5) == sample_cases(cfg, 12)[:5]
+    assert sample_cases(cfg, 4, offset=8) == sample_cases(cfg, 12)[8:]
+    assert sample_cases(cfg, 5) != sample_cases(GrammarConfig(seed=4), 5)
+
+
+def test_the_grammar_covers_operations_errors_and_bare_commands():
+    cases = sample_cases(GrammarConfig(), 300)
+    kinds = {c.kind for case in cases for c in case.commands}
+    assert {"reverse", "upper", "sort", "count", "grammar:error"} <= kinds
+    assert any(k.startswith("bare:") for k in kinds) and any(k.endswith(":typo") for k in kinds)
+    assert any(not case.files for case in cases)  # bare cases: the word is in the command
+    # The textops kinds are the textops agent's own pipelines over input.txt.
+    for case in cases:
+        for c in case.commands:
+            if c.kind in ("reverse", "upper", "sort"):
+                assert c.text.endswith(f"tr -d '\\n' < input.txt | {TRANSFORMS[c.kind]}")
+            if c.kind == "count":
+                assert "| wc -c" in c.text and "input.txt" in c.text
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("min_len", 0), ("max_len", 0), ("repeat_prob", 1.5), ("bare_prob", -0.1),
+     ("commands_per_case", 0)],
+)  # fmt: skip
+def test_bad_grammar_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        GrammarConfig(**{field: value})
+
+
+def test_observations_come_from_real_bash():
+    case = Case(
+        files={"input.txt": "banana\n"},
+        commands=[
+            Command(f"echo {SUBMIT_MARKER}\ntr -d '\\n' < input.txt | rev", "reverse"),
+            Command("tr -d '\\n' < input.txt | tr a-z A-Z", "upper"),
+            Command("tr -d '\\n' < input.txt | fold -w1 | sort | tr -d '\\n'", "sort"),
+            Command("tr -d '\\n' < input.txt | tr -cd 'a' | wc -c", "count"),
+            Command("cat nope.txt", "grammar:error"),
+            Command("tr -d '\\n' < input.txt | rv", "grammar:error"),
+        ],
+    )
+    (res,) = asyncio.run(run_cases([case]))
+    outputs = [(out.strip(), code) for out, code in res.outputs]
+    assert outputs[:4] == [(f"{SUBMIT_MARKER}\nananab", 0), ("BANANA", 0), ("aaabnn", 0),
+                           ("3", 0)]  # fmt: skip
+    assert outputs[4][1] == 1 and "nope.txt" in outputs[4][0]
+    assert outputs[5][1] == 127 and "rv" in outputs[5][0]
