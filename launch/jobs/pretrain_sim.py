@@ -222,7 +222,15 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         wall_s=summary["wall_s"],
         examples=stats.examples,
         params=trainer.model_cfg.num_params(),
-        command="simloop pretrain-sim " + " ".join(getattr(args, "argv", []) or []),
+        command=" ".join(
+            [
+                "simloop pretrain-sim",
+                *(["--config", args.config] if getattr(args, "config", None) else []),
+                "--out",
+                str(args.out),
+                *getattr(args, "overrides", []),
+            ]
+        ),
         grammar=dataclasses.asdict(p.grammar),
     )
     # The whole learning curve (a resumed run's earlier evaluations included), by step.

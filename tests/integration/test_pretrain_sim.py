@@ -50,6 +50,7 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     record = json.loads((weights / "pretrain_sim.json").read_text())
     assert record == json.loads((out / "pretrain_sim.json").read_text())
     assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
+    assert "--pretrain_sim.cases 24" in record["command"]  # how to make it again
 
     again = pretrain(out, 9)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

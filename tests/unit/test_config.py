@@ -211,4 +211,5 @@ def test_model_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeyp
     assert cfg.simulator.weights == "runs/sim/weights/final"
     # The demo's shipped simulator is found from any working directory.
     demo = load_config(SimloopConfig, REPO / "configs" / "demo_cpu.yaml")
-    assert demo.simulator.weights is None or Path(demo.simulator.weights).is_dir()
+    assert Path(demo.simulator.weights).is_dir()
+    assert demo.simulator.weights == str(REPO / "configs" / "pretrained" / "sim-textops")
