@@ -146,6 +146,10 @@ def load_config(
     tree = tree or {}
     for key, value in parse_overrides(overrides):
         _set_dotted(tree, key, value)
+        if tuple(key.split(".")) in FILE_RELATIVE_PATHS and isinstance(value, str) and value:
+            # the working directory's, made absolute: a run's config.yaml is read again by
+            # other processes (servers), from other folders
+            _set_dotted(tree, key, os.path.abspath(value))
     return build_config(cls, tree)
 
 
@@ -157,7 +161,8 @@ FILE_RELATIVE_PATHS = (("agent", "weights"), ("agent", "hf_path"), ("simulator",
 def _anchor_paths(tree: dict, folder: Path) -> None:
     """A relative model path written in a config file is relative to that file's folder
     (`configs/demo_cpu.yaml` names `pretrained/...` under `configs/`), so the config works from
-    any working directory; on the command line a relative path is the working directory's."""
+    any working directory; on the command line a relative path is the working directory's.
+    Both are made absolute, so a resolved config means the same from any folder."""
     for section, key in FILE_RELATIVE_PATHS:
         value = (tree.get(section) or {}).get(key) if isinstance(tree.get(section), dict) else None
         if isinstance(value, str) and value and not os.path.isabs(value):

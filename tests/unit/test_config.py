@@ -208,7 +208,14 @@ def test_model_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeyp
     assert cfg.agent.hf_path == "/abs/model"
     # On the command line a relative path is the working directory's, as a shell user expects.
     cfg = load_config(SimloopConfig, path, ["--simulator.weights", "runs/sim/weights/final"])
-    assert cfg.simulator.weights == "runs/sim/weights/final"
+    assert cfg.simulator.weights == str(tmp_path / "runs" / "sim" / "weights" / "final")
+    # ... and stays that path when a run's resolved config.yaml is read from another folder
+    # (a server started by the job reads it from the run directory).
+    (tmp_path / "run").mkdir()
+    written = tmp_path / "run" / "config.yaml"
+    written.write_text(dump_config(cfg))
+    monkeypatch.chdir(folder)
+    assert load_config(SimloopConfig, written).simulator.weights == cfg.simulator.weights
     # The demo's shipped simulator is found from any working directory.
     demo = load_config(SimloopConfig, REPO / "configs" / "demo_cpu.yaml")
     assert Path(demo.simulator.weights).is_dir()
