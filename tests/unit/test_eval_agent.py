@@ -32,7 +32,8 @@ def test_eval_agent_refuses_what_it_cannot_evaluate(tmp_path, capsys):
     base = ["eval-agent", "--config", str(CONFIG), "--out", str(tmp_path / "e")]
     assert main(base) == 2
     assert "set agent.weights" in capsys.readouterr().err
-    both = ["--train_agent.eval.arms", "[real,closed_loop]"]
+    # (demo_cpu.yaml starts the simulator from its pretrained checkpoint: take it away)
+    both = ["--train_agent.eval.arms", "[real,closed_loop]", "--simulator.weights", "null"]
     assert main([*base, "--agent.weights", str(tmp_path), *both]) == 2
     assert "closed_loop arm needs a trained simulator" in capsys.readouterr().err
     assert main([*base, "--agent.weights", str(tmp_path / "nowhere")]) == 2
