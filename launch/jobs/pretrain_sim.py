@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     write_config(cfg, out)
     from launch.deploy.chips import trainer_device_ids
     from rl.data import load_tokenizer
-    from rl.data.datasets import packed_dataset, sim_sft_examples
+    from rl.data.datasets import labelled_sim_examples, packed_dataset, sim_sft_examples
     from rl.train.build import build_trainer, export_weights
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import greedy_exact_by_group, resume, sft_loop
@@ -160,13 +160,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=budget)
     examples, stats = sim_sft_examples(train, tok, max_len=p.data.seq_len + 1, **prompt)
     short = [e for e in examples if len(e["tokens"]) <= p.short_data.seq_len + 1]
-    evals, kinds = [], []
-    for t in held:
-        if t.meta.get("kind") == "session":
-            continue
-        ex, _ = sim_sft_examples([t], tok, max_len=p.data.seq_len + 1, **prompt)
-        evals += ex
-        kinds += [t.meta["kind"]] * len(ex)
+    evals, kinds = labelled_sim_examples(
+        [t for t in held if t.meta.get("kind") != "session"], lambda t: t.meta["kind"], tok,
+        max_len=p.data.seq_len + 1, **prompt,
+    )  # fmt: skip
     print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples "
           f"({len(short)} short), {stats.target_tokens} target tokens; {len(evals)} held out",
           flush=True)  # fmt: skip

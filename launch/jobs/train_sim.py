@@ -104,14 +104,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):
     """An `sft_loop` hook that scores the held-out trajectories' examples every
     `tcfg.eval_every` steps (greedy exact match by `meta.task_kind`) into `log`."""
-    from rl.data.datasets import sim_sft_examples
+    from rl.data.datasets import labelled_sim_examples
     from rl.train.loop import greedy_exact_by_group
 
-    examples, kinds = [], []
-    for t in trajs:
-        ex, _ = sim_sft_examples([t], tok, max_len=tcfg.data.seq_len + 1, **prompt)
-        examples += ex
-        kinds += [str(t.meta.get("task_kind") or "all")] * len(ex)
+    examples, kinds = labelled_sim_examples(
+        trajs, lambda t: str(t.meta.get("task_kind") or "all"), tok,
+        max_len=tcfg.data.seq_len + 1, **prompt,
+    )  # fmt: skip
     if not examples:
         return None
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -181,6 +181,23 @@ def sim_sft_examples(
             stats.target_tokens += len(target)
             stats.context_tokens += len(context)
     return examples, stats
+
+
+def labelled_sim_examples(
+    trajectories: Iterable[Trajectory],
+    label: Callable[[Trajectory], str],
+    tokenizer: Tokenizer,
+    **kwargs: Any,
+) -> tuple[list[Example], list[str]]:
+    """`sim_sft_examples` (same keyword arguments) with each example's label: `label(traj)`
+    of the trajectory it came from (e.g. its task kind, for a held-out curve by kind)."""
+    examples: list[Example] = []
+    labels: list[str] = []
+    for traj in trajectories:
+        ex, _ = sim_sft_examples([traj], tokenizer, **kwargs)
+        examples += ex
+        labels += [label(traj)] * len(ex)
+    return examples, labels
 
 
 def agent_sft_examples(
