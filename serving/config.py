@@ -6,6 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_N = 64
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+"""Weight versions are stored as int64 (per KV slot and per token)."""
+MIN_TEMPERATURE = 1e-2
+"""Smallest positive temperature: logits / temperature stays finite in float32. Requests ask
+for less at their own risk: the server raises it to this (as vLLM does)."""
+MAX_TEMPERATURE = 100.0
+"""Largest temperature: beyond it the distribution is uniform to float32 precision anyway."""
+MIN_TOP_P = 1e-6
+"""Smallest top_p: a float32 normal number. Any top_p at or below 1/vocab keeps only the most
+likely token, so the server raises smaller ones to this without changing what is sampled."""
 
 
 @dataclass(frozen=True)
@@ -92,16 +103,26 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: an integer >= 1")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r} is invalid: a number >= 0")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} is invalid: a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: 0 (off) or a positive integer")
+        # Every bound is what the engine's float32 / int32 device arrays can hold: nothing
+        # a request carries may overflow inside the scheduler loop.
+        t = self.temperature
+        if not isinstance(t, int | float) or not (
+            t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE
+        ):
+            raise ValueError(f"temperature={t!r} is invalid: 0 (greedy) or a number in "
+                             f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")  # fmt: skip
+        if not isinstance(self.top_p, int | float) or not MIN_TOP_P <= self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r} is invalid: a number in [{MIN_TOP_P}, 1]")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: 0 (off) or a positive integer "
+                             f"<= {INT32_MAX}")  # fmt: skip
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed={self.seed!r} is invalid: an integer >= 0")
-        if not isinstance(self.logprobs, int) or self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs!r} is invalid: an integer >= 0")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 100:
+            raise ValueError(f"logprobs={self.logprobs!r} is invalid: an integer in [0, 100]")
+        if any(not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={list(self.stop_token_ids)!r} is invalid: token "
+                             f"ids in [0, {INT32_MAX}]")  # fmt: skip
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop={list(self.stop)!r} is invalid: non-empty strings")
 
@@ -127,7 +148,19 @@ class ServerConfig:
     max_body_bytes: int = 8 * 2**20
     """Larger request bodies are refused with 413."""
     shutdown_timeout_s: float = 10.0
-    """Grace period for in-flight requests on SIGTERM/SIGINT."""
+    """Shutdown (SIGTERM/SIGINT) finishes within this: in-flight requests may finish until
+    about a second before it, then are aborted (`finish_reason: abort`, streams closed)."""
+    header_timeout_s: float = 10.0
+    """A request's head (request line and headers) must arrive within this of its first byte;
+    else the connection is closed."""
+    body_timeout_s: float = 30.0
+    """A request's body must arrive within this once its head is read; else 408, closed."""
+    idle_timeout_s: float = 60.0
+    """An open connection without a request (new, or kept alive) is closed after this."""
+    max_connections: int = 2048
+    """Open connections at most (also kept below the process's open-file limit). Beyond it
+    the oldest connection that is not in a request is closed for the new one; when all are in
+    requests, the new one gets 503 and is closed."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -137,5 +170,14 @@ class ServerConfig:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise ValueError(f"ServerConfig.max_body_bytes={self.max_body_bytes!r} is invalid: "
                              "an integer >= 1024")  # fmt: skip
+        for name in ("shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
+                     "idle_timeout_s"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
+                raise ValueError(f"ServerConfig.{name}={v!r} is invalid: seconds in (0, 3600]")
+        if (isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
+                or not 1 <= self.max_connections <= 1_000_000):  # fmt: skip
+            raise ValueError(f"ServerConfig.max_connections={self.max_connections!r} is "
+                             "invalid: an integer in [1, 1000000]")  # fmt: skip
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("ServerConfig.admin_token is too short: use at least 8 characters")

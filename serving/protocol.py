@@ -4,11 +4,30 @@ Parsing turns a JSON body into a validated `CompletionRequest` or raises `ApiErr
 field and what is allowed; the builders turn engine outputs into OpenAI-shaped dicts. simloop
 extensions ride along where vLLM puts its own: `token_ids` / `prompt_token_ids` per choice
 (vLLM's `return_token_ids`), plus `token_versions` per choice and `weight_version` at the top.
+
+Numbers are bounded and converted here, in the engine's dtypes (float32, int32), so nothing a
+request carries can overflow inside the engine loop:
+- `temperature`: 0 (greedy) or up to MAX_TEMPERATURE; a positive one below MIN_TEMPERATURE is
+  raised to it (as vLLM does), so 1/temperature stays finite in float32.
+- `top_p`: in (0, 1]; below MIN_TOP_P it is raised to it (both keep only the top token).
+- `top_k`: -1 or 0 (off) or a positive integer; values at or past the vocabulary size are
+  clamped to it (as vLLM does): they mean "no truncation".
+- `seed`: any integer in the int64 range, reduced modulo 2**31 (the engine's seed range).
+- `max_tokens`, `logprobs`, `top_logprobs`, `n`, `stop_token_ids`: bounded by the context,
+  `max_top_logprobs`, MAX_N and the vocabulary.
+A bad value is a 400 naming the field and the allowed range.
+
+Logprobs in responses: a finite value is reported as is; an alternative whose logprob is
+-inf (outside the top-k / top-p set: impossible) is reported as LOGPROB_FLOOR, as OpenAI does;
+anything else that is not finite (NaN, +inf, or -inf for a sampled token) is `null`, never a
+number, so corruption is visible to clients and to importance ratios.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,7 +35,13 @@ from typing import Any
 
 from rl.data.chat import ROLES, ChatRenderer, Message
 from rl.data.tokenizer import Tokenizer
-from serving.config import MAX_N
+from serving.config import (
+    INT32_MAX,
+    MAX_N,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 from serving.engine import SamplingParams, SequenceOutput
 
 # JSON has no -inf; OpenAI reports impossible alternatives with this floor.
@@ -42,6 +67,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -73,32 +99,38 @@ class CompletionRequest:
 # ----- field readers --------------------------------------------------------------------------
 
 
-def _int(body, key, default=None, *, lo=None, hi=None, allowed=None):
+def _int(body, key, default, *, lo: int, hi: int):
     v = body.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(key, f"'{key}' must be an integer{_range(lo, hi)}, got {v!r}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(key, allowed or f"'{key}'={v} is out of range: an integer{_range(lo, hi)}")
+        raise bad(key, f"'{key}' must be an integer in [{lo}, {hi}], got {short_repr(v)}")
+    if not lo <= v <= hi:
+        raise bad(key, f"'{key}'={short_repr(v)} is out of range: an integer in [{lo}, {hi}]")
     return v
 
 
-def _range(lo, hi) -> str:
-    if lo is not None and hi is not None:
-        return f" in [{lo}, {hi}]"
-    if lo is not None:
-        return f" >= {lo}"
-    return ""
-
-
-def _num(body, key, default):
+def _num(body, key, default, *, lo: float, hi: float, open_lo: bool = False) -> float:
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise bad(key, f"'{key}' must be a finite number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad(key, f"'{key}' must be a number, got {short_repr(v)}")
+    if not ((lo < v if open_lo else lo <= v) and v <= hi):  # False for NaN too
+        span = f"({lo}, {hi}]" if open_lo else f"[{lo}, {hi}]"
+        raise bad(key, f"'{key}'={short_repr(v)} is out of range: a number in {span}")
     return float(v)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(v: str, param: str) -> str:
+    """`v`, refused when it holds a lone UTF-16 surrogate (valid JSON, not valid Unicode)."""
+    if not v.isascii() and (m := _SURROGATE.search(v)) is not None:
+        raise bad(param, f"{param} holds a lone UTF-16 surrogate {m.group()!a} at character "
+                  f"{m.start()}: not valid Unicode text")  # fmt: skip
+    return v
 
 
 def _bool(body, key, default=False):
@@ -110,39 +142,46 @@ def _bool(body, key, default=False):
     return v
 
 
-def _sampling(body: dict, *, max_tokens_key: str, logprobs: int) -> SamplingParams:
-    temperature = _num(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature", f"'temperature'={temperature} is invalid: a number >= 0")
-    top_p = _num(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"'top_p'={top_p} is invalid: a number in (0, 1]")
-    top_k = _int(body, "top_k", 0, lo=-1)
-    max_tokens = _int(body, max_tokens_key, None)
-    if max_tokens is not None and max_tokens <= 0:
-        raise bad(max_tokens_key, f"'{max_tokens_key}'={max_tokens} is invalid: an integer >= 1")
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a request's numbers: the served vocabulary, context and logprobs."""
+
+    vocab: int
+    context: int = INT32_MAX
+    max_logprobs: int = 20
+
+
+def _sampling(body: dict, limits: Limits, *, max_tokens_key: str, logprobs: int):
+    temperature = _num(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE)
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    top_p = max(_num(body, "top_p", 1.0, lo=0.0, hi=1.0, open_lo=True), MIN_TOP_P)
+    top_k = _int(body, "top_k", 0, lo=-1, hi=INT32_MAX)
+    top_k = 0 if top_k == -1 else min(top_k, limits.vocab)
+    max_tokens = _int(body, max_tokens_key, None, lo=1, hi=limits.context)
     stop = body.get("stop")
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", f"'stop' must be a non-empty string or a list of them, got {stop!r}")
+        raise bad("stop", f"'stop' must be a non-empty string or a list of them, got "
+                  f"{short_repr(stop)}")  # fmt: skip
+    stop = [_text(s, "stop") for s in stop]
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab for t in stop_ids
     ):
-        raise bad(
-            "stop_token_ids", f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}"
-        )
+        raise bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids in "
+                  f"[0, {limits.vocab}), got {short_repr(stop_ids)}")  # fmt: skip
     for key in ("presence_penalty", "frequency_penalty"):
-        if _num(body, key, 0.0) != 0.0:
+        if _num(body, key, 0.0, lo=-2.0, hi=2.0) != 0.0:
             raise bad(key, f"'{key}' is not supported: leave it 0")
-    seed = _int(body, "seed", None)
+    seed = _int(body, "seed", None, lo=-(2**63), hi=2**64 - 1)
     if seed is not None:
         seed %= 2**31
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
     )  # fmt: skip
@@ -165,58 +204,62 @@ def _common(body: dict) -> dict:
                 include_usage=bool(options.get("include_usage")))  # fmt: skip
 
 
-def parse_completion(body: Any, tokenizer: Tokenizer, max_logprobs: int) -> CompletionRequest:
+def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> CompletionRequest:
     common = _common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise bad("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list "
-                  f"of either; got {_short(body.get('prompt'))}")  # fmt: skip
+                  f"of either; got {short_repr(body.get('prompt'))}")  # fmt: skip
     prompts = []
     for p in prompt:
         if isinstance(p, str):
-            ids = tokenizer.encode(p)
+            ids = tokenizer.encode(_text(p, "prompt"))
         elif _is_ids(p):
             ids = list(p)
         else:
             raise bad(
-                "prompt", f"each prompt must be a string or a list of token ids, got {_short(p)}"
+                "prompt",
+                f"each prompt must be a string or a list of token ids, got {short_repr(p)}",
             )
         if not ids:
             raise bad("prompt", "'prompt' is empty: give at least one token")
         prompts.append(ids)
-    logprobs = _int(body, "logprobs", None, lo=0, hi=max_logprobs)
-    params = _sampling(body, max_tokens_key="max_tokens", logprobs=logprobs or 0)
+    logprobs = _int(body, "logprobs", None, lo=0, hi=limits.max_logprobs)
+    params = _sampling(body, limits, max_tokens_key="max_tokens", logprobs=logprobs or 0)
     return CompletionRequest(chat=False, prompts=prompts, params=params,
                              echo_logprobs=logprobs is not None, **common)  # fmt: skip
 
 
 def parse_chat(
-    body: Any, renderer: ChatRenderer, max_logprobs: int
+    body: Any, renderer: ChatRenderer, limits: Limits
 ) -> tuple[CompletionRequest, list[Message]]:
     common = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages", f"'messages' must be a non-empty list, got {_short(messages)}")
+        raise bad("messages", f"'messages' must be a non-empty list, got {short_repr(messages)}")
     parsed: list[Message] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad(f"messages[{i}]", f"messages[{i}] needs a 'role' in {list(ROLES)}, got "
-                      f"{_short(m)}")  # fmt: skip
+                      f"{short_repr(m)}")  # fmt: skip
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
                 raise bad(f"messages[{i}].content", "only text content parts are supported")
-            content = "".join(str(c.get("text", "")) for c in content)
+            if not all(isinstance(c.get("text", ""), str) for c in content):
+                raise bad(f"messages[{i}].content", "a text content part's 'text' is a string")
+            content = "".join(c.get("text", "") for c in content)
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string, got "
-                      f"{_short(content)}")  # fmt: skip
-        msg: Message = {"role": m["role"], "content": content}
+                      f"{short_repr(content)}")  # fmt: skip
+        msg: Message = {"role": m["role"], "content": _text(content, f"messages[{i}].content")}
         if isinstance(m.get("reasoning_content"), str) and m["role"] == "assistant":
-            msg["reasoning_content"] = m["reasoning_content"]
+            msg["reasoning_content"] = _text(m["reasoning_content"],
+                                             f"messages[{i}].reasoning_content")  # fmt: skip
         parsed.append(msg)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -225,11 +268,11 @@ def parse_chat(
     if not isinstance(enable_thinking, bool):
         raise bad("chat_template_kwargs.enable_thinking", "enable_thinking must be true or false")
     want_logprobs = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, lo=0, hi=max_logprobs)
+    top = _int(body, "top_logprobs", 0, lo=0, hi=limits.max_logprobs)
     if top and not want_logprobs:
         raise bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    params = _sampling(body, max_tokens_key=key, logprobs=top)
+    params = _sampling(body, limits, max_tokens_key=key, logprobs=top)
     ids = renderer.render(parsed, add_generation_prompt=True, enable_thinking=enable_thinking)
     req = CompletionRequest(chat=True, prompts=[ids], params=params,
                             echo_logprobs=want_logprobs, **common)  # fmt: skip
@@ -244,8 +287,13 @@ def _is_ids(x) -> bool:
     )
 
 
-def _short(x) -> str:
-    text = repr(x)
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 40, 40, 40
+
+
+def short_repr(x) -> str:
+    """A bounded repr: depth, length and big integers are cut (a hostile body is huge)."""
+    text = _REPR.repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -256,8 +304,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def _floor(x: float) -> float:
-    return x if x > LOGPROB_FLOOR else LOGPROB_FLOOR
+def _logprob(x: float, *, alternative: bool = False) -> float | None:
+    """A logprob for JSON: see the module docstring."""
+    if math.isfinite(x):
+        return max(x, LOGPROB_FLOOR)
+    return LOGPROB_FLOOR if alternative and x == -math.inf else None
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -272,22 +323,24 @@ def completion_logprobs(tokenizer: Tokenizer, out: SequenceOutput, offset0: int 
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [_floor(x) for x in out.logprobs],
+        "token_logprobs": [_logprob(x) for x in out.logprobs],
         "top_logprobs": [
-            {token_text(tokenizer, i): _floor(lp) for i, lp in top} for top in out.top_logprobs
+            {token_text(tokenizer, i): _logprob(lp, alternative=True) for i, lp in top}
+            for top in out.top_logprobs
         ],
         "text_offset": offsets,
     }
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids, logprobs, tops) -> dict:
-    def entry(tid: int, lp: float) -> dict:
+    def entry(tid: int, lp: float, alternative: bool = False) -> dict:
         text = token_text(tokenizer, tid)
-        return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": _logprob(lp, alternative=alternative),
+                "bytes": list(text.encode("utf-8"))}  # fmt: skip
 
     return {
         "content": [
-            {**entry(t, lp), "top_logprobs": [entry(i, x) for i, x in top]}
+            {**entry(t, lp), "top_logprobs": [entry(i, x, True) for i, x in top]}
             for t, lp, top in zip(token_ids, logprobs, tops, strict=True)
         ]
     }

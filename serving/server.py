@@ -6,7 +6,14 @@
 Routes (DESIGN.md §4): `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE
 streaming), `GET /v1/models`, `GET /health`, `GET /metrics`, and the bearer-token admin routes
 `POST /admin/load_weights` and `GET /admin/version`. Every error is OpenAI-shaped; a bad
-request never takes the server down, and a client that disconnects aborts its request.
+request never takes the server down, and a client that disconnects aborts its request. An
+error after a stream started is one last SSE event, `data: {"error": {...}}`, then the end.
+
+Hostile clients: a request's head and body must arrive within `header_timeout_s` /
+`body_timeout_s`, connections are capped (`max_connections`, kept below the open-file limit;
+idle ones make room for new ones) and repeated log lines are rate-limited. If the engine loop
+dies, `run_server` stops and raises `EngineDied`, so `simloop serve` exits non-zero and its
+supervisor restarts it. Shutdown is bounded by `shutdown_timeout_s`.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import hmac
 import json
 import logging
 import os
+import resource
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -27,22 +35,31 @@ from aiohttp import web
 
 from rl.data.chat import ChatRenderer
 from rl.data.tokenizer import Tokenizer
-from serving.config import ServerConfig
+from serving.config import INT64_MAX, ServerConfig
 from serving.engine import Engine, EngineBusy, EngineError, SequenceOutput, TokenEvent
 from serving.metrics import ServerMetrics
 from serving.protocol import (
     ApiError,
     CompletionRequest,
+    Limits,
     build_response,
     chat_logprobs,
     completion_logprobs,
     new_id,
     parse_chat,
     parse_completion,
+    short_repr,
     usage,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_PATH_CHARS = 4096
+"""Longest `load_weights` path (PATH_MAX)."""
+
+
+class EngineDied(RuntimeError):
+    """The engine loop failed: the server stopped so that its supervisor restarts it."""
 
 
 class Server:
@@ -53,6 +70,10 @@ class Server:
         self.renderer = ChatRenderer(tokenizer)
         self.metrics = ServerMetrics()
         self.started = int(time.time())
+        self.connections = _Connections(cfg, cfg.max_connections)
+        self.limits = Limits(vocab=min(engine.model_cfg.vocab_size, tokenizer.vocab_size),
+                             context=engine.cfg.max_seq_len,
+                             max_logprobs=engine.cfg.max_top_logprobs)  # fmt: skip
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes,
@@ -74,10 +95,15 @@ class Server:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"
+        conn = self.connections.get(request.transport)
+        if conn is not None:
+            conn.begin()
         try:
             response = await handler(request)
         except ApiError as e:
             response = web.json_response(e.body(), status=e.status)
+            if e.status == 408:  # the body is half read: the connection cannot be reused
+                response.force_close()
         except web.HTTPRequestEntityTooLarge as e:
             err = ApiError(413, f"request body is over the {self.cfg.max_body_bytes} byte limit "
                            f"({e.text or 'too large'})")  # fmt: skip
@@ -91,14 +117,23 @@ class Server:
             log.exception("unhandled error on %s", request.path)
             err = ApiError(500, f"internal error: {e!r}", type="server_error")
             response = web.json_response(err.body(), status=500)
+        finally:
+            if conn is not None:
+                conn.end()
         self.metrics.record_request(endpoint, response.status)
         return response
 
     async def _json(self, request: web.Request) -> Any:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError as e:
+            raise ApiError(408, f"the request body did not arrive within "
+                           f"{self.cfg.body_timeout_s}s") from e  # fmt: skip
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError as e:
+            raise ApiError(400, "malformed JSON body: nested too deeply") from e
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long
             raise ApiError(400, f"malformed JSON body: {e}") from e
 
     def _check_model(self, name: str | None) -> None:
@@ -128,12 +163,12 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
-        req = parse_completion(body, self.tokenizer, self.engine.cfg.max_top_logprobs)
+        req = parse_completion(body, self.tokenizer, self.limits)
         return await self._complete(request, req, "cmpl")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
-        req, _ = parse_chat(body, self.renderer, self.engine.cfg.max_top_logprobs)
+        req, _ = parse_chat(body, self.renderer, self.limits)
         return await self._complete(request, req, "chatcmpl")
 
     async def _complete(self, request, req: CompletionRequest, prefix: str):
@@ -191,6 +226,7 @@ class Server:
 
         pumps = [asyncio.create_task(pump(p, h), name=f"{request_id}-pump-{p}")
                  for p, h in enumerate(handles)]  # fmt: skip
+        failure: Exception | None = None
         try:
             open_pumps = len(pumps)
             if req.chat:
@@ -234,12 +270,21 @@ class Server:
                          "model": self.cfg.model_name, "choices": [],
                          "usage": usage(req.prompts, flat, req.n)}  # fmt: skip
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+        except ConnectionError:
+            raise  # the client is gone: there is no one to tell
+        except Exception as e:  # noqa: BLE001 - headers are out: the error goes in the stream
+            log.exception("stream %s failed", request_id)
+            failure = e
         finally:
             for t in pumps:
                 t.cancel()
             for h in handles:
                 self.engine.abort(h.id)
+        if failure is not None:  # one error event, then the end: never a second response
+            err = ApiError(500, f"generation failed mid-stream: {failure!r}",
+                           type="server_error")  # fmt: skip
+            await response.write(f"data: {json.dumps(err.body())}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
@@ -277,7 +322,9 @@ class Server:
             raise ApiError(401, "admin routes are disabled: start the server with --admin-token")
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), self.cfg.admin_token.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare the raw bytes.
+        raw = given.encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(raw, self.cfg.admin_token.encode("utf-8")):
             raise ApiError(401, "missing or wrong bearer token for an admin route")
 
     def _checkpoint_path(self, raw: Any) -> Path:
@@ -285,15 +332,23 @@ class Server:
             raise ApiError(400, "no checkpoint root is configured: start the server with "
                            "--checkpoint-root", param="path")  # fmt: skip
         if not isinstance(raw, str) or not raw:
-            raise ApiError(400, f"'path' must be a non-empty string, got {raw!r}", param="path")
+            raise ApiError(400, f"'path' must be a non-empty string, got {short_repr(raw)}",
+                           param="path")  # fmt: skip
+        if len(raw) > MAX_PATH_CHARS or "\0" in raw or not raw.isprintable():
+            raise ApiError(400, f"'path' {short_repr(raw)} is invalid: at most {MAX_PATH_CHARS} "
+                           "printable characters", param="path")  # fmt: skip
         root = Path(os.path.realpath(self.cfg.checkpoint_root))
         candidate = Path(raw) if os.path.isabs(raw) else root / raw
-        resolved = Path(os.path.realpath(candidate))  # follows symlinks: no escape through one
+        try:
+            resolved = Path(os.path.realpath(candidate))  # follows symlinks: no escape
+            exists = resolved.exists()
+        except (OSError, ValueError) as e:  # a name too long, a surrogate, ...
+            raise ApiError(400, f"'path' {short_repr(raw)} is invalid: {e}", param="path") from e
         if resolved != root and root not in resolved.parents:
-            raise ApiError(400, f"path {raw!r} resolves outside the checkpoint root {str(root)!r}",
-                           param="path")  # fmt: skip
-        if not resolved.exists():
-            raise ApiError(404, f"checkpoint {raw!r} does not exist", param="path")
+            raise ApiError(400, f"path {short_repr(raw)} resolves outside the checkpoint root "
+                           f"{str(root)!r}", param="path")  # fmt: skip
+        if not exists:
+            raise ApiError(404, f"checkpoint {short_repr(raw)} does not exist", param="path")
         return resolved
 
     async def load_weights(self, request: web.Request) -> web.Response:
@@ -303,17 +358,32 @@ class Server:
             raise ApiError(400, "the request body must be a JSON object")
         path = self._checkpoint_path(body.get("path"))
         version = body.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ApiError(400, f"'version' must be an integer, got {version!r}", param="version")
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 0 <= version <= INT64_MAX
+        ):
+            raise ApiError(400, f"'version' must be an integer in [0, {INT64_MAX}], got "
+                           f"{short_repr(version)}", param="version")  # fmt: skip
         started = time.perf_counter()
         try:
             await self.engine.load_weights(path, version)
         except EngineError as e:
             raise ApiError(400, str(e), param=e.field) from e
-        except FileNotFoundError as e:
-            raise ApiError(404, str(e), param="path") from e
-        except ValueError as e:
-            raise ApiError(422, str(e), param="path") from e
+        except FileNotFoundError as e:  # not a checkpoint, or one with files missing
+            raise ApiError(
+                404,
+                f"checkpoint {str(path)!r} cannot be loaded, the served weights are unchanged: {e}",
+                param="path",
+            ) from e
+        except Exception as e:  # noqa: BLE001 - whatever a bad checkpoint raises: keep serving
+            log.warning("refused checkpoint %s: %r", path, e)
+            raise ApiError(
+                422,
+                f"checkpoint {str(path)!r} cannot be loaded, the served weights "
+                f"are unchanged: {type(e).__name__}: {e}",
+                param="path",
+            ) from e
         return web.json_response({"version": self.engine.version, "path": str(path),
                                   "load_s": round(time.perf_counter() - started, 4)})  # fmt: skip
 
@@ -359,20 +429,184 @@ class _TextStream:
         return rest
 
 
+class _Connection(asyncio.Protocol):
+    """One client connection: aiohttp's protocol inside, plus a deadline for each request
+    head (from its first byte) and a place in the connection cap."""
+
+    def __init__(self, conns: _Connections, inner: asyncio.Protocol):
+        self.conns, self.inner = conns, inner
+        self.transport: asyncio.Transport | None = None
+        self.busy = 0
+        """Requests of this connection inside a handler (their heads were read)."""
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if not self.conns.admit(self):
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                            b"Connection: close\r\n\r\n")  # fmt: skip
+            transport.close()
+            self.inner = None
+            return
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is None:
+            return
+        if not self.busy and self._deadline is None:  # the first bytes of a request head
+            timeout = self.conns.cfg.header_timeout_s
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._expire)
+        self.inner.data_received(data)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.busy and self.transport is not None:
+            _ratelimited.warning("closed a connection from %s: no complete request head "
+                                 "within %ss", self.transport.get_extra_info("peername"),
+                                 self.conns.cfg.header_timeout_s)  # fmt: skip
+            self.transport.abort()
+
+    def begin(self) -> None:
+        self.busy += 1
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def end(self) -> None:
+        self.busy -= 1
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.conns.remove(self)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+
+class _Connections:
+    """The open connections, oldest first, at most `cap`: a new one past the cap closes the
+    oldest idle one (not in a request), or is refused when every one is in a request."""
+
+    def __init__(self, cfg: ServerConfig, cap: int):
+        self.cfg, self.cap = cfg, cap
+        self._open: dict[_Connection, None] = {}
+        self._by_transport: dict[Any, _Connection] = {}
+        self.evicted = self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def get(self, transport) -> _Connection | None:
+        return self._by_transport.get(transport)
+
+    def admit(self, conn: _Connection) -> bool:
+        if len(self._open) >= self.cap:
+            idle = next((c for c in self._open if not c.busy), None)
+            if idle is None:
+                self.refused += 1
+                _ratelimited.warning("refused a connection: all %d are in requests", self.cap)
+                return False
+            self.evicted += 1
+            _ratelimited.warning("at the cap of %d connections: closed the oldest idle one",
+                                 self.cap)  # fmt: skip
+            self.remove(idle)
+            idle.transport.abort()
+        self._open[conn] = None
+        self._by_transport[conn.transport] = conn
+        return True
+
+    def remove(self, conn: _Connection) -> None:
+        self._open.pop(conn, None)
+        self._by_transport.pop(conn.transport, None)
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets at most `burst` records of one message template through per `window_s`; the next
+    one let through says how many were dropped. A flood (one per failed accept, one per
+    hostile socket) cannot fill the disk."""
+
+    def __init__(self, burst: int = 5, window_s: float = 10.0, clock=time.monotonic):
+        super().__init__()
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self._seen: dict[tuple[str, Any], list] = {}  # key -> [window start, count, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        key = (record.name, record.msg)
+        state = self._seen.get(key)
+        if state is None or now - state[0] >= self.window_s:
+            if len(self._seen) > 1000:  # templates are few; a flood of distinct ones is not
+                self._seen.clear()
+            dropped = state[2] if state else 0
+            state = self._seen[key] = [now, 0, 0]
+            if dropped:
+                record.msg = f"{record.msg} [{dropped} similar messages dropped]"
+        state[1] += 1
+        if state[1] > self.burst:
+            state[2] += 1
+            return False
+        return True
+
+
+_ratelimited = logging.getLogger(__name__ + ".connections")
+LIMITED_LOGGERS = ("asyncio", "aiohttp.server", "aiohttp.web", "aiohttp.access",
+                   _ratelimited.name, __name__)  # fmt: skip
+
+
+def _limit_logging() -> None:
+    for name in LIMITED_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+            logger.addFilter(RateLimitFilter())
+
+
+def _connection_cap(wanted: int) -> int:
+    """`wanted`, kept below the open-file limit (less room for the engine's own files)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    cap = max(1, min(wanted, soft - 64))
+    if cap < wanted:
+        log.warning("max_connections %d is above the open-file limit %d: capped at %d",
+                    wanted, soft, cap)  # fmt: skip
+    return cap
+
+
 async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
                      ready=None, stop: asyncio.Event | None = None) -> None:  # fmt: skip
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down within the grace period.
-    `ready(port)` is called once the socket listens."""
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down within
+    `cfg.shutdown_timeout_s`. `ready(port)` is called once the socket listens. Raises
+    `EngineDied` when the engine loop fails (the process must exit and be restarted)."""
+    _limit_logging()
     await engine.start()
     server = Server(engine, tokenizer, cfg)
-    runner = web.AppRunner(server.app(), handler_cancellation=True,
-                           shutdown_timeout=cfg.shutdown_timeout_s, access_log=None)  # fmt: skip
+    server.connections.cap = _connection_cap(cfg.max_connections)
+    grace = cfg.shutdown_timeout_s
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=min(0.25, grace / 8),
+                           keepalive_timeout=cfg.idle_timeout_s,
+                           # After an early response (408, 413) the rest of a body is read
+                           # and dropped for this long at most (not aiohttp's 10 s).
+                           lingering_time=min(1.0, cfg.body_timeout_s))  # fmt: skip
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the bound port for port 0
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    listener = await loop.create_server(
+        lambda: _Connection(server.connections, runner.server()), cfg.host, cfg.port,
+        backlog=128,
+    )  # fmt: skip
+    port = listener.sockets[0].getsockname()[1]
+    stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
@@ -380,11 +614,31 @@ async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
             pass
     if ready is not None:
         ready(port)
+    stopping = asyncio.create_task(stop.wait(), name="server-stop")
+    watch = asyncio.create_task(engine.wait(), name="server-engine-watch")
     try:
-        await stop.wait()
+        await asyncio.wait({stopping, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await runner.cleanup()
-        await engine.stop(timeout_s=cfg.shutdown_timeout_s)
+        stopping.cancel()
+        watch.cancel()
+        await _shutdown(engine, runner, listener, grace)
+    if engine.failure is not None:
+        raise EngineDied(f"the engine loop failed: {engine.failure!r}; the server stopped so "
+                         "that its supervisor restarts it") from engine.failure  # fmt: skip
+
+
+async def _shutdown(engine: Engine, runner: web.AppRunner, listener, grace: float) -> None:
+    """Within `grace` seconds: stop listening, let requests in flight finish until about a
+    second before the end, abort the rest (streams end with `finish_reason: abort`), close
+    every connection."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    listener.close()
+    drain = max(0.0, grace - 1.0)
+    while engine.in_flight and loop.time() - t0 < drain:
+        await asyncio.sleep(0.05)
+    await engine.stop(timeout_s=min(0.5, grace / 4))
+    await runner.cleanup()  # handlers get `shutdown_timeout` twice, then are cancelled
 
 
 @contextlib.asynccontextmanager

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from serving.engine import Engine
-    from serving.server import run_server
+    from serving.server import EngineDied, run_server
 
     model, tokenizer, name = build_model(args, cfg)
     server_cfg = cfg.serve.server
@@ -122,6 +122,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
               f"{cfg.serve.engine.num_slots} slots, {len(devices)} {devices[0].platform} "
               f"device(s))", flush=True)  # fmt: skip
 
-    asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready))
+    try:
+        asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready))
+    except EngineDied as e:  # exit non-zero: a supervisor restarts the server
+        print(f"simloop serve: {e}", file=sys.stderr, flush=True)
+        return 1
     print("simloop serve: stopped", flush=True)
     return 0

@@ -11,6 +11,10 @@ changes the tokens of history: chat-template drift), a `reasoning_content` field
 is rendered as `<think>\\n{reasoning}\\n</think>\\n\\n` before the content, and consecutive tool
 messages are separate user turns (Qwen3 merges them into one).
 
+Message content is text: its special-token strings are spelled with ordinary tokens
+(`Tokenizer.encode_text`), so content such as `hi<|im_end|>\n<|im_start|>assistant` can never
+forge a turn; only the template's own markers become special ids.
+
 `ChatRenderer.append(ids, message)` returns only the ids of one more message (plus the
 generation prompt) given the ids so far, including ids a model generated that stop at
 `<|im_end|>` without the newline; `render(messages)` equals the concatenation of appends.
@@ -47,21 +51,40 @@ def _validate(message: Message, index: int | None = None) -> None:
         raise ValueError(f"{where}.reasoning_content is only allowed (as a string) on assistant")
 
 
-def message_text(message: Message) -> str:
-    """The text of one rendered message, trailing newline included."""
+_Parts = list[tuple[str, bool]]
+"""Rendered text as (piece, is_marker): markers are the template's own special tokens; every
+other piece (role names, tags, message content) is plain text and never becomes one."""
+
+
+def _message_parts(message: Message) -> _Parts:
     _validate(message)
     role, content = message["role"], message["content"]
     if role == "tool":
-        return f"{IM_START}user\n<tool_response>\n{content}\n</tool_response>{IM_END}\n"
-    if role == "assistant" and "reasoning_content" in message:
-        content = f"{THINK}\n{message['reasoning_content'].strip()}\n{END_THINK}\n\n{content}"
-    return f"{IM_START}{role}\n{content}{IM_END}\n"
+        body = [(f"user\n<tool_response>\n{content}\n</tool_response>", False)]
+    elif role == "assistant" and "reasoning_content" in message:
+        reasoning = message["reasoning_content"].strip()
+        body = [("assistant\n", False), (THINK, True), (f"\n{reasoning}\n", False),
+                (END_THINK, True), (f"\n\n{content}", False)]  # fmt: skip
+    else:
+        body = [(f"{role}\n{content}", False)]
+    return [(IM_START, True), *body, (IM_END, True), ("\n", False)]
+
+
+def _generation_parts(enable_thinking: bool) -> _Parts:
+    parts = [(IM_START, True), ("assistant\n", False)]
+    if not enable_thinking:
+        parts += [(THINK, True), ("\n\n", False), (END_THINK, True), ("\n\n", False)]
+    return parts
+
+
+def message_text(message: Message) -> str:
+    """The text of one rendered message, trailing newline included."""
+    return "".join(piece for piece, _ in _message_parts(message))
 
 
 def generation_prompt(enable_thinking: bool = True) -> str:
     """The assistant header the model continues from."""
-    prompt = f"{IM_START}assistant\n"
-    return prompt if enable_thinking else prompt + f"{THINK}\n\n{END_THINK}\n\n"
+    return "".join(piece for piece, _ in _generation_parts(enable_thinking))
 
 
 def render_text(
@@ -70,6 +93,9 @@ def render_text(
     add_generation_prompt: bool = False,
     enable_thinking: bool = True,
 ) -> str:
+    """The rendered conversation as text. Its ids come from `ChatRenderer`, not from
+    `tokenizer.encode` of this text, which would turn special-token strings in content into
+    control tokens."""
     for i, m in enumerate(messages):
         _validate(m, i)
     text = "".join(message_text(m) for m in messages)
@@ -96,10 +122,12 @@ class ChatRenderer:
         add_generation_prompt: bool = False,
         enable_thinking: bool = True,
     ) -> list[int]:
-        text = render_text(
-            messages, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
-        )
-        return self.tokenizer.encode(text)
+        for i, m in enumerate(messages):
+            _validate(m, i)
+        parts = [p for m in messages for p in _message_parts(m)]
+        if add_generation_prompt:
+            parts += _generation_parts(enable_thinking)
+        return self._encode(parts)
 
     def append(
         self,
@@ -123,7 +151,24 @@ class ChatRenderer:
                     "append: ids do not end at a message boundary (<|im_end|> or <|im_end|>\\n); "
                     f"last ids are {list(ids[-4:])}"
                 )
-        text = message_text(message)
+        parts = _message_parts(message)
         if add_generation_prompt:
-            text += generation_prompt(enable_thinking)
-        return prefix + self.tokenizer.encode(text)
+            parts += _generation_parts(enable_thinking)
+        return prefix + self._encode(parts)
+
+    def _encode(self, parts: _Parts) -> list[int]:
+        """Markers through `encode` (their special ids), text through `encode_text` in maximal
+        runs between markers: a tokenizer splits at specials anyway, so for content without
+        special-token strings this equals `encode` of the whole text."""
+        ids: list[int] = []
+        run: list[str] = []
+        for piece, marker in [*parts, ("", True)]:
+            if not marker:
+                run.append(piece)
+                continue
+            if run:
+                ids += self.tokenizer.encode_text("".join(run))
+                run = []
+            if piece:
+                ids += self.tokenizer.encode(piece)
+        return ids

@@ -41,6 +41,12 @@ class Tokenizer(Protocol):
         """Ids of `text`; special-token strings inside it become their special ids."""
         ...
 
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: special-token strings inside it are spelled with
+        ordinary tokens, never their special ids (message content, which must not forge
+        role markers). Equals `encode` on text without special-token strings."""
+        ...
+
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str: ...
 
     def token_id(self, token: str) -> int:
@@ -77,6 +83,9 @@ class ByteTokenizer:
             elif piece:
                 ids.extend(piece.encode("utf-8"))
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         out: list[str] = []
@@ -119,6 +128,7 @@ class HFTokenizer:
         if not file.exists():
             raise FileNotFoundError(f"{file} not found: HFTokenizer needs a tokenizer.json")
         self._tok = _RustTokenizer.from_file(str(file))
+        self._text_tok: _RustTokenizer | None = None
         config_file = file.parent / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         self._eos = self._resolve(config.get("eos_token"), (IM_END, ENDOFTEXT), "eos_token")
@@ -151,6 +161,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        # A second instance that splits special tokens like text: the flag is per instance,
+        # so flipping it on the shared one would race with concurrent `encode` calls.
+        if self._text_tok is None:
+            self._text_tok = type(self._tok).from_str(self._tok.to_str())
+            self._text_tok.encode_special_tokens = True
+        return self._text_tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], *, skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -40,7 +40,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
-from serving.config import MAX_N, EngineConfig, SamplingParams
+from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -285,14 +285,27 @@ class Engine:
         self._wake.set()
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._task, timeout_s)
+                await asyncio.wait_for(self._task, timeout_s)  # cancels it on timeout
             except TimeoutError:
-                self._task.cancel()
+                pass
+            except Exception:  # noqa: BLE001 - the loop died earlier: it is in self.failure
+                assert self.failure is not None
             self._task = None
 
     @property
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    async def wait(self) -> None:
+        """Until the loop ends: returns when it stopped, raises what killed it (a server exits
+        on that, so that its supervisor restarts it)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._requests)
 
     # ----- requests --------------------------------------------------------------------------
 
@@ -372,9 +385,11 @@ class Engine:
         """Load a params checkpoint (rl.model.params_io) and serve it as `version`, which must
         exceed the current one. Sequences in flight continue on the new weights; every token
         records the version that produced it."""
-        if not isinstance(version, int) or version <= self.version:
-            raise EngineError(f"version={version!r} is invalid: must be an integer greater than "
-                              f"the current version {self.version}", "version")  # fmt: skip
+        if (isinstance(version, bool) or not isinstance(version, int)
+                or not self.version < version <= INT64_MAX):  # fmt: skip
+            raise EngineError(f"version={version!r} is invalid: an integer greater than the "
+                              f"current version {self.version}, at most {INT64_MAX}",
+                              "version")  # fmt: skip
         model = nnx.merge(self._graphdef, self._state)
         params = await asyncio.to_thread(load_params, path, model)
         if version <= self.version:  # another load won the race while this one read
