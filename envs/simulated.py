@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from envs.config import SimulatedShellConfig
 from envs.fidelity import is_repetitive
 from envs.shell import Observation, ShellError, ShellLifecycle, TaskSetup
-from rl.data.chat import ChatRenderer, generation_prompt, message_text, render_text
+from rl.data.chat import ChatRenderer, render_text
 from rl.data.sim_format import (
     ObservationFormatError,
     kept_history,
@@ -128,10 +128,10 @@ class SimulatedShell(ShellLifecycle):
         if cfg.max_context_tokens is not None:
             # Whole oldest turns go until the prompt leaves room for max_tokens: the rule
             # `simloop train-sim` builds its examples with (ChatML messages tokenize alone).
-            enc = self.renderer.tokenizer.encode
-            lens = [len(enc(message_text(m))) for m in messages]
+            render = self.renderer.render
+            lens = [len(render([m])) for m in messages]
             turns = [lens[i] + lens[i + 1] for i in range(1, len(lens) - 1, 2)]
-            suffix = lens[-1] + len(enc(generation_prompt(enable_thinking=False)))
+            suffix = lens[-1] + len(render([], add_generation_prompt=True, enable_thinking=False))
             budget = cfg.max_context_tokens - cfg.max_tokens
             kept = kept_history(lens[0], turns, suffix, budget)
             if kept < len(history):
@@ -156,7 +156,10 @@ class SimulatedShell(ShellLifecycle):
             cfg = self.config
             prompt, max_tokens, dropped = self._prompt(command)
             seed = None if cfg.seed is None else cfg.seed + len(self.history)
-            stop_ids = [self.renderer.im_end_id] if self.renderer is not None else None
+            # With token ids, only the end-of-turn *token* ends an observation: an output that
+            # spells `<|im_end|>` as text is content (a stop string would cut it there).
+            by_ids = self.renderer is not None
+            stop_ids = [self.renderer.im_end_id] if by_ids else None
             start = time.monotonic()
             try:
                 result = await asyncio.wait_for(
@@ -164,7 +167,7 @@ class SimulatedShell(ShellLifecycle):
                         prompt,
                         max_tokens=max_tokens,
                         temperature=cfg.temperature,
-                        stop=[IM_END],
+                        stop=None if by_ids else [IM_END],
                         stop_token_ids=stop_ids,
                         seed=seed,
                         timeout_s=cfg.request_timeout_s,
@@ -194,7 +197,7 @@ class SimulatedShell(ShellLifecycle):
     def _observation(self, result: CompletionLike, duration_s: float) -> Observation:
         cfg = self.config
         text = result.text
-        if IM_END in text:  # servers that keep the stop token in the text
+        if self.renderer is None and IM_END in text:  # servers that keep the stop in the text
             text = text[: text.index(IM_END)]
         text, think_leak = strip_think(text)
         cap_hit = result.finish_reason == "length"

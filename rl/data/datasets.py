@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rl.data.chat import ChatRenderer, generation_prompt, message_text
+from rl.data.chat import ChatRenderer
 from rl.data.sim_format import format_observation, kept_history, render_sim_messages
 from rl.data.tokenizer import IM_END, Tokenizer
 from rl.data.trajectory import Trajectory, render_token_view
@@ -139,9 +139,9 @@ def sim_sft_examples(
     to run away."""
     examples: list[Example] = []
     stats = SFTStats()
-    enc = tokenizer.encode
+    renderer, text = ChatRenderer(tokenizer), tokenizer.encode_text
     end_of_turn = tokenizer.token_id(IM_END)
-    gen_prompt = enc(generation_prompt(enable_thinking=False))
+    gen_prompt = renderer.render([], add_generation_prompt=True, enable_thinking=False)
     for traj in trajectories:
         if traj.env_backend == "simulated":  # observations the simulator wrote itself
             stats.skipped["simulated_observations"] += 1
@@ -158,12 +158,13 @@ def sim_sft_examples(
             system_prompt=system_prompt,
             show_task=show_task,
         )
-        # ChatML messages start and end at special tokens, so encoding them one by one gives
+        # ChatML messages start and end at special tokens, so rendering them one by one gives
         # the ids of the whole rendering (the tests check this against ChatRenderer.render).
-        ids = [enc(message_text(m)) for m in messages]
+        ids = [renderer.render([m]) for m in messages]
         system, commands, answers = ids[0], ids[1::2], ids[2::2]
         for k, (_, obs) in enumerate(pairs):
-            target = enc(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
+            # An observation is content: special-token strings in it stay text.
+            target = text(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
             suffix = commands[k] + gen_prompt
             budget = max_len - len(target)
             if context_budget is not None:
