@@ -13,7 +13,9 @@ presets, unknown keys that name the allowed ones, and one-line `ConfigError`s. I
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +25,7 @@ import draccus
 import yaml
 from draccus.utils import DecodingError, DraccusException
 
-from rl.data.rundir import CONFIG
+from rl.data.rundir import CONFIG, lock_run_dir
 from rl.model.config import PRESETS, ModelConfig, preset
 
 T = TypeVar("T")
@@ -112,17 +114,60 @@ def _one_line(e: DecodingError, cls: type, tree: Any) -> str:
     return f"got {value!r}, expected {expected}"
 
 
+def _no_bools_for_numbers(cls: type, tree: Mapping[str, Any], prefix: str) -> None:
+    """YAML's `true` where a number belongs: draccus would turn it into 1."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in tree:
+            continue
+        value, tp, key = tree[f.name], hints[f.name], f"{prefix}{f.name}"
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            options = [a for a in typing.get_args(tp) if a is not type(None)]
+        else:
+            options = [tp]
+        if dataclasses.is_dataclass(options[0]) and isinstance(value, Mapping):
+            _no_bools_for_numbers(options[0], value, f"{key}.")
+            continue
+        numeric = [a for a in options if a in (int, float)]
+        if numeric and bool not in options and isinstance(value, bool):
+            raise ConfigError(f"'{key}'={value!r} is invalid: a number, not true/false")
+        items = [typing.get_args(a)[:1] for a in options if typing.get_origin(a) is list]
+        if items and items[0] in ((int,), (float,)) and isinstance(value, list):
+            if any(isinstance(v, bool) for v in value):
+                raise ConfigError(f"'{key}'={value!r} is invalid: numbers, not true/false")
+
+
+def _finite(value: Any, key: str) -> None:
+    """Every float of a decoded config is finite (NaN passes every `<` / `>` range check)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _finite(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"'{key}'={value!r} is invalid: a finite number (not NaN or inf)")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _finite(v, f"{key}.{i}")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _finite(v, f"{key}.{k}")
+
+
 def build_config(cls: type[T], tree: Mapping[str, Any] | None = None) -> T:
-    """Decode a nested mapping (file contents + overrides) into `cls`, with clear errors."""
+    """Decode a nested mapping (file contents + overrides) into `cls`, with clear errors:
+    besides each section's own checks, a boolean is never a number and every float is
+    finite."""
     merged = _merge(cls(), tree or {}, "")
+    _no_bools_for_numbers(cls, merged, "")
     try:
-        return draccus.decode(cls, merged)
+        cfg = draccus.decode(cls, merged)
     except DecodingError as e:  # a value of the wrong type
         raise ConfigError(f"'{'.'.join(e.key_path)}': {_one_line(e, cls, merged)}") from e
     except DraccusException as e:  # draccus wraps what a `__post_init__` raised
         raise ConfigError(str(e.__cause__ or e)) from e
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
+    _finite(cfg, "")
+    return cfg
 
 
 def load_config(
@@ -175,7 +220,9 @@ def dump_config(cfg: Any) -> str:
 
 
 def write_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
+    """Claim `run_dir` for this job (`rl.data.rundir.lock_run_dir`: RunDirInUse when another
+    live job holds it), then write the resolved config into it."""
+    lock_run_dir(run_dir)
     out = Path(run_dir) / CONFIG
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dump_config(cfg))
     return out

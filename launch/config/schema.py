@@ -6,13 +6,15 @@ YAML file only names what it changes from these defaults.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from envs.config import GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
 from rl.data.datasets import DatasetConfig
-from rl.model.config import ShardingConfig
+from rl.model.config import ModelConfig, ShardingConfig
 from rl.orchestrator.config import OrchestratorConfig
 from rl.train.config import (
     CheckpointConfig,
@@ -60,6 +62,10 @@ class RunConfig:
             )
 
 
+MAX_SLOTS = 1 << 16
+MAX_SEQ_LEN = 1 << 20
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """`simloop serve`: which role's model to serve, and how."""
@@ -68,6 +74,12 @@ class ServeConfig:
     """The role whose model (and tokenizer) the server loads."""
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        for name, top in (("num_slots", MAX_SLOTS), ("max_seq_len", MAX_SEQ_LEN)):
+            v = getattr(self.engine, name)
+            if not isinstance(v, bool) and isinstance(v, int) and v > top:
+                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: an integer in [1, {top}]")
 
 
 @dataclass(frozen=True)
@@ -296,3 +308,37 @@ class SimloopConfig:
     """`simloop gke render`: the JobSet."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vllm-tpu servers for the serving roles."""
+
+
+def role_model(role: RoleConfig) -> ModelConfig:
+    """The architecture a role's server will load: its exported weights' config if given."""
+    if role.weights and (Path(role.weights) / "model_config.json").is_file():
+        return ModelConfig(**json.loads((Path(role.weights) / "model_config.json").read_text()))
+    return role.model
+
+
+def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
+    """ValueError when a server this job would start itself (`<role>.server_url` unset) is too
+    small for what is sent to it (an episode's context, the simulated shell's prompt) or too
+    big for this machine's memory (CPU plans: parameters + KV cache against the RAM)."""
+    from launch.config.memory import check_fits, host_memory_bytes, kv_cache_bytes, param_bytes
+
+    engine = cfg.serve.engine
+    needs: dict[str, int] = {}
+    for role in roles:
+        if getattr(cfg, role).server_url is not None:
+            continue
+        section = cfg.orchestrator if role == "agent" else cfg.env.shell.simulated
+        key = "orchestrator" if role == "agent" else "env.shell.simulated"
+        asked = section.max_context_tokens
+        if asked is not None and asked > engine.max_seq_len:
+            raise ValueError(
+                f"{key}.max_context_tokens={asked} is invalid: at most serve.engine.max_seq_len "
+                f"({engine.max_seq_len}), the context of the {role} server this job starts"
+            )
+        model = role_model(getattr(cfg, role))
+        needs[f"{role} server parameters"] = param_bytes(model)
+        needs[f"{role} server KV cache"] = kv_cache_bytes(model, engine.num_slots,
+                                                          engine.max_seq_len)  # fmt: skip
+    if needs and cfg.chips.accelerator.startswith("cpu"):
+        check_fits(needs, host_memory_bytes())

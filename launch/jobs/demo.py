@@ -72,10 +72,15 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
     console = Console()
     began = time.perf_counter()
+    from rl.train.loop import TrainingDiverged
+    from serving.publisher import PublishError
+
     try:
         stages = _run_stages(args, out, console)
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from e
+    except (TrainingDiverged, PublishError) as e:  # as train-agent says it: one line, exit 1
+        raise JobError(f"{e}; the stage stopped (its last checkpoint is kept)") from e
     summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
     summary["wall_s"] = round(time.perf_counter() - began, 1)
     (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))

@@ -5,9 +5,11 @@
 
 Writes `config.yaml`, `metrics.jsonl`, `eval.json`, `checkpoints/`, `weights/` and the RL
 episodes (`trajectories/`) into `--out`, shows progress, and resumes from the newest
-checkpoint when `--out` already holds one. It starts (or uses `agent.server_url` /
-`simulator.server_url`) the servers its rollouts need and publishes every new policy version to
-the agent server.
+checkpoint when `--out` already holds one. With a KL term (`train_agent.loss.kl_coef > 0`)
+the policy RL starts from is kept as `weights/rl_reference` (with its manifest), and a
+resumed run anchors the KL term to it, not to whatever the trainer was rebuilt from. It
+starts (or uses `agent.server_url` / `simulator.server_url`) the servers its rollouts need
+and publishes every new policy version to the agent server.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import write_config
-from launch.config.schema import SimloopConfig
+from launch.config.schema import SimloopConfig, check_local_servers, role_model
 from launch.jobs.episodes import agent_tasks, evaluate_agent, job_backends
-from launch.jobs.errors import UsageError
+from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
 ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
+REFERENCE = "rl_reference"
+"""`weights/<REFERENCE>`: the KL reference of the run's RL (the policy RL started from)."""
 
 
 def _needs_sim(arm: str) -> bool:
@@ -56,9 +60,23 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
             "new weights can be published to it"
         )
+    roles = ["agent"] if cfg.train_agent.steps > 0 else []
+    ecfg = cfg.train_agent.eval
+    if roles and (_needs_sim(ocfg.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):
+        roles.append("simulator")
+    try:
+        check_local_servers(cfg, roles)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
     out = Path(args.out)
     write_config(cfg, out)
-    summary = asyncio.run(train_agent(cfg, out))
+    from rl.train.loop import TrainingDiverged
+    from serving.publisher import PublishError
+
+    try:
+        summary = asyncio.run(train_agent(cfg, out))
+    except (TrainingDiverged, PublishError) as e:
+        raise JobError(f"{e}; RL stopped (the last checkpoint is kept)") from e
     print(f"simloop train-agent: {json.dumps(summary)}")
     return 0
 
@@ -100,11 +118,37 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
 
 
 def _trainer(cfg: SimloopConfig, tok, **kwargs):
+    from launch.config.memory import check_trainer_memory
     from launch.deploy.chips import trainer_device_ids
     from rl.train.build import build_trainer
 
+    ids = trainer_device_ids(cfg, "agent")
+    check_trainer_memory(role_model(cfg.agent), ids, "the agent trainer")
     return build_trainer(cfg.agent, tok, rules=cfg.sharding.rules, seed=cfg.run.seed,
-                         device_ids=trainer_device_ids(cfg, "agent"), **kwargs)  # fmt: skip
+                         device_ids=ids, **kwargs)  # fmt: skip
+
+
+def rl_trainer(cfg: SimloopConfig, tok, out: Path, init_params, *, resuming: bool):
+    """The RL trainer. With a KL term its frozen reference is the policy RL starts from: a
+    fresh run stores it as `weights/rl_reference`; a resumed one (whose trainer is rebuilt
+    without the warm start) loads it back from there, verified."""
+    tcfg = cfg.train_agent
+    kl = tcfg.loss.kl_coef > 0
+    trainer = _trainer(cfg, tok, optim=tcfg.optim, steps=tcfg.steps, loss="policy",
+                       loss_cfg=tcfg.loss, init_params=init_params, reference=kl)  # fmt: skip
+    if not kl:
+        return trainer
+    stored = out / rundir.WEIGHTS / REFERENCE
+    if resuming:
+        if not stored.is_dir():
+            raise JobError(
+                f"cannot resume RL with a KL term: its reference weights {stored} are missing "
+                f"(move {out / rundir.CHECKPOINTS / 'rl'} away to start RL over)"
+            )
+        trainer.set_reference(trainer.load_serving(stored, require_manifest=True))
+    else:
+        trainer.export_serving(stored)  # in the trainer's dtype: exactly the reference
+    return trainer
 
 
 async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
@@ -158,19 +202,7 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
         )
     if tcfg.steps == 0:
         return summary
-    from rl.train.config import PolicyLossConfig
-
-    loss_cfg: PolicyLossConfig = tcfg.loss
-    trainer = _trainer(
-        cfg,
-        tok,
-        optim=tcfg.optim,
-        steps=tcfg.steps,
-        loss="policy",
-        loss_cfg=loss_cfg,
-        init_params=init_params,
-        reference=loss_cfg.kl_coef > 0,
-    )
+    trainer = rl_trainer(cfg, tok, out, init_params, resuming=resuming_rl)
     seq_len = tcfg.seq_len or ocfg.max_context_tokens
     with Checkpointer(rl_ckpt_dir, tcfg.checkpoint) as ckpt:
         extra = resume(trainer, ckpt)

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from launch.config import write_config
-from launch.config.schema import SimloopConfig
-from launch.jobs.errors import UsageError
+from launch.config.schema import SimloopConfig, role_model
+from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
 
@@ -32,7 +32,17 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         )
     out = Path(args.out)
     write_config(cfg, out)
+    from rl.train.loop import TrainingDiverged
+
+    try:
+        return _train_sim(cfg, out)
+    except TrainingDiverged as e:
+        raise JobError(str(e)) from e
+
+
+def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     from envs.tasks import is_heldout
+    from launch.config.memory import check_trainer_memory
     from launch.deploy.chips import trainer_device_ids
     from rl.data import load_tokenizer
     from rl.data.datasets import sim_sft_dataset
@@ -41,6 +51,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import resume, sft_loop
 
+    tcfg = cfg.train_sim
     trajs = load_trajectories(tcfg.trajectories)
     train = [t for t in trajs if not is_heldout(t.task_id, tcfg.heldout_fraction)]
     heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
@@ -62,6 +73,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         f"{stats.examples} examples, {stats.target_tokens} target tokens",
         flush=True,
     )
+    device_ids = trainer_device_ids(cfg, "simulator")
+    check_trainer_memory(role_model(cfg.simulator), device_ids, "the simulator trainer")
     trainer = build_trainer(
         cfg.simulator,
         tok,
@@ -70,7 +83,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         loss="sft",
         rules=cfg.sharding.rules,
         seed=cfg.run.seed,
-        device_ids=trainer_device_ids(cfg, "simulator"),
+        device_ids=device_ids,
     )
     batches = iter(ds)
     on_log = None
@@ -94,8 +107,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         )
     path = export_weights(trainer, out, "final", tcfg.checkpoint)
     last = summary["last"]
+    loss = f"loss {last['loss']:.4f}" if last.get("loss") is not None else "no loss logged"
+    if summary["started_at_step"] >= tcfg.steps:
+        print(f"simloop train-sim: already at step {summary['steps']} of {tcfg.steps}, nothing "
+              f"to train (last {loss}) -> {path}")  # fmt: skip
+        return 0
     print(
-        f"simloop train-sim: step {summary['steps']} loss {last.get('loss', float('nan')):.4f} "
+        f"simloop train-sim: step {summary['steps']} {loss} "
         f"({summary['tokens_per_s']:.0f} target tok/s, {summary['wall_s']:.0f}s) -> {path}"
     )
     return 0

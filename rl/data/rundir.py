@@ -4,15 +4,22 @@ metrics log that jobs, trainers and the orchestrator append to (mirrored to Tens
 
     <run>/config.yaml  metrics.jsonl  eval.json  fidelity.json  summary.json  report.html
           trajectories/  checkpoints/  weights/  logs/  heldout_tasks.json  stage.json
-          tensorboard/  wandb/
+          tensorboard/  wandb/  .lock
+
+A job claims its run directory (`lock_run_dir`, done by `launch.config.write_config`) for as
+long as it runs, so two jobs never write one directory.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import math
+import os
+import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,8 @@ WEIGHTS = "weights"
 LOGS = "logs"
 TENSORBOARD = "tensorboard"
 """TensorBoard event files of the scalars in `metrics.jsonl`."""
+LOCK = ".lock"
+"""Held (`fcntl.flock`) by the job writing the run directory; says its pid and command."""
 
 
 def read_json(path: str | Path | None, default: Any = None) -> Any:
@@ -96,6 +105,36 @@ class MetricsLog:
             f.write(line + "\n")
         _sinks(self.run_dir).write(record)
 
+    def truncate(self, stages: Iterable[str], after_step: int) -> int:
+        """Drop the records of `stages` past `after_step` (and torn lines): what a run killed
+        after its last checkpoint logged, before it resumes from that checkpoint and logs
+        those steps again. Returns how many records were dropped."""
+        if not self.path.exists():
+            return 0
+        stages = set(stages)
+        keep, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            step = r.get("step") if isinstance(r, dict) else None
+            if r.get("stage") in stages and isinstance(step, int) and step > after_step:
+                dropped += 1
+                continue
+            keep.append(line)
+        if dropped:
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text("".join(f"{line}\n" for line in keep))
+            os.replace(tmp, self.path)
+        return dropped
+
+    def last(self, stage: str) -> dict[str, Any]:
+        """The last record of `stage` that has a step, {} when there is none."""
+        rows = [r for r in read_metrics(self.path) if r.get("stage") == stage and "step" in r]
+        return rows[-1] if rows else {}
+
     def close(self) -> None:
         """Close the run directory's TensorBoard file and finish its W&B run; a later write
         opens new ones."""
@@ -109,6 +148,42 @@ class MetricsLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RunDirInUse(OSError):
+    """Another live process holds the run directory's lock."""
+
+
+_LOCKS: dict[Path, int] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def lock_run_dir(run_dir: str | Path) -> Path:
+    """Claim `run_dir` for this process until it exits (an `fcntl.flock` on `<run>/.lock`,
+    which the kernel drops with the process, so a killed job never blocks the next one).
+    Claiming a directory this process already holds is a no-op; one held by another process
+    raises RunDirInUse naming its pid. Nested run directories (the demo's stages) are other
+    directories with their own locks."""
+    path = Path(run_dir).resolve() / LOCK
+    with _LOCKS_LOCK:
+        if path in _LOCKS:
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirInUse(
+                f"run directory {path.parent} is in use by another job (pid {holder}); wait "
+                "for it to finish or choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} ({' '.join(sys.argv)})\n".encode(), 0)
+        os.set_inheritable(fd, False)
+        _LOCKS[path] = fd
+    return path
 
 
 _SINKS: dict[Path, RunSinks] = {}

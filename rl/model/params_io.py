@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl.model.config import ModelConfig
+from rl.model.integrity import MANIFEST, check_finite, verify_checkpoint, write_manifest
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -42,6 +43,7 @@ def save_params(model: nnx.Module, path: str | os.PathLike, *, dtype: str | None
     checkpointer.save(path / PARAMS_DIR, pure, force=True)
     checkpointer.wait_until_finished()
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    write_manifest(path)  # sealed: a reader can tell a complete, unaltered checkpoint
     return path
 
 
@@ -52,17 +54,25 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig(**json.loads(file.read_text()))
 
 
-def load_params(path: str | os.PathLike, model: nnx.Module) -> dict:
+def load_params(
+    path: str | os.PathLike, model: nnx.Module, *, require_manifest: bool = False
+) -> dict:
     """The parameters stored under `path` as a pure dict (`nnx.to_pure_dict` layout), placed
     and typed like `model`'s current ones; `model` itself is not modified.
 
-    Raises FileNotFoundError when `path` is not a params checkpoint and ValueError when its
-    architecture or shapes do not match `model` (so a server can refuse it and keep serving).
+    The checkpoint is verified against its manifest (`rl.model.integrity`) first, when it has
+    one or `require_manifest` says it must, and its values must be finite. Raises
+    FileNotFoundError when `path` is not a params checkpoint, CheckpointError (a ValueError)
+    when it is incomplete, altered, escapes its directory or holds NaN/inf, and ValueError
+    when its architecture or shapes do not match `model` (so a server can refuse it and keep
+    serving).
     """
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    stored = read_model_config(path)
+    stored = read_model_config(path)  # FileNotFoundError first: not a checkpoint at all
+    if require_manifest or (path / MANIFEST).exists():
+        verify_checkpoint(path)
     ours: ModelConfig = model.cfg
     skip = ("param_dtype", "dtype", "initializer_range", "max_position_embeddings")
     arch = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in skip]
@@ -83,6 +93,8 @@ def load_params(path: str | os.PathLike, model: nnx.Module) -> dict:
         nnx.to_pure_dict(nnx.state(model, nnx.Param)),
     )
     try:
-        return ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+        params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
     except ValueError as e:  # shape / structure mismatch, named by Orbax
         raise ValueError(f"{path}: parameters do not fit the served model: {e}") from e
+    check_finite(params, f"weights {path}")
+    return params

@@ -1,24 +1,53 @@
-"""Trainer checkpoints: Orbax CheckpointManager over the train state plus a JSON side item.
+"""Trainer checkpoints: Orbax CheckpointManager over the train state plus a JSON side item,
+each sealed by a manifest (`rl.model.integrity`) and verified before it is trusted.
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg)
     ckpt.save(step, trainer.state, extra={"data": iterator.get_state(), ...})
-    state, extra = ckpt.restore(ckpt.latest_step(), trainer.abstract_state())
+    found = ckpt.restore_latest(trainer.abstract_state())   # newest checkpoint that verifies
 
 Layout: `checkpoints/<step>/state` (params, optimizer state, step, RNG: OCDBT, sharded arrays
-written by each host's shards) and `checkpoints/<step>/extra` (JSON: the grain iterator
-state, loop counters, the policy version). Saves are asynchronous by default; a checkpoint
-only counts once Orbax has committed it, so a trainer killed mid-save resumes from the
-previous one. Serving exports live beside, in `weights/v<version>/` (see `export_path`).
+written by each host's shards), `checkpoints/<step>/extra` (JSON: the grain iterator state,
+loop counters, the policy version) and `checkpoints/<step>/manifest.json` (size and sha256 of
+every file). Saves are asynchronous by default; a checkpoint only counts once Orbax has
+committed it and its manifest is written, so a trainer killed mid-save resumes from the
+previous one. A committed checkpoint whose manifest a kill prevented (it is written after
+Orbax commits) is trusted only if it reads back completely and finite; it is sealed then.
+A state holding NaN or inf is never saved. Rotation keeps the newest `keep`
+sealed checkpoints and deletes only older ones: the newest verified checkpoint is never
+deleted. A checkpoint that fails verification at resume is moved aside to
+`<step>.rejected[-n]` (kept for inspection, out of Orbax's way). Serving exports live beside,
+in `weights/v<version>/` (see `export_path`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rl.data.rundir import WEIGHTS
+from rl.model.integrity import (
+    MANIFEST,
+    CheckpointError,
+    ManifestMissing,
+    check_confined,
+    check_finite,
+    verify_checkpoint,
+    write_manifest,
+)
 from rl.train.config import CheckpointConfig
+
+
+class Restored(NamedTuple):
+    """What `restore_latest` found: the step, its state and extra, the newer (or
+    unreadable) checkpoints it skipped as `(step, reason)`, and whether the step had to be
+    sealed on restore (committed, then killed before its manifest was written)."""
+
+    step: int
+    state: Any
+    extra: dict
+    skipped: list[tuple[int, str]]
+    sealed_now: bool = False
 
 
 class Checkpointer:
@@ -27,12 +56,15 @@ class Checkpointer:
 
         self.directory = Path(directory).absolute()
         self.cfg = cfg
+        # Rotation is ours (`_seal`): Orbax's would delete old checkpoints before the new
+        # one is known to be sound.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep,
+            max_to_keep=None,
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
         self._ocp = ocp
+        self._unsealed: list[int] = []
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "extra")
         )
@@ -44,34 +76,122 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def step_dir(self, step: int) -> Path:
+        return self.directory / str(step)
+
     def save(self, step: int, state: Any, extra: dict | None = None, *, force: bool = False):
         """Start saving (returns once the arrays are copied off the device, unless async saving
-        is off); True when a save was started."""
+        is off); True when a save was started. Raises CheckpointError (saving nothing) when the
+        state holds NaN or inf."""
+        check_finite(state, f"the train state at step {step}")
+        self._seal()  # the previous save is committed before Orbax starts this one anyway
         args = self._ocp.args.Composite(
             state=self._ocp.args.StandardSave(state),
             extra=self._ocp.args.JsonSave(extra or {}),
         )
-        return self.manager.save(step, args=args, force=force)
+        started = self.manager.save(step, args=args, force=force)
+        if started:
+            self._unsealed.append(step)
+            if not self.cfg.async_save:
+                self._seal()
+        return started
+
+    def _seal(self) -> None:
+        """Wait for in-flight saves, write the manifest of each newly committed checkpoint,
+        then drop all but the newest `keep` sealed ones."""
+        self.manager.wait_until_finished()
+        if not self._unsealed:
+            return
+        import jax
+
+        committed = set(self.manager.all_steps())
+        for step in self._unsealed:
+            if step in committed and jax.process_index() == 0:
+                write_manifest(self.step_dir(step))
+        self._unsealed = []
+        sealed = [s for s in self.all_steps() if (self.step_dir(s) / MANIFEST).is_file()]
+        for step in sealed[: -self.cfg.keep]:
+            self.manager.delete(step)
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """The state at `step`, placed as `abstract_state`'s shardings say, and its extra."""
+        """The state at `step`, placed as `abstract_state`'s shardings say, and its extra,
+        after verifying the checkpoint's files; CheckpointError when it does not verify,
+        cannot be read or holds non-finite values."""
+        state, extra, _ = self._restore(step, abstract_state)
+        return state, extra
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, bool]:
+        """`restore`, and whether the checkpoint had no manifest and was sealed now: every
+        array read back (Orbax checks shapes and the OCDBT structure) and finite."""
+        self._seal()  # a save of this trainer still in flight counts once it is sealed
         if step not in self.manager.all_steps():
             raise FileNotFoundError(
                 f"no checkpoint for step {step} under {self.directory} (have {self.all_steps()})"
             )
+        where = self.step_dir(step)
+        try:
+            verify_checkpoint(where, root=self.directory)
+            unsealed = False
+        except ManifestMissing:
+            check_confined(where, root=self.directory)
+            unsealed = True  # read back in full below; sealed only if that succeeds
         args = self._ocp.args.Composite(
             state=self._ocp.args.StandardRestore(abstract_state),
             extra=self._ocp.args.JsonRestore(),
         )
-        restored = self.manager.restore(step, args=args)
-        return restored["state"], dict(restored["extra"] or {})
+        try:
+            restored = self.manager.restore(step, args=args)
+        except Exception as e:  # Orbax raises many types for unreadable data; name them
+            raise CheckpointError(
+                f"checkpoint {where} cannot be read: {type(e).__name__}: {e}"
+            ) from e
+        state = restored["state"]
+        check_finite(state, f"checkpoint {where}")
+        if unsealed:
+            write_manifest(where)
+        return state, dict(restored["extra"] or {}), unsealed
+
+    def restore_latest(self, abstract_state: Any) -> Restored | None:
+        """The newest checkpoint that verifies and restores (None when the directory holds no
+        step at all). Those skipped on the way are moved aside and listed with the reason;
+        CheckpointError when step directories exist but none of them is usable."""
+        on_disk = sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit()),
+                         reverse=True)  # fmt: skip
+        skipped: list[tuple[int, str]] = []
+        found = None
+        for step in on_disk:
+            try:
+                state, extra, sealed_now = self._restore(step, abstract_state)
+            except (CheckpointError, FileNotFoundError) as e:
+                skipped.append((step, str(e)))
+                continue
+            found = Restored(step, state, extra, skipped, sealed_now)
+            break
+        self._set_aside([s for s, _ in skipped])
+        if found is None and skipped:
+            reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+            raise CheckpointError(
+                f"no checkpoint under {self.directory} can be resumed from ({reasons}); they "
+                "were moved aside as <step>.rejected: run again to start over"
+            )
+        return found
+
+    def _set_aside(self, steps: list[int]) -> None:
+        for step in steps:
+            src = self.step_dir(step)
+            dst, n = self.directory / f"{step}.rejected", 1
+            while dst.exists() or dst.is_symlink():
+                dst, n = self.directory / f"{step}.rejected-{n}", n + 1
+            os.replace(src, dst)
+        if steps:
+            self.manager.reload()
 
     def wait(self) -> None:
-        """Block until in-flight saves are committed."""
-        self.manager.wait_until_finished()
+        """Block until in-flight saves are committed and sealed."""
+        self._seal()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self._seal()
         self.manager.close()
 
     def __enter__(self) -> Checkpointer:

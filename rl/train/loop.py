@@ -8,12 +8,20 @@ written to `metrics.jsonl` with the losses.
     resume(trainer, ckpt, iterator)                # continue a run directory's latest checkpoint
     sft_loop(trainer, iterator, steps=..., ckpt=ckpt, log=MetricsLog(run_dir), stage="sim_sft")
     await rl_loop(trainer, source, publisher, ...)
+
+A resumed loop first drops the records its stage logged past the checkpoint it resumed from
+(the killed run's steps, which it trains again), so every step appears once in
+`metrics.jsonl`. A non-finite loss or gradient norm stops the loop with `TrainingDiverged`
+before anything of that state is saved or published: the last checkpoint stays the last good
+one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -64,20 +72,53 @@ class _Progress:
             self.bar.update(self.task, completed=completed, description=status)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the message names the stage, the step and the last
+    checkpoint, which is untouched."""
+
+
+def _check_finite(stage: str, step: int, metrics: dict, ckpt: Checkpointer | None) -> None:
+    """TrainingDiverged when the step's loss or gradient norm (whose NaN the update carries
+    into every parameter) is not finite."""
+    bad = {k: float(metrics[k]) for k in ("loss", "grad_norm") if k in metrics}
+    bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
+    if not bad:
+        return
+    kept = "no checkpoint was written"
+    if ckpt is not None:
+        ckpt.wait()
+        last = ckpt.latest_step()
+        kept = f"the last good checkpoint is step {last} in {ckpt.directory}" if last else kept
+    what = ", ".join(f"the {k} is {v}" for k, v in bad.items())
+    raise TrainingDiverged(
+        f"{stage}: {what} at step {step}: training diverged and was stopped ({kept}); lower "
+        "the learning rate or check the data"
+    )
+
+
 def resume(trainer: Trainer, ckpt: Checkpointer | None, iterator: Any = None) -> dict | None:
-    """Restore the latest committed checkpoint into `trainer` (and the data iterator's
-    position); returns its extra dict, or None when there is nothing to resume."""
+    """Restore the newest checkpoint that verifies into `trainer` (and the data iterator's
+    position); returns its extra dict, or None when there is nothing to resume. Newer
+    checkpoints that do not verify are skipped, each named on stderr with the reason."""
     if ckpt is None:
         return None
-    step = ckpt.latest_step()
-    if step is None:
+    found = ckpt.restore_latest(trainer.abstract_state())
+    if found is None:
         return None
-    state, extra = ckpt.restore(step, trainer.abstract_state())
-    trainer.state = state
-    if iterator is not None and extra.get("data") is not None:
-        iterator.set_state(extra["data"])
-    logger.info("resumed from %s step %d", ckpt.directory, step)
-    return extra
+    for step, why in found.skipped:
+        print(f"checkpoint step {step} skipped: {why}", file=sys.stderr, flush=True)
+    if found.sealed_now:
+        print(
+            f"checkpoint step {found.step} had no manifest (killed before it was sealed): it "
+            "read back complete and finite, and is sealed now",
+            file=sys.stderr,
+            flush=True,
+        )
+    trainer.state = found.state
+    if iterator is not None and found.extra.get("data") is not None:
+        iterator.set_state(found.extra["data"])
+    logger.info("resumed from %s step %d", ckpt.directory, found.step)
+    return found.extra
 
 
 def sft_loop(
@@ -100,6 +141,10 @@ def sft_loop(
     times = {"data_s": 0.0, "checkpoint_s": 0.0}
     tokens = 0
     last: dict[str, Any] = {}
+    if log is not None:
+        log.truncate((stage, f"{stage}_eval"), start)
+        if start >= steps:  # nothing to train: report where the run ended
+            last = log.last(stage)
     began = time.perf_counter()
     window = began
     with _Progress(stage, steps, start, progress) as bar:
@@ -113,7 +158,8 @@ def sft_loop(
             times["data_s"] += time.perf_counter() - t
             pending.append((step + 1, trainer.step(batch)))
             done = step + 1
-            if done % log_every == 0 or done == steps:
+            saving = ckpt is not None and (done % ckpt_every == 0 or done == steps)
+            if done % log_every == 0 or done == steps or saving:
                 pulled = jax.device_get([m for _, m in pending])
                 now = time.perf_counter()
                 for (s, _), m in zip(pending, pulled, strict=True):
@@ -121,12 +167,13 @@ def sft_loop(
                     last = {"stage": stage, "step": s, **{k: float(v) for k, v in m.items()}}
                     if log is not None:
                         log.write(last)
+                    _check_finite(stage, s, last, ckpt)
                 last = {**last, "steps_per_s": len(pending) / max(now - window, 1e-9)}
                 window, pending = now, []
                 if on_log is not None:
                     on_log(last)
                 bar.update(done, f"loss {last['loss']:.4f}")
-            if ckpt is not None and (done % ckpt_every == 0 or done == steps):
+            if saving:
                 t = time.perf_counter()
                 data = batches.get_state() if hasattr(batches, "get_state") else None
                 extra = {"stage": stage, "data": data}
@@ -220,6 +267,8 @@ async def rl_loop(
     times = {"data_s": 0.0, "step_s": 0.0, "publish_s": 0.0, "checkpoint_s": 0.0}
     pending: list[tuple[int, dict, dict]] = []
     history: list[dict] = []
+    if log is not None:
+        log.truncate(("rl",), start)
     began = time.perf_counter()
     with _Progress("rl", steps, start, progress) as bar:
         for step in range(start, steps):
@@ -236,6 +285,8 @@ async def rl_loop(
             metrics = await asyncio.to_thread(_step_and_wait, trainer, batch)
             step_s = time.perf_counter() - t
             done = step + 1
+            # Before anything of the new state is published or saved (the step was waited on).
+            _check_finite("rl", done, metrics, ckpt)
             new_version = base_version + done
             publish: dict[str, Any] = {}
             if done % publish_every == 0 or done == steps:

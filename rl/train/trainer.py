@@ -161,6 +161,13 @@ class Trainer:
         if self.reference is not None:
             self.reference = self.copy_params(placed)
 
+    def set_reference(self, params: Mapping) -> None:
+        """The frozen KL reference (a trainer built with `reference=True`), e.g. the run's
+        stored one when RL resumes."""
+        if self.reference is None:
+            raise ValueError("this trainer was built without a reference (reference=False)")
+        self.reference = self.copy_params(self.place_params(params))
+
     def copy_params(self, params: Mapping) -> dict:
         return jax.tree.map(lambda x: x.copy(), dict(params))
 
@@ -326,20 +333,25 @@ class Trainer:
     # ----- export -----------------------------------------------------------------------------
 
     def export_serving(self, path: str | Path, dtype: str | None = None) -> Path:
-        """Serving weights (`rl.model.params_io` format: Orbax params + model_config.json)."""
+        """Serving weights (`rl.model.params_io` format: Orbax params + model_config.json)
+        and their manifest (`rl.model.integrity`), which servers verify before loading."""
         from rl.model.params_io import save_params
 
         return save_params(self.model(), path, dtype=dtype)
 
     def export_hf(self, path: str | Path, dtype: str | None = None) -> Path:
-        """HF safetensors + config.json (what vLLM loads)."""
+        """HF safetensors + config.json (what vLLM loads), with a manifest."""
         from rl.model.hf_io import save_hf
+        from rl.model.integrity import write_manifest
 
         save_hf(self.model_cfg, self.model(), path, dtype=dtype)
+        write_manifest(path)
         return Path(path)
 
-    def load_serving(self, path: str | Path) -> dict:
-        """Parameters from serving weights on disk, placed on this trainer's mesh."""
+    def load_serving(self, path: str | Path, *, require_manifest: bool = False) -> dict:
+        """Parameters from serving weights on disk, placed on this trainer's mesh: verified
+        against their manifest (required when `require_manifest`, else when there is one) and
+        refused (CheckpointError) when they hold NaN or inf."""
         from rl.model.params_io import load_params
 
-        return load_params(path, self.model())
+        return load_params(path, self.model(), require_manifest=require_manifest)

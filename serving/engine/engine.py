@@ -391,7 +391,9 @@ class Engine:
                               f"current version {self.version}, at most {INT64_MAX}",
                               "version")  # fmt: skip
         model = nnx.merge(self._graphdef, self._state)
-        params = await asyncio.to_thread(load_params, path, model)
+        # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
+        # non-finite checkpoint is refused and the served weights stay as they are.
+        params = await asyncio.to_thread(load_params, path, model, require_manifest=True)
         if version <= self.version:  # another load won the race while this one read
             raise EngineError(f"version {version} is no longer newer than {self.version}",
                               "version")  # fmt: skip

@@ -1,0 +1,144 @@
+"""Checkpoint integrity: a manifest of every file (size + sha256) written once a checkpoint is
+complete, verified before anything reads it, and a finiteness check of loaded arrays.
+
+    write_manifest(path)          # after the writer (Orbax) has committed `path`
+    verify_checkpoint(path)       # raises CheckpointError naming the first problem
+    nonfinite_leaves(params)      # ["layers/mlp/up", ...]: leaves holding NaN or inf
+
+A checkpoint is a directory; its manifest `manifest.json` lists each regular file under it.
+Verification refuses a missing or torn manifest, a missing, resized, altered or unlisted file,
+and any symlink or path that resolves outside the directory (a checkpoint is confined to
+itself). Trainers (`rl.train.checkpoint`, `Trainer.export_serving`) write manifests; trainer
+resume and servers reloading weights verify them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete, altered, escapes its directory, or holds non-finite
+    values; the message names the checkpoint and what is wrong with it."""
+
+
+class ManifestMissing(CheckpointError):
+    """The checkpoint has no manifest: its save was interrupted before sealing, or another
+    tool wrote it."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> dict[str, Path]:
+    """Every file under `root` by its relative POSIX path (the manifest excluded); a symlink,
+    or anything but a regular file or a directory, is a CheckpointError."""
+    out: dict[str, Path] = {}
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in dirs + names:
+            p = Path(folder) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                raise CheckpointError(f"checkpoint {root}: {rel} is a symlink (not allowed)")
+            if name in names and not p.is_file():
+                raise CheckpointError(f"checkpoint {root}: {rel} is not a regular file")
+            if name in names and rel != MANIFEST:
+                out[rel] = p
+    return out
+
+
+def check_confined(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> dict:
+    """CheckpointError unless `path` is a real directory (inside `root` once symlinks are
+    resolved, given `root`) holding only regular files and folders, no symlink; returns its
+    files by relative path."""
+    where = Path(path)
+    if root is not None:
+        real_root, real = Path(os.path.realpath(root)), Path(os.path.realpath(where))
+        if not real.is_relative_to(real_root):
+            raise CheckpointError(f"checkpoint {where} resolves outside {real_root}")
+    if where.is_symlink() or not where.is_dir():
+        raise CheckpointError(f"checkpoint {where} is not a directory")
+    return _files(where)
+
+
+def write_manifest(path: str | os.PathLike) -> Path:
+    """Record every file under the checkpoint directory `path` (atomically: a torn manifest
+    never verifies). Call it only once the checkpoint is completely written."""
+    root = Path(path)
+    files = {rel: {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for rel, p in sorted(_files(root).items())}  # fmt: skip
+    out = root / MANIFEST
+    tmp = root / f".{MANIFEST}.tmp"
+    with tmp.open("w") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return out
+
+
+def verify_checkpoint(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> None:
+    """Raise CheckpointError unless the checkpoint directory `path` is exactly what its
+    manifest lists: every file present with its size and sha256, nothing else, no symlink,
+    and (given `root`) the directory itself inside `root` once symlinks are resolved."""
+    where = Path(path)
+    present = check_confined(where, root=root)
+    try:
+        listed = json.loads((where / MANIFEST).read_text())["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("files is not a mapping")
+    except FileNotFoundError:
+        raise ManifestMissing(
+            f"checkpoint {where} has no {MANIFEST} (an interrupted save, or not written by simloop)"
+        ) from None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {where}: {MANIFEST} is unreadable ({e})") from None
+    for rel in sorted(set(listed) | set(present)):
+        if rel not in present:
+            raise CheckpointError(f"checkpoint {where}: {rel} is missing")
+        if rel not in listed:
+            raise CheckpointError(f"checkpoint {where}: {rel} is not in its {MANIFEST}")
+        want, p = listed[rel], present[rel]
+        if not isinstance(want, dict) or p.stat().st_size != want.get("size"):
+            raise CheckpointError(
+                f"checkpoint {where}: {rel} has {p.stat().st_size} bytes, the manifest says "
+                f"{want.get('size') if isinstance(want, dict) else want!r} (truncated?)"
+            )
+        if _sha256(p) != want.get("sha256"):
+            raise CheckpointError(f"checkpoint {where}: {rel} does not match its sha256 (corrupt)")
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths ("a/b/c") of the floating-point leaves of `tree` holding a NaN or an infinity
+    (host or device arrays; one device-to-host transfer of one bool per leaf)."""
+    import jax
+    import jax.numpy as jnp
+
+    flat = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)]  # fmt: skip
+    finite = jax.device_get([jnp.isfinite(x).all() for _, x in flat])
+    return [
+        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
+        for (p, _), ok in zip(flat, finite, strict=True)
+        if not ok
+    ]
+
+
+def check_finite(tree: Any, what: str) -> None:
+    """CheckpointError naming up to five leaves of `tree` that hold NaN or inf."""
+    bad = nonfinite_leaves(tree)
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CheckpointError(f"{what} holds non-finite values (NaN/inf) in {bad[:5]}{more}")
