@@ -68,8 +68,18 @@ class LocalShellConfig:
     workspace_root: str | None = None
     """Directory that holds the per-episode workspaces; None: the system temp directory."""
     user: str = "nobody"
-    """Account the commands run as when simloop runs as root (root ignores RLIMIT_NPROC);
-    ignored otherwise: commands then run as the current user."""
+    """Account the commands run as when simloop runs as root (root ignores RLIMIT_NPROC) and
+    `uid_base` is 0; ignored otherwise: commands then run as the current user."""
+    uid_base: int = 60000
+    """As root, each shell runs its commands as its own uid from `uid_base` ..
+    `uid_base + uid_count - 1` (held with a lock file for the shell's life, across processes;
+    uids of existing accounts are skipped), so concurrent episodes cannot read each other's
+    files and RLIMIT_NPROC caps each episode alone. 0: every shell runs as `user`."""
+    uid_count: int = 1024
+    """How many uids from `uid_base` (at most this many concurrent shells per machine)."""
+    tmpfs_bytes: int = 64 * 2**20
+    """Size cap of each episode's private `/tmp`, `/var/tmp` and `/dev/shm` (tmpfs, gone with
+    the command) where a mount namespace works."""
     isolate_network: bool = True
     """Run commands in a fresh network namespace (`unshare -n`) where that works."""
     max_output_bytes: int = 65_536
@@ -104,8 +114,14 @@ class LocalShellConfig:
             "memory_bytes",
             "file_size_bytes",
             "max_processes",
+            "uid_count",
+            "tmpfs_bytes",
         )
         _positive_number(cls, self, "drain_grace_s", "setup_timeout_s")
+        base = self.uid_base
+        ok = isinstance(base, int) and not isinstance(base, bool)
+        ok = ok and (base == 0 or (base >= 1000 and base + self.uid_count < 2**32 - 1))
+        _check(cls, "uid_base", base, ok, "0 (off), or a uid >= 1000 with room for uid_count")
         _check(
             cls,
             "kill_after_output_bytes",

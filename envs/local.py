@@ -5,20 +5,34 @@
 
 Each command is a fresh `bash -c` in the workspace, in its own session (process group), with a
 scrubbed environment and setrlimit limits (CPU seconds, address space, file size, processes).
-Where the kernel allows, it also runs in fresh network and PID namespaces (`unshare -n -p`): no
-network, and every process the command leaves behind dies with it. As root, commands run as an
-unprivileged user (`nobody`), because root ignores RLIMIT_NPROC. What worked is probed once per
-process and recorded (`LocalShell.isolation`, `Observation.info["isolation"]`).
+Where the kernel allows, it also runs in fresh network, PID and mount namespaces
+(`unshare -n -p -m --mount-proc`): no network; every process the command leaves behind dies
+with it; its own `/proc` (no other process, nor its command line, is visible); private tmpfs
+`/tmp`, `/var/tmp` and `/dev/shm` of `tmpfs_bytes` each, gone when the command ends; the
+workspaces folder hidden (the episode's own workspace bind-mounted at its path); `/` read-only.
+As root, each shell runs its commands as its own uid (`uid_base` + a free slot, held by a lock
+file), because root ignores RLIMIT_NPROC and so that episodes cannot reach each other's files:
+RLIMIT_NPROC then caps each episode alone (a fork bomb exhausts only its own uid). Resource caps
+are rlimits and tmpfs sizes (no cgroups). The parent-death signal is set on both sides of
+`unshare`, after the privilege drop too, so a killed simloop takes its commands with it; the
+workspaces of dead simloop processes are swept at the first start of a process. What worked is
+probed once per process, logged, and recorded (`LocalShell.isolation`,
+`Observation.info["isolation"]`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import fcntl
 import functools
+import logging
 import os
 import pwd
+import re
 import resource
+import select
 import shutil
 import signal
 import stat
@@ -35,6 +49,7 @@ from envs.shell import (
     TIMEOUT_EXIT_CODE,
     HeadTailBuffer,
     Observation,
+    ShellError,
     ShellLifecycle,
     TaskSetup,
     TaskSetupError,
@@ -42,8 +57,35 @@ from envs.shell import (
     check_relative_path,
 )
 
+log = logging.getLogger(__name__)
+
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _REAP_TIMEOUT_S = 5.0  # SIGKILLed processes exit at once; this only bounds a stuck reap
+_WS_PREFIX = "simloop-ws-"
+_WS_OWNER = re.compile(rf"{_WS_PREFIX}(\d+)\.(\d+)-")
+"""Workspace names carry the owner's pid and start time, so a sweep can tell dead owners."""
+
+# The episode's mount namespace, made once per shell by a holder process (root, in the workspace
+# base; `$1` the base, `$2` the tmpfs size in bytes, `$3` "ro" to make `/` read-only), which
+# then waits on its stdin: it ends, and the namespace with it, when the shell closes the pipe or
+# simloop dies. Mounted in this order so that the workspaces folder ends up hidden whether or
+# not it lies under one of the private tmp folders. `--no-canonicalize`: `.` must stay the
+# workspace itself, not its path, which now names the empty folder just made in the tmpfs.
+_SANDBOX = r"""set -e
+cd -- "$1"
+for d in /tmp /var/tmp /dev/shm; do
+  if [ -d "$d" ] && [ ! -L "$d" ]; then
+    mount -t tmpfs -o "size=$2,mode=1777,nosuid,nodev" simloop-tmp "$d"
+  fi
+done
+if [ -e "$1" ]; then mount -t tmpfs -o size=64k,mode=755,nosuid,nodev simloop-ws "${1%/*}"; fi
+mkdir -p -- "$1"
+mount --no-canonicalize --bind . "$1"
+if [ "$3" = ro ]; then mount -o remount,bind,ro /; fi
+cd -- "$1/work"
+echo ready
+read -r _ || exit 0
+"""
 
 
 @dataclass(frozen=True)
@@ -51,7 +93,8 @@ class Isolation:
     """How commands are contained on this machine (probed once per process)."""
 
     prefix: tuple[str, ...]
-    """argv placed before the rlimit wrapper and `bash -c COMMAND`."""
+    """argv placed before the privilege drop (`drop`), the rlimit wrapper and `bash -c COMMAND`
+    (with `mount_namespace`, `nsenter` into the episode's namespace goes before `unshare`)."""
     network: bool
     """Commands see no network (fresh network namespace)."""
     pid_namespace: bool
@@ -61,21 +104,38 @@ class Isolation:
     gid: int
     popen_user: bool = False
     """Drop to uid/gid through Popen itself (root without setpriv)."""
+    drop: tuple[str, ...] = ()
+    """The privilege drop (setpriv) with `{uid}`/`{gid}` placeholders: each shell fills in its
+    own uid. Empty: `prefix` already drops to `uid` (or no drop is needed)."""
+    mount_namespace: bool = False
+    """A private mount namespace per episode (each command in a copy with its own /proc):
+    private tmpfs tmp folders, the other workspaces hidden."""
+    readonly_root: bool = False
+    """`/` is mounted read-only in the command's mount namespace."""
+    parent_death: bool = False
+    """The command is SIGKILLed when its parent dies (setpriv --pdeathsig), after the drop."""
 
     @property
     def label(self) -> str:
         net = "netns" if self.network else "hostnet"
         parts = [net, "pidns" if self.pid_namespace else "pgroup"]
+        if self.mount_namespace:
+            parts.append("mntns")
         return "+".join([*parts, self.user])
 
+    @property
+    def per_shell_uid(self) -> bool:
+        """Whether each shell can run as its own uid (root dropping privileges per command)."""
+        return any("{uid}" in arg for arg in self.drop) or self.popen_user
 
-def _probe(prefix: tuple[str, ...]) -> bool:
+
+def _probe(prefix: tuple[str, ...], cwd: str = "/") -> bool:
     try:
         res = subprocess.run(
             [*prefix, "bash", "-c", "echo ok"],
             capture_output=True,
             env={"PATH": _PATH},
-            cwd="/",
+            cwd=cwd,
             timeout=10,
             check=False,
         )
@@ -84,9 +144,65 @@ def _probe(prefix: tuple[str, ...]) -> bool:
     return res.returncode == 0 and res.stdout == b"ok\n"
 
 
+def _start_holder(base: str, tmpfs_bytes: int, readonly_root: bool) -> subprocess.Popen:
+    """The process that makes and holds an episode's mount namespace (see `_SANDBOX`), once
+    it is ready; raises ShellError if it could not be made."""
+    argv = ["unshare", "-m", "--", "bash", "-c", _SANDBOX, "simloop-sandbox", base,
+            str(tmpfs_bytes), "ro" if readonly_root else "rw"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=base, env={"PATH": _PATH})  # fmt: skip
+    ready, _, _ = select.select([proc.stdout], [], [], 10)
+    if ready and proc.stdout.readline() == b"ready\n":
+        return proc
+    _stop_holder(proc)
+    err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+    raise ShellError(f"LocalShell: the episode's mount namespace could not be made: {err}")
+
+
+def _stop_holder(proc: subprocess.Popen) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
+    try:
+        proc.wait(timeout=_REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=_REAP_TIMEOUT_S)
+
+
+def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root: bool) -> bool:
+    base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-probe-")
+    try:
+        os.chmod(base, 0o755)
+        os.mkdir(os.path.join(base, "work"), 0o755)
+        holder = _start_holder(base, 2**20, readonly_root)
+        try:
+            return _probe((*_enter(prefix, holder.pid), *drop))
+        finally:
+            _stop_holder(holder)
+    except (OSError, ShellError):
+        return False
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _enter(prefix: tuple[str, ...], holder_pid: int) -> tuple[str, ...]:
+    """`prefix` with `nsenter` into the holder's mount namespace, and in its working directory
+    (the workspace as mounted there), before `unshare`."""
+    at = prefix.index("unshare")
+    nsenter = ("nsenter", f"--target={holder_pid}", "--mount", "--wd", "--")
+    return (*prefix[:at], *nsenter, *prefix[at:])
+
+
 @functools.cache
 def detect_isolation(user: str, isolate_network: bool) -> Isolation:
     """The strongest containment that works here, tried from strongest to weakest."""
+    iso = _detect(user, isolate_network)
+    log.info("LocalShell isolation on this machine: %s", isolation_report(iso))
+    return iso
+
+
+def _detect(user: str, isolate_network: bool) -> Isolation:
     root = os.geteuid() == 0
     if root:
         try:
@@ -99,28 +215,159 @@ def detect_isolation(user: str, isolate_network: bool) -> Isolation:
     else:
         name, uid, gid = pwd.getpwuid(os.getuid()).pw_name, os.getuid(), os.getgid()
     have = {tool: shutil.which(tool, path=_PATH) is not None for tool in ("unshare", "setpriv")}
+    # The parent-death signal, on both sides of unshare: on unshare itself (it dies with us),
+    # and on the command after the privilege drop, which clears the one `--kill-child` set.
+    death = ("--pdeathsig", "KILL")
+    parent_death = have["setpriv"] and _probe(("setpriv", *death, "--"))
+    death = death if parent_death else ()
+    outer = ("setpriv", *death, "--") if parent_death else ()
     # As root the namespaces are made first and privileges dropped inside them; otherwise a
     # user namespace (`-c`, keep our uid) makes the other namespaces possible without root.
     drop: tuple[str, ...] = ()
     if root and have["setpriv"]:
-        drop = ("setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs")
-        drop += ("--",)
+        drop = ("setpriv", "--reuid={uid}", "--regid={gid}", "--clear-groups", "--no-new-privs")
+        drop += (*death, "--")
+    elif parent_death:
+        drop = ("setpriv", *death, "--")
     userns = () if root else ("-c",)
     pidns = ("-p", "-f", "--kill-child")
     candidates: list[tuple[tuple[str, ...], bool, bool]] = []
     if have["unshare"] and (drop or not root):
         if isolate_network:
-            candidates.append((("unshare", *userns, "-n", *pidns, "--", *drop), True, True))
-            candidates.append((("unshare", *userns, "-n", "--", *drop), True, False))
-        candidates.append((("unshare", *userns, *pidns, "--", *drop), False, True))
-    for prefix, net, pid in candidates:
-        if _probe(prefix):
-            return Isolation(prefix, net, pid, name, uid, gid)
-    if drop and _probe(drop):
-        return Isolation(drop, False, False, name, uid, gid)
+            candidates.append((("unshare", *userns, "-n", *pidns, "--"), True, True))
+            candidates.append((("unshare", *userns, "-n", "--"), True, False))
+        candidates.append((("unshare", *userns, *pidns, "--"), False, True))
+    filled = tuple(a.format(uid=uid, gid=gid) for a in drop)
+    for flags, net, pid in candidates:
+        prefix = (*outer, *flags)
+        if not _probe((*prefix, *filled)):
+            continue
+        iso = Isolation(prefix, net, pid, name, uid, gid, drop=drop, parent_death=parent_death)
+        if root and pid and shutil.which("nsenter", path=_PATH):
+            # Each command gets a copy of the episode's mount namespace, with its own /proc.
+            mounted = (*prefix[:-1], "-m", "--mount-proc", "--")
+            for ro in (True, False):
+                if _probe_mounts(mounted, filled, ro):
+                    return dataclasses.replace(iso, prefix=mounted, mount_namespace=True,
+                                               readonly_root=ro)  # fmt: skip
+        return iso
+    if root and drop and _probe(filled):
+        return Isolation((), False, False, name, uid, gid, drop=drop, parent_death=parent_death)
     if root:  # no setpriv: Popen drops privileges itself
         return Isolation((), False, False, name, uid, gid, popen_user=True)
     return Isolation((), False, False, name, uid, gid)
+
+
+def isolation_report(iso: Isolation, cfg: LocalShellConfig | None = None) -> dict[str, Any]:
+    """What containment is in force, for logs and the README: namespaces, identity, caps."""
+    cfg = cfg or LocalShellConfig()
+    distinct = iso.per_shell_uid and cfg.uid_base > 0
+    tmp = f"tmpfs {cfg.tmpfs_bytes} bytes each" if iso.mount_namespace else "shared with the host"
+    return {
+        "network": iso.network,
+        "pid_namespace": iso.pid_namespace,
+        "mount_namespace": iso.mount_namespace,
+        "private_proc": iso.mount_namespace and iso.pid_namespace,
+        "private_tmp": iso.mount_namespace,
+        "workspaces_hidden": iso.mount_namespace,
+        "readonly_root": iso.readonly_root,
+        "user": iso.user,
+        "distinct_uid": distinct,
+        "parent_death": iso.parent_death,
+        "limits": {
+            "processes": f"RLIMIT_NPROC {cfg.max_processes} "
+            + ("per episode (its own uid)" if distinct else f"shared by all shells of {iso.user}"),
+            "memory": f"RLIMIT_AS {cfg.memory_bytes} bytes per process",
+            "cpu": f"RLIMIT_CPU {cfg.cpu_time_s} s per process",
+            "disk": f"RLIMIT_FSIZE {cfg.file_size_bytes} bytes per file; /tmp, /var/tmp, "
+            f"/dev/shm: {tmp}",
+            "cgroups": "not used",
+        },
+    }
+
+
+def _start_time(pid: int | str) -> str | None:
+    """A process's start time (clock ticks since boot), which tells it from a later process
+    with the same pid; None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+_OWNER = f"{os.getpid()}.{_start_time('self')}"
+
+
+@functools.cache
+def sweep_stale_workspaces(root: str) -> int:
+    """Delete the workspaces in `root` whose owning simloop process is gone (killed before it
+    could clean up); once per process and folder. Returns how many were removed."""
+    removed = 0
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in entries:
+            found = _WS_OWNER.match(entry.name)
+            if found is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid, started = found.groups()
+            if _start_time(pid) == started:  # its owner still runs
+                continue
+            with contextlib.suppress(OSError):
+                _cleanup(entry.path)
+                removed += 1
+    if removed:
+        log.info("LocalShell: removed %d workspaces of dead processes from %s", removed, root)
+    return removed
+
+
+class _UidSlots:
+    """Distinct uids for concurrent shells, across processes: a uid is held by an exclusive
+    `flock` on its lock file, released when the shell closes or its process dies."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, int] = {}  # uid -> lock fd
+
+    @staticmethod
+    def _folder() -> str:
+        parent = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
+        folder = os.path.join(parent, "simloop-uids")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        return folder
+
+    def acquire(self, base: int, count: int) -> int:
+        folder = self._folder()
+        for uid in range(base, base + count):
+            if uid in self._held or _has_account(uid):
+                continue
+            fd = os.open(os.path.join(folder, f"{uid}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._held[uid] = fd
+            return uid
+        raise ShellError(
+            f"LocalShell: all {count} uids from LocalShellConfig.uid_base={base} are in use by "
+            "other shells; raise uid_count or run fewer concurrent local shells"
+        )
+
+    def release(self, uid: int) -> None:
+        fd = self._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)
+
+
+@functools.cache
+def _has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+_UIDS = _UidSlots()
 
 
 def limits_wrapper(cfg: LocalShellConfig) -> tuple[str, ...]:
@@ -158,9 +405,13 @@ def _rmtree(path: str) -> None:
         shutil.rmtree(path, onerror=fix_and_retry)
 
 
-def _cleanup(base: str) -> None:
+def _cleanup(base: str, uid: int | None = None, holder: subprocess.Popen | None = None) -> None:
     _kill_stragglers(base)
+    if holder is not None:
+        _stop_holder(holder)
     _rmtree(base)
+    if uid is not None:
+        _UIDS.release(uid)
 
 
 def _check_reachable(path: str, uid: int) -> None:
@@ -245,11 +496,16 @@ class LocalShell(ShellLifecycle):
         self._base: str | None = None
         self._finalizer: weakref.finalize | None = None
         self._iso: Isolation | None = None
+        self._uid: int | None = None
+        self._holder: subprocess.Popen | None = None
+        """Holds the episode's mount namespace (where there is one)."""
+        """This shell's own uid (from `uid_base`), where it has one."""
         self._env: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._start_lock = asyncio.Lock()
         self._closed = False
         self._wrapper = limits_wrapper(self.config)
+        self._argv: tuple[str, ...] = ()
 
     @property
     def workspace(self) -> Path:
@@ -260,11 +516,23 @@ class LocalShell(ShellLifecycle):
 
     @property
     def isolation(self) -> dict[str, Any]:
-        """What containment is in force: network, pid_namespace, user."""
+        """What containment is in force (`isolation_report`: namespaces, private /proc and tmp
+        folders, read-only root, identity, resource caps), with this shell's `uid`."""
         if self._iso is None:
             raise RuntimeError("LocalShell is not started")
-        iso = self._iso
-        return {"network": iso.network, "pid_namespace": iso.pid_namespace, "user": iso.user}
+        report = isolation_report(self._iso, self.config)
+        report["distinct_uid"] = self._uid is not None
+        report["uid"] = self._ids()[0]
+        report["user"] = self._user()
+        return report
+
+    def _ids(self) -> tuple[int, int]:
+        assert self._iso is not None
+        return (self._uid, self._uid) if self._uid is not None else (self._iso.uid, self._iso.gid)
+
+    def _user(self) -> str:
+        assert self._iso is not None
+        return f"uid{self._uid}" if self._uid is not None else self._iso.user
 
     async def start(self) -> None:
         """Create the workspace and apply the task setup (idempotent)."""
@@ -276,23 +544,42 @@ class LocalShell(ShellLifecycle):
 
     async def _start(self) -> None:
         cfg = self.config
-        self._iso = await asyncio.to_thread(detect_isolation, cfg.user, cfg.isolate_network)
-        base = tempfile.mkdtemp(prefix="simloop-ws-", dir=cfg.workspace_root)
+        self._iso = iso = await asyncio.to_thread(detect_isolation, cfg.user, cfg.isolate_network)
+        root = os.path.abspath(cfg.workspace_root or tempfile.gettempdir())
+        await asyncio.to_thread(sweep_stale_workspaces, root)
+        if self._closed:  # closed while it probed: create nothing
+            raise RuntimeError("LocalShell is closed")
+        if os.geteuid() == 0 and iso.per_shell_uid and cfg.uid_base > 0:
+            self._uid = _UIDS.acquire(cfg.uid_base, cfg.uid_count)
+        try:
+            base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-", dir=root)
+        except BaseException:
+            if self._uid is not None:
+                _UIDS.release(self._uid)
+            raise
         self._base = base
         # Backstop for a shell that is never closed: removed at garbage collection or exit.
-        self._finalizer = weakref.finalize(self, _cleanup, base)
+        self._finalizer = weakref.finalize(self, _cleanup, base, self._uid)
         try:
             if os.geteuid() == 0:
-                _check_reachable(base, self._iso.uid)
+                _check_reachable(base, self._ids()[0])
             for sub in ("work", "home", "tmp"):
                 os.mkdir(os.path.join(base, sub), 0o700)
             self._chown_tree(base)
+            prefix = iso.prefix
+            if iso.mount_namespace:
+                size, ro = cfg.tmpfs_bytes, iso.readonly_root
+                self._holder = await asyncio.to_thread(_start_holder, base, size, ro)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _cleanup, base, self._uid, self._holder)
+                prefix = _enter(prefix, self._holder.pid)
+            self._argv = (*prefix, *self._drop(), *self._wrapper)
             self._env = {
                 "PATH": _PATH,
                 "HOME": os.path.join(base, "home"),
                 "TMPDIR": os.path.join(base, "tmp"),
-                "USER": self._iso.user,
-                "LOGNAME": self._iso.user,
+                "USER": self._user(),
+                "LOGNAME": self._user(),
                 "SHELL": "/bin/bash",
                 "LANG": "C.UTF-8",
                 "LC_ALL": "C.UTF-8",
@@ -309,10 +596,14 @@ class LocalShell(ShellLifecycle):
             await self.close()
             raise
 
+    def _drop(self) -> tuple[str, ...]:
+        uid, gid = self._ids()
+        return tuple(a.format(uid=uid, gid=gid) for a in self._iso.drop) if self._iso else ()
+
     def _chown_tree(self, root: str) -> None:
         if os.geteuid() != 0 or self._iso is None:
             return
-        uid, gid = self._iso.uid, self._iso.gid
+        uid, gid = self._ids()
         os.chown(root, uid, gid)
         for dirpath, dirnames, filenames in os.walk(root):
             for name in dirnames + filenames:
@@ -350,14 +641,14 @@ class LocalShell(ShellLifecycle):
         assert iso is not None
         kwargs: dict[str, Any] = {}
         if iso.popen_user:
-            kwargs = {"user": iso.uid, "group": iso.gid, "extra_groups": []}
+            uid, gid = self._ids()
+            kwargs = {"user": uid, "group": gid, "extra_groups": []}
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         spawn = asyncio.ensure_future(
             loop.subprocess_exec(
                 lambda: _Collector(loop, cfg.max_output_bytes, cfg.kill_after_output_bytes),
-                *iso.prefix,
-                *self._wrapper,
+                *self._argv,
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -407,7 +698,8 @@ class LocalShell(ShellLifecycle):
             transport.close()
         rc = transport.get_returncode()
         buf = proto.buf
-        info: dict[str, Any] = {"isolation": iso.label, "output_bytes": buf.total}
+        label = iso.label if self._uid is None else f"{iso.label.rsplit('+', 1)[0]}+{self._user()}"
+        info: dict[str, Any] = {"isolation": label, "output_bytes": buf.total}
         if not proto.eof.done():
             info["pipe_held"] = "output pipe still held by processes that escaped the group"
         if timed_out:
@@ -434,4 +726,8 @@ class LocalShell(ShellLifecycle):
             if base is not None:
                 if self._iso is not None and not self._iso.pid_namespace:
                     _kill_stragglers(base)
+                if self._holder is not None:
+                    await asyncio.to_thread(_stop_holder, self._holder)
                 await asyncio.to_thread(_rmtree, base)
+            if self._uid is not None:  # only once nothing of it is left
+                _UIDS.release(self._uid)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from rl.data.rundir import CONFIG, LOGS
 
+ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
+"""Where `simloop serve` reads its admin token (or `--admin-token-file`)."""
 LISTENING = re.compile(r"listening on (http://[\w.\-]+:\d+)")
 
 
@@ -39,15 +41,19 @@ class LocalServer:
               timeout_s: float = 300.0, port: int = 0, env: dict[str, str] | None = None,
               name: str | None = None) -> LocalServer:  # fmt: skip
         """Start `simloop serve --role ROLE` on `port` (0: a free one) and wait until it
-        listens. `env` is laid over this process's environment (a chip plan's process env);
-        `name` names the log file (default: the role)."""
+        listens. `env` is laid over this process's environment (a chip plan's process env, and
+        `SIMLOOP_ADMIN_TOKEN`: a secret never goes on a command line, where any process can
+        read it; ours is not inherited); `name` names the log file (default: the role)."""
         run_dir = Path(run_dir)
         log_path = run_dir / LOGS / f"{name or role}-server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "launch", "serve", "--config", str(run_dir / CONFIG),
                "--role", role, "--port", str(port), *extra_args]  # fmt: skip
         log = log_path.open("w")
-        if env is not None:
+        inherited = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
+        if env is None:
+            env = inherited
+        else:
             from launch.deploy.chips import merge_xla_flags
 
             planned = dict(env)
@@ -55,7 +61,7 @@ class LocalServer:
                 planned["XLA_FLAGS"] = merge_xla_flags(
                     os.environ.get("XLA_FLAGS", ""), planned["XLA_FLAGS"]
                 )
-            env = {**os.environ, **planned}
+            env = {**inherited, **planned}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                 start_new_session=True, env=env)  # fmt: skip
         deadline = time.monotonic() + timeout_s
@@ -106,8 +112,8 @@ def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = N
     else:
         n = cfg.env.shell.simulated.max_context_tokens
         args = [] if n is None else ["--max-seq-len", str(n)]
-    if admin_token is not None:
-        args += ["--admin-token", admin_token, "--checkpoint-root", str(Path(run_dir).absolute())]
+    if admin_token is not None:  # the token itself goes in the environment (`role_clients`)
+        args += ["--checkpoint-root", str(Path(run_dir).absolute())]
     return args
 
 
@@ -136,12 +142,15 @@ async def role_clients(
             if url is None:
                 print(f"simloop {who}: starting a local {role} server ...", flush=True)
                 token = admin_token if role == "agent" else None
+                env = server_env(cfg, role)
+                if token is not None:
+                    env = {**(env or {}), ADMIN_TOKEN_ENV: token}
                 server = await asyncio.to_thread(
                     LocalServer.start,
                     role,
                     run_dir,
                     extra_args=local_server_args(cfg, role, run_dir, token),
-                    env=server_env(cfg, role),
+                    env=env,
                 )
                 stack.push_async_callback(asyncio.to_thread, server.stop)
                 url = server.url

@@ -6,7 +6,8 @@
 
 Folders are searched recursively (`*.traj` for swe-agent, `*.json` for chat, `*.traj.json` for
 mini-swe-agent). SWE-agent files that hold only `history` (function calling) import from their
-tool calls; a file that cannot be read is named with the reason and the rest still import.
+tool calls; a file that cannot be read (not JSON, too deep, not a regular file, ...) is named
+with the reason and the rest still import and are written.
 The token view is rendered with the config's agent tokenizer (`agent.tokenizer`: the byte
 tokenizer by default, so this runs on any CPU). Writes `<out>/config.yaml` and
 `<out>/trajectories/imported-NNNNN.jsonl`, prints a summary, and exits 1 when any file failed

@@ -2,7 +2,7 @@
 
     simloop serve --preset tiny --port 8000                 # random tiny weights, byte tokenizer
     simloop serve --model /models/Qwen3-0.6B --max-tokens-cap 512
-    simloop serve --config configs/demo_cpu.yaml --role simulator --admin-token $TOKEN \\
+    SIMLOOP_ADMIN_TOKEN=$TOKEN simloop serve --config configs/demo_cpu.yaml --role simulator \\
         --checkpoint-root runs/demo/checkpoints
 
 The model comes from `--model DIR` (an HF directory), else `--preset NAME`, else the config's
@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -41,7 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", choices=["agent", "simulator"], help="role to serve from --config")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--admin-token", help="bearer token for /admin/* (or $SIMLOOP_ADMIN_TOKEN)")
+    p.add_argument(
+        "--admin-token",
+        help="bearer token for /admin/*; prefer $SIMLOOP_ADMIN_TOKEN or --admin-token-file "
+        "(any local process can read a command line)",
+    )
+    p.add_argument(
+        "--admin-token-file", metavar="FILE", help="read the admin token from FILE (mode 0600)"
+    )
     p.add_argument("--checkpoint-root", metavar="DIR", help="where /admin/load_weights may read")
     p.add_argument("--model-name", help="name served in /v1/models")
     p.add_argument("--max-tokens-cap", type=int, help="clamp every request's max_tokens")
@@ -57,9 +65,32 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [f"--{key}", str(value)]
     token = getattr(args, "admin_token", None) or os.environ.get("SIMLOOP_ADMIN_TOKEN")
+    if getattr(args, "admin_token_file", None):
+        token = _read_token_file(args.admin_token_file)
     if token:
         out += ["--serve.server.admin_token", token]
     return out
+
+
+def _read_token_file(path: str) -> str:
+    """The token in `path`, which only its owner may read; a bad file ends the command with
+    a message (exit 2)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            if st.st_mode & 0o077:
+                raise ValueError(f"mode {st.st_mode & 0o777:04o} lets others read it; chmod 600")
+            token = f.read(4096).decode("utf-8").strip()
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        sys.stderr.write(f"simloop serve: --admin-token-file {path}: {e}\n")
+        raise SystemExit(2) from None
+    if not token:
+        sys.stderr.write(f"simloop serve: --admin-token-file {path}: the file is empty\n")
+        raise SystemExit(2)
+    return token
 
 
 def build_model(args: argparse.Namespace, cfg: SimloopConfig):

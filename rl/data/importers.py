@@ -24,7 +24,12 @@ the agent's tokenizer).
 
 Errors are `TrajectoryImportError`, whose message names the file and the field it could not read.
 A batch import (`import_files`) reports every file that fails, for whatever reason, and imports
-the others.
+the others. Only regular files are read (a FIFO, device or folder is a named failure, never a
+hang). A lone UTF-16 surrogate (a `\\ud800`-style JSON escape without its partner, which no
+UTF-8 shard can hold) is replaced by U+FFFD and counted in `meta["replaced_lone_surrogates"]`;
+every imported trajectory is serialised and encoded once before it is accepted, so a record the
+shard writer would reject fails its own file instead of the whole shard. Text is scanned in
+linear time (no backtracking regex over an observation).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +58,7 @@ from rl.data.importers_common import (
     with_tool_calls,
 )
 from rl.data.importers_mini import MINI_FORMAT_PREFIX, import_mini_swe_agent
-from rl.data.trajectory import Trajectory, Turn, render_token_view, validate
+from rl.data.trajectory import Trajectory, Turn, render_token_view, to_json_line
 
 __all__ = [
     "FORMATS",
@@ -73,10 +79,15 @@ FORMATS = ("swe-agent", "chat", "mini-swe-agent")
 PATTERNS = {"swe-agent": "*.traj", "chat": "*.json", "mini-swe-agent": "*.traj.json"}
 """Which files a folder argument contributes, per format."""
 
-_SWE_STATE = re.compile(r"(?:\n?\([A-Z][\w ]*: [^\n]*\))+\n?bash-\$\s*\Z")
-"""SWE-agent's state lines after an observation: `(Open file: ...)`, `(Current directory: ...)`,
-then the `bash-$` prompt."""
+_SWE_STATE = re.compile(r"\([A-Z][\w ]*: ")
+"""The start of one of SWE-agent's state lines after an observation (`(Open file: ...)`,
+`(Current directory: ...)`, then the `bash-$` prompt)."""
 _SWE_NO_OUTPUT = "Your command ran successfully and did not produce any output."
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: only such files can parse to lone surrogates."""
+_LONE = re.compile("[\ud800-\udfff]")
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character "
+               "device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
 _UNEXPECTED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
 
 
@@ -129,10 +140,36 @@ def _swe_status(exit_status: Any) -> tuple[str, str | None]:
     return "error", reason
 
 
+def _swe_state_start(text: str) -> int | None:
+    """Where SWE-agent's trailing state lines start in `text` (which ends before `bash-$`):
+    lines `(Name: ...)`, the first of them possibly the end of a line of output. Scans lines
+    from the end, in linear time (the equivalent regex backtracks exponentially)."""
+    start, end = None, len(text)
+    while end > 0 and text[end - 1] == ")":
+        line_at = text.rfind("\n", 0, end) + 1
+        line = text[line_at:end]
+        if _SWE_STATE.match(line) and _SWE_STATE.match(line).end() < len(line):
+            start = line_at - 1 if line_at else 0  # with the newline before it
+            end = line_at - 1
+            continue
+        for at in (i for i, ch in enumerate(line) if ch == "("):  # a state line after output
+            found = _SWE_STATE.match(line, at)
+            if found is not None and found.end() < len(line):
+                return line_at + at
+        break
+    return start
+
+
 def _swe_observation(content: str) -> str:
     """A tool message's observation without SWE-agent's state lines (what the command printed)."""
-    text = _SWE_STATE.sub("", content, count=1)
-    return "" if text == _SWE_NO_OUTPUT else text
+    text = content.rstrip()
+    if text.endswith("bash-$"):
+        body = text[: -len("bash-$")]
+        body = body[:-1] if body.endswith("\n") else body
+        start = _swe_state_start(body)
+        if start is not None:
+            content = content[:start]
+    return "" if content == _SWE_NO_OUTPUT else content
 
 
 def _swe_turns_from_steps(
@@ -352,29 +389,78 @@ def import_file(
     if fmt not in IMPORTERS:
         raise ValueError(f"format={fmt!r} is invalid: one of {FORMATS}")
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrajectoryImportError(path, "(file)", f"cannot read: {e}") from e
+    text = _read_regular(path)
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, or a number too long
         raise TrajectoryImportError(path, "(file)", f"not valid JSON: {e}") from e
     where = "(unknown)"
     try:
+        data, replaced = _replace_lone_surrogates(data) if _SURROGATE.search(text) else (data, 0)
         traj = IMPORTERS[fmt](data, path)
+        if replaced:
+            traj.meta["replaced_lone_surrogates"] = replaced
         if renderer is not None:
             where = "(token view)"
             render_token_view(traj, renderer, enable_thinking=enable_thinking)
             traj.tokenizer = tokenizer_name
         where = "(trajectory)"
-        validate(traj)
+        to_json_line(traj).encode("utf-8")  # validates; what the shard will hold must encode
     except TrajectoryImportError:
         raise
     except _UNEXPECTED as e:
         message = str(e) if where == "(trajectory)" else f"{type(e).__name__}: {e}"
         raise TrajectoryImportError(path, where, message) from e
     return traj
+
+
+def _read_regular(path: Path) -> str:
+    """The text of a regular file; anything else (a FIFO, a device, a folder) is refused
+    before it is read, so that it can neither block the import nor feed it endlessly."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer: no wait
+    except OSError as e:
+        raise TrajectoryImportError(path, "(file)", f"cannot read: {e}") from e
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "of an unknown kind")
+        message = f"cannot read: not a regular file ({kind}), skipped"
+        raise TrajectoryImportError(path, "(file)", message)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrajectoryImportError(path, "(file)", f"cannot read: {e}") from e
+
+
+def _replace_lone_surrogates(data: Any) -> tuple[Any, int]:
+    """`data` with every lone surrogate (a `\\ud800`-style escape with no partner, which no
+    UTF-8 file can hold) replaced by U+FFFD, in keys and values; and how many were replaced.
+    Iterative: as deep as the JSON parser allowed, without recursion."""
+    replaced = 0
+
+    def fix(s: str) -> str:
+        nonlocal replaced
+        fixed, n = _LONE.subn("\ufffd", s)
+        replaced += n
+        return fixed
+
+    root = [data]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, key = stack.pop()
+        value = parent[key]
+        if isinstance(value, str):
+            parent[key] = fix(value)
+        elif isinstance(value, list):
+            stack.extend((value, i) for i in range(len(value)))
+        elif isinstance(value, dict):
+            items = [(fix(k), v) for k, v in value.items()]
+            value.clear()
+            value.update(items)
+            stack.extend((value, k) for k, _ in items)
+    return root[0], replaced
 
 
 def expand_paths(paths: Iterable[str | os.PathLike], fmt: str) -> list[Path]:

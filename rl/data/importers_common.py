@@ -28,7 +28,6 @@ from rl.data.trajectory import Trajectory, Turn
 _ROLE_ALIASES = {"developer": "system", "function": "tool"}
 _BLOCK = re.compile(r"```(?:bash|sh|shell|mswea_bash_command)?[ \t]*\n(.*?)```", re.S)
 _RETURNCODE = re.compile(r"<returncode>\s*(-?\d+)\s*</returncode>")
-_OUTPUT = re.compile(r"<output>\n?(.*?)\n?</output>", re.S)
 
 Item = tuple[Message, dict, str]
 """A transcript message: as read, as stored (a JSON object), and where (e.g. `messages[3]`)."""
@@ -169,11 +168,25 @@ def chat_command(text: str) -> str | None:
     return (blocks[0].strip() or None) if len(blocks) == 1 else None
 
 
+def enclosed(text: str, opening: str, closing: str) -> str | None:
+    """The text between the first `opening` and the first `closing` after it, or None. Linear
+    time: a lazy `opening(.*?)closing` regex rescans the rest of the text from every `opening`
+    when `closing` is missing (quadratic: 128 KB of `<output>` took 15 s)."""
+    start = text.find(opening)
+    if start < 0:
+        return None
+    start += len(opening)
+    end = text.find(closing, start)
+    return None if end < 0 else text[start:end]
+
+
 def chat_observation(content: str) -> tuple[str, int | None]:
     code = _RETURNCODE.search(content)
-    out = _OUTPUT.search(content)
-    if out is not None:
-        return out.group(1), int(code.group(1)) if code else None
+    out = enclosed(content, "<output>", "</output>")
+    if out is not None:  # without one newline after <output> and before </output>
+        out = out[1:] if out.startswith("\n") else out
+        out = out[:-1] if out.endswith("\n") else out
+        return out, int(code.group(1)) if code else None
     if code is not None:
         return _RETURNCODE.sub("", content, count=1).strip("\n"), int(code.group(1))
     if content.lstrip().startswith("{"):

@@ -30,7 +30,6 @@ Messages from the Responses API (items without a `role`) are not supported.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from rl.data.importers_common import (
     Item,
     Reader,
     chat_turns,
+    enclosed,
     extra_of,
     imported,
     split_prompt,
@@ -55,20 +55,20 @@ _STATUS: dict[str, Status] = {
     "TimeExceeded": "timeout",
     "UserInterruption": "aborted",
 }
-_PR_DESCRIPTION = re.compile(
-    r"<pr_description>\s*(?:Consider the following PR description:\s*)?(.*?)\s*</pr_description>",
-    re.S,
-)
-_PLEASE_SOLVE = re.compile(r"Please solve this issue: (.*?)\n\nYou can execute bash commands", re.S)
+_CONSIDER = "Consider the following PR description:"
 
 
 def _task(text: str) -> str:
     """The task inside mini-swe-agent's instance templates (SWE-bench's `<pr_description>`, the
     CLI's `Please solve this issue: ...`), else the whole message."""
-    for pattern in (_PR_DESCRIPTION, _PLEASE_SOLVE):
-        found = pattern.search(text)
-        if found is not None and found.group(1).strip():
-            return found.group(1).strip()
+    pr = enclosed(text, "<pr_description>", "</pr_description>")
+    if pr is not None:
+        pr = pr.strip()
+        pr = pr[len(_CONSIDER) :].strip() if pr.startswith(_CONSIDER) else pr
+    solve = enclosed(text, "Please solve this issue: ", "\n\nYou can execute bash commands")
+    for found in (pr, solve):
+        if found is not None and found.strip():
+            return found.strip()
     return task_statement(text)
 
 

@@ -85,8 +85,12 @@ async def test_setup_files_and_commands_usable_by_the_command_user():
     setup = TaskSetup(files={"a/b.txt": "hello\n"}, commands=("cp a/b.txt c.txt",))
     async with LocalShell(setup=setup) as sh:
         obs = await sh.run("cat c.txt && echo more >> a/b.txt && cat a/b.txt && id -u", 5)
+        uid = sh.isolation["uid"]
     assert obs.exit_code == 0, obs.output
-    assert obs.output == f"hello\nhello\nmore\n{COMMAND_IDS[0]}\n"
+    assert obs.output == f"hello\nhello\nmore\n{uid}\n"
+    # As root, each shell has its own uid from the configured range (else the command user's).
+    base = LocalShellConfig().uid_base
+    assert base <= uid < base + LocalShellConfig().uid_count if IS_ROOT else uid == os.getuid()
 
 
 @needs_command_user

@@ -1,0 +1,236 @@
+"""LocalShell isolation between episodes and from the host: own /proc (no other process's
+command line, e.g. a server's admin token), private size-capped tmp folders, the other
+workspaces out of reach, a uid per shell (a fork bomb exhausts only its own), commands that die
+with a killed simloop, and stale workspaces of dead processes swept. Each test skips, naming
+what is missing, where this kernel or account cannot provide the isolation it checks."""
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import envs.local as local_mod
+from envs.config import LocalShellConfig
+from envs.local import LocalShell, detect_isolation, sweep_stale_workspaces
+from envs.shell import ShellError
+from launch.deploy.local import local_server_args
+from launch.jobs import serve
+from tests.fakes import wait_until
+from tests.unit.test_envs_local import needs_command_user, procs_running
+
+ROOT = Path(__file__).resolve().parents[2]
+IS_ROOT = os.geteuid() == 0
+pytestmark = needs_command_user
+
+
+def _iso() -> dict:
+    iso = detect_isolation(LocalShellConfig().user, True)
+    return local_mod.isolation_report(iso)
+
+
+def _need(key: str, why: str) -> None:
+    if not _iso()[key]:
+        pytest.skip(f"LocalShell cannot provide {why} here ({key}=False on this machine)")
+
+
+async def test_own_proc_hides_other_processes_and_their_secrets():
+    _need("private_proc", "an own /proc (mount + PID namespaces)")
+    secret = "simloop-test-secret-0f3a9"
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "--admin-token", secret]
+    )
+    try:
+        async with LocalShell() as sh:
+            obs = await sh.run(
+                "cat /proc/[0-9]*/cmdline | tr '\\0' ' '; echo; ls /proc | grep -c '^[0-9]'", 5
+            )
+        assert obs.exit_code == 0, obs.output
+        assert secret not in obs.output and "time.sleep" not in obs.output
+        assert int(obs.output.split()[-1]) < 10  # only the command's own processes
+    finally:
+        server.kill()
+        server.wait()
+
+
+async def test_episodes_cannot_reach_each_other_or_leftovers():
+    _need("workspaces_hidden", "hidden workspaces (a mount namespace)")
+    root = Path(LocalShellConfig().workspace_root or "/tmp")
+    leftover = root / f"simloop-ws-leftover-{os.getpid()}"  # an old run's, readable by all
+    leftover.mkdir(mode=0o755)
+    (leftover / "answer.txt").write_text("leaked")
+    leftover.chmod(0o755)
+    try:
+        async with LocalShell() as a, LocalShell() as b:
+            await a.run("echo mine > secret.txt", 5)
+            victim = a.workspace
+            obs = await b.run(
+                f"cat {victim}/secret.txt; echo x > {victim}/secret.txt; touch {victim}/new; "
+                f"cat {leftover}/answer.txt; ls {root}",
+                5,
+            )
+            assert (victim / "secret.txt").read_text() == "mine\n"
+            assert not (victim / "new").exists()
+            # b sees only its own workspace in the workspaces folder.
+            assert obs.output.strip().splitlines()[-1] == b.workspace.parent.name
+            assert "leaked" not in obs.output and "mine" not in obs.output
+            if IS_ROOT:
+                assert a.isolation["uid"] != b.isolation["uid"]
+    finally:
+        (leftover / "answer.txt").unlink()
+        leftover.rmdir()
+
+
+async def test_tmp_folders_are_private_capped_and_end_with_the_episode():
+    _need("private_tmp", "private tmp folders (a mount namespace)")
+    tag = f"simloop-tmp-{os.getpid()}"
+    cfg = LocalShellConfig(tmpfs_bytes=2**20)
+    write = f"for d in /tmp /var/tmp /dev/shm; do echo kept > $d/{tag} || exit 1; done"
+    read = f"cat /tmp/{tag} /var/tmp/{tag} /dev/shm/{tag}"
+    async with LocalShell(cfg) as a, LocalShell(cfg) as b:
+        assert (await a.run(write, 5)).exit_code == 0
+        again = await a.run(read, 5)  # later commands of the episode still see them
+        other = await b.run(read, 5)
+        full = await a.run("head -c 2000000 /dev/zero > /dev/shm/big", 5)
+    assert again.output == "kept\n" * 3
+    assert other.exit_code != 0 and "kept" not in other.output
+    assert full.exit_code != 0 and "No space left" in full.output
+    assert not any(Path(d, tag).exists() for d in ("/tmp", "/var/tmp", "/dev/shm"))
+    async with LocalShell(cfg) as later:
+        assert "kept" not in (await later.run(read, 5)).output
+
+
+async def test_root_is_read_only():
+    _need("readonly_root", "a read-only /")
+    async with LocalShell() as sh:
+        obs = await sh.run("touch /simloop-probe; touch ok.txt && echo wrote", 5)
+    assert "Read-only file system" in obs.output and obs.output.endswith("wrote\n")
+
+
+async def test_fork_bomb_in_one_episode_does_not_disturb_another():
+    if not IS_ROOT:
+        pytest.skip("a uid per shell needs root (as a normal user all shells share its uid)")
+    _need("distinct_uid", "a uid per shell")
+    cap = 16
+    cfg = LocalShellConfig(max_processes=cap)
+    sleeper = ["sleep", "765.5"]
+    async with LocalShell(cfg) as a, LocalShell(cfg) as b:
+        # A exhausts its uid's process cap (its bash and cap - 1 sleepers; bash then retries
+        # its failing forks until the timeout kills it); B must still fork freely meanwhile.
+        flood = asyncio.create_task(a.run("while :; do sleep 765.5 & done", 3), name="bomb")
+        try:
+            assert await wait_until(lambda: len(procs_running(sleeper)) >= cap - 1, 10)
+            obs = await b.run("for i in $(seq 20); do /bin/true || exit 1; done; echo fine", 10)
+            assert (obs.exit_code, obs.output) == (0, "fine\n")
+            assert len(procs_running(sleeper)) == cap - 1  # still saturated: a real test
+        finally:
+            done = await flood
+    assert "Resource temporarily unavailable" in done.output
+    assert await wait_until(lambda: procs_running(sleeper) == [], 10)
+
+
+async def test_each_shell_holds_its_own_uid_and_releases_it():
+    if not IS_ROOT:
+        pytest.skip("a uid per shell needs root")
+    _need("distinct_uid", "a uid per shell")
+    cfg = LocalShellConfig(uid_base=3_000_000 + os.getpid() % 64, uid_count=1)
+    async with LocalShell(cfg) as a:
+        with pytest.raises(ShellError, match=r"all 1 uids from LocalShellConfig.uid_base="):
+            await LocalShell(cfg).start()
+        assert a.isolation["uid"] == cfg.uid_base
+        assert (await a.run("id -u", 5)).output == f"{cfg.uid_base}\n"
+    async with LocalShell(cfg) as again:  # released at close
+        assert again.isolation["uid"] == cfg.uid_base
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from envs.local import LocalShell
+
+    async def main():
+        async with LocalShell() as sh:
+            print(sh.workspace.parent, flush=True)
+            await sh.run("sleep 876.25", timeout_s=600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_killed_parent_takes_its_command_along_and_its_workspace_is_swept():
+    if not _iso()["parent_death"]:
+        pytest.skip("setpriv --pdeathsig is not available here")
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        base = Path(child.stdout.readline().strip())
+        assert await wait_until(lambda: procs_running(["sleep", "876.25"]) != [], 15)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    # No finaliser ran: the command must die with its parent, the workspace waits for a sweep.
+    assert await wait_until(lambda: procs_running(["sleep", "876.25"]) == [], 10)
+    assert base.is_dir()
+    assert sweep_stale_workspaces.__wrapped__(str(base.parent)) >= 1
+    assert not base.exists()
+
+
+def test_sweep_removes_only_workspaces_of_dead_owners(tmp_path):
+    me = local_mod._OWNER
+    init = f"1.{local_mod._start_time(1)}"
+    reused = f"{os.getpid()}.1"  # our pid, another start time: a dead earlier owner
+    names = [f"simloop-ws-{me}-a", f"simloop-ws-{init}-b", f"simloop-ws-{reused}-c",
+             "simloop-ws-99999999.5-d", "simloop-ws-oldformat", "unrelated"]  # fmt: skip
+    for name in names:
+        (tmp_path / name / "work").mkdir(parents=True)
+    assert sweep_stale_workspaces.__wrapped__(str(tmp_path)) == 2
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == sorted(set(names) - {f"simloop-ws-{reused}-c", "simloop-ws-99999999.5-d"})
+
+
+async def test_isolation_is_reported():
+    async with LocalShell() as sh:
+        report = sh.isolation
+        obs = await sh.run("true", 5)
+    keys = ("network", "pid_namespace", "mount_namespace", "private_proc", "private_tmp",
+            "readonly_root", "distinct_uid", "parent_death", "limits", "uid")  # fmt: skip
+    assert set(keys) <= set(report)
+    assert ("mntns" in obs.info["isolation"]) == report["mount_namespace"]
+    assert "RLIMIT_NPROC" in report["limits"]["processes"]
+
+
+def test_local_servers_get_the_admin_token_from_the_environment_not_argv(tmp_path):
+    from launch.config.schema import SimloopConfig
+
+    args = local_server_args(SimloopConfig(), "agent", tmp_path, "token-123456789")
+    assert "token-123456789" not in args and "--admin-token" not in args
+    assert "--checkpoint-root" in args
+
+
+def _serve_args(*argv):
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_serve_reads_the_admin_token_from_a_private_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("SIMLOOP_ADMIN_TOKEN", raising=False)
+    path = tmp_path / "token"
+    path.write_text("file-token-123\n")
+    path.chmod(0o600)
+    overrides = serve.flag_overrides(_serve_args("--admin-token-file", str(path)))
+    assert overrides[-2:] == ["--serve.server.admin_token", "file-token-123"]
+    monkeypatch.setenv("SIMLOOP_ADMIN_TOKEN", "env-token-123")
+    assert serve.flag_overrides(_serve_args())[-1] == "env-token-123"
+    path.chmod(0o644)
+    with pytest.raises(SystemExit) as exit_:
+        serve.flag_overrides(_serve_args("--admin-token-file", str(path)))
+    assert exit_.value.code == 2
+    assert "mode 0644 lets others read it; chmod 600" in capsys.readouterr().err
