@@ -19,6 +19,7 @@ observation and return code) and its token view for training. Token-view convent
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import tempfile
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from rl.data.chat import ROLES, ChatRenderer, Message, generation_prompt
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 ARMS = ("real", "replay", "closed_loop", "mixed", "imported")
@@ -364,14 +367,24 @@ def write_jsonl(path: str | os.PathLike, trajectories: Iterable[Trajectory]) -> 
 
 
 def iter_jsonl(path: str | os.PathLike, *, check: bool = True) -> Iterator[Trajectory]:
-    """Trajectories of one shard; errors name the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    """Trajectories of one shard; errors name the file and line. A last line without its
+    newline that does not parse is what a writer killed mid-append leaves (every record is
+    written whole, newline included): it is skipped with a warning, not an error."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                yield Trajectory.from_dict(json.loads(line), check=check)
-            except (json.JSONDecodeError, ValueError, TypeError) as e:
+                data = json.loads(raw.decode("utf-8"))
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a cut character)
+                if not raw.endswith(b"\n"):
+                    log.warning("%s:%d: skipped a torn last record (%d bytes): its writer was "
+                                "killed mid-write", path, lineno, len(raw))  # fmt: skip
+                    return
+                raise ValueError(f"{path}:{lineno}: {e}") from e
+            try:
+                yield Trajectory.from_dict(data, check=check)
+            except (ValueError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from e
 
 

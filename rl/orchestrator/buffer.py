@@ -2,8 +2,9 @@
 
 Components: `RolloutBuffer.start()` runs `RolloutRunner.run(tasks)` as a background task; the
 runner delivers whole groups to the buffer's queue (and to an optional writer);
-`next_batch()` hands the trainer `batch_size` episodes (dropping stragglers that finished more
-than S versions late: admission bounds staleness only when an episode starts);
+`next_batch()` hands the trainer `batch_size` episodes in which every generated token is at
+most S versions older than the trainer (admission bounds staleness only when an episode
+starts: stragglers beyond the bound are dropped, by whole group, and counted);
 `set_version(v)` moves the admission controller, which lets the next episodes start (S = 0:
 exactly one batch per version).
 The trainer never waits forever: a failed rollout task surfaces its exception from
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import Callable, Sequence
 
@@ -22,6 +24,7 @@ from rl.data.trajectory import Trajectory
 from rl.orchestrator.runner import RolloutRunner
 
 CLOSE_GRACE_S = 15.0
+log = logging.getLogger(__name__)
 
 
 def task_stream(tasks: Sequence[Task], groups: int, seed: int) -> list[Task]:
@@ -64,7 +67,6 @@ class RolloutBuffer:
         self.tasks = task_stream(tasks, (steps + cfg.max_staleness + 1) * groups_per_batch, seed)
         self.sink, self.batch_timeout_s = sink, batch_timeout_s
         self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
-        self.dropped_stale = 0
         self._task: asyncio.Task | None = None
         runner.sink = self._deliver
 
@@ -98,10 +100,9 @@ class RolloutBuffer:
                 {get, self._task}, timeout=self.batch_timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if get in done:
-                traj = get.result()
-                if await self._drop_if_stale(traj):
-                    continue
-                batch.append(traj)
+                group = self._rest_of_group(get.result())
+                if not await self._drop_if_stale(group):
+                    batch += group
                 continue
             get.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -113,17 +114,37 @@ class RolloutBuffer:
                 )
         return batch
 
-    async def _drop_if_stale(self, traj: Trajectory) -> bool:
+    def _rest_of_group(self, first: Trajectory) -> list[Trajectory]:
+        """`first` and its siblings: the runner delivers a group's episodes one after the other
+        without yielding, so they are all queued already."""
+        group = [first]
+        while len(group) < self.runner.cfg.group_size and not self._queue.empty():
+            group.append(self._queue.get_nowait())
+        return group
+
+    async def _drop_if_stale(self, group: list[Trajectory]) -> bool:
         """Admission bounds staleness when an episode starts; a straggler can still finish
-        after newer episodes filled later batches. Such an episode is not trained on (it stays
-        in the written trajectories, marked) and its admission slot is given back."""
+        after newer episodes filled later batches. Such a group is not trained on (dropped
+        whole: group-relative advantages need every sibling): it is counted in
+        `metrics.dropped_stale`, marked `meta.stale` (in memory: the writer stored it when it
+        finished) and its admission slots are given back. The servers serve the trainer's
+        version before it moves on (the trainer publishes, then calls `set_version`), so an
+        episode's tokens are no older than its admission and the bound holds for every token."""
         now, bound = self.admission.version, self.admission.max_staleness
-        if traj.meta.get("admitted_version", now) >= now - bound:
+        worst = max(now - t.meta.get("admitted_version", now) for t in group)
+        if worst <= bound:
             return False
-        traj.meta["stale"] = True
-        self.dropped_stale += 1
-        await self.admission.release()  # its place goes to a fresh episode
+        for traj in group:
+            traj.meta["stale"] = worst
+            await self.admission.release()  # its place goes to a fresh episode
+        self.runner.metrics.dropped_stale += len(group)
+        log.info("dropped %d episode(s) of group %s: admitted %d versions ago, max_staleness=%d",
+                 len(group), group[0].group_id, worst, bound)  # fmt: skip
         return True
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.runner.metrics.dropped_stale
 
     async def set_version(self, version: int) -> None:
         await self.admission.set_version(version)

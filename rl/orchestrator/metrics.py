@@ -25,6 +25,8 @@ class RolloutMetrics:
         self.statuses: Counter[str] = Counter()
         self.rewards: list[float] = []
         self.masked = 0
+        self.dropped_stale = 0
+        """Episodes the rollout buffer did not train on: older than the staleness bound."""
 
     def episode_started(self) -> None:
         self.active += 1
@@ -68,6 +70,7 @@ class RolloutMetrics:
             "active_per_turn": [self.turns_reached[k] for k in sorted(self.turns_reached)],
             "pathologies": dict(self.flags),
             "peak_active": self.peak_active,
+            "dropped_stale": self.dropped_stale,
         }
 
     def write(self, log: MetricsLog, **extra: Any) -> None:
