@@ -55,6 +55,15 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"orchestrator.batch_size={ocfg.batch_size} must be a multiple of "
             f"orchestrator.group_size={ocfg.group_size}"
         )
+    publish_every = cfg.train_agent.publish_every
+    if publish_every > 1 + ocfg.max_staleness:
+        # Staleness is judged by the version an episode started at; a server that lags the
+        # trainer by up to publish_every - 1 versions would break the bound unseen.
+        raise UsageError(
+            f"train_agent.publish_every={publish_every} is invalid with "
+            f"orchestrator.max_staleness={ocfg.max_staleness}: at most max_staleness + 1, or "
+            "trained tokens could be more than max_staleness versions old"
+        )
     if cfg.agent.server_url is not None and ADMIN_TOKEN_ENV not in os.environ:
         raise UsageError(
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "

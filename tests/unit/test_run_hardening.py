@@ -78,15 +78,22 @@ def test_sizes_the_machine_cannot_hold_say_how_much_they_need():
         check_local_servers(cfg, ["agent"])
 
 
-def test_train_agent_cli_refuses_an_oversized_context_before_starting(tmp_path):
+@pytest.mark.parametrize(
+    "overrides,message",
+    [(["--orchestrator.max_context_tokens", "4096"], "max_context_tokens=4096 is invalid"),
+     # the server would lag the trainer by up to 2 versions: tokens 3 stale under S = 1
+     (["--train_agent.publish_every", "3", "--orchestrator.max_staleness", "1"],
+      "publish_every=3 is invalid")],
+)  # fmt: skip
+def test_train_agent_cli_refuses_impossible_settings_before_starting(tmp_path, overrides, message):
     out = tmp_path / "run"
     r = subprocess.run(
         [sys.executable, "-m", "launch", "train-agent", "--config", str(DEMO), "--out", str(out),
-         "--orchestrator.max_context_tokens", "4096", "--orchestrator.max_staleness", "0"],
+         "--orchestrator.max_staleness", "0", *overrides],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2, r.stderr
-    assert "max_context_tokens=4096 is invalid" in r.stderr and "Traceback" not in r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
 
 
