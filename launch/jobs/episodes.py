@@ -16,6 +16,18 @@ from launch.config.schema import SimloopConfig
 from rl.data import rundir
 
 
+def check_servers(cfg: SimloopConfig, roles: list[str]) -> None:
+    """UsageError (exit 2, before anything starts) when a server this job would start for
+    `roles` cannot hold what is sent to it or does not fit this machine's memory."""
+    from launch.config.schema import check_local_servers
+    from launch.jobs.errors import UsageError
+
+    try:
+        check_local_servers(cfg, roles)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
 def job_backends(cfg: SimloopConfig, simulator_client=None):
     """The config's real shell and, with a simulator client, the simulated one."""
     from envs.backends import shell_backends

@@ -22,6 +22,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
+from launch.jobs.episodes import check_servers
 from launch.jobs.errors import UsageError
 from rl.data import rundir
 
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         weights = getattr(cfg, role).weights
         if weights is not None and not Path(weights).exists():
             raise UsageError(f"{role}.weights={weights!r} does not exist")
+    check_servers(cfg, ["agent", *(["simulator"] if "closed_loop" in ecfg.arms else [])])
     out = Path(args.out)
     write_config(cfg, out)
     results = evaluate_checkpoint(cfg, out)

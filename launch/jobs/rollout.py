@@ -20,6 +20,7 @@ from pathlib import Path
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
+from launch.jobs.episodes import check_servers
 from launch.jobs.errors import UsageError
 from rl.data import rundir
 
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     arm = cfg.orchestrator.arm
     if arm == "replay" and not args.replay:
         raise UsageError("the replay arm needs --replay PATH...")
+    roles = [] if arm == "replay" else ["agent"]
+    check_servers(cfg, roles + (["simulator"] if arm in ("closed_loop", "mixed", "replay") else []))
     write_config(cfg, out)
     summary = asyncio.run(_rollout(cfg, out, args))
     print(f"simloop rollout: {summary['episodes']} episodes {summary['status']} "

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import write_config
-from launch.config.schema import SimloopConfig, check_local_servers, role_model
-from launch.jobs.episodes import agent_tasks, evaluate_agent, job_backends
+from launch.config.schema import SimloopConfig, role_model
+from launch.jobs.episodes import agent_tasks, check_servers, evaluate_agent, job_backends
 from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
@@ -73,10 +73,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     ecfg = cfg.train_agent.eval
     if roles and (_needs_sim(ocfg.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):
         roles.append("simulator")
-    try:
-        check_local_servers(cfg, roles)
-    except ValueError as e:
-        raise UsageError(str(e)) from e
+    check_servers(cfg, roles)
     out = Path(args.out)
     write_config(cfg, out)
     from rl.train.loop import TrainingDiverged
