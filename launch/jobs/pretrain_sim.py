@@ -199,14 +199,20 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
               f"(textops {rec['textops']:.3f}; {shown}); induction {rec['induction']:.2f}",
               flush=True)  # fmt: skip
 
+    seen = {"step": 0}
+
     def on_log(last: dict) -> None:
+        # Logs come every log_every steps (and at saves): evaluate at the first log past each
+        # multiple of eval_every, whether or not the two divide each other.
         step = int(last["step"])
-        if step % p.eval_every == 0 or step == p.steps:
+        if step // p.eval_every > seen["step"] // p.eval_every or step == p.steps:
             evaluate(step)
+        seen["step"] = step
 
     with Checkpointer(out / rundir.CHECKPOINTS, p.checkpoint) as ckpt:
         if resume(trainer, ckpt, batches) is not None:
             print(f"simloop pretrain-sim: resuming at step {trainer.step_count}", flush=True)
+        seen["step"] = trainer.step_count
         summary = sft_loop(trainer, batches, steps=p.steps, log=log, stage="pretrain_sim",
                            log_every=p.log_every, ckpt=ckpt, ckpt_every=p.checkpoint.every_steps,
                            on_log=on_log)  # fmt: skip
