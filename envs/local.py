@@ -731,3 +731,14 @@ class LocalShell(ShellLifecycle):
                 await asyncio.to_thread(_rmtree, base)
             if self._uid is not None:  # only once nothing of it is left
                 _UIDS.release(self._uid)
+
+
+if __name__ == "__main__":  # python -m envs.local: what containment this machine gives a shell
+    import asyncio
+    import json
+
+    async def _report() -> None:
+        async with LocalShell() as shell:
+            print(json.dumps(shell.isolation, indent=1))
+
+    asyncio.run(_report())
