@@ -393,9 +393,15 @@ def limits_wrapper(cfg: LocalShellConfig) -> tuple[str, ...]:
 
 
 def _rmtree(path: str) -> None:
-    def fix_and_retry(func, p, _exc):  # an agent may chmod 000 its own files
+    top = os.path.abspath(path)
+
+    def fix_and_retry(func, p, exc_info):  # an agent may chmod 000 its own files
+        if isinstance(exc_info[1], FileNotFoundError):
+            return  # already gone (a concurrent sweep)
         try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            parent = os.path.abspath(os.path.dirname(p))
+            if parent == top or parent.startswith(top + os.sep):  # never above the tree
+                os.chmod(parent, stat.S_IRWXU)
             os.chmod(p, stat.S_IRWXU)
         except OSError:
             pass

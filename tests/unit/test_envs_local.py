@@ -348,3 +348,42 @@ def test_config_validation_names_field_and_value():
         LocalShellConfig(max_processes=0)
     with pytest.raises(ValueError, match=r"kill_after_output_bytes=10 .*at least max_output"):
         LocalShellConfig(kill_after_output_bytes=10)
+
+
+REMOVE_A_MOUNTPOINT = """
+import os, subprocess, sys
+import envs.local as local
+ws = sys.argv[1]
+subprocess.run(["mount", "-t", "tmpfs", "none", ws], check=True)
+try:
+    local._rmtree(ws)  # rmdir of a mountpoint fails (EBUSY) even for root
+except OSError as e:
+    print("refused", e.errno)
+print(oct(os.stat(os.path.dirname(ws)).st_mode & 0o7777))
+"""
+
+
+def test_a_workspace_that_cannot_be_removed_never_changes_the_folder_above_it(tmp_path):
+    """When removing a workspace fails at its top (here: it is a mountpoint), the directory
+    holding it keeps its mode. It once became 0700, and that directory was /tmp itself."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to mount a tmpfs in a private mount namespace")
+    parent = tmp_path / "root"
+    (parent / "simloop-ws-x").mkdir(parents=True)
+    parent.chmod(0o1777)
+    r = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", sys.executable, "-c", REMOVE_A_MOUNTPOINT,
+         str(parent / "simloop-ws-x")],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    if r.returncode != 0 and "mount" in r.stderr:
+        pytest.skip(f"cannot mount here: {r.stderr.strip()[-200:]}")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["refused", "16", "0o1777"]
+    local_mod._rmtree(str(parent / "simloop-ws-x"))  # unmounted now: removed
+    assert not (parent / "simloop-ws-x").exists()
+    local_mod._rmtree(str(parent / "simloop-ws-x"))  # already gone: no error
