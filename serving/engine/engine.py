@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from rl.data.tokenizer import Tokenizer
+from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
@@ -269,6 +270,9 @@ class Engine:
                 zeros_b,
             )  # fmt: skip
         jax.block_until_ready(self._cache.k)
+        # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
+        served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
+        check_finite(served, "the served weights")
 
     # ----- lifecycle -------------------------------------------------------------------------
 
