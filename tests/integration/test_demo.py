@@ -191,11 +191,17 @@ def test_thesis_is_recomputed_from_the_stored_episodes(demo):
     assert t["sim_minus_real"] == pytest.approx(_wins(sim_real) - _wins(real_real), abs=1e-4)
 
 
-def test_rerun_skips_finished_stages_and_report_cli(demo):
+def test_rerun_skips_finished_stages_resumes_an_interrupted_one_and_report_cli(demo):
     out, _ = demo
+    # train-sim "killed" after its last checkpoint, before it recorded the stage as done: the
+    # rerun runs that stage again, which resumes from the checkpoint instead of retraining.
+    (out / "sim" / "stage.json").unlink()
     proc = _demo(out)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("done: skipped") == 5
+    assert proc.stdout.count("done: skipped") == 4
+    assert "simloop train-sim: resuming at step" in proc.stdout
+    assert "nothing to train" in proc.stdout
+    assert (out / "sim" / "stage.json").exists()
     (out / "report.html").unlink()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-m", "launch", "report", str(out)],
