@@ -115,13 +115,14 @@ class Isolation:
     parent_death: bool = False
     """The command is SIGKILLed when its parent dies (setpriv --pdeathsig), after the drop."""
 
-    @property
-    def label(self) -> str:
+    def label(self, user: str | None = None) -> str:
+        """e.g. `netns+pidns+mntns+uid60000`: the containment, then who runs the commands
+        (`user`, a shell's own uid, else the probed account)."""
         net = "netns" if self.network else "hostnet"
         parts = [net, "pidns" if self.pid_namespace else "pgroup"]
         if self.mount_namespace:
             parts.append("mntns")
-        return "+".join([*parts, self.user])
+        return "+".join([*parts, user or self.user])
 
     @property
     def per_shell_uid(self) -> bool:
@@ -503,9 +504,9 @@ class LocalShell(ShellLifecycle):
         self._finalizer: weakref.finalize | None = None
         self._iso: Isolation | None = None
         self._uid: int | None = None
+        """This shell's own uid (from `uid_base`), where it has one."""
         self._holder: subprocess.Popen | None = None
         """Holds the episode's mount namespace (where there is one)."""
-        """This shell's own uid (from `uid_base`), where it has one."""
         self._env: dict[str, str] = {}
         self._lock = asyncio.Lock()
         self._start_lock = asyncio.Lock()
@@ -704,8 +705,7 @@ class LocalShell(ShellLifecycle):
             transport.close()
         rc = transport.get_returncode()
         buf = proto.buf
-        label = iso.label if self._uid is None else f"{iso.label.rsplit('+', 1)[0]}+{self._user()}"
-        info: dict[str, Any] = {"isolation": label, "output_bytes": buf.total}
+        info: dict[str, Any] = {"isolation": iso.label(self._user()), "output_bytes": buf.total}
         if not proto.eof.done():
             info["pipe_held"] = "output pipe still held by processes that escaped the group"
         if timed_out:
@@ -740,7 +740,6 @@ class LocalShell(ShellLifecycle):
 
 
 if __name__ == "__main__":  # python -m envs.local: what containment this machine gives a shell
-    import asyncio
     import json
 
     async def _report() -> None:

@@ -14,6 +14,7 @@ resume and servers reloading weights verify them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -120,19 +121,14 @@ def verify_checkpoint(path: str | os.PathLike, *, root: str | os.PathLike | None
             raise CheckpointError(f"checkpoint {where}: {rel} does not match its sha256 (corrupt)")
 
 
-_FINITE = None
-
-
-def _finite_flags(leaves: list) -> list:
-    """One jitted call over all leaves (compiled once per parameter layout, so a server that
-    checked its own weights at warmup compiles nothing when it reloads)."""
-    global _FINITE
+@functools.cache
+def _all_finite():
+    """One jitted function over all leaves (compiled once per parameter layout, so a server
+    that checked its own weights at warmup compiles nothing when it reloads)."""
     import jax
     import jax.numpy as jnp
 
-    if _FINITE is None:
-        _FINITE = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])
-    return jax.device_get(_FINITE(leaves))
+    return jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])
 
 
 def nonfinite_leaves(tree: Any) -> list[str]:
@@ -143,7 +139,7 @@ def nonfinite_leaves(tree: Any) -> list[str]:
 
     flat = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]  # fmt: skip
-    finite = _finite_flags([x for _, x in flat]) if flat else []
+    finite = jax.device_get(_all_finite()([x for _, x in flat])) if flat else []
     return [
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
         for (p, _), ok in zip(flat, finite, strict=True)
