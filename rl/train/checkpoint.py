@@ -10,8 +10,10 @@ written by each host's shards), `checkpoints/<step>/extra` (JSON: the grain iter
 loop counters, the policy version) and `checkpoints/<step>/manifest.json` (size and sha256 of
 every file). Saves are asynchronous by default; a checkpoint only counts once Orbax has
 committed it and its manifest is written, so a trainer killed mid-save resumes from the
-previous one. A committed checkpoint whose manifest a kill prevented (it is written after
-Orbax commits) is trusted only if it reads back completely and finite; it is sealed then.
+previous one. A background thread seals each asynchronous save the moment Orbax commits it
+(not at the next save), so a kill leaves an unsealed committed checkpoint only if it lands
+between Orbax's commit and the manifest's write, a few milliseconds. Such a checkpoint is
+trusted only if it reads back completely and finite; it is sealed then.
 A state holding NaN or inf is never saved. Rotation keeps the newest `keep`
 sealed checkpoints and deletes only older ones: the newest verified checkpoint is never
 deleted. A checkpoint that fails verification at resume is moved aside to
@@ -22,6 +24,7 @@ in `weights/v<version>/` (see `export_path`).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -65,15 +68,23 @@ class Checkpointer:
         )
         self._ocp = ocp
         self._unsealed: list[int] = []
+        # The thread sealing the asynchronous save in flight, and what it raised: the save's
+        # own error (Orbax re-raises it from `wait_until_finished`) reaches the trainer at its
+        # next call here. Only this thread and the trainer's own calls touch the manager, and
+        # every trainer call joins the thread first.
+        self._sealer: threading.Thread | None = None
+        self._sealer_error: BaseException | None = None
         self.manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "extra")
         )
 
     def latest_step(self) -> int | None:
         """The newest committed checkpoint's step, None when there is none."""
+        self._join_sealer()
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        self._join_sealer()
         return sorted(self.manager.all_steps())
 
     def step_dir(self, step: int) -> Path:
@@ -92,11 +103,36 @@ class Checkpointer:
         started = self.manager.save(step, args=args, force=force)
         if started:
             self._unsealed.append(step)
-            if not self.cfg.async_save:
+            if self.cfg.async_save:
+                self._sealer = threading.Thread(
+                    target=self._seal_in_background, name=f"seal-checkpoint-{step}", daemon=True
+                )
+                self._sealer.start()
+            else:
                 self._seal()
         return started
 
+    def _seal_in_background(self) -> None:
+        try:
+            self._seal_committed()
+        except BaseException as e:  # handed to the trainer by `_join_sealer`
+            self._sealer_error = e
+
+    def _join_sealer(self) -> None:
+        """Wait for the background sealer, and raise what it raised."""
+        if self._sealer is not None:
+            self._sealer.join()
+            self._sealer = None
+        error, self._sealer_error = self._sealer_error, None
+        if error is not None:
+            raise error
+
     def _seal(self) -> None:
+        """Wait for in-flight saves and seal them (see `_seal_committed`)."""
+        self._join_sealer()
+        self._seal_committed()
+
+    def _seal_committed(self) -> None:
         """Wait for in-flight saves, write the manifest of each newly committed checkpoint,
         then drop all but the newest `keep` sealed ones."""
         self.manager.wait_until_finished()
@@ -109,7 +145,8 @@ class Checkpointer:
             if step in committed and jax.process_index() == 0:
                 write_manifest(self.step_dir(step))
         self._unsealed = []
-        sealed = [s for s in self.all_steps() if (self.step_dir(s) / MANIFEST).is_file()]
+        steps = sorted(self.manager.all_steps())
+        sealed = [s for s in steps if (self.step_dir(s) / MANIFEST).is_file()]
         for step in sealed[: -self.cfg.keep]:
             self.manager.delete(step)
 
@@ -125,8 +162,9 @@ class Checkpointer:
         array read back (Orbax checks shapes and the OCDBT structure) and finite."""
         self._seal()  # a save of this trainer still in flight counts once it is sealed
         if step not in self.manager.all_steps():
+            have = sorted(self.manager.all_steps())
             raise FileNotFoundError(
-                f"no checkpoint for step {step} under {self.directory} (have {self.all_steps()})"
+                f"no checkpoint for step {step} under {self.directory} (have {have})"
             )
         where = self.step_dir(step)
         try:
