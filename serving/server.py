@@ -584,13 +584,16 @@ def _connection_cap(wanted: int) -> int:
 
 
 async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
-                     ready=None, stop: asyncio.Event | None = None) -> None:  # fmt: skip
+                     ready=None, stop: asyncio.Event | None = None, *,
+                     make_server=Server) -> None:  # fmt: skip
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down within
     `cfg.shutdown_timeout_s`. `ready(port)` is called once the socket listens. Raises
-    `EngineDied` when the engine loop fails (the process must exit and be restarted)."""
+    `EngineDied` when the engine loop fails (the process must exit and be restarted).
+    `make_server(engine, tokenizer, cfg)` builds the routes (a `Server` subclass: the fake
+    vLLM server)."""
     _limit_logging()
     await engine.start()
-    server = Server(engine, tokenizer, cfg)
+    server = make_server(engine, tokenizer, cfg)
     server.connections.cap = _connection_cap(cfg.max_connections)
     grace = cfg.shutdown_timeout_s
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,

@@ -398,14 +398,33 @@ class Engine:
         # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
         # non-finite checkpoint is refused and the served weights stay as they are.
         params = await asyncio.to_thread(load_params, path, model, require_manifest=True)
+        return self.install_params(params, version)
+
+    def install_params(self, params: dict, version: int) -> int:
+        """Serve `params` (the `nnx.to_pure_dict` tree of the parameters, host or device
+        arrays) as `version`, placed and typed like the served ones. Call from the event loop;
+        `load_weights` reads a checkpoint and ends here, the fake vLLM server's workers too."""
         if version <= self.version:  # another load won the race while this one read
             raise EngineError(f"version {version} is no longer newer than {self.version}",
                               "version")  # fmt: skip
+        served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
+
+        def place(new, old):
+            if tuple(new.shape) != tuple(old.shape):
+                raise EngineError(f"a parameter of shape {tuple(new.shape)} does not fit the "
+                                  f"served one's {tuple(old.shape)}", "params")  # fmt: skip
+            return jax.device_put(new, old.sharding).astype(old.dtype)
+
+        params = jax.tree.map(place, params, served)
         # A fresh State (new Variable objects): a step running right now keeps the old one.
         state = jax.tree.map(lambda x: x, self._state)
         nnx.replace_by_pure_dict(state, params)
         self._state, self.version = state, version
         return version
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""
+        self._slot_version[:] = -1
 
     # ----- metrics ---------------------------------------------------------------------------
 
