@@ -11,7 +11,11 @@ shell; each turn keeps the real and the simulated observation side by side.
 
 Every abnormal end is a `status` with a `reason`: a server that keeps failing (`error`), a
 request timeout or the episode's wall-clock guard (`timeout`), a full context (`truncated`),
-cancellation at shutdown (`aborted`). A partial episode is never marked `ok`.
+cancellation at shutdown or a server replica that went down under the episode (`aborted`,
+`meta.replica_down` names it). A partial episode is never marked `ok`.
+
+Each episode runs in a `serving.pool.pinned` scope: a `ReplicaPool` handed in as the agent
+client (or behind the simulated shell) keeps all of the episode's requests on one replica.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from envs.terminal import TerminalEnv
 from rl.data.chat import ChatRenderer, Message
 from rl.data.trajectory import Trajectory, Turn, render_token_view
 from rl.orchestrator.config import OrchestratorConfig
+from serving.pool import Affinity, pinned
 
 SHELL_FLAGS = ("cap_hit", "think_leak", "repetition", "empty", "malformed", "timeout")
 ENV_STATUS = {
@@ -112,20 +117,22 @@ async def run_agent_episode(
               "task_kind": spec.task.kind},
     )  # fmt: skip
     result = EpisodeResult(traj)
-    try:
-        async with asyncio.timeout(cfg.episode_timeout_s):
-            async with shell_factory(spec.task) as shell:
-                await _agent_loop(spec, client, shell, renderer, cfg, terminal, result,
-                                  version_hint)  # fmt: skip
-    except _Fatal as e:
-        traj.status, traj.reason = e.status, e.reason
-    except TimeoutError:
-        traj.status = "timeout"
-        traj.reason = f"episode exceeded its {cfg.episode_timeout_s:g}s wall-clock guard"
-    except asyncio.CancelledError:
-        traj.status, traj.reason = "aborted", "cancelled (rollout shutting down)"
-    except Exception as e:  # noqa: BLE001 - a broken shell/env ends this episode, not the run
-        traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
+    with pinned(f"{spec.group_id}-ep{spec.index}") as affinity:
+        try:
+            async with asyncio.timeout(cfg.episode_timeout_s):
+                async with shell_factory(spec.task) as shell:
+                    await _agent_loop(spec, client, shell, renderer, cfg, terminal, result,
+                                      version_hint)  # fmt: skip
+        except _Fatal as e:
+            traj.status, traj.reason = e.status, e.reason
+        except TimeoutError:
+            traj.status = "timeout"
+            traj.reason = f"episode exceeded its {cfg.episode_timeout_s:g}s wall-clock guard"
+        except asyncio.CancelledError:
+            traj.status, traj.reason = "aborted", "cancelled (rollout shutting down)"
+        except Exception as e:  # noqa: BLE001 - a broken shell/env ends this episode, not the run
+            traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
+    _blame_replica(traj, affinity)
     if traj.status != "ok":
         traj.reward = traj.reward if traj.status == "truncated" else None
     return result
@@ -220,6 +227,15 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
     raise _Fatal("truncated", "turn limit reached without the env ending the episode")
 
 
+def _blame_replica(traj: Trajectory, affinity: Affinity) -> None:
+    """A replica that went down under the episode aborts it, whichever layer met the failure
+    (the agent turn, or the simulated shell that reported it as a shell error)."""
+    if affinity.failures and traj.status in ("error", "timeout", "aborted"):
+        down = affinity.failures[0]
+        traj.status, traj.reason = "aborted", str(down)
+        traj.meta["replica_down"] = down.url or "no live replica"
+
+
 def _append_env(traj: Trajectory, ids: list[int]) -> None:
     traj.token_ids += ids
     traj.loss_mask += [0] * len(ids)
@@ -248,34 +264,40 @@ async def run_replay_episode(
     )  # fmt: skip
     result = EpisodeResult(traj)
     sims = []
-    try:
-        async with shell_factory(task) as shell:
-            for i, turn in enumerate(real.turns):
-                if turn.command is None or turn.observation is None:
-                    continue
-                started = time.perf_counter()
-                obs = await shell.run(turn.command, timeout_s=30.0)
-                env_s = time.perf_counter() - started
-                pair = compare_observations(obs.output, turn.observation, obs.exit_code,
-                                            turn.exit_code)  # fmt: skip
-                sims.append(pair.similarity)
-                traj.turns.append(Turn(
-                    agent_text=turn.agent_text, command=turn.command,
-                    observation=turn.observation, exit_code=turn.exit_code,
-                    env_messages=list(turn.env_messages), sim_observation=obs.output,
-                    sim_exit_code=obs.exit_code, timings={"env_s": env_s},
-                    flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
-                    info={"similarity": pair.similarity, "exact_masked": pair.exact_masked,
-                          "prompt_tokens": obs.info.get("prompt_tokens"),
-                          "completion_tokens": obs.info.get("completion_tokens")},
-                ))  # fmt: skip
-                result.timings.append(TurnTiming(i, 0.0, env_s, 0))
-        traj.status, traj.reason = "ok", None
-        traj.reward = sum(sims) / len(sims) if sims else 0.0
-        render_token_view(traj, renderer)
-    except asyncio.CancelledError:
-        traj.status, traj.reason, traj.turns = "aborted", "cancelled (rollout shutting down)", []
-    except Exception as e:  # noqa: BLE001 - one failed replay must not end the run
-        traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
-        traj.turns, traj.token_ids, traj.loss_mask = [], [], []
+    with pinned(f"{group_id or real.task_id}-replay") as affinity:
+        try:
+            async with shell_factory(task) as shell:
+                for i, turn in enumerate(real.turns):
+                    if turn.command is None or turn.observation is None:
+                        continue
+                    started = time.perf_counter()
+                    obs = await shell.run(turn.command, timeout_s=30.0)
+                    env_s = time.perf_counter() - started
+                    pair = compare_observations(obs.output, turn.observation, obs.exit_code,
+                                                turn.exit_code)  # fmt: skip
+                    sims.append(pair.similarity)
+                    traj.turns.append(Turn(
+                        agent_text=turn.agent_text, command=turn.command,
+                        observation=turn.observation, exit_code=turn.exit_code,
+                        env_messages=list(turn.env_messages), sim_observation=obs.output,
+                        sim_exit_code=obs.exit_code, timings={"env_s": env_s},
+                        flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
+                        info={"similarity": pair.similarity, "exact_masked": pair.exact_masked,
+                              "prompt_tokens": obs.info.get("prompt_tokens"),
+                              "completion_tokens": obs.info.get("completion_tokens")},
+                    ))  # fmt: skip
+                    result.timings.append(TurnTiming(i, 0.0, env_s, 0))
+            traj.status, traj.reason = "ok", None
+            traj.reward = sum(sims) / len(sims) if sims else 0.0
+            render_token_view(traj, renderer)
+        except asyncio.CancelledError:
+            traj.status, traj.reason, traj.turns = (
+                "aborted",
+                "cancelled (rollout shutting down)",
+                [],
+            )
+        except Exception as e:  # noqa: BLE001 - one failed replay must not end the run
+            traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
+            traj.turns, traj.token_ids, traj.loss_mask = [], [], []
+    _blame_replica(traj, affinity)
     return result

@@ -1,5 +1,6 @@
 """Rollout metrics: the batch-tail table (episodes still active at each turn index), latency
-split between agent and env, tokens/s, pathology and status counts, success rate."""
+split between agent and env, tokens/s, pathology and status counts, success rate, episodes
+aborted by a replica that went down, and the serving pools' state (live, load, ejections)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class RolloutMetrics:
         self.masked = 0
         self.dropped_stale = 0
         """Episodes the rollout buffer did not train on: older than the staleness bound."""
+        self.replica_down: Counter[str] = Counter()
+        """Replica URL -> episodes it aborted by going down under them."""
+        self.pools: dict[str, Any] = {}
+        """Role -> `serving.pool.ReplicaPool` (anything with `stats()`), summarised as is."""
 
     def episode_started(self) -> None:
         self.active += 1
@@ -39,6 +44,8 @@ class RolloutMetrics:
         traj = result.trajectory
         self.episodes += 1
         self.statuses[traj.status] += 1
+        if traj.meta.get("replica_down"):
+            self.replica_down[traj.meta["replica_down"]] += 1
         if traj.reward is not None and traj.status in ("ok", "truncated"):
             self.rewards.append(float(traj.reward))
         for t in result.timings:
@@ -53,7 +60,7 @@ class RolloutMetrics:
         wall = time.perf_counter() - self.started_at
         turns = sum(self.turns_reached.values())
         ok = self.statuses.get("ok", 0)
-        return {
+        out = {
             "episodes": self.episodes,
             "wall_s": round(wall, 3),
             "status": dict(self.statuses),
@@ -71,7 +78,11 @@ class RolloutMetrics:
             "pathologies": dict(self.flags),
             "peak_active": self.peak_active,
             "dropped_stale": self.dropped_stale,
+            "replica_down": dict(self.replica_down),
         }
+        if self.pools:
+            out["pools"] = {role: p.stats() for role, p in self.pools.items()}
+        return out
 
     def write(self, log: MetricsLog, **extra: Any) -> None:
         """Append the summary as one record of the run's metrics log."""

@@ -4,7 +4,9 @@ Components (who calls whom): `RolloutRunner.run(tasks)` -> one asyncio task per 
 `AdmissionController.admit()` (staleness bound) -> per-episode semaphores (in flight, real
 shells, simulator) -> `episode.run_agent_episode` / `run_replay_episode` -> `RolloutMetrics`
 and the `sink` callback (storage). The runner owns no servers or shells: it is handed a client
-and shell factories, so tests can hand it in-memory ones.
+and shell factories, so tests can hand it in-memory ones. The client may be a
+`serving.pool.ReplicaPool` (each episode sticks to one replica; the pool's state lands in the
+metrics as `pools.agent`); an episode whose replica goes down ends `aborted` with the reason.
 
 Failed siblings: when an episode of a group ends `error`/`aborted`/`timeout`, the configured
 policy marks either the whole group (`meta.masked = True`, the default: group-relative
@@ -33,6 +35,7 @@ from rl.orchestrator.episode import (
     run_replay_episode,
 )
 from rl.orchestrator.metrics import RolloutMetrics
+from serving.pool import ReplicaPool
 
 FAILED = ("error", "aborted", "timeout")
 SHUTDOWN_GRACE_S = 10.0
@@ -55,6 +58,8 @@ class RolloutRunner:
         self.backends, self.client, self.sink = backends, client, sink
         self.admission = admission or AdmissionController(cfg.batch_size, cfg.max_staleness)
         self.metrics = metrics or RolloutMetrics()
+        if isinstance(client, ReplicaPool):
+            self.metrics.pools.setdefault(client.role, client)
         self._in_flight = asyncio.Semaphore(cfg.max_concurrent_episodes)
         self._real = asyncio.Semaphore(cfg.max_concurrent_real)
         self._sim = asyncio.Semaphore(cfg.max_concurrent_simulated)
