@@ -65,6 +65,8 @@ MODULES: dict[str, str] = {
     "tpu-vm": "launch.deploy.tpu_vm",
     "e2b": "launch.jobs.e2b_sweep",
 }
+# commands that start processes: `--dry-run [--format text|json]` prints them instead
+DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent")
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.
@@ -93,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (`simloop demo`)")
         if name in OWN_FLAGS:
             importlib.import_module(MODULES[name]).add_arguments(p)
+        if name in DRY_RUN:
+            from launch.deploy.processes import add_dry_run_arguments
+
+            add_dry_run_arguments(p)
     return parser
 
 
@@ -137,6 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         flag = cpu_device_flag(cfg, os.environ)
         if flag is not None:
             os.environ["XLA_FLAGS"] = flag
+    if args.command == "train-agent" and not getattr(args, "dry_run", False):
+        # On one TPU host the trainer takes only its planned chips, so the servers it starts
+        # get theirs (without this libtpu gives it the whole host).
+        from launch.deploy.chips import trainer_tpu_env
+
+        os.environ.update(trainer_tpu_env(cfg, "agent", os.environ))
     return _dispatch(args, cfg)
 
 

@@ -50,6 +50,9 @@ class ChipsConfig:
         default_factory=lambda: {"policy_train": 4, "agent_serve": 2, "sim_serve": 2}
     )
     """Role -> chips, in the order chips are handed out."""
+    replicas: dict[str, int] = field(default_factory=dict)
+    """Server role -> how many processes of `roles[role]` chips each (default 1), e.g.
+    `{agent_serve: 2}` with `roles.agent_serve: 1`: two 1-chip agent servers."""
     tpu_port_base: int = 8476
     """`TPU_PROCESS_PORT` of the first process; each process group gets the next one."""
     http_port_base: int = 8000
@@ -68,6 +71,15 @@ class ChipsConfig:
                 raise _bad(c, "roles", role, "role names are lower-case identifiers")
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise _bad(c, f"roles.{role}", n, "a positive number of chips")
+        if not isinstance(self.replicas, dict):
+            raise _bad(c, "replicas", self.replicas, "a mapping server role -> count")
+        for role, r in self.replicas.items():
+            if role not in self.roles or not (role == "serve" or str(role).endswith("_serve")):
+                raise _bad(
+                    c, "replicas", role, f"a server role of chips.roles {sorted(self.roles)}"
+                )
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise _bad(c, f"replicas.{role}", r, "a positive number of processes")
         _port(c, "tpu_port_base", self.tpu_port_base)
         _port(c, "http_port_base", self.http_port_base)
 

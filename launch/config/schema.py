@@ -66,16 +66,45 @@ MAX_SLOTS = 1 << 16
 MAX_SEQ_LEN = 1 << 20
 
 
+BACKENDS = ("jax", "vllm")
+MODEL_ROLES = ("agent", "simulator")
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """`simloop serve`: which role's model to serve, and how."""
+    """The inference servers jobs start (and `simloop serve`: which role's model, and how).
 
+    The backend is a serving setting, not a model one: it lives here, next to the engine it
+    replaces, with a per-role override, rather than in `RoleConfig` (the trainers' view of a
+    model, which `rl/train` owns and which never imports serving)."""
+
+    backend: Literal["jax", "vllm"] = "jax"
+    """What serves each role a job starts a server for: `jax` (simloop's own `simloop serve`,
+    the embedded default) or `vllm` (`vllm.command`, normally `vllm serve`, with simloop's
+    Orbax worker extension: the TPU production path)."""
+    backends: dict[str, str] = field(default_factory=dict)
+    """Per-role override of `backend`, e.g. `{simulator: jax}`."""
     role: Literal["agent", "simulator"] = "agent"
-    """The role whose model (and tokenizer) the server loads."""
+    """`simloop serve`: the role whose model (and tokenizer) the server loads."""
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
+    def backend_of(self, role: str) -> str:
+        """The backend serving model role `role` (`agent` or `simulator`)."""
+        return self.backends.get(role, self.backend)
+
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"ServeConfig.backend={self.backend!r} is invalid: one of {list(BACKENDS)}"
+            )
+        if not isinstance(self.backends, dict) or any(
+            k not in MODEL_ROLES or v not in BACKENDS for k, v in self.backends.items()
+        ):
+            raise ValueError(
+                f"ServeConfig.backends={self.backends!r} is invalid: a mapping from "
+                f"{list(MODEL_ROLES)} to {list(BACKENDS)}"
+            )
         for name, top in (("num_slots", MAX_SLOTS), ("max_seq_len", MAX_SEQ_LEN)):
             v = getattr(self.engine, name)
             if not isinstance(v, bool) and isinstance(v, int) and v > top:
@@ -331,6 +360,13 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
         section = cfg.orchestrator if role == "agent" else cfg.env.shell.simulated
         key = "orchestrator" if role == "agent" else "env.shell.simulated"
         asked = section.max_context_tokens
+        if cfg.serve.backend_of(role) == "vllm":
+            if asked is not None and asked > cfg.vllm.max_model_len:
+                raise ValueError(
+                    f"{key}.max_context_tokens={asked} is invalid: at most vllm.max_model_len "
+                    f"({cfg.vllm.max_model_len}), the context of the {role} vLLM servers"
+                )
+            continue  # vLLM sizes its own KV cache from gpu_memory_utilization
         if asked is not None and asked > engine.max_seq_len:
             raise ValueError(
                 f"{key}.max_context_tokens={asked} is invalid: at most serve.engine.max_seq_len "

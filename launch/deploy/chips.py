@@ -2,6 +2,8 @@
 and the environment every process needs to see only its own (DESIGN.md §5).
 
     simloop plan-chips --accelerator v6e-8 --roles policy_train=4,agent_serve=2,sim_serve=2
+    simloop plan-chips --accelerator v6e-8 --roles policy_train=4,agent_serve=1,sim_serve=1 \
+        --replicas agent_serve=2,sim_serve=2     # two 1-chip servers per role
     simloop plan-chips --config configs/v6e-8.yaml --format env
 
 A host's chips form a grid (v6e-8: 2 x 4; chip id = x * 4 + y). A process may own a legal
@@ -12,7 +14,9 @@ those blocks, aligned, largest first (buddy allocation: any request of legal siz
 the chips is placed). Multi-host slices (v6e-16 and up: 4-chip hosts in a host grid) give a
 role either a legal block inside one host, or whole hosts forming a rectangle of the host
 grid: one process per host, tied together by `TPU_PROCESS_BOUNDS` and
-`TPU_PROCESS_ADDRESSES`. `cpu-N` plans N fake devices the same way: tests and the CPU demo run
+`TPU_PROCESS_ADDRESSES`. A server role may have R replicas: R processes of its chip count,
+each placed like a role of its own (own chips, TPU process port, HTTP port and compile cache)
+and numbered by `replica`. `cpu-N` plans N fake devices the same way: tests and the CPU demo run
 the plan that a v6e would.
 """
 
@@ -143,9 +147,11 @@ class ProcessPlan:
     rank: int = 0
     """Index within its role's process group (`CLOUD_TPU_TASK_ID`)."""
     group_size: int = 1
-    """Processes of its role (one per host for multi-host roles)."""
+    """Processes of its role's group (one per host for multi-host roles)."""
     http_port: int | None = None
     env: dict[str, str] = field(default_factory=dict)
+    replica: int = 0
+    """Which of its role's replicas (server roles may have several; each its own group)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -176,7 +182,8 @@ class ChipPlan:
         for p in self.processes:
             chips = ",".join(map(str, p.chips))
             port = f", http port {p.http_port}" if p.http_port else ""
-            out.append(f"# {p.role} [{p.kind}] host {p.host} rank {p.rank}: chips {chips}{port}")
+            out.append(f"# {p.role} [{p.kind}] replica {p.replica} host {p.host} rank {p.rank}: "
+                       f"chips {chips}{port}")  # fmt: skip
             out += [f"export {k}={shlex.quote(v)}" for k, v in p.env.items()]
             out.append("")
         return "\n".join(out)
@@ -217,19 +224,31 @@ def plan_chips(
     http_port_base: int = 8000,
     cache_dir: str = "/tmp/simloop/xla_cache",
     hostnames: Sequence[str] | None = None,
+    replicas: Mapping[str, int] | None = None,
 ) -> ChipPlan:
-    """Place every role on disjoint chips (see the module docstring); PlanError says what
-    would work when the request cannot."""
+    """Place every role (`replicas[role]` times, default once) on disjoint chips (see the
+    module docstring); PlanError says what would work when the request cannot."""
     acc = accelerator if isinstance(accelerator, Accelerator) else parse_accelerator(accelerator)
     if not roles:
         raise PlanError("no roles to place: give role=chips pairs, e.g. policy_train=4")
     for role, n in roles.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanError(f"role {role!r}: {n!r} chips; give a positive number")
-    total = sum(roles.values())
+    replicas = dict(replicas or {})
+    for role, r in replicas.items():
+        if role not in roles:
+            raise PlanError(f"replicas of {role!r}: no such role (roles: {_fmt(roles)})")
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise PlanError(f"role {role!r}: {r!r} replicas; give a positive number")
+        if r > 1 and not _is_serve(role):
+            raise PlanError(f"role {role!r}: only server roles (*_serve) have replicas")
+    copies = {role: replicas.get(role, 1) for role in roles}
+    total = sum(n * copies[role] for role, n in roles.items())
     if total > acc.chips:
+        asked = ",".join(f"{r}={n}" + (f"x{copies[r]}" if copies[r] > 1 else "")
+                         for r, n in roles.items())  # fmt: skip
         raise PlanError(
-            f"the roles ask for {total} chips ({_fmt(roles)}) but a {acc.name} has {acc.chips}; "
+            f"the roles ask for {total} chips ({asked}) but a {acc.name} has {acc.chips}; "
             f"shrink a role or use a larger slice"
         )
     if hostnames is not None and len(hostnames) != acc.hosts:
@@ -257,17 +276,18 @@ def plan_chips(
                 f"{acc.name}); run several server roles instead of one of {n} chips"
             )
     # Buddy allocation over the slice's chips in host-major order, largest request first.
+    units = [(role, r) for role in roles for r in range(copies[role])]
     free = [True] * acc.chips
-    start: dict[str, int] = {}
-    for role in sorted(roles, key=lambda r: -roles[r]):
-        n = roles[role]
+    start: dict[tuple[str, int], int] = {}
+    for unit in sorted(units, key=lambda u: -roles[u[0]]):
+        n = roles[unit[0]]
         for s in range(0, acc.chips, n):
             if all(free[s : s + n]):
-                start[role] = s
+                start[unit] = s
                 free[s : s + n] = [False] * n
                 break
         else:  # cannot happen for power-of-two sizes that fit; kept as a guard
-            raise PlanError(f"role {role!r}: no free aligned block of {n} chips ({_fmt(roles)})")
+            raise PlanError(f"role {unit[0]!r}: no free aligned block of {n} chips ({_fmt(roles)})")
 
     def host_name(h: int) -> str:
         if hostnames is not None:
@@ -276,8 +296,9 @@ def plan_chips(
 
     processes: list[ProcessPlan] = []
     http_port, tpu_port = http_port_base, tpu_port_base
-    for role, n in roles.items():
-        s, kind = start[role], "serve" if _is_serve(role) else "train"
+    for role, replica in units:
+        n, s = roles[role], start[role, replica]
+        kind = "serve" if _is_serve(role) else "train"
         if n <= per_host:
             groups = [(s // per_host, tuple(range(s % per_host, s % per_host + n)))]
             bounds, pbounds = host_blocks[n], (1, 1, 1)
@@ -289,18 +310,18 @@ def plan_chips(
         tpu_port += 1
         addresses = ",".join(f"{host_name(h)}:{port}" for h, _ in groups)
         for rank, (host, chips) in enumerate(groups):
-            env = _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir)
+            cache = f"{role}-{replica}" if copies[role] > 1 else role
+            env = _env(acc, cache, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir)
             served = None
             if kind == "serve":
                 served, http_port = http_port, http_port + 1
                 env["SIMLOOP_HTTP_PORT"] = str(served)
-            processes.append(
-                ProcessPlan(role, kind, host, chips, bounds, rank, len(groups), served, env)
-            )
+            processes.append(ProcessPlan(role, kind, host, chips, bounds, rank, len(groups),
+                                         served, env, replica))  # fmt: skip
     return ChipPlan(acc, processes)
 
 
-def _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir):
+def _env(acc, cache, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir):
     if not acc.is_tpu:
         # One JAX process per server with its own fake devices; trainers share the process
         # that holds every device and take theirs by id (`ChipPlan.device_ids`).
@@ -320,7 +341,7 @@ def _env(acc, role, kind, chips, bounds, pbounds, port, addresses, rank, cache_d
             "CLOUD_TPU_TASK_ID": str(rank),
         }
     if kind == "serve" and acc.is_tpu:
-        env["VLLM_XLA_CACHE_PATH"] = f"{cache_dir.rstrip('/')}/{role}"
+        env["VLLM_XLA_CACHE_PATH"] = f"{cache_dir.rstrip('/')}/{cache}"
     return env
 
 
@@ -337,7 +358,8 @@ def _fmt(roles: Mapping[str, int]) -> str:
 
 
 def parse_roles(text: str) -> dict[str, int]:
-    """`policy_train=4,agent_serve=2` -> {"policy_train": 4, "agent_serve": 2}."""
+    """`policy_train=4,agent_serve=2` -> {"policy_train": 4, "agent_serve": 2} (also the
+    `--replicas agent_serve=2` pairs)."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in str(text).split(","))):
         name, sep, value = part.partition("=")
@@ -359,6 +381,7 @@ def run(args, cfg) -> int:
             accelerator=args.accelerator,
             roles=parse_roles(args.roles) if args.roles else None,
             hostnames=args.hostnames.split(",") if args.hostnames else None,
+            replicas=parse_roles(args.replicas) if args.replicas else None,
         )
     except PlanError as e:
         print(f"simloop plan-chips: {e}", file=sys.stderr)
@@ -370,6 +393,7 @@ def run(args, cfg) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--accelerator", help="v6e-8, v6e-32, v5litepod-4, v5p-8, cpu-8, ...")
     p.add_argument("--roles", help="role=chips pairs: policy_train=4,agent_serve=2,sim_serve=2")
+    p.add_argument("--replicas", help="role=count pairs for server roles: agent_serve=2")
     p.add_argument("--format", choices=["json", "env"], default="json")
     p.add_argument("--hostnames", help="comma-separated host names of a multi-host slice")
 
@@ -385,9 +409,13 @@ def config_plan(
     accelerator: str | Accelerator | None = None,
     roles: Mapping[str, int] | None = None,
     hostnames: Sequence[str] | None = None,
+    replicas: Mapping[str, int] | None = None,
 ) -> ChipPlan:
-    """The plan of a config's `chips:` section (accelerator and roles overridable)."""
+    """The plan of a config's `chips:` section (accelerator, roles and replicas overridable;
+    overriding the roles drops the config's replicas unless `replicas` is given)."""
     c = cfg.chips
+    if replicas is None:
+        replicas = c.replicas if roles is None else {}
     return plan_chips(
         accelerator or c.accelerator,
         c.roles if roles is None else roles,
@@ -395,6 +423,7 @@ def config_plan(
         http_port_base=c.http_port_base,
         cache_dir=c.cache_dir,
         hostnames=hostnames,
+        replicas=replicas,
     )
 
 
@@ -418,12 +447,25 @@ def trainer_device_ids(cfg, model_role: str, device_count: int | None = None) ->
     return None
 
 
-def server_env(cfg, model_role: str) -> dict[str, str] | None:
-    """The planned environment of `model_role`'s server process (its devices), or None."""
-    role = SERVE_ROLE[model_role]
-    if role not in cfg.chips.roles:
-        return None
-    (proc,) = config_plan(cfg).role(role)
+def trainer_tpu_env(cfg, model_role: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The planned TPU environment of `model_role`'s trainer when this process is it on a
+    one-host TPU plan and nothing has pinned its chips yet (the GKE pod entry does); else {}."""
+    role = TRAIN_ROLE[model_role]
+    if "TPU_VISIBLE_CHIPS" in environ or role not in cfg.chips.roles:
+        return {}
+    try:
+        plan = config_plan(cfg)
+    except PlanError:  # the job reports it when it plans its servers
+        return {}
+    if not plan.accelerator.is_tpu or plan.accelerator.hosts != 1:
+        return {}
+    (proc,) = plan.role(role)
+    return dict(proc.env)
+
+
+def server_env(proc: ProcessPlan) -> dict[str, str]:
+    """The planned environment of a server process (its devices), less its HTTP port (a
+    local server picks a free one)."""
     return {k: v for k, v in proc.env.items() if k != "SIMLOOP_HTTP_PORT"}
 
 

@@ -20,7 +20,9 @@ Three documents, each checked against `launch.deploy.k8s_schema` before anything
                through the gcsfuse CSI driver, or an existing PVC).
 
 Each pod runs `launch/deploy/gke_pod.py` around `gke.command`: it starts the processes the
-plan puts on its host.
+plan puts on its host: each server with its own command (`vllm serve ...` with
+`serve.backend: vllm`, `simloop serve ...` with `jax`: the commands `--dry-run` lists, from
+`launch.deploy.processes`), every other process with `gke.command`.
 
 GKE describes the whole slice to every TPU pod (TPU_WORKER_ID and TPU_WORKER_HOSTNAMES on
 multi-host slices); each process gets those, and the host-bounds pair TPU_HOST_BOUNDS /
@@ -83,6 +85,7 @@ def process_env(proc, acc) -> dict[str, str]:
     variables of GKE's TPU webhook narrowed to the process's own group."""
     env = dict(proc.env)
     env["SIMLOOP_ROLE"] = proc.role
+    env["SIMLOOP_REPLICA"] = str(proc.replica)
     env["SIMLOOP_PROCESS_KIND"] = proc.kind
     if acc.is_tpu:
         peers = env["TPU_PROCESS_ADDRESSES"].split(",")
@@ -93,24 +96,70 @@ def process_env(proc, acc) -> dict[str, str]:
     return env
 
 
-def host_layout(cfg, plan) -> dict[str, Any]:
-    """`plan.json`: per host (= pod), the processes the launcher starts there."""
+def server_commands(cfg, plan) -> tuple[dict[tuple[str, int], Any], dict[str, list[str]]]:
+    """The planned servers' processes (`launch.deploy.processes.server_processes`, the list
+    `--dry-run` prints) by (role, replica), and each model role's server URLs. Servers bind
+    to all interfaces on a multi-host slice (the trainer is on another host; hostNetwork on
+    the cluster's private network), to loopback on one host."""
+    from launch.deploy.chips import SERVE_ROLE
+    from launch.deploy.processes import server_processes, vllm_model_dir
+
     acc = plan.accelerator
+    hostnames = [pod_hostname(cfg.gke.name, h) for h in range(acc.hosts)]
+    bind = "0.0.0.0" if acc.hosts > 1 else "127.0.0.1"
+    out: dict[tuple[str, int], Any] = {}
+    urls: dict[str, list[str]] = {}
+    for model_role, serve_role in SERVE_ROLE.items():
+        if not plan.role(serve_role):
+            continue
+        role = getattr(cfg, model_role)
+        if cfg.serve.backend_of(model_role) == "vllm" and (
+            vllm_model_dir(cfg, model_role, "/") != Path(role.hf_path or "")
+        ):
+            raise GkeError(
+                f"{model_role}: vLLM servers on GKE start from {model_role}.hf_path (an HF "
+                f"directory on the volume, e.g. under {cfg.gke.mount_path}); set it, and unset "
+                f"{model_role}.weights (publish trained weights instead)"
+            )
+        procs = server_processes(cfg, model_role, cfg.gke.mount_path, plan=plan,
+                                 hostnames=hostnames, bind=bind, fixed_ports=True,
+                                 python="python", config_path=f"{CONFIG_DIR}/config.yaml",
+                                 publishes=model_role == "agent")  # fmt: skip
+        for p in procs:
+            out[p.role, p.replica] = p
+        host = {pp.replica: pp.host for pp in plan.role(serve_role)}
+        urls[model_role] = [
+            f"http://{'127.0.0.1' if acc.hosts == 1 else hostnames[host[p.replica]]}:{p.port}"
+            for p in procs
+        ]
+    return out, urls
+
+
+def host_layout(cfg, plan) -> dict[str, Any]:
+    """`plan.json`: per host (= pod), the processes the launcher starts there. A server's
+    `command` is the one `--dry-run` lists for it; trainers run `gke.command`, with the
+    servers' URLs in `SIMLOOP_SERVER_URLS` (so a job connects to them, starting none)."""
+    from launch.deploy.processes import SERVER_URLS_ENV
+
+    acc = plan.accelerator
+    servers, urls = server_commands(cfg, plan)
     hosts = []
     for h in range(acc.hosts):
-        procs = [
-            {
-                "role": p.role,
-                "kind": p.kind,
-                "rank": p.rank,
-                "group_size": p.group_size,
-                "chips": list(p.chips),
-                "http_port": p.http_port,
-                "env": process_env(p, acc),
-            }
-            for p in plan.processes
-            if p.host == h
-        ]
+        procs = []
+        for p in plan.processes:
+            if p.host != h:
+                continue
+            proc = {"role": p.role, "kind": p.kind, "replica": p.replica, "rank": p.rank,
+                    "group_size": p.group_size, "chips": list(p.chips),
+                    "http_port": p.http_port, "env": process_env(p, acc)}  # fmt: skip
+            server = servers.get((p.role, p.replica))
+            if server is not None:
+                # This machine's checkout is no path in the image, where simloop is installed.
+                proc["env"].update({k: v for k, v in server.env.items() if k != "PYTHONPATH"})
+                proc["command"] = server.command
+            elif p.kind == "train" and urls:
+                proc["env"][SERVER_URLS_ENV] = json.dumps(urls, sort_keys=True)
+            procs.append(proc)
         hosts.append({"index": h, "hostname": pod_hostname(cfg.gke.name, h), "processes": procs})
     return {
         "accelerator": acc.name,

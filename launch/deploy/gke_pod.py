@@ -11,10 +11,11 @@ container runs this launcher around `gke.command`:
     python -m launch.deploy.gke_pod --plan plan.json --host-index 3 -- \
         bash -c 'env | grep -E "TPU|SIMLOOP"'
 
-It reads `plan.json`, takes `hosts[JOB_COMPLETION_INDEX]`, and starts `gke.command` once per
-process planned there, each with that process's environment: the planner's TPU_* variables,
-SIMLOOP_ROLE and SIMLOOP_PROCESS_KIND (servers also SIMLOOP_HTTP_PORT), so the command
-dispatches on the role (the example configs use a `bash -c` case). Servers start first,
+It reads `plan.json`, takes `hosts[JOB_COMPLETION_INDEX]`, and starts each process planned
+there, with that process's environment: the planner's TPU_* variables, SIMLOOP_ROLE and
+SIMLOOP_PROCESS_KIND (servers also SIMLOOP_HTTP_PORT). A process runs its own `command` when
+the plan gives one (servers: `vllm serve ...`), else `gke.command`, which may dispatch on the
+role (a `bash -c` case); trainers find the servers in SIMLOOP_SERVER_URLS. Servers start first,
 `vllm.start_stagger_s` apart. The pod succeeds when its trainers do (its servers are then
 stopped) and fails as soon as any of its processes fails, which fails the Job and lets JobSet
 restart the slice (up to `gke.max_restarts`). Hosts that only serve keep serving until the
@@ -128,7 +129,8 @@ def launch(
             _log(f"host {host_index}: {proc['role']} [{proc['kind']}] rank {proc['rank']}, "
                  f"chips {chips}")  # fmt: skip
             env = {**os.environ, **proc["env"]}
-            running.append((proc, subprocess.Popen(list(command), env=env,
+            argv = list(proc.get("command") or command)
+            running.append((proc, subprocess.Popen(argv, env=env,
                                                    start_new_session=True)))  # fmt: skip
         while True:
             if should_stop():

@@ -1,5 +1,7 @@
-"""The local launcher: `simloop serve` subprocesses for jobs that need a server and were not
-given one (`agent.server_url` / `simulator.server_url` unset).
+"""The local launcher: the servers of jobs that need one and were not given one
+(`agent.server_url` / `simulator.server_url` unset): `simloop serve` subprocesses (backend
+`jax`), or `vllm serve` per planned replica through `serving.vllm.launcher` (backend `vllm`;
+`launch/deploy/processes.py` lists them, as `--dry-run` prints them).
 
     async with role_clients(cfg, run_dir, ["agent", "simulator"], who="eval-agent") as clients:
         await clients["agent"].complete(...)   # configured URL, or a local server, healthy
@@ -9,13 +11,16 @@ given one (`agent.server_url` / `simulator.server_url` unset).
 
 Each server reads the run directory's resolved `config.yaml`, so it builds exactly the model
 the config names, logs to `<run>/logs/<role>-server.log`, and is stopped (SIGTERM, then SIGKILL
-after a grace period) when the block exits, on every path.
+after a grace period) when the block exits, on every path. A vLLM server starts from an HF
+directory of the role's current weights (`write_vllm_model`), logs to
+`<run>/logs/vllm-<role>_serve-<port>.log` and is `/health`-gated the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -47,8 +52,7 @@ class LocalServer:
         run_dir = Path(run_dir)
         log_path = run_dir / LOGS / f"{name or role}-server.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "launch", "serve", "--config", str(run_dir / CONFIG),
-               "--role", role, "--port", str(port), *extra_args]  # fmt: skip
+        cmd = serve_command(role, run_dir, port=port, extra_args=extra_args)
         log = log_path.open("w")
         inherited = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
         if env is None:
@@ -101,20 +105,69 @@ class LocalServer:
         self.stop()
 
 
-def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = None) -> list[str]:
+def serve_command(role: str, run_dir: str | os.PathLike, *, port: int = 0,
+                  extra_args: Sequence[str] = (), python: str = sys.executable,
+                  config_path: str | None = None) -> list[str]:  # fmt: skip
+    """The `simloop serve` argv of a local server for `role` (its config: the run
+    directory's, or `config_path`)."""
+    config = config_path or str(Path(run_dir) / CONFIG)
+    return [python, "-m", "launch", "serve", "--config", config, "--role", role,
+            "--port", str(port), *extra_args]  # fmt: skip
+
+
+def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = None, *,
+                      publishes: bool = False) -> list[str]:  # fmt: skip
     """`simloop serve` flags of a job's local server for `role`. Its KV cache holds one context
     (decode attends over the whole cache): the agent's episode context
     (`orchestrator.max_context_tokens`), the simulator's prompt
-    (`env.shell.simulated.max_context_tokens`, when set). With `admin_token` the server accepts
-    weight loads from under the run directory (a trainer publishes policy versions)."""
+    (`env.shell.simulated.max_context_tokens`, when set). With `admin_token` (or `publishes`)
+    the server accepts weight loads from under the run directory (a trainer publishes policy
+    versions)."""
     if role == "agent":
         args = ["--max-seq-len", str(cfg.orchestrator.max_context_tokens)]
     else:
         n = cfg.env.shell.simulated.max_context_tokens
         args = [] if n is None else ["--max-seq-len", str(n)]
-    if admin_token is not None:  # the token itself goes in the environment (`role_clients`)
+    if admin_token is not None or publishes:  # the token goes in the environment
         args += ["--checkpoint-root", str(Path(run_dir).absolute())]
     return args
+
+
+def write_vllm_model(cfg, role: str, model_dir: Path) -> None:
+    """An HF directory of `role`'s current weights for `vllm serve` to start from
+    (`rl.model.hf_io.save_hf`), with the HF tokenizer's files copied in when the role has one
+    (real vLLM needs them; the fake server falls back to the byte tokenizer without)."""
+    import argparse
+    import dataclasses
+    import shutil
+
+    from launch.jobs.serve import build_model
+    from rl.model.hf_io import save_hf
+
+    serve_cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, role=role))
+    model, _, _ = build_model(argparse.Namespace(model=None, preset=None), serve_cfg)
+    save_hf(model.cfg, model, model_dir)
+    tok = getattr(cfg, role).tokenizer
+    if tok.kind == "hf":
+        src = Path(tok.path)
+        names = ("tokenizer", "vocab", "merges", "special_tokens")
+        files = (
+            [src]
+            if src.is_file()
+            else [f for f in src.iterdir() if f.is_file() and f.name.startswith(names)]
+        )
+        for f in files:
+            shutil.copy2(f, model_dir / f.name)
+
+
+class RoleServers(dict):
+    """`{role: client}`: the role's server's `InferenceClient`, or a `serving.pool.ReplicaPool`
+    over its replicas; with every replica's URL and client (`urls[role]`, `replicas[role]`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: dict[str, list[str]] = {}
+        self.replicas: dict[str, list] = {}
 
 
 @contextlib.asynccontextmanager
@@ -126,38 +179,88 @@ async def role_clients(
     who: str,
     admin_token: str | None = None,
     health_timeout_s: float = 300.0,
-) -> AsyncIterator[dict]:
+) -> AsyncIterator[RoleServers]:
     """`{role: InferenceClient}` for every role in `roles`: the configured server
-    (`<role>.server_url`) or a local `simloop serve` started from the run directory's config
-    on the role's planned devices, each healthy before the block runs. Clients close and local
-    servers stop when it exits, on every path. `admin_token` goes to a local agent server."""
-    from launch.deploy.chips import server_env
+    (`<role>.server_url`), the servers named in `$SIMLOOP_SERVER_URLS` (started by the GKE
+    pod entry), or the role's servers started here from the run directory's config, one per
+    planned replica (`launch.deploy.processes.server_processes`, backend `jax` or `vllm`),
+    each healthy before the block runs. Clients close and local servers stop when it exits,
+    on every path. `admin_token` goes to a local jax agent server (vLLM servers take weights
+    over `/collective_rpc` instead)."""
+    from launch.deploy.processes import SERVER_URLS_ENV, server_processes
     from serving.client import ClientConfig, InferenceClient
 
     run_dir = Path(run_dir)
+    external = json.loads(os.environ.get(SERVER_URLS_ENV) or "{}")
     async with contextlib.AsyncExitStack() as stack:
-        clients = {}
+        clients = RoleServers()
         for role in roles:
             url = getattr(cfg, role).server_url
-            if url is None:
-                print(f"simloop {who}: starting a local {role} server ...", flush=True)
+            vllm = cfg.serve.backend_of(role) == "vllm"
+            timeout = health_timeout_s
+            if url is not None:
+                urls = [url]
+            elif role in external:
+                urls, timeout = list(external[role]), max(timeout, cfg.vllm.health_timeout_s)
+            elif vllm:
+                urls = await _start_vllm(cfg, run_dir, role, who, stack)
+                timeout = cfg.vllm.health_timeout_s
+            else:
+                urls = []
                 token = admin_token if role == "agent" else None
-                env = server_env(cfg, role)
-                if token is not None:
-                    env = {**(env or {}), ADMIN_TOKEN_ENV: token}
-                server = await asyncio.to_thread(
-                    LocalServer.start,
-                    role,
-                    run_dir,
-                    extra_args=local_server_args(cfg, role, run_dir, token),
-                    env=env,
-                )
-                stack.push_async_callback(asyncio.to_thread, server.stop)
-                url = server.url
-            timeout = cfg.orchestrator.request_timeout_s
-            client = await stack.enter_async_context(
-                InferenceClient(ClientConfig(url, timeout_s=timeout))
-            )
-            await client.wait_healthy(timeout_s=health_timeout_s)
-            clients[role] = client
+                for proc in server_processes(cfg, role, run_dir):
+                    print(f"simloop {who}: starting a local {role} server ...", flush=True)
+                    env = dict(proc.env)
+                    if token is not None:
+                        env[ADMIN_TOKEN_ENV] = token
+                    server = await asyncio.to_thread(
+                        LocalServer.start, role, run_dir,
+                        extra_args=local_server_args(cfg, role, run_dir, token),
+                        env=env or None, name=f"{role}-{proc.replica}" if proc.replica else None,
+                    )  # fmt: skip
+                    stack.push_async_callback(asyncio.to_thread, server.stop)
+                    urls.append(server.url)
+            model = role if vllm and url is None else None  # its --served-model-name
+            clients.urls[role], clients.replicas[role] = urls, []
+            for u in urls:
+                cc = ClientConfig(u, timeout_s=cfg.orchestrator.request_timeout_s, model=model)
+                client = await stack.enter_async_context(InferenceClient(cc))
+                await client.wait_healthy(timeout_s=timeout)
+                clients.replicas[role].append(client)
+            clients[role] = clients.replicas[role][0]
+            if len(urls) > 1:  # episodes pinned to a replica, balanced, dead ones ejected
+                from serving.pool import ReplicaPool
+
+                pool = ReplicaPool(clients.replicas[role], role=role)
+                clients[role] = await stack.enter_async_context(pool)
         yield clients
+
+
+async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack) -> list[str]:
+    """Start `role`'s planned vLLM servers (`serving.vllm.launcher.launch_servers`:
+    staggered, `/health`-gated, log tail on failure), stopped when `stack` closes."""
+    from launch.deploy.chips import SERVE_ROLE, config_plan
+    from launch.deploy.processes import vllm_model_dir
+    from launch.jobs.errors import JobError
+    from serving.vllm.launcher import ServedModel, VllmLaunchError, launch_servers, stop_servers
+
+    procs = config_plan(cfg).role(SERVE_ROLE[role])
+    if any(p.host != 0 for p in procs):
+        raise JobError(
+            f"the {role}'s planned vLLM servers include other hosts of the slice than this "
+            f"one: start them there (simloop gke render) and set {role}.server_url"
+        )
+    model_dir = vllm_model_dir(cfg, role, run_dir)
+    if model_dir != Path(getattr(cfg, role).hf_path or ""):  # the role's weights, written now
+        print(f"simloop {who}: writing the {role}'s HF weights for vLLM to {model_dir}", flush=True)
+        await asyncio.to_thread(write_vllm_model, cfg, role, model_dir)
+    print(f"simloop {who}: starting {len(procs)} vLLM {role} server(s) ...", flush=True)
+    try:
+        servers = await asyncio.to_thread(
+            launch_servers, procs, cfg.vllm,
+            {SERVE_ROLE[role]: ServedModel(str(model_dir), role)}, log_dir=run_dir / LOGS,
+        )  # fmt: skip
+    except VllmLaunchError as e:  # every server it started is already stopped
+        raise JobError(str(e)) from e
+    stack.push_async_callback(asyncio.to_thread, stop_servers, servers)
+    return [s.url for s in servers]

@@ -10,7 +10,8 @@ starts a local agent server on `agent.weights` (or uses `agent.server_url`) and,
 `closed_loop` arm, a simulator server on `simulator.weights` (or `simulator.server_url`).
 Writes `eval.json` (`{"eval": {arm: result}}`), `metrics.jsonl` and `trajectories/eval-*`, and
 prints success by arm and operation, the transfer gap (simulator minus real) and the action
-distribution of each arm side by side.
+distribution of each arm side by side. `--dry-run [--format json]` prints the servers it
+would start (`serve.backend`: `jax` or `vllm`), and starts nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
+from launch.deploy.processes import print_dry_run
 from launch.jobs.episodes import check_servers
 from launch.jobs.errors import UsageError
 from rl.data import rundir
@@ -30,6 +32,8 @@ LABEL = "eval"
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "eval-agent", _roles(cfg))
     if not args.out:
         raise UsageError("--out DIR is required")
     if cfg.agent.weights is None and cfg.agent.server_url is None:
@@ -52,13 +56,18 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         weights = getattr(cfg, role).weights
         if weights is not None and not Path(weights).exists():
             raise UsageError(f"{role}.weights={weights!r} does not exist")
-    check_servers(cfg, ["agent", *(["simulator"] if "closed_loop" in ecfg.arms else [])])
+    check_servers(cfg, _roles(cfg))
     out = Path(args.out)
     write_config(cfg, out)
     results = evaluate_checkpoint(cfg, out)
     print_eval(results)
     print(f"simloop eval-agent: -> {out / rundir.EVAL}")
     return 0
+
+
+def _roles(cfg: SimloopConfig) -> list[str]:
+    """The model roles whose servers the arms need."""
+    return ["agent", "simulator"] if "closed_loop" in cfg.train_agent.eval.arms else ["agent"]
 
 
 def evaluate_checkpoint(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
@@ -74,8 +83,7 @@ async def _evaluate(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
 
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     _, tasks = agent_tasks(cfg)
-    roles = ["agent", "simulator"] if "closed_loop" in cfg.train_agent.eval.arms else ["agent"]
-    async with role_clients(cfg, out, roles, who="eval-agent") as clients:
+    async with role_clients(cfg, out, _roles(cfg), who="eval-agent") as clients:
         return await evaluate_agent(cfg, out, LABEL, None, clients, renderer, tasks,
                                     rundir.MetricsLog(out), who="eval-agent")  # fmt: skip
 

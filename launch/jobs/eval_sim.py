@@ -23,6 +23,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
+from launch.deploy.processes import print_dry_run
 from launch.jobs.errors import UsageError
 from rl.data import rundir
 
@@ -53,6 +54,8 @@ def select_trajectories(cfg: SimloopConfig) -> list:
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "eval-sim", ["simulator"])
     if not args.out:
         raise UsageError("--out DIR is required")
     if not cfg.eval_sim.trajectories:

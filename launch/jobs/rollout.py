@@ -7,8 +7,9 @@
 
 Tasks are the config's `env.textops` family, or `--tasks FILE.jsonl`. Servers come from
 `agent.server_url` / `simulator.server_url`; unset ones are started locally for the job
-(`launch/deploy/local.py`). Writes `config.yaml`, `trajectories/rollout-NNNNN.{jsonl,array_record}`,
-`metrics.jsonl` and `logs/` into `--out`.
+(`launch/deploy/local.py`, with `serve.backend`: `jax` or `vllm`); `--dry-run [--format json]`
+prints those processes and starts nothing. Writes `config.yaml`,
+`trajectories/rollout-NNNNN.{jsonl,array_record}`, `metrics.jsonl` and `logs/` into `--out`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
+from launch.deploy.processes import print_dry_run
 from launch.jobs.episodes import check_servers
 from launch.jobs.errors import UsageError
 from rl.data import rundir
@@ -37,14 +39,17 @@ def _needs(arm: str) -> tuple[bool, bool]:
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    arm = cfg.orchestrator.arm
+    need_agent, need_sim = _needs(arm)
+    roles = [r for r, needed in (("agent", need_agent), ("simulator", need_sim)) if needed]
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "rollout", roles)
     if not args.out:
         raise UsageError("--out DIR is required")
     out = Path(args.out)
-    arm = cfg.orchestrator.arm
     if arm == "replay" and not args.replay:
         raise UsageError("the replay arm needs --replay PATH...")
-    roles = [] if arm == "replay" else ["agent"]
-    check_servers(cfg, roles + (["simulator"] if arm in ("closed_loop", "mixed", "replay") else []))
+    check_servers(cfg, roles)
     write_config(cfg, out)
     summary = asyncio.run(_rollout(cfg, out, args))
     print(f"simloop rollout: {summary['episodes']} episodes {summary['status']} "

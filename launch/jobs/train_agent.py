@@ -9,13 +9,17 @@ checkpoint when `--out` already holds one. With a KL term (`train_agent.loss.kl_
 the policy RL starts from is kept as `weights/rl_reference` (with its manifest), and a
 resumed run anchors the KL term to it, not to whatever the trainer was rebuilt from. It
 starts (or uses `agent.server_url` / `simulator.server_url`) the servers its rollouts need
-and publishes every new policy version to the agent server.
+and publishes every new policy version to the agent servers: over `/admin/load_weights` to
+simloop's own (`serve.backend: jax`), or to vLLM's worker extension over `/collective_rpc`
+(`vllm`, `serving.vllm.VllmPublisher`). `--dry-run [--format json]` prints the processes
+it would start (its servers and itself, on their chips) and starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -24,6 +28,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig, role_model
+from launch.deploy.processes import print_dry_run
 from launch.jobs.episodes import agent_tasks, check_servers, evaluate_agent, job_backends
 from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
@@ -33,11 +38,58 @@ REFERENCE = "rl_reference"
 """`weights/<REFERENCE>`: the KL reference of the run's RL (the policy RL started from)."""
 
 
+class Published:
+    """A `WeightPublisher` that remembers the version it last published."""
+
+    def __init__(self, inner):
+        self.inner, self.version = inner, None
+
+    async def publish(self, path: str, version: int):
+        report = await self.inner.publish(path, version)
+        self.version = version
+        return report
+
+
+class VersionTagged:
+    """The agent client of a vLLM backend: tags each completion with the policy version
+    `published` last published before the request was sent.
+
+    vLLM's responses carry no weight version. For synchronous RL (`max_staleness: 0`) the tag
+    is exact: no episode is admitted between a batch and the publish of the next version, so
+    no request is in flight while weights change. For asynchronous RL a publish may land while
+    a request decodes, so some of its tokens may come from the newer weights; the tag is then
+    the older version, which can overstate a token's staleness but never understate it."""
+
+    def __init__(self, client, published: Published):
+        self.client, self.published = client, published
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    async def complete(self, *args, **kwargs):
+        version = self.published.version
+        out = await self.client.complete(*args, **kwargs)
+        if out.weight_version is None and out.token_versions is None:
+            out.weight_version = version
+        return out
+
+
 def _needs_sim(arm: str) -> bool:
     return arm in ("closed_loop", "mixed")
 
 
+def _roles(cfg: SimloopConfig) -> list[str]:
+    """The model roles whose servers RL and its evaluation need."""
+    ocfg, ecfg = cfg.orchestrator, cfg.train_agent.eval
+    roles = ["agent"] if cfg.train_agent.steps > 0 else []
+    if roles and (_needs_sim(ocfg.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):
+        roles.append("simulator")
+    return roles
+
+
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "train-agent", _roles(cfg), publishes=["agent"])
     if not args.out:
         raise UsageError("--out DIR is required")
     ocfg = cfg.orchestrator
@@ -64,24 +116,22 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"orchestrator.max_staleness={ocfg.max_staleness}: at most max_staleness + 1, or "
             "trained tokens could be more than max_staleness versions old"
         )
-    if cfg.agent.server_url is not None and ADMIN_TOKEN_ENV not in os.environ:
+    jax_agent = cfg.serve.backend_of("agent") == "jax"
+    if jax_agent and cfg.agent.server_url is not None and ADMIN_TOKEN_ENV not in os.environ:
         raise UsageError(
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
             "new weights can be published to it"
         )
-    roles = ["agent"] if cfg.train_agent.steps > 0 else []
-    ecfg = cfg.train_agent.eval
-    if roles and (_needs_sim(ocfg.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):
-        roles.append("simulator")
-    check_servers(cfg, roles)
+    check_servers(cfg, _roles(cfg))
     out = Path(args.out)
     write_config(cfg, out)
     from rl.train.loop import TrainingDiverged
     from serving.publisher import PublishError
+    from serving.vllm.publisher import VllmPublishError
 
     try:
         summary = asyncio.run(train_agent(cfg, out))
-    except (TrainingDiverged, PublishError) as e:
+    except (TrainingDiverged, PublishError, VllmPublishError) as e:
         raise JobError(f"{e}; RL stopped (the last checkpoint is kept)") from e
     print(f"simloop train-agent: {json.dumps(summary)}")
     return 0
@@ -253,7 +303,9 @@ async def _rl(
     from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.storage import TrajectoryWriter
     from rl.train.loop import rl_loop
+    from serving.pool import PoolPublisher, ReplicaPool
     from serving.publisher import EnginePublisher
+    from serving.vllm.publisher import VllmPublisher
 
     tcfg, ocfg = cfg.train_agent, cfg.orchestrator
     token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_hex(16)
@@ -262,8 +314,26 @@ async def _rl(
     roles = ["agent"]
     if _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms):
         roles.append("simulator")
-    async with role_clients(cfg, out, roles, who="train-agent", admin_token=token) as clients:
-        publisher = EnginePublisher([clients["agent"]], token=token)
+    vllm = cfg.serve.backend_of("agent") == "vllm"
+    async with contextlib.AsyncExitStack() as stack:
+        clients = await stack.enter_async_context(
+            role_clients(cfg, out, roles, who="train-agent", admin_token=None if vllm else token)
+        )
+        opened: list[VllmPublisher] = []
+        stack.push_async_callback(lambda: asyncio.gather(*(p.close() for p in opened)))
+
+        def one(urls: list[str], replicas: list):
+            if not vllm:
+                return EnginePublisher(replicas, token=token)
+            opened.append(VllmPublisher(urls, model_name="agent"))
+            return opened[-1]
+
+        if isinstance(clients["agent"], ReplicaPool):  # each replica, ejected if it fails
+            inner = PoolPublisher(clients["agent"], lambda r: one([r.url], [r.client]))
+        else:
+            inner = one(clients.urls["agent"], clients.replicas["agent"])
+        publisher = Published(inner)
+        agent_client = VersionTagged(clients["agent"], publisher) if vllm else clients["agent"]
         report = await publisher.publish(str(start_path), start_version)
         print(
             f"simloop train-agent: serving policy v{start_version} "
@@ -276,7 +346,7 @@ async def _rl(
                 cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
             )
         backends = job_backends(cfg, clients.get("simulator"))
-        runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends, client=clients["agent"])
+        runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends, client=agent_client)
         writer = TrajectoryWriter(out, prefix="rl")
         remaining = tcfg.steps - trainer.step_count
         buffer = RolloutBuffer(

@@ -12,7 +12,16 @@ def _bad(name: str, value: object, allowed: str) -> ValueError:
 
 @dataclass(frozen=True)
 class VllmConfig:
-    """`vllm serve` for a serving role on TPU (vllm-tpu)."""
+    """`vllm serve` for a serving role on TPU (vllm-tpu).
+
+    Real vLLM needs an HF model directory with the tokenizer files of an HF tokenizer
+    (`tokenizer.json`, `tokenizer_config.json`): the byte tokenizer of the tiny CPU models has
+    none, so a byte-tokenized role runs only against the fake server
+    (`serving.vllm.fake_server`, through `command`)."""
+
+    command: list[str] = field(default_factory=lambda: ["vllm", "serve"])
+    """The argv prefix that starts a server (the model directory and flags follow), e.g.
+    `[python, -m, serving.vllm.fake_server, serve]` to run the tests' fake vLLM."""
 
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
@@ -25,6 +34,12 @@ class VllmConfig:
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if (
+            not isinstance(self.command, list)
+            or not self.command
+            or not all(isinstance(a, str) and a for a in self.command)
+        ):
+            raise _bad("command", self.command, "a non-empty list of non-empty strings")
         if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int):
             raise _bad("max_model_len", self.max_model_len, "a positive integer")
         if self.max_model_len < 16:

@@ -87,7 +87,8 @@ def build_vllm_command(
     served_model_name: str,
     host: str = "127.0.0.1",
 ) -> list[str]:
-    """The `vllm serve` argv for one server process: tensor-parallel over all its chips.
+    """The `vllm serve` argv for one server process (`cfg.command` first): tensor-parallel
+    over all its chips.
 
     `host` defaults to loopback (DESIGN §4): dev mode exposes `/collective_rpc`, which runs
     methods on the workers without authentication; bind wider only on a private network."""
@@ -96,7 +97,7 @@ def build_vllm_command(
     if not process.chips:
         raise ValueError(f"process of role {process.role!r} has no chips")
     argv = [
-        "vllm", "serve", str(model_dir),
+        *cfg.command, str(model_dir),
         "--tensor-parallel-size", str(len(process.chips)),
         "--max-model-len", str(cfg.max_model_len),
         "--port", str(process.http_port),

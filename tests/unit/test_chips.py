@@ -272,11 +272,14 @@ def test_every_shipped_config_loads_and_plans(path):
 
 def test_the_tpu_configs_are_the_documented_splits():
     v6e8 = load_config(SimloopConfig, CONFIGS[0].parent / "v6e-8.yaml")
-    assert v6e8.chips.roles == {"policy_train": 4, "agent_serve": 2, "sim_serve": 2}
-    plan = plan_chips(v6e8.chips.accelerator, v6e8.chips.roles)
-    ports = {p.role: p.http_port for p in plan.processes if p.kind == "serve"}
-    assert v6e8.agent.server_url.endswith(f":{ports['agent_serve']}")
-    assert v6e8.simulator.server_url.endswith(f":{ports['sim_serve']}")
+    assert v6e8.chips.roles == {"policy_train": 4, "agent_serve": 1, "sim_serve": 1}
+    assert v6e8.chips.replicas == {"agent_serve": 2, "sim_serve": 2}
+    plan = config_plan(v6e8)
+    serve = [(p.role, p.replica, p.chips) for p in plan.processes if p.kind == "serve"]
+    assert len(serve) == 4 and all(len(chips) == 1 for *_, chips in serve)
+    # The jobs start the servers themselves (vllm-tpu), on the planned ports.
+    assert v6e8.agent.server_url is None and v6e8.simulator.server_url is None
+    assert v6e8.serve.backend == "vllm"
     assert v6e8.agent.model.num_layers == 28  # Qwen3-1.7B
     v6e32 = load_config(SimloopConfig, CONFIGS[0].parent / "v6e-32.yaml")
     assert plan_chips(v6e32.chips.accelerator, v6e32.chips.roles).accelerator.hosts == 8

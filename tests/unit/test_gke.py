@@ -65,7 +65,8 @@ def _planner(cfg):
 def test_example_configs_load_and_plan(path):
     cfg = load_config(SimloopConfig, path)
     plan = _planner(cfg)
-    assert sum(len(p.chips) for p in plan.processes) == sum(cfg.chips.roles.values())
+    asked = sum(n * cfg.chips.replicas.get(r, 1) for r, n in cfg.chips.roles.items())
+    assert sum(len(p.chips) for p in plan.processes) == asked
     assert cfg.gke.bucket or cfg.gke.pvc
 
 
@@ -160,7 +161,7 @@ def test_v6e_8_single_host_with_pvc():
     assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"]
     assert "annotations" not in pod["metadata"]  # no gcsfuse sidecar without a bucket
     assert "annotations" not in jobset["metadata"]  # exclusive placement: multi-host only
-    assert [p["containerPort"] for p in container["ports"]] == [8000, 8001]
+    assert [p["containerPort"] for p in container["ports"]] == [8000, 8001, 8002, 8003]
 
 
 def test_v6e_32_multi_host_with_bucket():
@@ -218,11 +219,15 @@ def test_multi_host_addresses_are_the_jobset_pod_names():
     assert policy[0]["env"]["TPU_PROCESS_ADDRESSES"] == ",".join(
         f"simloop-v6e-32-slice-0-{i}.simloop-v6e-32:8476" for i in range(4)
     )
-    # The example config's server URLs point at the hosts and ports the plan gives the servers.
+    # The trainers find the servers at the hosts and ports the plan gives them.
     serve = {p["role"]: (h["hostname"], p["http_port"])
              for h in layout["hosts"] for p in h["processes"] if p["kind"] == "serve"}  # fmt: skip
-    assert cfg.agent.server_url == "http://{}:{}".format(*serve["agent_serve"])
-    assert cfg.simulator.server_url == "http://{}:{}".format(*serve["sim_serve"])
+    urls = json.loads(policy[0]["env"]["SIMLOOP_SERVER_URLS"])
+    assert urls["agent"] == ["http://{}:{}".format(*serve["agent_serve"])]
+    assert urls["simulator"] == ["http://{}:{}".format(*serve["sim_serve"])]
+    # ... bound to all interfaces: the trainers run on other hosts.
+    servers = [p for h in layout["hosts"] for p in h["processes"] if p["kind"] == "serve"]
+    assert all(p["command"][p["command"].index("--host") + 1] == "0.0.0.0" for p in servers)
 
 
 def test_single_host_processes_address_localhost():
@@ -230,8 +235,11 @@ def test_single_host_processes_address_localhost():
     (host,) = json.loads(docs["ConfigMap"]["data"]["plan.json"])["hosts"]
     for proc in host["processes"]:
         assert proc["env"]["TPU_PROCESS_ADDRESSES"].startswith("localhost:")
-    agent = next(p for p in host["processes"] if p["role"] == "agent_serve")
-    assert cfg.agent.server_url == f"http://127.0.0.1:{agent['http_port']}"
+    agents = [p for p in host["processes"] if p["role"] == "agent_serve"]
+    trainer = next(p for p in host["processes"] if p["role"] == "policy_train")
+    urls = json.loads(trainer["env"]["SIMLOOP_SERVER_URLS"])
+    assert urls["agent"] == [f"http://127.0.0.1:{p['http_port']}" for p in agents]
+    assert cfg.agent.server_url is None
 
 
 def test_yaml_output_round_trips_and_carries_the_config(tmp_path):
@@ -414,7 +422,7 @@ def test_cli_writes_the_manifests(tmp_path, capsys):
 _CHILD = r"""
 import json, os, sys, time
 out = sys.argv[1]
-role = os.environ["SIMLOOP_ROLE"]
+role = os.environ["SIMLOOP_ROLE"] + "-" + os.environ["SIMLOOP_REPLICA"]
 keys = ("SIMLOOP_ROLE", "SIMLOOP_PROCESS_KIND", "TPU_VISIBLE_CHIPS", "TPU_WORKER_ID", "JOB_MARK")
 with open(os.path.join(out, role + ".json"), "w") as f:
     json.dump({k: os.environ.get(k) for k in keys}, f)
@@ -428,9 +436,13 @@ sys.exit(int(os.environ.get("TRAIN_RC", "0")))
 
 
 def _layout(tmp_path):
+    """The v6e-8 pod's plan, each process running the test's command (servers' own
+    `vllm serve` commands dropped: without one a process runs the pod's command)."""
     cfg = load_config(SimloopConfig, V6E_8)
     layout = gke.host_layout(cfg, gke.chip_plan(cfg))
     layout["stagger_s"] = 0.0
+    for proc in layout["hosts"][0]["processes"]:
+        proc.pop("command", None)
     out = tmp_path / "out"
     out.mkdir()
     return layout, out, [sys.executable, "-c", _CHILD, str(out)]
@@ -438,7 +450,7 @@ def _layout(tmp_path):
 
 def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypatch):
     layout, out, command = _layout(tmp_path)
-    monkeypatch.setenv("N_PROCS", "3")
+    monkeypatch.setenv("N_PROCS", "5")
     monkeypatch.setenv("JOB_MARK", "from-the-pod")
     lock = tmp_path / "libtpu_lockfile"
     lock.write_text("")
@@ -446,9 +458,10 @@ def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypa
     assert rc == 0  # the trainer succeeded; the servers were stopped
     assert not lock.exists()
     seen = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
-    assert set(seen) == {"policy_train", "agent_serve", "sim_serve"}
+    assert set(seen) == {"policy_train-0", "agent_serve-0", "agent_serve-1", "sim_serve-0",
+                         "sim_serve-1"}  # fmt: skip
     for proc in layout["hosts"][0]["processes"]:
-        got = seen[proc["role"]]
+        got = seen[f"{proc['role']}-{proc['replica']}"]
         assert got["TPU_VISIBLE_CHIPS"] == proc["env"]["TPU_VISIBLE_CHIPS"]
         assert got["SIMLOOP_PROCESS_KIND"] == proc["kind"]
         assert got["JOB_MARK"] == "from-the-pod"  # the pod's env passes through
@@ -456,7 +469,7 @@ def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypa
 
 def test_launcher_fails_when_a_process_fails(tmp_path, monkeypatch):
     layout, _, command = _layout(tmp_path)
-    monkeypatch.setenv("N_PROCS", "3")
+    monkeypatch.setenv("N_PROCS", "5")
     monkeypatch.setenv("TRAIN_RC", "3")
     rc = gke_pod.launch(layout, 0, command, lockfile=str(tmp_path / "lock"), grace_s=5, poll_s=0.05)
     assert rc == 3
