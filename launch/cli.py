@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMPILING = ("serve", "pretrain-sim", "train-sim", "train-agent", "demo")
+"""Commands whose own process compiles for its devices: they use the persistent compilation
+cache (`launch/compile_cache.py`; a `simloop serve` engine runs on one device). Others start
+no JAX backend of their own (a rollout on a TPU host must not claim the servers' chips)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -149,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from launch.deploy.chips import trainer_tpu_env
 
         os.environ.update(trainer_tpu_env(cfg, "agent", os.environ))
+    if args.command in COMPILING and not getattr(args, "dry_run", False):
+        from launch.compile_cache import enable_compile_cache
+
+        enable_compile_cache(cfg.run, single_device=args.command == "serve")
     return _dispatch(args, cfg)
 
 

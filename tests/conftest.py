@@ -17,9 +17,18 @@ os.environ["XLA_FLAGS"] = (
 # CPU unless the caller chose: on a TPU VM, `JAX_PLATFORMS=tpu,cpu pytest -m tpu` runs the
 # hardware tests (they compare the TPU against the CPU backend).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA compilation cache: with executables loaded from it, a train-agent run on
-# the demo's 4 fake devices died in an XLA:CPU cross-module all-reduce whose 4th device thread
-# never reached the rendezvous (40 s timeout, SIGABRT); the same run passes compiling fresh.
+# The simloop processes the tests start share one persistent compilation cache for this test
+# run (launch/compile_cache.py: on CPU only single-device programs, i.e. the servers' engines;
+# in-process tests compile as before), so the many `simloop serve` starts of the suite compile
+# their engine once. A fresh directory per run (the controller makes it, xdist workers and
+# every subprocess inherit it): nothing leaks between runs or into ~/.cache.
+if "SIMLOOP_COMPILE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["SIMLOOP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="simloop-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["SIMLOOP_COMPILE_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 

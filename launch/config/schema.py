@@ -44,6 +44,12 @@ class RunConfig:
     wandb_mode: Literal["auto", "offline", "online"] = "auto"
     """`offline` writes `<run>/wandb/` for a later `wandb sync` and never needs the network;
     `auto` is `online` when WANDB_API_KEY is set, else `offline`."""
+    compile_cache: bool = True
+    """JAX's persistent compilation cache (`launch/compile_cache.py`): a program compiled once
+    on this machine is loaded by every later process instead of compiled again. False: off."""
+    compile_cache_dir: str | None = None
+    """Where it lives; None: $SIMLOOP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/simloop/xla
+    (~/.cache/simloop/xla)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -56,6 +62,15 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig.wandb_project={self.wandb_project!r} is invalid: a non-empty string"
             )
+        if not isinstance(self.compile_cache, bool):
+            raise ValueError(
+                f"RunConfig.compile_cache={self.compile_cache!r} is invalid: true or false"
+            )
+        if self.compile_cache_dir is not None and (
+            not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
+        ):
+            raise ValueError(f"RunConfig.compile_cache_dir={self.compile_cache_dir!r} is "
+                             "invalid: a directory path, or null for the default")  # fmt: skip
         if self.wandb_mode not in ("auto", "offline", "online"):
             raise ValueError(
                 f"RunConfig.wandb_mode={self.wandb_mode!r} is invalid: auto, offline or online"

@@ -1,0 +1,65 @@
+"""JAX's persistent compilation cache for simloop's processes: a program compiled once on a
+machine is loaded, not compiled, by every later process that needs it (a restarted server,
+the demo's next stage, the next run). A `simloop serve` on CPU starts in ~6 s instead of ~20 s.
+
+    enable_compile_cache(cfg.run, single_device=True)   # before the first compile
+
+Where: `run.compile_cache_dir`, else `$SIMLOOP_COMPILE_CACHE_DIR`, else
+`$XDG_CACHE_HOME/simloop/xla` (`~/.cache/simloop/xla`). Off: `--run.compile_cache false`.
+JAX keys each entry on the program, the compile options, the devices and jaxlib's version, so
+a stale entry is never loaded for a changed program.
+
+One exception, measured here: on XLA:CPU, a process whose programs run collectives across
+several fake devices (a trainer on a `cpu-N` plan) must compile fresh. With executables loaded
+from the cache, a train-agent run on the demo's 4 fake devices died in a cross-module
+all-reduce whose 4th device thread never reached the rendezvous; the same run passes compiling
+fresh. So on CPU the cache serves single-device programs only: servers (the engine runs on one
+device) and single-device processes. TPU and GPU processes always use it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR_ENV = "SIMLOOP_COMPILE_CACHE_DIR"
+MAX_SIZE_BYTES = 4 << 30
+"""Least recently used entries go beyond this."""
+
+
+def compile_cache_dir(run_cfg) -> Path:
+    """The cache directory `run_cfg` (a `RunConfig`) names, or the default."""
+    if run_cfg.compile_cache_dir:
+        return Path(run_cfg.compile_cache_dir).expanduser()
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "simloop" / "xla"
+
+
+def enable_compile_cache(run_cfg, *, single_device: bool = False) -> Path | None:
+    """Point JAX at the persistent cache; the directory, or None when it stays off (turned
+    off, or an XLA:CPU process with several devices whose programs are not all
+    `single_device`). Call before this process compiles anything."""
+    if not run_cfg.compile_cache:
+        return None
+    import jax
+
+    if not single_device and jax.default_backend() == "cpu" and jax.device_count() > 1:
+        return None
+    path = compile_cache_dir(run_cfg)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home: run on, compiling as before
+        print(f"simloop: compilation cache off ({path} cannot be created: {e})", flush=True)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    # A size cap turns on JAX's LRU eviction, and with it a file lock around every read and
+    # write: without it, a server reading an entry another process is still writing could
+    # load half an executable (JAX's plain writes are not atomic).
+    jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
+    # Tiny CPU programs compile in well under JAX's default 1 s threshold, and together they
+    # are most of a server's start-up: cache every program.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
