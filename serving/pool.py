@@ -18,7 +18,8 @@ does (no connection, or 5xx after the client's own retries), or when a publish f
 in-flight requests and every later request of a session pinned to it raise `ReplicaDown`
 (never moved mid-episode to another replica: other KV, maybe another version). The owner
 restarts it (`on_eject`) and calls `readmit`, which republishes the current version through
-the attached `PoolPublisher` before the replica takes traffic again.
+the attached `PoolPublisher` before the replica takes traffic again; an owner that gives up on
+a replica `retire`s it, and once every replica is retired new sessions fail at once.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ class Replica:
     version: int | None = None
     """Last weight version published to it through the pool."""
     failed_checks: int = 0
+    restarts: int = 0
+    """Processes its owner started in place of a dead one (counted by the owner)."""
+    retired: bool = False
+    """Its owner gave up restarting it: it stays out until readmitted."""
     _down: asyncio.Future | None = field(default=None, repr=False)
 
     @property
@@ -288,6 +293,10 @@ class ReplicaPool:
         deadline = time.monotonic() + self.cfg.wait_live_s
         while not self.live:
             self._live_changed.clear()
+            if all(r.retired for r in self.replicas):  # nothing will come back: do not wait
+                down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
+                raise ReplicaDown(None, f"no live {self.role} replica for {key}: every one "
+                                  f"failed and was given up ({down})")  # fmt: skip
             left = deadline - time.monotonic()
             if left <= 0:
                 down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
@@ -322,6 +331,16 @@ class ReplicaPool:
                 log.exception("%s pool: on_eject(%s) failed", self.role, r.url)
         return True
 
+    def retire(self, replica: Replica | str | int, reason: str) -> None:
+        """Its owner gave up on an ejected replica (e.g. every restart failed): it stays out,
+        and when no replica is left new sessions fail at once instead of waiting."""
+        r = self.replica(replica)
+        if r.live:
+            raise ValueError(f"{self.role} replica {r.url} is live: eject it before retiring it")
+        r.retired, r.reason = True, reason
+        log.error("%s replica %s given up: %s", self.role, r.url, reason)
+        self._live_changed.set()  # sessions waiting for a live replica look again
+
     async def readmit(self, replica: Replica | str | int) -> Replica:
         """Put an ejected replica back in service once it answers `/health` and, with a
         `PoolPublisher` attached, holds the current version (republished first). Raises
@@ -343,7 +362,7 @@ class ReplicaPool:
     def _mark_live(self, r: Replica) -> None:
         if r.live:  # readmitted by a concurrent call meanwhile: keep its generation
             return
-        r.live, r.generation, r.reason = True, r.generation + 1, None
+        r.live, r.generation, r.reason, r.retired = True, r.generation + 1, None, False
         r._down, r.failed_checks = None, 0
         log.info("%s replica %s readmitted (version %s)", self.role, r.url, r.version)
         self._live_changed.set()
@@ -405,10 +424,11 @@ class ReplicaPool:
             "live": len(self.live),
             "replicas": len(self.replicas),
             "ejections": sum(r.ejections for r in self.replicas),
+            "restarts": sum(r.restarts for r in self.replicas),
             "in_flight": sum(r.in_flight for r in self.replicas),
             "per_replica": [
                 {"url": r.url, "live": r.live, "in_flight": r.in_flight, "ejections": r.ejections,
-                 "version": r.version, "reason": r.reason}
+                 "restarts": r.restarts, "version": r.version, "reason": r.reason}
                 for r in self.replicas
             ],
         }  # fmt: skip

@@ -14,6 +14,11 @@ the config names, logs to `<run>/logs/<role>-server.log`, and is stopped (SIGTER
 after a grace period) when the block exits, on every path. A vLLM server starts from an HF
 directory of the role's current weights (`write_vllm_model`), logs to
 `<run>/logs/vllm-<role>_serve-<port>.log` and is `/health`-gated the same way.
+
+A role with several replicas gets a `serving.pool.ReplicaPool`; when the pool ejects one of the
+servers started here, a `ReplicaRestarter` kills what is left of it, starts the same planned
+process on its port again and `readmit`s it (which republishes the current version first),
+with retries; a replica that never comes back is given up and the run goes on with the others.
 """
 
 from __future__ import annotations
@@ -21,16 +26,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rl.data.rundir import CONFIG, LOGS
+
+log = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
 """Where `simloop serve` reads its admin token (or `--admin-token-file`)."""
@@ -160,14 +170,122 @@ def write_vllm_model(cfg, role: str, model_dir: Path) -> None:
             shutil.copy2(f, model_dir / f.name)
 
 
+# ----- restarting ejected replicas ------------------------------------------------------------
+
+RESTART_ATTEMPTS = 3
+RESTART_BACKOFF_S = 2.0
+"""Wait after a failed restart attempt, doubled after each."""
+RESTART_CLOSE_S = 30.0
+"""How long closing waits for the restarts it cancelled (a server mid-start is stopped)."""
+
+
+class ReplicaRestarter:
+    """Brings a pool's ejected replicas back: `on_eject` (the pool's hook) schedules, as its
+    own task, `stop(server)` (what is left of it) -> `start(index, closing)` (the same process
+    on the same port; `closing` is set when the restarter closes) -> `pool.readmit` (health,
+    then the current version republished). A failed attempt is retried after a backoff; after
+    `attempts` the replica is `retire`d (a clear log line; the others keep serving). `servers`
+    holds each replica's current server and is updated in place, so whoever stops them at
+    the end stops the restarted ones."""
+
+    def __init__(self, pool, servers: list, start: Callable[[int, threading.Event], Awaitable],
+                 stop: Callable[[Any], Awaitable[None]], *, attempts: int = RESTART_ATTEMPTS,
+                 backoff_s: float = RESTART_BACKOFF_S):  # fmt: skip
+        if len(servers) != len(pool.replicas):
+            raise ValueError(f"{len(servers)} servers for {len(pool.replicas)} replicas")
+        self.pool, self.servers, self.start, self.stop = pool, servers, start, stop
+        self.attempts, self.backoff_s = attempts, backoff_s
+        self.closing = threading.Event()
+        self._tasks: dict[int, asyncio.Task] = {}
+        pool.on_eject = self.on_eject
+
+    def on_eject(self, replica, reason: str) -> None:
+        if self.closing.is_set():
+            return
+        running = self._tasks.get(replica.index)
+        if running is not None and not running.done():
+            return
+        name = f"restart-{self.pool.role}-{replica.index}"
+        self._tasks[replica.index] = asyncio.create_task(self._restart(replica, reason), name=name)
+
+    async def _restart(self, replica, reason: str) -> None:
+        role, url = self.pool.role, replica.url
+        log.warning("%s replica %s is down (%s): restarting it", role, url, reason)
+        delay, last = self.backoff_s, None
+        for attempt in range(1, self.attempts + 1):
+            try:
+                await self.stop(self.servers[replica.index])
+                self.servers[replica.index] = await self.start(replica.index, self.closing)
+                replica.restarts += 1
+                await self.pool.readmit(replica)
+            except Exception as e:  # noqa: BLE001 - retried, and reported when given up
+                last = e
+                log.warning("%s replica %s: restart %d/%d failed: %s", role, url, attempt,
+                            self.attempts, e)  # fmt: skip
+            else:
+                log.warning("%s replica %s restarted and back in service at version %s",
+                            role, url, replica.version)  # fmt: skip
+                return
+            if attempt < self.attempts:
+                await asyncio.sleep(delay)
+                delay *= 2
+        if not replica.live:  # (not readmitted by someone else meanwhile)
+            self.pool.retire(replica, f"down ({reason}); {self.attempts} restarts failed, the "
+                             f"last: {last}")  # fmt: skip
+
+    async def close(self) -> None:
+        """Cancel the restarts under way (bounded; a server one was starting is stopped)."""
+        self.closing.set()
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=RESTART_CLOSE_S)
+            for t in pending:
+                log.warning("%s did not stop within %gs", t.get_name(), RESTART_CLOSE_S)
+        for t in self._tasks.values():  # a restart's own failure surfaces here
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of an ejected server: its whole process group (the engine
+    processes a dead `vllm serve` forked may still hold its chips), then reap it."""
+    if getattr(proc, "returncode", None) is None:  # not reaped: its pid (its group) is its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+async def start_in_thread(start: Callable[[], Any], stop: Callable[[Any], None]) -> Any:
+    """`start()` in a thread; if the caller is cancelled meanwhile, what it starts is stopped
+    once it is up (a thread cannot be interrupted)."""
+    job = asyncio.ensure_future(asyncio.to_thread(start))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            server = await job
+            await asyncio.to_thread(stop, server)
+        raise
+
+
+def _sleep_unless(closing: threading.Event, seconds: float) -> None:
+    if closing.wait(seconds):
+        raise RuntimeError("the job is ending: restart abandoned")
+
+
 class RoleServers(dict):
     """`{role: client}`: the role's server's `InferenceClient`, or a `serving.pool.ReplicaPool`
-    over its replicas; with every replica's URL and client (`urls[role]`, `replicas[role]`)."""
+    over its replicas; with every replica's URL and client (`urls[role]`, `replicas[role]`),
+    and the servers started here (`servers[role]`: the current `LocalServer`/`VllmServer` of
+    each replica, a restarted one in place of the dead one; empty for servers of others)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.urls: dict[str, list[str]] = {}
         self.replicas: dict[str, list] = {}
+        self.servers: dict[str, list] = {}
 
 
 @contextlib.asynccontextmanager
@@ -187,7 +305,7 @@ async def role_clients(
     each healthy before the block runs. Clients close and local servers stop when it exits,
     on every path. `admin_token` goes to a local jax agent server (vLLM servers take weights
     over `/collective_rpc` instead)."""
-    from launch.deploy.processes import SERVER_URLS_ENV, server_processes
+    from launch.deploy.processes import SERVER_URLS_ENV
     from serving.client import ClientConfig, InferenceClient
 
     run_dir = Path(run_dir)
@@ -198,30 +316,20 @@ async def role_clients(
             url = getattr(cfg, role).server_url
             vllm = cfg.serve.backend_of(role) == "vllm"
             timeout = health_timeout_s
+            servers: list = []  # the ones started here, which a pool may restart
             if url is not None:
                 urls = [url]
             elif role in external:
                 urls, timeout = list(external[role]), max(timeout, cfg.vllm.health_timeout_s)
             elif vllm:
-                urls = await _start_vllm(cfg, run_dir, role, who, stack)
-                timeout = cfg.vllm.health_timeout_s
+                servers, start = await _start_vllm(cfg, run_dir, role, who, stack)
+                urls, timeout = [s.url for s in servers], cfg.vllm.health_timeout_s
             else:
-                urls = []
-                token = admin_token if role == "agent" else None
-                for proc in server_processes(cfg, role, run_dir):
-                    print(f"simloop {who}: starting a local {role} server ...", flush=True)
-                    env = dict(proc.env)
-                    if token is not None:
-                        env[ADMIN_TOKEN_ENV] = token
-                    server = await asyncio.to_thread(
-                        LocalServer.start, role, run_dir,
-                        extra_args=local_server_args(cfg, role, run_dir, token),
-                        env=env or None, name=f"{role}-{proc.replica}" if proc.replica else None,
-                    )  # fmt: skip
-                    stack.push_async_callback(asyncio.to_thread, server.stop)
-                    urls.append(server.url)
+                servers, start = await _start_jax(cfg, run_dir, role, who, stack, admin_token,
+                                                  health_timeout_s)  # fmt: skip
+                urls = [s.url for s in servers]
             model = role if vllm and url is None else None  # its --served-model-name
-            clients.urls[role], clients.replicas[role] = urls, []
+            clients.urls[role], clients.replicas[role], clients.servers[role] = urls, [], servers
             for u in urls:
                 cc = ClientConfig(u, timeout_s=cfg.orchestrator.request_timeout_s, model=model)
                 client = await stack.enter_async_context(InferenceClient(cc))
@@ -232,13 +340,59 @@ async def role_clients(
                 from serving.pool import ReplicaPool
 
                 pool = ReplicaPool(clients.replicas[role], role=role)
+                if servers:  # ours: an ejected one is restarted (before the servers stop)
+                    stack.push_async_callback(ReplicaRestarter(pool, servers, start, _kill).close)
                 clients[role] = await stack.enter_async_context(pool)
         yield clients
 
 
-async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack) -> list[str]:
+async def _kill(server) -> None:
+    await asyncio.to_thread(kill_server, server.proc)
+
+
+async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token: str | None,
+                     timeout_s: float):  # fmt: skip
+    """Start `role`'s planned `simloop serve` processes, stopped when `stack` closes. ->
+    (servers, `start(index, closing)`: that replica's process again, on its port)."""
+    from launch.deploy.processes import server_processes
+
+    token = admin_token if role == "agent" else None
+    servers: list[LocalServer] = []
+    stack.push_async_callback(asyncio.to_thread, lambda: [s.stop() for s in servers])
+    launches = []
+    for proc in server_processes(cfg, role, run_dir):
+        env = dict(proc.env)
+        if token is not None:
+            env[ADMIN_TOKEN_ENV] = token
+        launches.append(dict(extra_args=local_server_args(cfg, role, run_dir, token),
+                             env=env or None, timeout_s=timeout_s,
+                             name=f"{role}-{proc.replica}" if proc.replica else None))  # fmt: skip
+    for kw in launches:
+        print(f"simloop {who}: starting a local {role} server ...", flush=True)
+        servers.append(await asyncio.to_thread(LocalServer.start, role, run_dir, **kw))
+
+    restarts = [0] * len(servers)
+
+    async def start(i: int, closing: threading.Event) -> LocalServer:
+        port = int(servers[i].url.rsplit(":", 1)[1])  # the pool's client knows this URL
+        restarts[i] += 1  # a log of its own: the dead server's log tells why it died
+        kw = {**launches[i], "name": f"{launches[i]['name'] or role}-restart{restarts[i]}"}
+        server = await start_in_thread(
+            lambda: LocalServer.start(role, run_dir, port=port, **kw), LocalServer.stop
+        )
+        if server.url != servers[i].url:
+            await asyncio.to_thread(server.stop)
+            raise RuntimeError(f"the restarted {role} server listens on {server.url}, "
+                               f"not {servers[i].url}")  # fmt: skip
+        return server
+
+    return servers, start
+
+
+async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack):
     """Start `role`'s planned vLLM servers (`serving.vllm.launcher.launch_servers`:
-    staggered, `/health`-gated, log tail on failure), stopped when `stack` closes."""
+    staggered, `/health`-gated, log tail on failure), stopped when `stack` closes. ->
+    (servers, `start(index, closing)`: that replica's process again, on its chips and port)."""
     from launch.deploy.chips import SERVE_ROLE, config_plan
     from launch.deploy.processes import vllm_model_dir
     from launch.jobs.errors import JobError
@@ -255,12 +409,20 @@ async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack) -> list[st
         print(f"simloop {who}: writing the {role}'s HF weights for vLLM to {model_dir}", flush=True)
         await asyncio.to_thread(write_vllm_model, cfg, role, model_dir)
     print(f"simloop {who}: starting {len(procs)} vLLM {role} server(s) ...", flush=True)
+    models = {SERVE_ROLE[role]: ServedModel(str(model_dir), role)}
     try:
-        servers = await asyncio.to_thread(
-            launch_servers, procs, cfg.vllm,
-            {SERVE_ROLE[role]: ServedModel(str(model_dir), role)}, log_dir=run_dir / LOGS,
-        )  # fmt: skip
+        servers = await asyncio.to_thread(launch_servers, procs, cfg.vllm, models,
+                                          log_dir=run_dir / LOGS)  # fmt: skip
     except VllmLaunchError as e:  # every server it started is already stopped
         raise JobError(str(e)) from e
     stack.push_async_callback(asyncio.to_thread, stop_servers, servers)
-    return [s.url for s in servers]
+
+    async def start(i: int, closing: threading.Event):
+        (server,) = await start_in_thread(
+            lambda: launch_servers([procs[i]], cfg.vllm, models, log_dir=run_dir / LOGS,
+                                   sleep=lambda s: _sleep_unless(closing, s)),
+            stop_servers,
+        )  # fmt: skip
+        return server
+
+    return servers, start
