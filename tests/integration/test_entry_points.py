@@ -97,3 +97,20 @@ def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
     assert sync["episodes_finished"] >= 3 * result["rl"]["batch_size"]  # every episode trained ok
     assert sync["staleness_max"] == 0 and async_["staleness_max"] >= 1  # S=2 sampled meanwhile
     assert async_["wall_s"] < sync["wall_s"]
+
+
+@pytest.mark.slow
+def test_publish_bench_quick_times_both_backends_against_the_raw_write(tmp_path):
+    out = tmp_path / "publish.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # servers: one device each
+    subprocess.run(
+        [sys.executable, "bench/publish_latency.py", "--quick", "--json", str(out)],
+        cwd=REPO, env=env, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["size"], r["replicas"]) for r in rows] == [
+        ("jax", "tiny", 1), ("fake-vllm", "tiny", 1)]  # fmt: skip
+    for r in rows:
+        assert r["checkpoint_mb"] > 0 and r["raw_write_s"] > 0 and r["probe_s"] > 0
+        assert r["publish_s"] > r["write_s"] > 0 and r["load_s"] > 0  # the load came on top
+        assert r["ratio"] == pytest.approx(r["publish_s"] / r["raw_write_s"])
