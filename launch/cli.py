@@ -66,7 +66,7 @@ MODULES: dict[str, str] = {
     "e2b": "launch.jobs.e2b_sweep",
 }
 # commands that start processes: `--dry-run [--format text|json]` prints them instead
-DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent")
+DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo")
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.

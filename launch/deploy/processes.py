@@ -148,10 +148,17 @@ def print_dry_run(args, cfg, job: str, roles: Sequence[str], publishes: Sequence
     """`--dry-run`: print `job_processes` (text, or `{"processes": [...]}` with
     `--format json`) and return 0."""
     procs = job_processes(cfg, job, roles, args.out or DRY_RUN_OUT, publishes=publishes)
+    return print_processes(args, [(None, p) for p in procs])
+
+
+def print_processes(args, procs: Sequence[tuple[str | None, PlannedProcess]]) -> int:
+    """Print `(stage, process)` pairs as `--format` says (a stage, when given, prefixes the
+    line and is a `stage` key in JSON) and return 0."""
     if args.format == "json":
         keys = ("role", "replica", "host", "command", "env", "port")
-        rows = [{k: asdict(p)[k] for k in keys} for p in procs]
+        rows = [{**({"stage": st} if st else {}), **{k: asdict(p)[k] for k in keys}}
+                for st, p in procs]  # fmt: skip
         print(json.dumps({"processes": rows}, indent=1))
     else:
-        print("\n".join(p.line() for p in procs))
+        print("\n".join(f"{st}: {p.line()}" if st else p.line() for st, p in procs))
     return 0

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from launch.config import ConfigError, load_config, write_config
 from launch.config.schema import SimloopConfig
+from launch.deploy.chips import cpu_device_flag
+from launch.deploy.processes import print_processes
 from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
@@ -65,11 +68,13 @@ def _finished(console, k: int, name: str, text: str, path: Path) -> dict | None:
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rich.console import Console
 
+    args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
+    if getattr(args, "dry_run", False):
+        return print_processes(args, demo_processes(args, cfg))
     if not args.out:
         raise UsageError("--out DIR is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
     console = Console()
     began = time.perf_counter()
     from rl.train.loop import TrainingDiverged
@@ -91,6 +96,55 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     print_summary(console, summary)
     console.print(f"simloop demo: summary -> {out / rundir.SUMMARY}, report -> {report}")
     return 0
+
+
+def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[str, Any]]:
+    """`(stage, process)` for every process `simloop demo` starts: the servers of the stages
+    that need them, one stage after another, then the demo's own process (it runs every
+    trainer and the orchestrator, on the plan's devices). Stages that start nothing (collect,
+    train-sim) list nothing."""
+    from launch.deploy.processes import DRY_RUN_OUT, PlannedProcess, job_processes
+    from launch.jobs.train_agent import _roles
+
+    out = Path(args.out or DRY_RUN_OUT)
+    base = stage_config(args, [])
+    agent = stage_config(
+        args,
+        [
+            "--orchestrator.arm",
+            base.demo.rl_arm,
+            "--train_agent.eval.arms",
+            json.dumps(list(base.demo.eval_arms)),
+        ],
+    )
+    stages = [("eval_sim", "eval-sim", base, ["simulator"]),
+              ("agent", "train-agent", agent, _roles(agent))]  # fmt: skip
+    if base.demo.real_rl:
+        real = stage_config(
+            args, ["--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"])]
+        )
+        stages.append(("agent_real", "train-agent", real, _roles(real)))
+    procs = []
+    for stage, job, cfg_, roles in stages:
+        planned = job_processes(cfg_, job, roles, out / stage, publishes=["agent"])
+        procs += [(stage, p) for p in planned if p.kind == "serve"]  # the rest: this process
+    command = [
+        sys.executable,
+        "-m",
+        "launch",
+        "demo",
+        "--config",
+        str(args.config),
+        "--out",
+        str(out),
+        *(["--quick"] if args.quick else []),
+        *args.overrides,
+    ]
+    env = {}
+    flag = cpu_device_flag(cfg, {})
+    if flag is not None:
+        env["XLA_FLAGS"] = flag
+    return procs + [("demo", PlannedProcess("demo", 0, "localhost", command, env, None, "job"))]
 
 
 def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]:

@@ -181,6 +181,21 @@ def test_every_job_that_starts_processes_has_a_dry_run(capsys, tmp_path):
     assert [line.split()[0] for line in lines] == ["agent_serve[0]", "sim_serve[0]", "rollout[0]"]
 
 
+def test_demo_dry_run_lists_each_stages_servers_then_itself(capsys, tmp_path):
+    out = _dry_run(capsys, "demo", "--config", str(DEMO), "--out", str(tmp_path / "demo"))
+    listed = [(p["stage"], p["role"]) for p in out["processes"]]
+    assert listed == [("eval_sim", "sim_serve"), ("agent", "agent_serve"), ("agent", "sim_serve"),
+                      ("agent_real", "agent_serve"), ("demo", "demo")]  # fmt: skip
+    assert not (tmp_path / "demo").exists()  # nothing written, nothing started
+    servers = [p for p in out["processes"] if p["role"] != "demo"]
+    assert all(p["command"][1:4] == ["-m", "launch", "serve"] for p in servers)
+    # each stage's server reads that stage's own config
+    stages = {_flag(p["command"], "--config").split("/")[-2] for p in servers}
+    assert stages == {"eval_sim", "agent", "agent_real"}
+    demo = out["processes"][-1]
+    assert "--out" in demo["command"] and "8" in demo["env"]["XLA_FLAGS"]
+
+
 def test_a_configured_server_url_is_not_started(capsys):
     out = _dry_run(capsys, "eval-agent", "--config", str(V6E_8),
                    "--agent.server_url", "http://127.0.0.1:9",
