@@ -293,13 +293,12 @@ class ReplicaPool:
         deadline = time.monotonic() + self.cfg.wait_live_s
         while not self.live:
             self._live_changed.clear()
+            down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
             if all(r.retired for r in self.replicas):  # nothing will come back: do not wait
-                down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
                 raise ReplicaDown(None, f"no live {self.role} replica for {key}: every one "
                                   f"failed and was given up ({down})")  # fmt: skip
             left = deadline - time.monotonic()
             if left <= 0:
-                down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
                 raise ReplicaDown(None, f"no live {self.role} replica for {key} within "
                                   f"{self.cfg.wait_live_s:g}s ({down})")  # fmt: skip
             with contextlib.suppress(TimeoutError):

@@ -97,15 +97,13 @@ def build_model(args: argparse.Namespace, cfg: SimloopConfig):
     """-> (model, tokenizer, name) per --model / --preset / the config's role."""
     from flax import nnx
 
-    from rl.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+    from rl.data.tokenizer import ByteTokenizer, hf_dir_tokenizer, load_tokenizer
     from rl.model import Qwen3, load_hf, preset
 
     role = getattr(cfg, cfg.serve.role)
     if args.model:
         _, model = load_hf(args.model)
-        has_tok = (Path(args.model) / "tokenizer.json").exists()
-        tokenizer = HFTokenizer(args.model) if has_tok else ByteTokenizer()
-        return model, tokenizer, Path(args.model).name
+        return model, hf_dir_tokenizer(args.model), Path(args.model).name
     if args.preset:
         model = Qwen3(preset(args.preset), rngs=nnx.Rngs(cfg.run.seed))
         return model, ByteTokenizer(), args.preset

@@ -196,5 +196,13 @@ class TokenizerConfig:
             raise ValueError("TokenizerConfig.path is required when kind is 'hf'")
 
 
+def hf_dir_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The tokenizer an HF model directory (or a `tokenizer.json` path) carries, or simloop's
+    byte tokenizer when there is none (the byte-level models `save_hf` writes)."""
+    path = Path(path)
+    found = (path / "tokenizer.json").exists() if path.is_dir() else path.exists()
+    return HFTokenizer(path) if found else ByteTokenizer()
+
+
 def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return ByteTokenizer() if cfg.kind == "byte" else HFTokenizer(cfg.path)

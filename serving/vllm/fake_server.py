@@ -430,26 +430,24 @@ def _as_vllm(body: dict, req, outputs) -> dict:
 
 
 def _load(args: argparse.Namespace):
-    """-> (model, tokenizer, extension class or None); ValueError/OSError name what is wrong."""
-    from rl.data.tokenizer import ByteTokenizer, HFTokenizer
+    """-> (model, tokenizer, the workers' class); ValueError/OSError name what is wrong."""
+    from rl.data.tokenizer import ByteTokenizer, hf_dir_tokenizer
     from rl.model import load_hf
 
     extension = import_by_name(args.worker_extension_cls) if args.worker_extension_cls else None
-    worker_class(extension)  # refuse a conflicting extension before the model loads
+    cls = worker_class(extension)  # refuse a conflicting extension before the model loads
     model_dir = Path(args.model)
     if not model_dir.is_dir():
         raise ValueError(f"model directory {args.model!r} does not exist: the fake server "
                          "serves a local HF directory (config.json + safetensors)")  # fmt: skip
     _, model = load_hf(model_dir)
-    tok_path = Path(args.tokenizer) if args.tokenizer else model_dir
-    has_tok = (tok_path / "tokenizer.json").exists() if tok_path.is_dir() else tok_path.exists()
-    if args.tokenizer and not has_tok:
+    tokenizer = hf_dir_tokenizer(args.tokenizer or model_dir)
+    if args.tokenizer and isinstance(tokenizer, ByteTokenizer):
         raise ValueError(f"--tokenizer {args.tokenizer!r}: no tokenizer.json there")
-    tokenizer = HFTokenizer(tok_path) if has_tok else ByteTokenizer()
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                          f"{model.cfg.vocab_size} embeddings")  # fmt: skip
-    return model, tokenizer, extension
+    return model, tokenizer, cls
 
 
 def _engine_config(args: argparse.Namespace, model_cfg):
@@ -475,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("vLLM API server version %s", VERSION)
     log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v is not None})
     try:
-        model, tokenizer, extension = _load(args)
+        model, tokenizer, cls = _load(args)
         engine_cfg = _engine_config(args, model.cfg)
     except (OSError, ValueError) as e:
         log.error("cannot start: %s", e)
@@ -489,7 +487,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine(model, tokenizer, engine_cfg)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    cls = worker_class(extension)
     workers = [cls(rank, FakeModelRunner(model.cfg, params))
                for rank in range(args.tensor_parallel_size)]  # fmt: skip
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
