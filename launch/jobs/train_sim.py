@@ -46,13 +46,15 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     from launch.deploy.chips import trainer_device_ids
     from rl.data import load_tokenizer
     from rl.data.datasets import sim_sft_dataset
-    from rl.data.trajectory import load_trajectories
+    from rl.data.trajectory import canonical_order, load_trajectories
     from rl.train.build import build_trainer, export_weights
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import resume, sft_loop
 
     tcfg = cfg.train_sim
-    trajs = load_trajectories(tcfg.trajectories)
+    # Collectors write episodes as they finish: the canonical order makes the data stream
+    # (and so the trained simulator) the same in every run of the same collection.
+    trajs = canonical_order(load_trajectories(tcfg.trajectories))
     train = [t for t in trajs if not is_heldout(t.task_id, tcfg.heldout_fraction)]
     heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
     (out / rundir.HELDOUT_TASKS).write_text(json.dumps(heldout, indent=1))

@@ -400,3 +400,16 @@ def load_trajectories(paths: Iterable[str | os.PathLike]) -> list[Trajectory]:
         for file in files:
             out.extend(iter_jsonl(file))
     return out
+
+
+def canonical_order(trajectories: Iterable[Trajectory]) -> list[Trajectory]:
+    """The trajectories in an order that does not depend on when each episode finished:
+    by task, group and index in the group, then by content. Writers append episodes as they
+    complete, so two runs of one collection hold the same episodes in different orders; a
+    trainer that reads them in this order sees the same data stream in every run."""
+
+    def key(t: Trajectory) -> tuple:
+        index = t.meta.get("group_index")
+        return (t.task_id, t.group_id, index if isinstance(index, int) else -1, to_json_line(t))
+
+    return sorted(trajectories, key=key)

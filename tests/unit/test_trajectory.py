@@ -245,3 +245,32 @@ def test_rendered_token_view_is_append_only_render(replies_in_a_row):
         assert RENDERER.tokenizer.decode(traj.token_ids[start:end]) == turn.agent_text + (
             "<|im_end|>"
         )
+
+
+def test_canonical_order_ignores_completion_order():
+    """Episodes written in completion order come back in one order whatever that was: by task,
+    group, index in the group, then content (two episodes alike in all of those but their
+    observations still get a fixed order)."""
+    import random
+
+    from rl.data.trajectory import canonical_order
+
+    trajs = []
+    for task in ("t-2", "t-10", "t-1"):
+        for index in (1, 0):
+            for obs in ("b", "a"):
+                t = copy.deepcopy(sampled())
+                t.task_id, t.group_id = task, f"g-{task}"
+                t.meta = {"group_index": index}
+                t.turns[0].observation = obs
+                trajs.append(t)
+    want = [(t.task_id, t.meta["group_index"], t.turns[0].observation)
+            for t in canonical_order(trajs)]  # fmt: skip
+    assert want[:4] == [("t-1", 0, "a"), ("t-1", 0, "b"), ("t-1", 1, "a"), ("t-1", 1, "b")]
+    rng = random.Random(0)
+    for _ in range(5):
+        shuffled = trajs[:]
+        rng.shuffle(shuffled)
+        got = [(t.task_id, t.meta["group_index"], t.turns[0].observation)
+               for t in canonical_order(shuffled)]  # fmt: skip
+        assert got == want
