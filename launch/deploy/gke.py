@@ -169,6 +169,22 @@ def host_layout(cfg, plan) -> dict[str, Any]:
     }
 
 
+def gke_processes(cfg) -> list:
+    """Every process the GKE pods of `cfg` start, as `PlannedProcess`es (what
+    `--dry-run --target gke` prints): each server with its own command, each trainer with
+    `gke.command`, with the environment `plan.json` gives it."""
+    from launch.deploy.processes import PlannedProcess
+
+    out = []
+    for host in host_layout(cfg, chip_plan(cfg))["hosts"]:
+        for p in host["processes"]:
+            out.append(PlannedProcess(
+                p["role"], p["replica"], host["hostname"], list(p.get("command") or
+                cfg.gke.command), dict(p["env"]), p["http_port"], p["kind"],
+            ))  # fmt: skip
+    return out
+
+
 def _bucket_name(bucket: str) -> str:
     name = bucket.removeprefix("gs://").rstrip("/")
     if not re.fullmatch(r"[a-z0-9][-_.a-z0-9]{1,220}[a-z0-9]", name):

@@ -142,11 +142,25 @@ def add_dry_run_arguments(p) -> None:
                    help="print the processes this job would start, start nothing")  # fmt: skip
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="--dry-run output: one process per line, or JSON")  # fmt: skip
+    p.add_argument("--target", choices=["local", "gke"], default="local",
+                   help="--dry-run: the processes this machine would start, or those the "
+                        "GKE pods of the config start (`simloop gke render`'s plan)")  # fmt: skip
 
 
 def print_dry_run(args, cfg, job: str, roles: Sequence[str], publishes: Sequence[str] = ()) -> int:
     """`--dry-run`: print `job_processes` (text, or `{"processes": [...]}` with
-    `--format json`) and return 0."""
+    `--format json`) and return 0. With `--target gke`, the processes the GKE pods start,
+    exactly as `simloop gke render` puts them in its plan (the job is `gke.command`)."""
+    if getattr(args, "target", "local") == "gke":
+        from launch.deploy.gke import gke_processes
+        from launch.jobs.errors import UsageError
+
+        if job not in cfg.gke.command:
+            raise UsageError(
+                f"--target gke: the pods run gke.command {' '.join(cfg.gke.command)!r}, not "
+                f"`simloop {job}`; dry-run that job (or set gke.command)"
+            )
+        return print_processes(args, [(None, p) for p in gke_processes(cfg)])
     procs = job_processes(cfg, job, roles, args.out or DRY_RUN_OUT, publishes=publishes)
     return print_processes(args, [(None, p) for p in procs])
 

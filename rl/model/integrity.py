@@ -1,8 +1,11 @@
 """Checkpoint integrity: a manifest of every file (size + sha256) written once a checkpoint is
-complete, verified before anything reads it, and a finiteness check of loaded arrays.
+complete, verified before anything read from it is used, and a finiteness check of loaded
+arrays.
 
     write_manifest(path)          # after the writer (Orbax) has committed `path`
     verify_checkpoint(path)       # raises CheckpointError naming the first problem
+    layout = check_layout(path)   # or in two halves: layout first, then hash while reading
+    verify_contents(path, layout)
     nonfinite_leaves(params)      # ["layers/mlp/up", ...]: leaves holding NaN or inf
 
 A checkpoint is a directory; its manifest `manifest.json` lists each regular file under it.
@@ -18,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,16 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _sha256_all(files: dict[str, Path]) -> dict[str, str]:
+    """Each file's sha256, several files at once (hashlib releases the GIL on large updates:
+    a checkpoint's few big files hash on as many cores as there are files)."""
+    if len(files) < 2:
+        return {rel: _sha256(p) for rel, p in files.items()}
+    workers = min(len(files), os.cpu_count() or 1, 16)
+    with ThreadPoolExecutor(workers, thread_name_prefix="sha256") as pool:
+        return dict(zip(files, pool.map(_sha256, files.values()), strict=True))
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -78,8 +92,10 @@ def write_manifest(path: str | os.PathLike) -> Path:
     """Record every file under the checkpoint directory `path` (atomically: a torn manifest
     never verifies). Call it only once the checkpoint is completely written."""
     root = Path(path)
-    files = {rel: {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for rel, p in sorted(_files(root).items())}  # fmt: skip
+    present = dict(sorted(_files(root).items()))
+    digests = _sha256_all(present)
+    files = {rel: {"size": p.stat().st_size, "sha256": digests[rel]}
+             for rel, p in present.items()}  # fmt: skip
     out = root / MANIFEST
     tmp = root / f".{MANIFEST}.tmp"
     with tmp.open("w") as f:
@@ -94,6 +110,13 @@ def verify_checkpoint(path: str | os.PathLike, *, root: str | os.PathLike | None
     """Raise CheckpointError unless the checkpoint directory `path` is exactly what its
     manifest lists: every file present with its size and sha256, nothing else, no symlink,
     and (given `root`) the directory itself inside `root` once symlinks are resolved."""
+    verify_contents(path, check_layout(path, root=root))
+
+
+def check_layout(path: str | os.PathLike, *, root: str | os.PathLike | None = None) -> dict:
+    """The cheap half of `verify_checkpoint`: confinement, the manifest readable, exactly its
+    files present with their sizes. Returns what `verify_contents` needs to finish (hashing),
+    which a reader may run while it reads the files: nothing outside `path` is touched."""
     where = Path(path)
     present = check_confined(where, root=root)
     try:
@@ -117,8 +140,17 @@ def verify_checkpoint(path: str | os.PathLike, *, root: str | os.PathLike | None
                 f"checkpoint {where}: {rel} has {p.stat().st_size} bytes, the manifest says "
                 f"{want.get('size') if isinstance(want, dict) else want!r} (truncated?)"
             )
-        if _sha256(p) != want.get("sha256"):
-            raise CheckpointError(f"checkpoint {where}: {rel} does not match its sha256 (corrupt)")
+    return {"where": where, "present": present, "listed": listed}
+
+
+def verify_contents(path: str | os.PathLike, layout: dict) -> None:
+    """The expensive half of `verify_checkpoint`: every file's sha256 against its manifest."""
+    digests = _sha256_all(layout["present"])
+    for rel in sorted(digests):
+        if digests[rel] != layout["listed"][rel].get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {layout['where']}: {rel} does not match its sha256 (corrupt)"
+            )
 
 
 @functools.cache
@@ -132,14 +164,19 @@ def _all_finite():
 
 
 def nonfinite_leaves(tree: Any) -> list[str]:
-    """Paths ("a/b/c") of the floating-point leaves of `tree` holding a NaN or an infinity
-    (host or device arrays; one device-to-host transfer of one bool per leaf)."""
+    """Paths ("a/b/c") of the floating-point leaves of `tree` holding a NaN or an infinity.
+    Device arrays are checked where they are (one transfer of one bool per leaf); a tree of
+    host NumPy arrays on the host (a vLLM worker's read never touches its accelerator)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     flat = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]  # fmt: skip
-    finite = jax.device_get(_all_finite()([x for _, x in flat])) if flat else []
+    if all(isinstance(x, np.ndarray) for _, x in flat):
+        finite = [bool(np.isfinite(x).all()) for _, x in flat]
+    else:
+        finite = jax.device_get(_all_finite()([x for _, x in flat])) if flat else []
     return [
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
         for (p, _), ok in zip(flat, finite, strict=True)

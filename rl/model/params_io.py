@@ -14,14 +14,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rl.model.config import ModelConfig
-from rl.model.integrity import MANIFEST, check_finite, verify_checkpoint, write_manifest
+from rl.model.integrity import (
+    MANIFEST,
+    check_finite,
+    check_layout,
+    verify_contents,
+    write_manifest,
+)
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -54,6 +63,20 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig(**json.loads(file.read_text()))
 
 
+def read_verified(path: Path, read: Callable[[], Any], layout: dict | None) -> Any:
+    """`read()`, with the checkpoint's file hashes (`layout` from `check_layout`, or None:
+    nothing to verify) checked on another thread meanwhile. Nothing read is returned unless
+    they match, and a corrupt file is reported before whatever error it made `read` raise."""
+    if layout is None:
+        return read()
+    with ThreadPoolExecutor(1, thread_name_prefix="verify") as pool:
+        hashed = pool.submit(verify_contents, path, layout)
+        try:
+            return read()
+        finally:
+            hashed.result()
+
+
 def load_params(
     path: str | os.PathLike, model: nnx.Module, *, require_manifest: bool = False
 ) -> dict:
@@ -71,8 +94,12 @@ def load_params(
 
     path = Path(path).absolute()
     stored = read_model_config(path)  # FileNotFoundError first: not a checkpoint at all
+    # Confinement, the manifest and every file's size before anything is read; the hashes are
+    # checked while Orbax reads (on its own threads), and nothing read is returned unless they
+    # match: the same guarantee as verifying first, at the cost of the slower of the two.
+    layout = None
     if require_manifest or (path / MANIFEST).exists():
-        verify_checkpoint(path)
+        layout = check_layout(path)
     ours: ModelConfig = model.cfg
     skip = ("param_dtype", "dtype", "initializer_range", "max_position_embeddings")
     arch = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in skip]
@@ -92,9 +119,13 @@ def load_params(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         nnx.to_pure_dict(nnx.state(model, nnx.Param)),
     )
-    try:
-        params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
-    except ValueError as e:  # shape / structure mismatch, named by Orbax
-        raise ValueError(f"{path}: parameters do not fit the served model: {e}") from e
+
+    def restore():
+        try:
+            return ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
+        except ValueError as e:  # shape / structure mismatch, named by Orbax
+            raise ValueError(f"{path}: parameters do not fit the served model: {e}") from e
+
+    params = read_verified(path, restore, layout)
     check_finite(params, f"weights {path}")
     return params

@@ -28,13 +28,15 @@ import numpy as np
 
 from rl.model.config import ModelConfig
 from rl.model.hf_io import tensor_table
-from rl.model.params_io import PARAMS_DIR, read_model_config
+from rl.model.integrity import check_finite, check_layout
+from rl.model.params_io import PARAMS_DIR, read_model_config, read_verified
 
 
 def read_orbax_params(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
     """The config and parameter tree (host NumPy arrays, stored dtype) of a serving-weights
     directory. Nothing is placed on an accelerator: the checkpoint's own shardings name the
-    trainer's devices, which this process does not have."""
+    trainer's devices, which this process does not have. The checkpoint must be sealed
+    (`rl.model.integrity`, as trainers write it) and verify, as `simloop serve` requires."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -43,12 +45,18 @@ def read_orbax_params(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, A
     params_dir = path / PARAMS_DIR
     if not params_dir.is_dir():
         raise FileNotFoundError(f"{params_dir} not found: not a simloop params checkpoint")
-    checkpointer = ocp.PyTreeCheckpointer()
-    metadata = checkpointer.metadata(params_dir)
-    tree = getattr(metadata, "item_metadata", metadata)  # Orbax < 0.11 returns the tree itself
-    tree = getattr(tree, "tree", tree)
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    params = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    layout = check_layout(path)  # nothing is read from a checkpoint that is not confined
+
+    def read() -> dict[str, Any]:
+        checkpointer = ocp.PyTreeCheckpointer()
+        metadata = checkpointer.metadata(params_dir)
+        tree = getattr(metadata, "item_metadata", metadata)  # Orbax < 0.11: the tree itself
+        tree = getattr(tree, "tree", tree)
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        return checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+
+    params = read_verified(path, read, layout)
+    check_finite(params, f"weights {path}")  # a manifest does not vouch for the numbers
     return cfg, params
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from rl.model import Qwen3, save_hf, tiny
+from rl.model.integrity import MANIFEST, CheckpointError
 from rl.model.params_io import save_params
 from serving.vllm.config import VllmConfig
 from serving.vllm.launcher import (
@@ -309,6 +310,38 @@ def test_an_older_version_is_refused_and_the_served_one_kept(tmp_path):
     )
     with pytest.raises(FileNotFoundError, match="model_config.json"):
         worker.load_orbax_weights(str(tmp_path / "missing"), 6)
+
+
+def _largest(root):
+    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["unsealed", "flipped", "nan"])
+def test_a_checkpoint_simloop_serve_would_refuse_is_refused_untouched(tmp_path, damage):
+    """The worker reads what `simloop serve` reads: a sealed checkpoint that verifies and holds
+    finite numbers. Anything else is refused before the model is touched."""
+    model = _model(tiny())
+    worker = FakeWorker(SimpleNamespace(model=RecordingModel()))
+    worker.load_orbax_weights(str(save_params(model, tmp_path / "good")), 1)
+    worker.model_runner.model.loaded = []
+    if damage == "nan":
+        model.embed.value = model.embed.value.at[3, 2].set(jnp.nan)
+    bad = save_params(model, tmp_path / "bad")
+    if damage == "unsealed":
+        (bad / MANIFEST).unlink()
+        expect = "has no manifest.json"
+    elif damage == "flipped":
+        target = _largest(bad / "params")
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        target.write_bytes(bytes(data))
+        expect = "sha256"
+    else:
+        expect = "non-finite"
+    with pytest.raises(CheckpointError, match=expect):
+        worker.load_orbax_weights(str(bad), 2)
+    assert worker.model_runner.model.loaded == []
+    assert worker.simloop_weight_version() == {"version": 1, "path": str(tmp_path / "good")}
 
 
 SENTINEL = 7.0

@@ -241,6 +241,24 @@ def test_gke_render_runs_the_commands_the_dry_run_lists(capsys):
     assert container["spec"]["containers"][0]["command"][6:] == cfg.gke.command
 
 
+def test_dry_run_target_gke_is_exactly_what_the_pods_start(capsys):
+    """`--dry-run --target gke` prints the render's plan.json: every process of every pod with
+    the command it runs there (the trainer: `gke.command`) and its whole environment."""
+    out = _dry_run(capsys, "train-agent", "--config", str(GKE_V6E_8), "--target", "gke")
+    cfg = load_config(SimloopConfig, GKE_V6E_8)
+    docs = {d["kind"]: d for d in gke.render(cfg)}
+    hosts = json.loads(docs["ConfigMap"]["data"]["plan.json"])["hosts"]
+    want = [{"role": p["role"], "replica": p["replica"], "host": h["hostname"],
+             "command": p.get("command", cfg.gke.command), "env": p["env"],
+             "port": p["http_port"]} for h in hosts for p in h["processes"]]  # fmt: skip
+    assert out["processes"] == want
+    trainer = [p for p in out["processes"] if p["role"] == "policy_train"]
+    assert [p["command"] for p in trainer] == [cfg.gke.command]
+    # The pods run gke.command: a dry run of another job for them is a one-line error.
+    assert main(["rollout", "--config", str(GKE_V6E_8), "--dry-run", "--target", "gke"]) == 2
+    assert "the pods run gke.command" in capsys.readouterr().err
+
+
 def test_gke_render_needs_an_hf_path_for_vllm_servers():
     cfg = load_config(SimloopConfig, GKE_V6E_8, ["--simulator.hf_path", "null"])
     with pytest.raises(gke.GkeError, match="simulator: vLLM servers on GKE start from"):
