@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from results import Row, add_json_flag, table, write_json  # bench/ is on sys.path
 from rich.console import Console
-from rich.table import Table
 
 from rl.data import ByteTokenizer
 from rl.model import Qwen3, jit_forward, save_hf, tiny
@@ -155,7 +154,7 @@ async def session(model, turns, obs_len, new_tokens, reuse: bool, max_seq_len) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
     batch, prompt_len, new_tokens = (4, 16, 8) if q else (8, 32, 64)
@@ -187,25 +186,22 @@ def main() -> None:
     results["session"] = dict(reuse_s=t_reuse, reprefill_s=t_full, cached_tokens=cached,
                               turns=turns)  # fmt: skip
 
-    table = Table(title="simloop engine (CPU): each row against a peer from this run")
-    for col in ("measure", "ours", "peer", "ratio", "target"):
-        table.add_column(col, justify="right")
     d = results["decode"]
-    table.add_row(f"decode tok/s vs HF generate (B={batch}, +{new_tokens})",
-                  f"{d['engine_tok_s']:,.0f}", f"{d['hf_tok_s']:,.0f}",
-                  f"{d['engine_tok_s'] / d['hf_tok_s']:.1f}x", ">= 3x")  # fmt: skip
-    table.add_row("decode tok/s vs our model without KV cache", f"{d['engine_tok_s']:,.0f}",
-                  f"{d['no_cache_tok_s']:,.0f}", f"{d['engine_tok_s'] / d['no_cache_tok_s']:.1f}x",
-                  "-")  # fmt: skip
-    table.add_row(f"{n_conc} requests: concurrent vs one at a time (s)", f"{t_conc:.2f}",
-                  f"{t_seq:.2f}", f"{t_seq / t_conc:.1f}x", ">= 10x")  # fmt: skip
-    table.add_row(f"{turns}-turn session: prefix reuse vs re-prefill (s)", f"{t_reuse:.2f}",
-                  f"{t_full:.2f}", f"{t_full / t_reuse:.1f}x", ">= 2x")  # fmt: skip
-    console.print(table)
+    rows = [
+        Row(f"decode vs HF generate, tiny B={batch} +{new_tokens}", d["engine_tok_s"],
+            d["hf_tok_s"], "tokens/s", ">= 3x"),
+        Row("decode vs our model without KV cache", d["engine_tok_s"], d["no_cache_tok_s"],
+            "tokens/s"),
+        Row(f"{n_conc} requests: concurrent vs one at a time", t_conc, t_seq, "s", ">= 10x",
+            ratio_of="peer/ours"),
+        Row(f"{turns}-turn session: prefix reuse vs re-prefill", t_reuse, t_full, "s", ">= 2x",
+            ratio_of="peer/ours"),
+    ]  # fmt: skip
+    console.print(table("simloop engine (CPU): each row against a peer from this run", rows))
     console.print(f"session: {cached} prompt tokens reused instead of prefilled; observations "
                   f"of {obs_len} tokens, {turn_new} generated per turn.")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, "engine_throughput", rows, results)
 
 
 if __name__ == "__main__":

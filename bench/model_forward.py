@@ -12,7 +12,6 @@ its own benchmark; this one measures the model.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from results import Row, add_json_flag, write_json  # bench/ is on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -98,6 +98,19 @@ def _cells(row: dict) -> list[str]:
     return out
 
 
+def json_rows(results: list[dict], args) -> list[Row]:
+    """The table's rows in the common shape: forward and decode per size (peer: HF)."""
+    rows = []
+    for r in results:
+        rows += [
+            Row(f"forward {r['size']} B={args.batch} T={args.seq}", r["forward_tok_s"],
+                r.get("hf_forward_tok_s"), "tokens/s", ">= 1x"),
+            Row(f"decode {r['size']} B={args.batch} prompt {args.prompt} +{args.decode_steps}",
+                r["decode_tok_s"], r.get("hf_decode_tok_s"), "tokens/s"),
+        ]  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
@@ -107,7 +120,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    add_json_flag(parser)
     args = parser.parse_args()
 
     console = Console()
@@ -147,7 +160,7 @@ def main() -> None:
         f"{args.prompt}, {args.decode_steps} greedy steps (prefill included in decode time)."
     )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, "model_forward", json_rows(results, args), results)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -36,6 +35,7 @@ from types import SimpleNamespace
 
 from flax import nnx
 from model_forward import SIZES  # bench/ is on sys.path: the same models as that bench
+from results import Row, add_json_flag, write_json  # bench/ is on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -164,7 +164,7 @@ def main() -> None:
                         help="models (default: all; --quick: tiny)")  # fmt: skip
     parser.add_argument("--replicas", type=int, help="servers per backend (default 2; quick 1)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 5; quick 2)")
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
     sizes = args.sizes or (["tiny"] if q else list(SIZES))
@@ -195,7 +195,9 @@ def main() -> None:
                   "token afterwards (JAX: the first replica; vLLM: prefix-cache reset and "
                   "every replica).")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        json_rows = [Row(f"publish vs raw write, {r['size']} {r['backend']} x{r['replicas']}",
+                         r["publish_s"], r["raw_write_s"], "s", "<= 2x") for r in rows]  # fmt: skip
+        write_json(args.json, "publish_latency", json_rows, rows)
 
 
 if __name__ == "__main__":

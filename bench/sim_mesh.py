@@ -8,6 +8,7 @@ its own process (the device count is fixed when JAX starts).
 
     .venv/bin/python bench/sim_mesh.py
     .venv/bin/python bench/sim_mesh.py --steps 5   # a smoke test
+    .venv/bin/python bench/sim_mesh.py --json sim_mesh.json        # rows also as JSON
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from results import Row, add_json_flag, write_json  # bench/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +64,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.steps)))
@@ -80,6 +84,11 @@ def main() -> int:
               f"{r['tokens_per_s']:8.0f} tokens/s")  # fmt: skip
     ratio = two["tokens_per_s"] / one["tokens_per_s"]
     print(f"  2-device fake mesh / 1 device, throughput: {ratio:.2f}x")
+    if args.json:
+        row = Row(f"simulator train step, demo shape: 2-device fake mesh vs 1 device "
+                  f"({os.cpu_count()} cores)", two["tokens_per_s"], one["tokens_per_s"],
+                  "tokens/s")  # fmt: skip
+        write_json(args.json, "sim_mesh", [row], rows)
     return 0
 
 

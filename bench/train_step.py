@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import re
 import tempfile
@@ -33,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from model_forward import SIZES  # bench/ is on sys.path: the same models as that bench
+from results import Row, add_json_flag, table, write_json  # bench/ is on sys.path
 from rich.console import Console
-from rich.table import Table
 
 from envs.config import TerminalConfig, TextopsConfig
 from envs.textops import TextopsAnswerShell, generate_textops
@@ -309,7 +308,7 @@ def main() -> None:
     parser.add_argument("--latency-ratio", type=float, default=1.0,
                         help="else: mean latency / the measured RL step")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
     sizes = args.sizes or (["tiny"] if q else list(SIZES))
@@ -339,26 +338,23 @@ def main() -> None:
                       f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%")  # fmt: skip
     rl_res = bench_rl(rl, console)
 
-    table = Table(title="simloop trainer (CPU): each row against a peer from this run")
-    for col in ("measure", "ours", "peer", "ratio", "target"):
-        table.add_column(col, justify="right")
-    table.add_row(f"float32 matmul peak {n_mm}^3 (GFLOP/s)", f"{peak / 1e9:.1f}", "-", "-", "-")
-    for r in trainers:
-        label = f"{r['size']} ({r['params'] / 1e6:.1f}M) SFT {r['rows']}x{r['seq']}"
-        table.add_row(f"{label}: tokens/s", f"{r['tokens_per_s']:,.0f}", "-", "-", "-")
-        table.add_row(f"{label}: GFLOP/s vs peak = MFU", f"{r['flops_per_s'] / 1e9:.2f}",
-                      f"{peak / 1e9:.1f}", f"{100 * r['mfu']:.1f}%", "reported")  # fmt: skip
     s0, sa = rl_res["sync"], rl_res["async"]
     S = rl.staleness
-    table.add_row(f"RL {rl.steps} steps wall: S={S} vs S=0 (s)", f"{sa['wall_s']:.1f}",
-                  f"{s0['wall_s']:.1f}", f"{rl_res['ratio']:.2f}x", "<= 0.7x")  # fmt: skip
-    table.add_row(f"RL data wait/step: S={S} vs S=0 (s)", f"{sa['data_wait_s']:.2f}",
-                  f"{s0['data_wait_s']:.2f}", "-", "-")  # fmt: skip
-    table.add_row(f"RL max staleness: S={S} vs S=0", str(sa["staleness_max"]),
-                  str(s0["staleness_max"]), "-", f"<= {S} / 0")  # fmt: skip
-    table.add_row("episode latency CV (measured, S=0)",
-                  f"{rl_res['latency_cv_measured']:.2f}", "-", "-", f"~{rl.cv}")  # fmt: skip
-    console.print(table)
+    rows = [Row(f"float32 matmul peak {n_mm}^3", peak / 1e9, None, "GFLOP/s")]
+    for r in trainers:
+        label = f"{r['size']} ({r['params'] / 1e6:.1f}M) SFT {r['rows']}x{r['seq']}"
+        rows += [Row(f"{label}: tokens/s", r["tokens_per_s"], None, "tokens/s"),
+                 Row(f"{label}: vs matmul peak (ratio = MFU)", r["flops_per_s"] / 1e9, peak / 1e9,
+                     "GFLOP/s")]  # fmt: skip
+    rows += [
+        Row(f"RL {rl.steps} steps wall: S={S} vs S=0", sa["wall_s"], s0["wall_s"], "s", "<= 0.7x"),
+        Row(f"RL data wait/step: S={S} vs S=0", sa["data_wait_s"], s0["data_wait_s"], "s"),
+        Row(f"RL max staleness: S={S} vs S=0", sa["staleness_max"], s0["staleness_max"],
+            "versions", f"<= {S} / 0"),
+        Row("episode latency CV (measured, S=0)", rl_res["latency_cv_measured"], None, "",
+            f"~{rl.cv}"),
+    ]  # fmt: skip
+    console.print(table("simloop trainer (CPU): each row against a peer from this run", rows))
     console.print(f"model FLOPs per token: {FLOPS_FORMULA}; peak measured in this run.")
     console.print(
         f"RL: tiny policy trainer, {rl.batch_size} episodes/step (groups of {rl.group_size}), "
@@ -379,9 +375,9 @@ def main() -> None:
                       "episodes short against the trainer step, or the batch too small for "
                       "stragglers to dominate; see --latency-ratio / --batch-size.")  # fmt: skip
     if args.json:
-        out = {"peak_flops": peak, "matmul_n": n_mm, "flops_formula": FLOPS_FORMULA,
-               "trainer": trainers, "rl": rl_res}  # fmt: skip
-        args.json.write_text(json.dumps(out, indent=2))
+        detail = {"peak_flops": peak, "matmul_n": n_mm, "flops_formula": FLOPS_FORMULA,
+                  "trainer": trainers, "rl": rl_res}  # fmt: skip
+        write_json(args.json, "train_step", rows, detail)
 
 
 if __name__ == "__main__":

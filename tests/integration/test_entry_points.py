@@ -46,7 +46,7 @@ def test_model_bench_runs_and_reports_numbers(tmp_path):
          "--seq", "32", "--prompt", "8", "--decode-steps", "4", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True,
     )  # fmt: skip
-    (row,) = json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["detail"]
     assert row["size"] == "tiny"
     for key in ["forward_tok_s", "hf_forward_tok_s", "decode_tok_s", "hf_decode_tok_s"]:
         assert row[key] > 0
@@ -60,7 +60,7 @@ def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
         [sys.executable, "bench/engine_throughput.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True,
     )  # fmt: skip
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["detail"]
     assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
     assert result["batching"]["sequential_s"] > result["batching"]["concurrent_s"] > 0
     assert result["session"]["cached_tokens"] > 0
@@ -74,7 +74,7 @@ def test_orchestrator_bench_runs_every_episode_concurrently(tmp_path):
          "--json", str(out)],
         cwd=REPO, check=True, capture_output=True,
     )  # fmt: skip
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["detail"]
     assert rows[-1]["peak_active"] == 100 and rows[-1]["ok"] == 100
     assert all(r["turns"] == 3 * r["episodes"] for r in rows)
 
@@ -87,7 +87,7 @@ def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
         [sys.executable, "bench/train_step.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True,
     )  # fmt: skip
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["detail"]
     (row,) = result["trainer"]
     assert row["size"] == "tiny" and result["peak_flops"] > 0
     assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1  # against this machine's peak
@@ -107,7 +107,7 @@ def test_publish_bench_quick_times_both_backends_against_the_raw_write(tmp_path)
         [sys.executable, "bench/publish_latency.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["detail"]
     assert [(r["backend"], r["size"], r["replicas"]) for r in rows] == [
         ("jax", "tiny", 1), ("fake-vllm", "tiny", 1)]  # fmt: skip
     for r in rows:
