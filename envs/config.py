@@ -30,6 +30,13 @@ literally (it is not run);
 - a block whose first line is `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`, followed by \
 commands that print the final output (for example `git diff`)."""
 
+DEFAULT_TRIAL_FEEDBACK_TEMPLATE = (
+    "Attempt {trial} of {trials} failed: {outcome}.{verdict} The workspace is back in its "
+    "starting state. Try again."
+)
+TRIAL_FEEDBACK_FIELDS = ("trial", "trials", "outcome", "verdict", "submission")
+TRIAL_REWARDS = ("first_success", "per_trial")
+
 DEFAULT_FORMAT_ERROR_TEMPLATE = """Format error: {reason}
 
 Reply with EXACTLY ONE bash code block, like this:
@@ -298,6 +305,27 @@ class TerminalConfig:
     """The first user message; `{instruction}` is the task's instruction."""
     format_error_template: str = DEFAULT_FORMAT_ERROR_TEMPLATE
     """Shown after a malformed reply; `{reason}` says what was wrong."""
+    trials: int = 1
+    """Attempts per episode. A trial ends on a submission, its turn limit, its wall-clock
+    limit or too many format errors; a failed one resets the workspace to its identical
+    starting state, appends `trial_feedback_template` to the agent's context (which it keeps)
+    and starts the next. The episode ends on the first success or after the last trial."""
+    turns_per_trial: int | None = None
+    """Agent turns per trial (None: `max_turns`). `max_turns` still bounds the episode."""
+    trial_timeout_s: float | None = None
+    """Wall-clock seconds per trial, checked after each agent turn (None: no limit)."""
+    trial_feedback_template: str = DEFAULT_TRIAL_FEEDBACK_TEMPLATE
+    """The user message after a failed trial. Fields: `{trial}` (1-based) and `{trials}`,
+    `{outcome}` (why it ended: a wrong answer, the turn limit, ...), `{verdict}` (the task's
+    checker explaining its decision, never the reference answer; empty when the task has
+    none) and `{submission}` (what the agent submitted, empty if nothing)."""
+    trial_reward: str = "first_success"
+    """`first_success`: the episode's reward is the successful trial's reward times
+    `trial_discount` per earlier trial (0 without a success). `per_trial`: each trial is
+    scored and trained on its own (advantages per trial index across the group); the episode's
+    reward is its last trial's."""
+    trial_discount: float = 0.6
+    """`first_success`: the factor per extra trial (LaMer uses 0.6)."""
 
     def __post_init__(self) -> None:
         cls = "TerminalConfig"
@@ -308,8 +336,30 @@ class TerminalConfig:
             "max_observation_chars",
             "max_total_observation_chars",
             "max_format_errors",
+            "trials",
         )
         _positive_number(cls, self, "command_timeout_s")
+        t = self.turns_per_trial
+        ok = t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 1)
+        _check(cls, "turns_per_trial", t, ok, "None or an integer >= 1")
+        t = self.trial_timeout_s
+        ok = t is None or (isinstance(t, int | float) and not isinstance(t, bool) and t > 0)
+        _check(cls, "trial_timeout_s", t, ok, "None or a number of seconds > 0")
+        _check(cls, "trial_reward", self.trial_reward, self.trial_reward in TRIAL_REWARDS,
+               f"one of {list(TRIAL_REWARDS)}")  # fmt: skip
+        d = self.trial_discount
+        ok = isinstance(d, int | float) and not isinstance(d, bool) and 0 < d <= 1
+        _check(cls, "trial_discount", d, ok, "a number in (0, 1]")
+        template = self.trial_feedback_template
+        ok = isinstance(template, str)
+        if ok:
+            try:
+                template.format(**{k: "" for k in TRIAL_FEEDBACK_FIELDS})
+            except (KeyError, IndexError, ValueError):
+                ok = False
+        fields = ", ".join("{" + k + "}" for k in TRIAL_FEEDBACK_FIELDS)
+        _check(cls, "trial_feedback_template", template, ok,
+               f"a string whose only fields are {fields}")  # fmt: skip
         for name, keys in (
             ("observation_template", ("{output}", "{exit_code}")),
             ("prompt_template", ("{instruction}",)),
@@ -337,6 +387,10 @@ class TextopsConfig:
     from_file_prob: float = 0.25
     """Probability that the input word sits in a setup file (`input.txt`) instead of the
     instruction, so the agent (and the simulator) must read it."""
+    hidden_op_prob: float = 0.0
+    """Probability that the instruction does not name the operation ("the transformation the
+    checker wants"): only a failed attempt's checker verdict says which it is, so an agent
+    with several trials (`env.terminal.trials`) can adapt, and a good one fails at most once."""
 
     def __post_init__(self) -> None:
         cls = "TextopsConfig"
@@ -353,8 +407,10 @@ class TextopsConfig:
             self.max_len >= self.min_len,
             f"at least min_len ({self.min_len})",
         )
-        p = self.from_file_prob
-        _check(cls, "from_file_prob", p, 0 <= p <= 1, "a probability in [0, 1]")
+        for name in ("from_file_prob", "hidden_op_prob"):
+            p = getattr(self, name)
+            ok = isinstance(p, int | float) and not isinstance(p, bool) and 0 <= p <= 1
+            _check(cls, name, p, ok, "a probability in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from envs.shell import (
     TaskSetupError,
     buffered_observation,
     check_relative_path,
+    tree_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -520,6 +521,10 @@ class LocalShell(ShellLifecycle):
         if self._base is None:
             raise RuntimeError("LocalShell is not started")
         return Path(self._base) / "work"
+
+    async def workspace_hash(self) -> str:
+        """`envs.shell.tree_hash` of the workspace as it is now."""
+        return await asyncio.to_thread(tree_hash, self.workspace)
 
     @property
     def isolation(self) -> dict[str, Any]:

@@ -27,8 +27,12 @@ class RewardContext:
 
 
 RewardFn = Callable[[Task, str | None, RewardContext], Awaitable[float]]
+VerdictFn = Callable[[Task, str | None], str | None]
+"""What a reward's checker says about a failed submission, for the feedback between trials:
+an explanation of its decision, never the reference answer (None: nothing to say)."""
 
 _REGISTRY: dict[str, RewardFn] = {}
+_VERDICTS: dict[str, VerdictFn] = {}
 _BUILTIN_MODULES = ("envs.textops", "envs.swe")
 
 
@@ -42,6 +46,23 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return register
+
+
+def register_verdict(name: str) -> Callable[[VerdictFn], VerdictFn]:
+    """Decorator: make `fn` the checker's verdict of the reward called `name`."""
+
+    def register(fn: VerdictFn) -> VerdictFn:
+        _VERDICTS[name] = fn
+        return fn
+
+    return register
+
+
+def task_verdict(task: Task, submission: str | None) -> str:
+    """The checker's verdict on a failed submission of `task` ("" when its reward has none)."""
+    _load_builtins()
+    fn = _VERDICTS.get(task.reward.name)
+    return (fn(task, submission) or "") if fn is not None else ""
 
 
 def _load_builtins() -> None:

@@ -7,9 +7,12 @@ working directory, so state persists only through the filesystem.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
@@ -94,6 +97,43 @@ class TaskSetup:
         if unknown:
             raise ValueError(f"unknown setup key(s) {sorted(unknown)}: allowed files, commands")
         return cls(files=dict(data.get("files") or {}), commands=tuple(data.get("commands") or ()))
+
+
+def setup_hash(setup: TaskSetup) -> str:
+    """A hash of what a task's workspace starts from (its files and setup commands): the
+    workspace hash of a shell that cannot look at its files (the simulator)."""
+    h = hashlib.sha256(b"setup\0")
+    for path in sorted(setup.files):
+        h.update(f"{path}\0{len(setup.files[path])}\0{setup.files[path]}\0".encode())
+    for cmd in setup.commands:
+        h.update(f"cmd\0{cmd}\0".encode())
+    return h.hexdigest()
+
+
+def tree_hash(root: str | os.PathLike) -> str:
+    """A hash of a directory's contents: every file's relative path and bytes, every symlink's
+    target, every empty directory (not times or owners): equal for identical workspaces."""
+    h = hashlib.sha256(b"tree\0")
+    base = Path(root)
+    for folder, dirs, names in os.walk(base, followlinks=False):
+        dirs.sort()  # walk in a fixed order
+        rel = Path(folder).relative_to(base).as_posix()
+        if not names and not dirs:
+            h.update(f"dir\0{rel}\0".encode())
+        for name in sorted(names + [d for d in dirs if (Path(folder) / d).is_symlink()]):
+            p = Path(folder) / name
+            if p.is_symlink():
+                h.update(f"link\0{rel}/{name}\0{os.readlink(p)}\0".encode())
+                continue
+            h.update(f"file\0{rel}/{name}\0".encode())
+            if not p.is_file():  # a FIFO or socket: never opened (a read could block)
+                h.update(b"special\0")
+                continue
+            try:
+                h.update(hashlib.sha256(p.read_bytes()).digest())
+            except OSError as e:  # a file made unreadable: that it is counts
+                h.update(f"unreadable\0{type(e).__name__}\0".encode())
+    return h.hexdigest()
 
 
 def check_relative_path(path: str, where: str) -> str:

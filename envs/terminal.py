@@ -17,18 +17,31 @@ the error is counted. Two ways to submit:
 The episode ends on submission, at `max_turns`, when the observations shown exceed
 `max_total_observation_chars`, after `max_format_errors`, or when the shell fails; `info["status"]`
 says which. The reward comes from the task's reward function when the episode ends.
+
+Several attempts (`TerminalConfig.trials` > 1): `TrialEnv` runs one `TerminalEnv` per trial,
+each on a fresh shell from the same task setup (the identical starting workspace), and turns a
+failed trial's end into one more observation, the feedback, so the agent keeps its whole
+history into the next attempt:
+
+    async with TrialEnv(task, shell_factory, config) as env:
+        prompt = await env.reset()
+        result = await env.step(agent_text)   # info["trial_end"] when a trial ended
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from envs.backends import ShellFactory
 from envs.config import TerminalConfig
-from envs.rewards import RewardContext, compute_reward
-from envs.shell import Observation, Shell, ShellError, truncate_middle
+from envs.rewards import RewardContext, compute_reward, task_verdict
+from envs.shell import Observation, Shell, ShellError, setup_hash, truncate_middle
 from envs.tasks import Task
 from rl.data.sim_format import strip_think
 
@@ -39,8 +52,24 @@ _BLOCK = re.compile(r"```bash[ \t]*\n(.*?)```", re.S)
 _SUBMIT = re.compile(r"\Asubmit(?:\s|\Z)")
 
 Status = Literal[
-    "running", "submitted", "max_turns", "max_observation_chars", "format_errors", "error"
+    "running",
+    "submitted",
+    "max_turns",
+    "max_observation_chars",
+    "format_errors",
+    "error",
+    "trial_timeout",
 ]
+SUCCESS_REWARD = 1.0
+"""A trial succeeds when its reward reaches this (textops and SWE rewards are 0 or 1)."""
+OUTCOMES = {
+    "submitted": "the submitted answer was not accepted",
+    "max_turns": "the turn limit was reached without a submission",
+    "trial_timeout": "the time limit was reached without a submission",
+    "format_errors": "too many replies were not exactly one bash block",
+    "max_observation_chars": "the output shown exceeded its limit",
+}
+"""How the feedback after a failed trial names why it ended (`{outcome}`)."""
 
 
 class FormatError(ValueError):
@@ -197,3 +226,113 @@ class TerminalEnv:
                 info["reason"] = f"reward: {type(e).__name__}: {e}"
                 log.warning("task %s: reward failed: %s", self.task.id, e)
         return StepResult(observation, True, self.reward, info)
+
+
+class TrialEnv:
+    """`config.trials` attempts at one task (see the module docstring). Each trial is a
+    `TerminalEnv` limited to `turns_per_trial` turns (default `max_turns`) and
+    `trial_timeout_s` seconds, on its own fresh shell. The episode ends on the first success
+    (reward >= `SUCCESS_REWARD`), after the last trial, or when a shell fails; its reward
+    follows `config.trial_reward`. `trials` holds one record per trial, in env terms."""
+
+    def __init__(self, task: Task, shell_factory: ShellFactory,
+                 config: TerminalConfig | None = None, *,
+                 reward_context: RewardContext | None = None):  # fmt: skip
+        self.task, self.factory = task, shell_factory
+        self.config = config or TerminalConfig()
+        per_trial = self.config.turns_per_trial or self.config.max_turns
+        self.trial_config = dataclasses.replace(self.config, max_turns=per_trial)
+        self.reward_context = reward_context
+        self.max_turns = per_trial * self.config.trials
+        """Agent turns the whole episode may take."""
+        self.trials: list[dict[str, Any]] = []
+        self.turns = 0
+        self.env: TerminalEnv | None = None
+        self._stack: AsyncExitStack | None = None
+        self._trial_started = 0.0
+
+    async def __aenter__(self) -> TrialEnv:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._close_shell()
+
+    async def _close_shell(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def _start_trial(self) -> str:
+        """A fresh shell from the task setup, and a new trial record; returns the prompt."""
+        await self._close_shell()
+        self._stack = AsyncExitStack()
+        shell = await self._stack.enter_async_context(self.factory(self.task))
+        hash_fn = getattr(shell, "workspace_hash", None)
+        workspace = await hash_fn() if callable(hash_fn) else setup_hash(self.task.setup)
+        self.env = TerminalEnv(self.task, shell, self.trial_config,
+                               reward_context=self.reward_context)  # fmt: skip
+        self.trials.append({"index": len(self.trials), "start_turn": self.turns,
+                            "end_turn": self.turns, "reward": None, "status": "running",
+                            "workspace_hash": workspace})  # fmt: skip
+        self._trial_started = time.monotonic()
+        return await self.env.reset()
+
+    async def reset(self) -> str:
+        """Start the first trial; the first user message."""
+        self.trials, self.turns = [], 0
+        return await self._start_trial()
+
+    @property
+    def shell(self) -> Shell:
+        if self.env is None:
+            raise RuntimeError("call reset() before using the shell")
+        return self.env.shell
+
+    async def step(self, text: str) -> StepResult:
+        if self.env is None:
+            raise RuntimeError("call reset() before step()")
+        result = await self.env.step(text)
+        self.turns += 1
+        limit = self.config.trial_timeout_s
+        if not result.done and limit is not None and time.monotonic() - self._trial_started > limit:
+            self.env.status = "trial_timeout"
+            info = {**result.info, "status": "trial_timeout", "turns": self.env.turns}
+            result = StepResult(result.observation, True, 0.0, info)
+        if not result.done:
+            return result
+        status = result.info.get("status", "error")
+        trial = self.trials[-1]
+        trial.update(end_turn=self.turns, reward=float(result.reward), status=status,
+                     submission=self.env.submission)  # fmt: skip
+        if "reason" in result.info:
+            trial["reason"] = result.info["reason"]
+        last = len(self.trials) == self.config.trials
+        if result.reward >= SUCCESS_REWARD or last or status == "error":
+            info = {**result.info, "trial_end": dict(trial), "trials": [dict(t) for t in
+                    self.trials]}  # fmt: skip
+            return StepResult(result.observation, True, self.episode_reward(), info)
+        feedback = self.feedback(trial)
+        await self._start_trial()  # the identical starting workspace, a fresh shell
+        observation = f"{result.observation}\n\n{feedback}" if result.observation else feedback
+        info = {**result.info, "trial_end": dict(trial), "feedback": feedback}
+        return StepResult(observation, False, 0.0, info)
+
+    def feedback(self, trial: dict[str, Any]) -> str:
+        """The user message after a failed trial (`trial_feedback_template`)."""
+        verdict = task_verdict(self.task, trial.get("submission"))
+        return self.config.trial_feedback_template.format(
+            trial=trial["index"] + 1,
+            trials=self.config.trials,
+            outcome=OUTCOMES.get(trial["status"], trial["status"]),
+            verdict=f" {verdict}" if verdict else "",
+            submission=(trial.get("submission") or "").strip(),
+        )
+
+    def episode_reward(self) -> float:
+        """`first_success`: the successful trial's reward times `trial_discount` per trial
+        before it (the best such value without a success); `per_trial`: the last trial's."""
+        rewards = [t["reward"] or 0.0 for t in self.trials]
+        if self.config.trial_reward == "per_trial":
+            return rewards[-1]
+        d = self.config.trial_discount
+        return max(r * d**k for k, r in enumerate(rewards))

@@ -14,7 +14,7 @@ import random
 import re
 
 from envs.config import TextopsConfig
-from envs.rewards import RewardContext, register_reward
+from envs.rewards import RewardContext, register_reward, register_verdict
 from envs.shell import Observation, ShellLifecycle, TaskSetup
 from envs.tasks import RewardSpec, Task
 from envs.terminal import SUBMIT_MARKER
@@ -53,8 +53,14 @@ def textops_truth(params: dict) -> str:
     raise ValueError(f"textops op {op!r} is unknown")
 
 
+HIDEABLE = ("reverse", "upper", "sort", "count")
+"""Operations an instruction may leave unnamed (`TextopsConfig.hidden_op_prob`)."""
+
+
 def _instruction(op: str, params: dict, from_file: bool) -> str:
     word = f"the word in the file `{INPUT_FILE}`" if from_file else f"the word '{params['text']}'"
+    if params.get("hidden"):
+        return f"Submit {word}, transformed the way the checker wants."
     if op in _DESCRIBE:
         return f"Submit {word} {_DESCRIBE[op]}."
     if op == "count":
@@ -77,6 +83,9 @@ def make_task(index: int, rng: random.Random, cfg: TextopsConfig) -> Task:
     if op == "write_read":
         params["path"] = f"notes/{rng.choice(['out', 'memo', 'copy'])}_{index}.txt"
     from_file = rng.random() < cfg.from_file_prob
+    # Drawn only when asked for: the task stream of a config without hidden ops is unchanged.
+    if cfg.hidden_op_prob > 0 and op in HIDEABLE and rng.random() < cfg.hidden_op_prob:
+        params["hidden"] = True
     setup = TaskSetup(files={INPUT_FILE: text + "\n"}) if from_file else TaskSetup()
     return Task(
         id=f"textops-{cfg.seed}-{index}",
@@ -100,6 +109,23 @@ async def textops_reward(task: Task, submission: str | None, ctx: RewardContext)
     if submission is None:
         return 0.0
     return 1.0 if submission.strip() == textops_truth(dict(task.reward.params)) else 0.0
+
+
+def wanted(params: dict) -> str:
+    """What the checker wants, in words (the operation, never its result)."""
+    op = params["op"]
+    if op == "count":
+        return f"the number of times the letter '{params['char']}' occurs in the word"
+    if op in _DESCRIBE:
+        return f"the word {_DESCRIBE[op]}"
+    return "the word, written to the file and read back"
+
+
+@register_verdict("textops")
+def textops_verdict(task: Task, submission: str | None) -> str | None:
+    """A task whose instruction hides the operation gets it named after a failed attempt."""
+    params = dict(task.reward.params)
+    return f"The checker wanted {wanted(params)}." if params.get("hidden") else None
 
 
 def split_textops(cfg: TextopsConfig, eval_tasks: int) -> tuple[list[Task], list[Task]]:

@@ -57,14 +57,16 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     from launch.jobs.episodes import job_backends
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.runner import RolloutRunner
-    from rl.orchestrator.scripted import ScriptedAgentClient
+    from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
     from rl.orchestrator.storage import TrajectoryWriter
 
     c = cfg.collect
     tasks = generate_textops(collect_tasks_config(cfg))
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    marker = feedback_marker(cfg.env.terminal.trial_feedback_template)
     client = ScriptedAgentClient(tasks, renderer.tokenizer, style=c.style, noise=c.noise,
-                                 noise_kinds=c.noise_kinds, seed=cfg.run.seed)  # fmt: skip
+                                 noise_kinds=c.noise_kinds, seed=cfg.run.seed,
+                                 trial_marker=marker)  # fmt: skip
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")
     episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]

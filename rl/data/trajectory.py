@@ -14,6 +14,10 @@ observation and return code) and its token view for training. Token-view convent
   sampler ever produced them, so `behavior_logprobs` and `policy_version` are `None` as whole
   fields. Such trajectories serve SFT, never policy-gradient steps. The `imported` arm must be
   `rendered`, and only it may end `ok` without a reward (the source recorded no score).
+
+Multi-trial episodes (`env.terminal.trials` > 1) list their `trials`: consecutive turn ranges
+`[start_turn, end_turn)` covering every turn, each with its own reward, status and the hash of
+the workspace it started from. A single-trial episode has none (as before trials existed).
 """
 
 from __future__ import annotations
@@ -88,6 +92,22 @@ class Turn:
 
 
 @dataclass
+class Trial:
+    """One attempt of a multi-trial episode: `turns[start_turn:end_turn]`."""
+
+    index: int
+    start_turn: int
+    end_turn: int
+    reward: float | None = None
+    """The task's reward for this attempt (None: it never finished, e.g. aborted)."""
+    status: Status = "ok"
+    """As an episode's: `ok` when it ended by a submission, else why not (`reason`)."""
+    reason: str | None = None
+    workspace_hash: str = ""
+    """Hash of the workspace the trial started from (every trial starts from the same)."""
+
+
+@dataclass
 class Trajectory:
     """One episode; see the module docstring for the token-view invariants."""
 
@@ -116,6 +136,8 @@ class Trajectory:
     tokenizer: str | None = None
     """Which tokenizer produced `token_ids` (e.g. `byte`, or an HF path)."""
     meta: dict[str, Any] = field(default_factory=dict)
+    trials: list[Trial] = field(default_factory=list)
+    """Multi-trial episodes: the attempts, in order (empty for a single trial)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -137,6 +159,10 @@ class Trajectory:
         if not isinstance(raw_turns, list):
             raise ValueError(f"turns={type(raw_turns).__name__} is invalid: a list")
         data["turns"] = [_turn_from_dict(t, i) for i, t in enumerate(raw_turns)]
+        raw_trials = data.get("trials", [])
+        if not isinstance(raw_trials, list):
+            raise ValueError(f"trials={type(raw_trials).__name__} is invalid: a list")
+        data["trials"] = [_trial_from_dict(t, i) for i, t in enumerate(raw_trials)]
         traj = cls(**_known(cls, data, "trajectory"))
         if check:
             validate(traj)
@@ -167,6 +193,50 @@ def _turn_from_dict(data: Any, i: int) -> Turn:
             raise ValueError(f"turns[{i}].token_span={span!r} is invalid: [start, end] or null")
         data["token_span"] = (span[0], span[1])
     return Turn(**data)
+
+
+SUCCESS_REWARD = 1.0
+"""An episode (or trial) succeeds when its task reward reaches this (textops and SWE rewards
+are 0 or 1; a multi-trial episode's discounted reward may be lower, its trial's is not)."""
+
+
+def success_trial(traj: Trajectory) -> int | None:
+    """The index of the trial that succeeded (0 for a successful single-trial episode), or
+    None when the episode did not succeed."""
+    if traj.trials:
+        return next((t.index for t in traj.trials
+                     if t.reward is not None and t.reward >= SUCCESS_REWARD), None)  # fmt: skip
+    return 0 if (traj.reward or 0.0) >= SUCCESS_REWARD else None
+
+
+def trial_metrics(episodes: Iterable[Trajectory], trials: int | None = None) -> dict[str, Any]:
+    """Multi-trial numbers over `episodes` (every episode counts; a failure is a failure):
+    `success_at[k-1]`, the share that succeeded by trial k; `adaptation_delta`, success by
+    trial 2 minus by trial 1; `turns_per_trial[k-1]`, the mean turns of trial k over the
+    episodes that reached it; `reached[k-1]`, how many did."""
+    eps = list(episodes)
+    k_max = trials or max([len(t.trials) or 1 for t in eps], default=1)
+    n = max(len(eps), 1)
+    won = [success_trial(t) for t in eps]
+    success_at = [sum(w is not None and w < k for w in won) / n for k in range(1, k_max + 1)]
+    turns: list[list[int]] = [[] for _ in range(k_max)]
+    for t in eps:
+        spans = [(x.start_turn, x.end_turn) for x in t.trials] or [(0, len(t.turns))]
+        for k, (a, b) in enumerate(spans[:k_max]):
+            turns[k].append(b - a)
+    return {
+        "trials": k_max,
+        "success_at": success_at,
+        "adaptation_delta": success_at[1] - success_at[0] if k_max > 1 else 0.0,
+        "turns_per_trial": [sum(v) / len(v) if v else 0.0 for v in turns],
+        "reached": [len(v) for v in turns],
+    }
+
+
+def _trial_from_dict(data: Any, i: int) -> Trial:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"trials[{i}] must be a JSON object, got {type(data).__name__}")
+    return Trial(**_known(Trial, dict(data), f"trials[{i}]"))
 
 
 def _is_int(x: Any) -> bool:
@@ -215,7 +285,38 @@ def validate(traj: Trajectory) -> None:
         fail("source", traj.source, "'rendered' for the imported arm (no sampler made its ids)")
     for i, turn in enumerate(traj.turns):
         _validate_turn(traj, turn, i, fail)
+    _validate_trials(traj, fail)
     _validate_tokens(traj, fail)
+
+
+def _validate_trials(traj: Trajectory, fail) -> None:
+    if not isinstance(traj.trials, list):
+        fail("trials", traj.trials, "a list")
+    end = 0
+    for i, trial in enumerate(traj.trials):
+        where = f"trials[{i}]"
+        if not isinstance(trial, Trial):
+            fail(where, trial, "a Trial")
+        if trial.index != i:
+            fail(f"{where}.index", trial.index, f"{i} (trials are listed in order)")
+        if trial.start_turn != end:
+            fail(f"{where}.start_turn", trial.start_turn, f"{end}: where the previous one ended")
+        ok = _is_int(trial.end_turn) and end <= trial.end_turn <= len(traj.turns)
+        if not ok:
+            fail(f"{where}.end_turn", trial.end_turn, f"an int in [{end}, {len(traj.turns)}]")
+        end = trial.end_turn
+        if trial.reward is not None and not _is_finite(trial.reward):
+            fail(f"{where}.reward", trial.reward, "a finite number or null")
+        if trial.status not in STATUSES:
+            fail(f"{where}.status", trial.status, f"one of {list(STATUSES)}")
+        if trial.status != "ok" and not (isinstance(trial.reason, str) and trial.reason.strip()):
+            fail(f"{where}.reason", trial.reason, f"a non-empty string when status is "
+                 f"{trial.status!r}")  # fmt: skip
+        if not isinstance(trial.workspace_hash, str):
+            fail(f"{where}.workspace_hash", trial.workspace_hash, "a string")
+    if traj.trials and end != len(traj.turns):
+        fail("trials", f"<{len(traj.trials)} trials ending at turn {end}>",
+             f"trials covering all {len(traj.turns)} turns")  # fmt: skip
 
 
 def _validate_turn(traj: Trajectory, turn: Turn, i: int, fail) -> None:

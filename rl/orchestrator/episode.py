@@ -30,9 +30,9 @@ from envs.backends import ShellFactory
 from envs.config import TerminalConfig
 from envs.fidelity import compare_observations
 from envs.tasks import Task
-from envs.terminal import TerminalEnv
+from envs.terminal import TrialEnv
 from rl.data.chat import ChatRenderer, Message
-from rl.data.trajectory import Trajectory, Turn, render_token_view
+from rl.data.trajectory import Trajectory, Trial, Turn, render_token_view
 from rl.orchestrator.config import OrchestratorConfig
 from serving.pool import Affinity, pinned
 
@@ -42,6 +42,7 @@ ENV_STATUS = {
     "max_turns": "truncated",
     "max_observation_chars": "truncated",
     "format_errors": "truncated",
+    "trial_timeout": "truncated",
     "error": "error",
 }
 
@@ -117,12 +118,12 @@ async def run_agent_episode(
               "task_kind": spec.task.kind},
     )  # fmt: skip
     result = EpisodeResult(traj)
+    env = TrialEnv(spec.task, shell_factory, terminal)
     with pinned(f"{spec.group_id}-ep{spec.index}") as affinity:
         try:
             async with asyncio.timeout(cfg.episode_timeout_s):
-                async with shell_factory(spec.task) as shell:
-                    await _agent_loop(spec, client, shell, renderer, cfg, terminal, result,
-                                      version_hint)  # fmt: skip
+                async with env:  # each trial's shell is closed when it ends, the last here
+                    await _agent_loop(spec, client, env, renderer, cfg, result, version_hint)
         except _Fatal as e:
             traj.status, traj.reason = e.status, e.reason
         except TimeoutError:
@@ -135,12 +136,35 @@ async def run_agent_episode(
     _blame_replica(traj, affinity)
     if traj.status != "ok":
         traj.reward = traj.reward if traj.status == "truncated" else None
+    if terminal.trials > 1:
+        traj.trials = _trials(env.trials, traj)
+        traj.meta["trial_reward"] = terminal.trial_reward  # how `reward` and advantages read
     return result
 
 
-async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, version_hint):
+def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
+    """The env's trial records as the trajectory's `trials`; a trial the episode's end cut
+    short takes the episode's status and reason, and every trial covers its turns."""
+    out = []
+    for k, r in enumerate(records):
+        last = k == len(records) - 1
+        end = len(traj.turns) if last else r["end_turn"]
+        if r["status"] == "running":  # interrupted: aborted, timed out, ...
+            status, reason, reward = traj.status, traj.reason, None
+            if status == "ok":  # cannot happen: the episode ended inside this trial
+                status, reason = "error", "the episode ended inside the trial"
+        else:
+            status = ENV_STATUS.get(r["status"], "error")
+            reason = None if status == "ok" else (r.get("reason") or r["status"])
+            reward = r["reward"]
+        out.append(Trial(index=k, start_turn=r["start_turn"], end_turn=end, reward=reward,
+                         status=status, reason=reason,
+                         workspace_hash=r["workspace_hash"]))  # fmt: skip
+    return out
+
+
+async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, version_hint):
     traj = result.trajectory
-    env = TerminalEnv(spec.task, shell, terminal)
     first: Message = {"role": "user", "content": await env.reset()}
     traj.prompt = [first]
     ids = renderer.render([first], add_generation_prompt=True,
@@ -148,7 +172,7 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
     traj.token_ids, traj.loss_mask = list(ids), [0] * len(ids)
     traj.behavior_logprobs, traj.policy_version = [None] * len(ids), [None] * len(ids)
     eos = renderer.im_end_id
-    for turn_index in range(terminal.max_turns + 1):
+    for turn_index in range(env.max_turns + 1):
         budget = min(cfg.max_tokens_per_turn, cfg.max_context_tokens - len(traj.token_ids))
         if budget <= 0:
             raise _Fatal("truncated", f"context full ({len(traj.token_ids)} of "
@@ -208,6 +232,8 @@ async def _agent_loop(spec, client, shell, renderer, cfg, terminal, result, vers
         if "output" in info:
             turn.observation = info["output"]
         result.timings.append(TurnTiming(turn_index, agent_s, env_s, len(gen)))
+        if "trial_end" in info:
+            turn.info["trial_end"] = info["trial_end"]["index"]
         if step.done:
             env_status = info.get("status", "error")
             traj.status = ENV_STATUS.get(env_status, "error")

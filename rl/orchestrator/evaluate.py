@@ -16,7 +16,7 @@ from typing import Any
 
 from envs.config import TerminalConfig
 from envs.tasks import Task
-from rl.data.trajectory import Trajectory
+from rl.data.trajectory import Trajectory, success_trial, trial_metrics
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 
@@ -32,7 +32,8 @@ class EvalResult:
     tasks: int
     episodes: int
     success_rate: float
-    """Share of all episodes (errors and truncations count as failures) with reward >= 1."""
+    """Share of all episodes (errors and truncations count as failures) that succeeded: a
+    reward >= 1 (in some trial, for multi-trial episodes)."""
     reward_mean: float
     statuses: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -42,6 +43,9 @@ class EvalResult:
     actions: dict[str, float] = field(default_factory=dict)
     """The action distribution: share of the agent's commands by `command_key` (the programs
     of the command's last pipeline), most frequent first."""
+    trials: dict[str, Any] = field(default_factory=dict)
+    """Multi-trial episodes (`rl.data.trajectory.trial_metrics`): success by trial k, the
+    adaptation delta, turns per trial. Empty for single-trial episodes."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,7 +61,7 @@ def score(
     """Aggregate finished episodes (a missing reward is a failure, never skipped)."""
     kinds = {t.id: task_kind(t) for t in tasks}
     rewards = [float(e.reward or 0.0) for e in episodes]
-    wins = [r >= 1.0 for r in rewards]
+    wins = [success_trial(e) is not None for e in episodes]
     per: dict[str, list[bool]] = defaultdict(list)
     for e, w in zip(episodes, wins, strict=True):
         per[kinds.get(e.task_id, "task")].append(w)
@@ -75,6 +79,7 @@ def score(
         },
         turns_mean=sum(len(e.turns) for e in episodes) / n,
         actions=action_distribution(episodes),
+        trials=trial_metrics(episodes) if any(e.trials for e in episodes) else {},
     )
 
 

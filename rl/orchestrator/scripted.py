@@ -7,20 +7,35 @@ With probability `noise` a turn's reply is perturbed (another operation's comman
 wrong answer), so the collected data also shows the simulator failing commands and errors.
 Replies are tokenised by the agent's tokenizer and returned with logprob 0 (the script is
 deterministic given its random stream) and `weight_version` None.
+
+Multi-trial episodes: given the feedback's `trial_marker`, each trial's script starts over.
+A task whose instruction hides its operation (`TextopsConfig.hidden_op_prob`) is first
+guessed (`GUESS`); an `adapt`ing agent then reads the checker's verdict in the feedback and
+does what it names, one that does not keeps its guess (the ceiling and the floor of
+in-context adaptation).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
+import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from envs.tasks import Task
-from envs.textops import TRANSFORMS, TextopsSolver
+from envs.tasks import RewardSpec, Task
+from envs.textops import HIDEABLE, TRANSFORMS, TextopsSolver, wanted
 from rl.data.tokenizer import IM_START, Tokenizer
 
 NOISE_KINDS = ("other_op", "typo", "wrong_answer")
+GUESS = "reverse"
+"""The operation a scripted agent tries when the instruction does not name one."""
+
+
+def feedback_marker(template: str) -> str:
+    """The longest literal part of a trial feedback template: text only feedback holds."""
+    return max(re.split(r"\{[a-z_]+\}", template), key=len).strip()
 
 
 class ScriptedAgentClient:
@@ -33,6 +48,8 @@ class ScriptedAgentClient:
         noise: float = 0.0,
         noise_kinds: Sequence[str] = NOISE_KINDS,
         seed: int = 0,
+        trial_marker: str | None = None,
+        adapt: bool = True,
     ):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
@@ -46,6 +63,7 @@ class ScriptedAgentClient:
         # same script: the plan depends only on what the instruction says.
         self.tasks = {t.instruction: t for t in tasks}
         self.tok, self.style, self.noise, self.seed = tokenizer, style, noise, seed
+        self.trial_marker, self.adapt = trial_marker or None, adapt
         self.calls = 0
 
     def _task(self, text: str) -> Task:
@@ -69,9 +87,12 @@ class ScriptedAgentClient:
         self.calls += 1
         text = self.tok.decode(list(prompt))
         task = self._task(text)
-        solver = TextopsSolver(task, style=self.style)
         turn = text.count(f"{IM_START}assistant") - 1
-        solver._step = min(turn, len(solver.plan))
+        trial = text.rsplit(self.trial_marker, 1)[-1] if self.trial_marker else text
+        if task.reward.params.get("hidden"):
+            task = self._guess(task, text)
+        solver = TextopsSolver(task, style=self.style)
+        solver._step = min(trial.count(f"{IM_START}assistant") - 1, len(solver.plan))
         last_user = text.rsplit(f"{IM_START}user\n", 1)[-1]
         reply = solver.act(last_user)
         key = f"{self.seed}:{seed}:{task.id}:{turn}".encode()
@@ -87,6 +108,29 @@ class ScriptedAgentClient:
             token_versions=None,
             weight_version=None,
         )
+
+    def _guess(self, task: Task, text: str) -> Task:
+        """`task` with the operation this agent would do: the last verdict's (adapting) or
+        `GUESS`."""
+        params = dict(task.reward.params)
+        op = GUESS
+        if self.adapt:
+            # The verdicts name the operation in `envs.textops.wanted`'s words; the last wins.
+            found = []
+            for name in HIDEABLE:
+                if name == "count":
+                    for m in re.finditer(r"number of times the letter '(.)' occurs", text):
+                        found.append((m.start(), name, m.group(1)))
+                else:
+                    phrase = wanted({"op": name})
+                    found += [(m.start(), name, None) for m in re.finditer(re.escape(phrase),
+                                                                           text)]  # fmt: skip
+            if found:
+                _, op, char = max(found)
+                if char is not None:
+                    params["char"] = char
+        params["op"] = op
+        return dataclasses.replace(task, reward=RewardSpec(task.reward.name, params))
 
 
 def perturb(reply: str, rng: random.Random, kinds: Sequence[str] = NOISE_KINDS) -> str:

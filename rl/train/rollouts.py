@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from rl.data.trajectory import Trajectory
+from rl.data.trajectory import Trajectory, success_trial
 from rl.train.config import PolicyLossConfig
 
 USABLE = ("ok", "truncated")
@@ -69,6 +69,32 @@ def group_advantages(
             centred = centred / (r.std() + 1e-6)
         adv[idx] = centred
     return adv.astype(np.float32)
+
+
+def trial_advantages(
+    episodes: Sequence[Trajectory], cfg: PolicyLossConfig
+) -> dict[int, np.ndarray]:
+    """Per-token advantages of the `per_trial` multi-trial episodes among `episodes` (by
+    position): trial k's reward minus the mean of trial k's rewards across the episodes of the
+    group that reached trial k (GRPO/Dr.GRPO as `group_advantages`), on that trial's turns'
+    generated tokens. Other episodes are not in the result (one advantage per episode)."""
+    rows = [i for i, t in enumerate(episodes)
+            if t.trials and t.meta.get("trial_reward") == "per_trial"]  # fmt: skip
+    keys, rewards, where = [], [], []
+    for i in rows:
+        t = episodes[i]
+        for trial in t.trials:
+            r = trial.reward if trial.reward is not None else cfg.truncated_reward
+            keys.append(f"{t.group_id or t.task_id}#trial{trial.index}")
+            rewards.append(float(r))
+            where.append((i, trial))
+    adv = group_advantages(rewards, keys, cfg) if rewards else []
+    out = {i: np.zeros(len(episodes[i].token_ids), np.float32) for i in rows}
+    for (i, trial), a in zip(where, adv, strict=True):
+        for turn in episodes[i].turns[trial.start_turn : trial.end_turn]:
+            if turn.token_span is not None:
+                out[i][turn.token_span[0] : turn.token_span[1]] = a
+    return out
 
 
 @dataclass
@@ -155,6 +181,7 @@ def build_rl_batch(
         return batch, stats
     rewards = [float(_reward(t, cfg)) for t in used]
     adv = group_advantages(rewards, [t.group_id or t.task_id for t in used], cfg)
+    per_trial = trial_advantages(used, cfg)
     stale: list[int] = []
     for row, (t, a) in enumerate(zip(used, adv, strict=True)):
         ids = t.token_ids
@@ -171,7 +198,10 @@ def build_rl_batch(
         batch["segment_ids"][row, :n] = 1
         batch["positions"][row, :n] = np.arange(n)
         batch["behavior_logprobs"][row, :n] = blp * mask
-        batch["advantages"][row, :n] = a * mask
+        if row in per_trial:  # each trial's tokens get its own trial's advantage
+            batch["advantages"][row, :n] = per_trial[row][1 : n + 1] * mask
+        else:
+            batch["advantages"][row, :n] = a * mask
         versions = t.policy_version[1 : n + 1]
         stale += [version - v for v, m in zip(versions, mask, strict=True) if m and v is not None]
     groups: dict[str, list[float]] = defaultdict(list)
@@ -179,7 +209,7 @@ def build_rl_batch(
         groups[t.group_id or t.task_id].append(r)
     stats.zero_variance_groups = sum(1 for g in groups.values() if len(set(g)) == 1)
     stats.reward_mean = float(np.mean(rewards))
-    stats.success_rate = float(np.mean([r >= 1.0 for r in rewards]))
+    stats.success_rate = float(np.mean([success_trial(t) is not None for t in used]))
     stats.tokens = int(batch["loss_mask"].sum())
     stats.staleness_mean = float(np.mean(stale)) if stale else 0.0
     stats.staleness_max = int(max(stale)) if stale else 0
