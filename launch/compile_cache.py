@@ -15,14 +15,28 @@ from the cache, a train-agent run on the demo's 4 fake devices died in a cross-m
 all-reduce whose 4th device thread never reached the rendezvous; the same run passes compiling
 fresh. So on CPU the cache serves single-device programs only: servers (the engine runs on one
 device) and single-device processes. TPU and GPU processes always use it.
+
+`SIMLOOP_COMPILE_STATS=FILE` (off by default) makes a process that calls `enable_compile_cache`
+write, at exit, what JAX's own instrumentation (`jax.monitoring`) summed: seconds per duration
+event (backend compile, tracing, lowering; a cache hit's load counts as backend compile) and
+counts per event (cache requests, hits). `bench/compile_cache.py` compares a cold and a warm
+start with it.
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import threading
 from pathlib import Path
 
 CACHE_DIR_ENV = "SIMLOOP_COMPILE_CACHE_DIR"
+STATS_ENV = "SIMLOOP_COMPILE_STATS"
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+"""JAX's event around each XLA compile, or its load from the persistent cache."""
+COMPILE_EVENTS = ("/jax/core/compile/", "/jax/compilation_cache/")
+"""The events `SIMLOOP_COMPILE_STATS` keeps (others, e.g. Orbax's, are left out)."""
 MAX_SIZE_BYTES = 4 << 30
 """Least recently used entries go beyond this."""
 
@@ -41,6 +55,8 @@ def enable_compile_cache(run_cfg, *, single_device: bool = False) -> Path | None
     """Point JAX at the persistent cache; the directory, or None when it stays off (turned
     off, or an XLA:CPU process with several devices whose programs are not all
     `single_device`). Call before this process compiles anything."""
+    if os.environ.get(STATS_ENV):
+        record_compile_stats(Path(os.environ[STATS_ENV]))
     if not run_cfg.compile_cache:
         return None
     import jax
@@ -63,3 +79,30 @@ def enable_compile_cache(run_cfg, *, single_device: bool = False) -> Path | None
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def record_compile_stats(path: Path) -> dict:
+    """Sum JAX's compile and compilation-cache events in this process from now on and write
+    them to `path` as JSON at exit: `{"seconds": {event: total}, "counts": {event: n}}`.
+    Returns the live totals."""
+    import jax.monitoring
+
+    stats, lock = {"seconds": {}, "counts": {}}, threading.Lock()  # compiles run in threads
+
+    def add(kind: str, event: str, value: float) -> None:
+        if not event.startswith(COMPILE_EVENTS):
+            return
+        with lock:
+            stats[kind][event] = stats[kind].get(event, 0) + value
+
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: add("seconds", event, secs)
+    )
+    jax.monitoring.register_event_listener(lambda event, **_: add("counts", event, 1))
+
+    def write() -> None:
+        with lock:
+            path.write_text(json.dumps(stats, indent=1, sort_keys=True) + "\n")
+
+    atexit.register(write)
+    return stats
