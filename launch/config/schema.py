@@ -288,6 +288,24 @@ class DemoConfig:
     sim_max_tokens_from_data: bool = True
     """Set the simulator's token cap (`env.shell.simulated.max_tokens`) from the collected
     real observations (`envs.fidelity.suggest_max_tokens`), so a runaway costs little."""
+    trials: int = 0
+    """With K >= 2, an optional last stage (`trials/`): the agent on textops tasks whose
+    instruction hides the operation, K trials per episode (a failed attempt's feedback says
+    what the checker wanted), warm-started on adapting demonstrations and trained with RL in
+    the real shell; summary.json's `trials` holds success by trial and the adaptation delta
+    before and after RL. 0: no such stage."""
+    trials_overrides: list[str] = field(
+        default_factory=lambda: [
+            "--env.textops.hidden_op_prob", "1.0",
+            "--env.terminal.turns_per_trial", "1",
+            "--env.terminal.trial_feedback_template", "Wrong.{verdict}",
+            "--orchestrator.max_context_tokens", "768",
+            "--serve.engine.max_seq_len", "768",
+            "--train_agent.warm_start.data.seq_len", "768",
+        ]
+    )  # fmt: skip
+    """What the `trials` stage sets besides `env.terminal.trials` (the byte-level agent needs
+    the longer context for two attempts and a short feedback)."""
 
     quick_overrides: list[str] = field(
         default_factory=lambda: [
@@ -308,6 +326,15 @@ class DemoConfig:
         arms = ("real", "closed_loop", "mixed")
         if self.rl_arm not in arms:
             raise ValueError(f"DemoConfig.rl_arm={self.rl_arm!r} is invalid: one of {list(arms)}")
+        if (
+            isinstance(self.trials, bool)
+            or not isinstance(self.trials, int)
+            or (self.trials not in (0,) and self.trials < 2)
+        ):
+            raise ValueError(
+                f"DemoConfig.trials={self.trials!r} is invalid: 0 (no multi-trial stage) or an "
+                "integer >= 2"
+            )
         if not self.eval_arms or any(a not in ("real", "closed_loop") for a in self.eval_arms):
             raise ValueError(
                 f"DemoConfig.eval_arms={self.eval_arms!r} is invalid: a non-empty list drawn "

@@ -14,7 +14,10 @@ Stages, each a run directory of its own under `--out`, each the same code as its
                  simulator before and after RL
 5. `agent_real/` the control arm: RL in the real shell from the same warm start with the same
                  number of episodes, evaluated in the real shell on the same tasks and seeds
-6. `summary.json` (`thesis`: the deciding experiment, recomputed from the stored episodes)
+6. `trials/`     optional (`demo.trials` K >= 2): the agent on tasks whose operation only a
+                 failed attempt's feedback names, K trials per episode, warm start + RL in the
+                 real shell; success by trial and the adaptation delta before and after
+7. `summary.json` (`thesis`: the deciding experiment, recomputed from the stored episodes)
    and `report.html` at the top of `--out`
 
 A finished stage leaves `stage.json`; running the same command again skips finished stages and
@@ -37,7 +40,7 @@ from launch.deploy.processes import print_processes
 from launch.jobs.errors import JobError, UsageError
 from rl.data import rundir
 
-STAGES = ("collect", "sim", "eval_sim", "agent", "agent_real")
+STAGES = ("collect", "sim", "eval_sim", "agent", "agent_real", "trials")
 
 
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
@@ -124,6 +127,9 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
             args, ["--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"])]
         )
         stages.append(("agent_real", "train-agent", real, _roles(real)))
+    if base.demo.trials:
+        trials = stage_config(args, trials_wiring(base))
+        stages.append(("trials", "train-agent", trials, _roles(trials)))
     procs = []
     for stage, job, cfg_, roles in stages:
         planned = job_processes(cfg_, job, roles, out / stage, publishes=["agent"])
@@ -208,7 +214,22 @@ def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]
             console, 5, "train-agent", "the control: RL in the real shell, same warm start",
             dirs["agent_real"],
         ) or _train_agent(args, dirs["agent_real"], real_wiring)  # fmt: skip
+
+    # 6. optional: several trials per episode, on tasks only feedback explains
+    if base.demo.trials:
+        stages["trials"] = _finished(
+            console, 6, "train-agent", f"{base.demo.trials} trials per episode, hidden operations",
+            dirs["trials"],
+        ) or _train_agent(args, dirs["trials"], wired + trials_wiring(base))  # fmt: skip
     return stages
+
+
+def trials_wiring(base: SimloopConfig) -> list[str]:
+    """The `trials` stage's overrides: K trials, the demo's `trials_overrides`, the real shell."""
+    return [
+        "--env.terminal.trials", str(base.demo.trials), *base.demo.trials_overrides,
+        "--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"]),
+    ]  # fmt: skip
 
 
 def _collect(args, path: Path) -> dict:
@@ -407,9 +428,25 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
             "reward_first": rl.get("reward_first"),
             "reward_last": rl.get("reward_last"),
         },
+        "trials": _trials_summary(out, stages),
         "stages_wall_s": {name: stages[name].get("wall_s") for name in STAGES if name in stages},
         "stages": stages,
     }
+
+
+def _trials_summary(out: Path, stages: dict[str, dict]) -> dict | None:
+    """The optional multi-trial stage, from its eval.json: success by trial and the adaptation
+    delta before and after RL (None without the stage)."""
+    if "trials" not in stages:
+        return None
+    evals = rundir.read_evals(out / "trials")
+    got = {label: evals.get(label, {}).get("real", {}).get("trials") or {}
+           for label in ("before", "after")}  # fmt: skip
+    return {
+        "trials": got["after"].get("trials") or got["before"].get("trials"),
+        **{label: {k: t.get(k) for k in ("success_at", "adaptation_delta", "turns_per_trial")}
+           for label, t in got.items()},
+    }  # fmt: skip
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -452,6 +489,13 @@ def print_summary(console, s: dict) -> None:
                   f"{_fmt(th['sim_minus_real'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
     elif th:
         t.add_row("the deciding experiment", f"incomplete: {th.get('missing')}")
+    tr = s.get("trials")
+    if tr:
+        for label in ("before", "after"):
+            at = " / ".join(_fmt(v) for v in tr[label].get("success_at") or [])
+            delta = _fmt(tr[label].get("adaptation_delta"))
+            t.add_row(f"{tr['trials']} trials: success by trial, {label} RL",
+                      f"{at} (delta {delta})")  # fmt: skip
     for name, wall in s["stages_wall_s"].items():
         t.add_row(f"wall: {name}", f"{_fmt(wall, 0)} s")
     t.add_row("wall: total", f"{_fmt(s.get('wall_s'), 0)} s")

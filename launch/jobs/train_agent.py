@@ -142,7 +142,7 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
     `warm_start.noise` of them imperfect (those are kept: they are the demonstrations)."""
     from rl.orchestrator.config import OrchestratorConfig
     from rl.orchestrator.runner import RolloutRunner
-    from rl.orchestrator.scripted import ScriptedAgentClient
+    from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
 
     o = cfg.orchestrator
     ocfg = OrchestratorConfig(
@@ -161,6 +161,9 @@ async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
         noise=ws.noise,
         noise_kinds=ws.noise_kinds,
         seed=cfg.run.seed,
+        # Multi-trial demonstrations restart their script after each feedback and, on a
+        # hidden-operation task, do what the checker's verdict names: they adapt.
+        trial_marker=feedback_marker(cfg.env.terminal.trial_feedback_template),
     )
     runner = RolloutRunner(
         ocfg,

@@ -285,9 +285,29 @@ def _section_success(evals: dict | None, summary: dict | None) -> str:
     gap_text = (f'<p class="note">Transfer gap (success in the simulator minus success in the '
                 f"real shell): before RL {_f(gap.get('before'))}, after RL "
                 f"{_f(gap.get('after'))}.</p>") if gap else ""  # fmt: skip
-    return (bar_chart("Held-out success before and after RL", groups) + gap_text
-            + _table(["shell", "when", "policy version", "episodes", "success", "by operation"],
-                     rows) + _actions(evals, arms, label))  # fmt: skip
+    table = _table(["shell", "when", "policy version", "episodes", "success", "by operation"], rows)
+    return (bar_chart("Held-out success before and after RL", groups) + gap_text + table
+            + _trials(evals, arms, label) + _actions(evals, arms, label))  # fmt: skip
+
+
+def _trials(evals: dict, arms: list[str], label: dict[str, str]) -> str:
+    """Multi-trial evaluations: success by trial k, the adaptation delta, turns per trial."""
+    rows = []
+    for a in arms:
+        for k in ("before", "after"):
+            t = evals.get(k, {}).get(a, {}).get("trials")
+            if t:
+                by = ", ".join(f"by trial {i + 1}: {v:.2f}" for i, v in enumerate(t["success_at"]))
+                turns = ", ".join(f"{v:.1f}" for v in t.get("turns_per_trial", []))
+                rows.append([label.get(a, a), k, by, t["adaptation_delta"], turns])
+    if not rows:
+        return ""
+    return (
+        '<h3>Several trials per episode</h3><p class="note">A failed attempt resets the '
+        "workspace and tells the agent why (the checker's verdict); the adaptation delta is "
+        "success by trial 2 minus success by trial 1.</p>"
+        + _table(["shell", "when", "success", "adaptation delta", "turns per trial"], rows)
+    )
 
 
 def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10) -> str:
@@ -389,6 +409,10 @@ def write_report(run_dir: str | Path) -> Path:
         "<h2>The deciding experiment: RL in the simulator vs RL in the real shell</h2>",
         _section_thesis(summary, metrics, real_metrics),
         "<h2>Agent success: real shell vs simulator</h2>", _section_success(evals, summary),
+        *([_trials({label: {"real": {"trials": rec}} for label, rec in summary["trials"].items()
+                    if label in ("before", "after") and rec.get("success_at")},
+                   ["real"], {"real": "real shell (stage trials/)"})]
+          if summary and summary.get("trials") else []),
         "<h2>The simulator</h2>", _section_simulator(summary, sim_metrics, pretrain),
         "<h2>Simulator fidelity (arm c)</h2>", _section_fidelity(fid),
         "<h2>Training curves</h2>", _section_training(metrics, sim_metrics),
