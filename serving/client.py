@@ -287,6 +287,51 @@ class InferenceClient:
         body, _ = await self.request("GET", "/admin/version", token=token)
         return int(body["version"])
 
+    # ----- persistent KV sessions (simloop serve; vLLM has none) ------------------------------
+
+    async def open_session(self, *, ttl_s: float | None = None) -> str | None:
+        """A new session's id, or None when the server has no sessions (404/405: vLLM), so
+        the caller falls back to stateless completions."""
+        ask = {} if ttl_s is None else {"ttl_s": ttl_s}
+        try:
+            body, _ = await self.request("POST", "/v1/sessions", json_body=ask)
+        except ClientError as e:
+            if e.status in (404, 405):
+                return None
+            raise
+        return str(body["id"])
+
+    async def session_generate(self, session_id: str, append_token_ids: list[int], *,
+                               max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                               seed: int | None = None, logprobs: int | None = None,
+                               timeout_s: float | None = None) -> Completion:  # fmt: skip
+        """Append ids to the session and generate (never retried: a retry could append twice;
+        rewind to a turn boundary and call again instead)."""
+        body = {"append_token_ids": list(append_token_ids), "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": top_p, "seed": seed,
+                "logprobs": logprobs}  # fmt: skip
+        started = time.perf_counter()
+        raw, n = await self.request("POST", f"/v1/sessions/{session_id}/generate",
+                                    json_body=body, timeout_s=timeout_s, retries=0)  # fmt: skip
+        if not isinstance(raw, dict) or not isinstance(raw.get("token_ids"), list):
+            raise ClientError(f"session response has no token_ids: {str(raw)[:200]}", body=raw)
+        logprobs_, tops = _parse_logprobs(raw.get("logprobs"))
+        return Completion(
+            text=raw.get("text", ""), token_ids=list(raw["token_ids"]),
+            finish_reason=raw.get("finish_reason") or "", logprobs=logprobs_, top_logprobs=tops,
+            weight_version=raw.get("weight_version"), token_versions=raw.get("token_versions"),
+            cached_tokens=raw.get("cached_tokens"), latency_s=time.perf_counter() - started,
+            attempts=n, raw=raw,
+        )  # fmt: skip
+
+    async def rewind_session(self, session_id: str, to: int) -> dict[str, Any]:
+        body, _ = await self.request("POST", f"/v1/sessions/{session_id}/rewind",
+                                     json_body={"to": to}, retries=0)  # fmt: skip
+        return body
+
+    async def close_session(self, session_id: str) -> None:
+        await self.request("DELETE", f"/v1/sessions/{session_id}", retries=0)
+
 
 # ----- parsing (simloop and vLLM shapes) -------------------------------------------------------
 

@@ -19,6 +19,10 @@ MIN_TOP_P = 1e-6
 likely token, so the server raises smaller ones to this without changing what is sampled."""
 
 
+MAX_TTL_S = 86_400.0
+"""The longest a session may stay idle (a day)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The continuous-batching engine's fixed shapes and limits."""
@@ -46,6 +50,10 @@ class EngineConfig:
     """Reuse the KV of a cached prompt+completion that the new prompt extends."""
     max_waiting: int = 4096
     """Sequences allowed to wait for a slot; beyond it requests are refused (HTTP 429)."""
+    max_sessions: int = 1024
+    """Open persistent KV sessions allowed (each pins a slot while it holds KV)."""
+    session_ttl_s: float = 600.0
+    """A session idle this long is closed (its next call is told so); per session `ttl_s`."""
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> ValueError:
@@ -54,7 +62,7 @@ class EngineConfig:
             )
 
         for name in ("num_slots", "max_seq_len", "prefill_batch", "default_max_tokens",
-                     "max_waiting", "decode_steps"):  # fmt: skip
+                     "max_waiting", "decode_steps", "max_sessions"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
         chunk = self.prefill_chunk
@@ -68,6 +76,9 @@ class EngineConfig:
             raise bad("max_top_logprobs", "an integer in [0, 100]")
         if self.max_seq_len < 2:
             raise bad("max_seq_len", ">= 2")
+        t = self.session_ttl_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= MAX_TTL_S:
+            raise bad("session_ttl_s", f"seconds in (0, {MAX_TTL_S}]")
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:

@@ -232,6 +232,71 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> Complet
                              echo_logprobs=logprobs is not None, **common)  # fmt: skip
 
 
+COMPACTION_MODES = ("none",)
+"""Session compaction modes this server implements (`markovian`, `turn` and `budget` are not
+built yet: a session asking for one is refused, never silently served without it)."""
+
+
+@dataclass
+class SessionOpen:
+    ttl_s: float | None
+    compaction: str = "none"
+
+
+def parse_session_open(body: Any, max_ttl_s: float) -> SessionOpen:
+    """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode": ...}}` (an empty body is fine)."""
+    body = {} if body is None else body
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - {"ttl_s", "compaction"})
+    if unknown:
+        raise bad(unknown[0], f"unknown field(s) {unknown}: allowed ttl_s, compaction")
+    ttl = None if body.get("ttl_s") is None else _num(body, "ttl_s", None, lo=0.0, hi=max_ttl_s,
+                                                      open_lo=True)  # fmt: skip
+    compaction = body.get("compaction") or {"mode": "none"}
+    mode = compaction.get("mode") if isinstance(compaction, dict) else None
+    if mode not in COMPACTION_MODES:
+        raise bad("compaction", f"'compaction' must be {{\"mode\": one of "
+                  f"{list(COMPACTION_MODES)}}}, got {short_repr(compaction)}")  # fmt: skip
+    return SessionOpen(ttl_s=ttl, compaction=mode)
+
+
+@dataclass
+class SessionStep:
+    append: list[int]
+    params: SamplingParams
+    echo_logprobs: bool
+
+
+def parse_session_generate(body: Any, tokenizer: Tokenizer, limits: Limits) -> SessionStep:
+    """`POST /v1/sessions/{id}/generate`: exactly one of `append_token_ids` (ids) and
+    `append_text` (text, tokenized here), then the sampling fields of /v1/completions."""
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    ids, text = body.get("append_token_ids"), body.get("append_text")
+    if (ids is None) == (text is None):
+        raise bad("append_token_ids", "give exactly one of 'append_token_ids' (a list of token "
+                  "ids) and 'append_text' (a string)")  # fmt: skip
+    if text is not None:
+        if not isinstance(text, str):
+            raise bad("append_text", f"'append_text' must be a string, got {short_repr(text)}")
+        append = tokenizer.encode(_text(text, "append_text"))
+    else:
+        if not (ids == [] or _is_ids(ids)):
+            raise bad("append_token_ids", f"'append_token_ids' must be a list of token ids, got "
+                      f"{short_repr(ids)}")  # fmt: skip
+        append = list(ids)
+    bad_ids = [t for t in append if not 0 <= t < limits.vocab]
+    if bad_ids:
+        raise bad("append_token_ids", f"token ids {bad_ids[:5]} are outside the vocabulary "
+                  f"[0, {limits.vocab})")  # fmt: skip
+    if _bool(body, "stream"):
+        raise bad("stream", "a session step does not stream: leave 'stream' false")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=limits.max_logprobs)
+    params = _sampling(body, limits, max_tokens_key="max_tokens", logprobs=logprobs or 0)
+    return SessionStep(append=append, params=params, echo_logprobs=logprobs is not None)
+
+
 def parse_chat(
     body: Any, renderer: ChatRenderer, limits: Limits
 ) -> tuple[CompletionRequest, list[Message]]:

@@ -35,8 +35,15 @@ from aiohttp import web
 
 from rl.data.chat import ChatRenderer
 from rl.data.tokenizer import Tokenizer
-from serving.config import INT64_MAX, ServerConfig
-from serving.engine import Engine, EngineBusy, EngineError, SequenceOutput, TokenEvent
+from serving.config import INT64_MAX, MAX_TTL_S, ServerConfig
+from serving.engine import (
+    Engine,
+    EngineBusy,
+    EngineError,
+    SequenceOutput,
+    SessionError,
+    TokenEvent,
+)
 from serving.metrics import ServerMetrics
 from serving.protocol import (
     ApiError,
@@ -48,6 +55,8 @@ from serving.protocol import (
     new_id,
     parse_chat,
     parse_completion,
+    parse_session_generate,
+    parse_session_open,
     short_repr,
     usage,
 )
@@ -86,6 +95,11 @@ class Server:
             web.get("/metrics", self.prometheus),
             web.post("/admin/load_weights", self.load_weights),
             web.get("/admin/version", self.version),
+            web.post("/v1/sessions", self.open_session),
+            web.get("/v1/sessions", self.list_sessions),
+            web.post("/v1/sessions/{id}/generate", self.session_generate),
+            web.post("/v1/sessions/{id}/rewind", self.rewind_session),
+            web.delete("/v1/sessions/{id}", self.close_session),
         ])  # fmt: skip
         return app
 
@@ -123,12 +137,14 @@ class Server:
         self.metrics.record_request(endpoint, response.status)
         return response
 
-    async def _json(self, request: web.Request) -> Any:
+    async def _json(self, request: web.Request, *, allow_empty: bool = False) -> Any:
         try:
             raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except TimeoutError as e:
             raise ApiError(408, f"the request body did not arrive within "
                            f"{self.cfg.body_timeout_s}s") from e  # fmt: skip
+        if allow_empty and not raw.strip():
+            return None
         try:
             return json.loads(raw)
         except RecursionError as e:
@@ -296,6 +312,81 @@ class Server:
                     "finish_reason": finish_reason}  # fmt: skip
         return {"index": index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason}  # fmt: skip
+
+    # ----- sessions --------------------------------------------------------------------------
+
+    def _session_fields(self, session) -> dict:
+        return {"id": session.id, "session_tokens": len(session.tokens),
+                "kv_tokens": self.engine.session_kv_tokens(session)}  # fmt: skip
+
+    async def open_session(self, request: web.Request) -> web.Response:
+        opened = parse_session_open(await self._json(request, allow_empty=True), MAX_TTL_S)
+        try:
+            session = self.engine.open_session(opened.ttl_s)
+        except EngineBusy as e:
+            raise ApiError(429, str(e)) from e
+        return web.json_response({"id": session.id, "ttl_s": session.ttl_s,
+                                  "compaction": {"mode": opened.compaction}})  # fmt: skip
+
+    async def list_sessions(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        data = [{**self._session_fields(s), "idle_s": round(now - s.last_used, 3),
+                 "ttl_s": s.ttl_s, "busy": s.busy, "state": "gone" if s.gone else "open",
+                 **({"reason": s.gone} if s.gone else {})}
+                for s in list(self.engine.sessions.values())]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def session_generate(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        body = await self._json(request)
+        step = parse_session_generate(body, self.tokenizer, self.limits)
+        started = time.perf_counter()
+        try:
+            handle = self.engine.session_submit(sid, step.append, step.params)
+        except SessionError as e:
+            raise ApiError(e.status, str(e), param=e.field) from e
+        except EngineError as e:
+            raise ApiError(400, str(e), param=e.field) from e
+        except EngineBusy as e:
+            raise ApiError(503 if not self.engine.running else 429, str(e)) from e
+        try:
+            (out,) = await handle.result()
+        finally:  # a disconnect cancels us: abort what is left
+            self.engine.abort(handle.id)
+        self._record([[out]], started)
+        session = self.engine.sessions.get(sid)
+        fields = self._session_fields(session) if session is not None else {"id": sid}
+        return web.json_response({
+            "object": "session.generation", "session_id": sid, "model": self.cfg.model_name,
+            "text": out.text, "token_ids": out.token_ids, "token_versions": out.versions,
+            "logprobs": completion_logprobs(self.tokenizer, out) if step.echo_logprobs else None,
+            "finish_reason": out.finish_reason, "prompt_tokens": len(step.append),
+            "cached_tokens": out.cached_tokens, "kv_tokens": fields.get("kv_tokens", 0),
+            "session_tokens": fields.get("session_tokens", 0),
+            "weight_version": self.engine.version,
+        })  # fmt: skip
+
+    async def rewind_session(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        body = await self._json(request)
+        if not isinstance(body, dict) or "to" not in body:
+            raise ApiError(400, "the body must be {\"to\": n}: the logical position to keep",
+                           param="to")  # fmt: skip
+        try:
+            session = self.engine.rewind_session(sid, body["to"])
+        except SessionError as e:
+            raise ApiError(e.status, str(e), param=e.field) from e
+        except EngineError as e:
+            raise ApiError(400, str(e), param=e.field) from e
+        return web.json_response(self._session_fields(session))
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        try:
+            self.engine.close_session(sid)
+        except SessionError as e:
+            raise ApiError(e.status, str(e), param=e.field) from e
+        return web.json_response({"id": sid, "deleted": True})
 
     # ----- small routes ----------------------------------------------------------------------
 

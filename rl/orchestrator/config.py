@@ -50,6 +50,11 @@ class OrchestratorConfig:
     max_staleness: int | None = None
     """S: an episode may start only while at most S trainer versions old; 0 is synchronous;
     None: no bound (rollout-only jobs)."""
+    sessions: bool = False
+    """Agent turns through a persistent KV session per episode (`simloop serve`'s
+    `/v1/sessions`: each turn sends only the tokens appended since the last, the server
+    keeps the KV), closed when the episode ends, also on abort. A server without sessions
+    (vLLM: prefix caching only) gets stateless completions instead."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

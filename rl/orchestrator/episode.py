@@ -163,7 +163,39 @@ def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
     return out
 
 
+class _SessionTurns:
+    """The agent's turns through one server session (`orchestrator.sessions`): each call
+    appends what the episode's token stream gained since the session last saw it."""
+
+    def __init__(self, client, session_id: str):
+        self.client, self.id, self.held = client, session_id, 0
+
+    async def complete(self, ids: list[int], **kw) -> Any:
+        kw.pop("logprobs", None)
+        out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0, **kw)
+        self.held = len(ids) + len(out.token_ids)
+        return out
+
+    async def close(self) -> None:
+        try:
+            await self.client.close_session(self.id)
+        except Exception:  # noqa: BLE001 - a server that is gone forgets it anyway (TTL)
+            pass
+
+
 async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, version_hint):
+    session = None
+    if cfg.sessions and hasattr(client, "open_session"):
+        sid = await client.open_session()
+        session = None if sid is None else _SessionTurns(client, sid)
+    try:
+        await _agent_turns(spec, session or client, env, renderer, cfg, result, version_hint)
+    finally:
+        if session is not None:
+            await asyncio.shield(session.close())
+
+
+async def _agent_turns(spec, client, env: TrialEnv, renderer, cfg, result, version_hint):
     traj = result.trajectory
     first: Message = {"role": "user", "content": await env.reset()}
     traj.prompt = [first]

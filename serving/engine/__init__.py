@@ -1,7 +1,15 @@
 """simloop's JAX inference engine: continuous batching over a slot pool with a KV cache."""
 
 from serving.config import EngineConfig, SamplingParams
-from serving.engine.engine import Engine, EngineBusy, EngineError, SequenceOutput, TokenEvent
+from serving.engine.engine import (
+    Engine,
+    EngineBusy,
+    EngineError,
+    SequenceOutput,
+    Session,
+    SessionError,
+    TokenEvent,
+)
 
 __all__ = [
     "Engine",
@@ -10,5 +18,7 @@ __all__ = [
     "EngineError",
     "SamplingParams",
     "SequenceOutput",
+    "Session",
+    "SessionError",
     "TokenEvent",
 ]

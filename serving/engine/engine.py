@@ -16,6 +16,13 @@ needs no LM head, every first token is sampled by the same decode step as all la
 Prefix reuse: a slot keeps the tokens whose keys it holds after its sequence finishes. A new
 prompt that extends them (the next turn of an episode) takes that slot over and only prefills
 the new suffix; a prompt sharing a prefix with a busy slot copies its row instead.
+
+Sessions (`open_session`, `session_submit`, `rewind_session`, `close_session`) pin a slot to a
+caller between calls: the session's KV stays there (no other request takes the slot over or
+evicts it), each call prefills only what was appended since, and steps of different sessions
+decode in the same device steps as everything else. A session loses its slot only when it is
+closed, idles past its TTL, or when a request finds no free slot and it is the least recently
+used idle session (memory pressure); its next call is then refused with the reason.
 """
 
 from __future__ import annotations
@@ -57,6 +64,31 @@ class EngineError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class SessionError(Exception):
+    """A session call that cannot be served: `status` is the HTTP status that says why (404
+    unknown, 409 busy / closed / evicted, 413 over-long), `field` the offending field."""
+
+    def __init__(self, status: int, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.field = status, field
+
+
+@dataclass(eq=False)
+class Session:
+    """A persistent KV session: its logical token stream and the slot that holds its KV."""
+
+    id: str
+    ttl_s: float
+    tokens: list[int] = field(default_factory=list)
+    """Everything appended and generated so far (`session_tokens` is its length)."""
+    slot: int | None = None
+    busy: bool = False
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    gone: str | None = None
+    """Why the session can no longer be used (expired, evicted); its next call says so."""
 
 
 class EngineBusy(RuntimeError):
@@ -119,6 +151,7 @@ class _Request:
     params: SamplingParams
     seed: int
     stop_ids: frozenset[int]
+    session: Session | None = None
     seqs: list[_Seq] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: asyncio.Future | None = None
@@ -194,7 +227,11 @@ class Engine:
         self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0}
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
-                          steps=0, aborted=0)  # fmt: skip
+                          steps=0, aborted=0, sessions_opened=0,
+                          sessions_evicted=0)  # fmt: skip
+        self._slot_session: list[Session | None] = [None] * b
+        """The session a slot is pinned to (between its calls too)."""
+        self.sessions: dict[str, Session] = {}
         self._build_functions()
 
     # ----- device functions ------------------------------------------------------------------
@@ -320,6 +357,7 @@ class Engine:
         *,
         n: int = 1,
         request_id: str | None = None,
+        session: Session | None = None,
     ) -> RequestHandle:
         """Queue `n` samples of `prompt` (token ids). Raises EngineError for bad input."""
         if self.failure is not None:
@@ -363,6 +401,7 @@ class Engine:
             params=params,
             seed=seed % (2**31),
             stop_ids=frozenset(stop_ids),
+            session=session,
             done=asyncio.get_running_loop().create_future(),
         )
         if request.id in self._requests:
@@ -378,6 +417,113 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams, *, n: int = 1
     ) -> list[SequenceOutput]:
         return await self.submit(prompt, params, n=n).result()
+
+    # ----- sessions ---------------------------------------------------------------------------
+
+    def open_session(self, ttl_s: float | None = None) -> Session:
+        """A new, empty session (its slot is taken at its first call)."""
+        self._expire_sessions()
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise EngineBusy(f"{len(self.sessions)} sessions are open (the limit is "
+                             f"{self.cfg.max_sessions}); close one first")  # fmt: skip
+        sid = f"sess-{os.urandom(8).hex()}"
+        session = Session(sid, float(ttl_s if ttl_s is not None else self.cfg.session_ttl_s))
+        self.sessions[sid] = session
+        self.stats["sessions_opened"] += 1
+        return session
+
+    def session(self, session_id: str) -> Session:
+        """The open session `session_id`; SessionError 404 if unknown, 409 (once, then it is
+        forgotten) if it expired or was evicted."""
+        self._expire_sessions()
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"session {session_id!r} does not exist (closed, or never "
+                               "opened): open a new one", "session_id")  # fmt: skip
+        if session.gone is not None:
+            del self.sessions[session_id]
+            raise SessionError(409, f"session {session_id!r} is gone: {session.gone}; open a "
+                               "new one and send its whole context", "session_id")  # fmt: skip
+        return session
+
+    def session_submit(self, session_id: str, append: Sequence[int],
+                       params: SamplingParams) -> RequestHandle:  # fmt: skip
+        """Append `append` to the session and generate from it: only tokens whose KV the
+        session's slot does not hold yet are prefilled. One call at a time per session."""
+        session = self.session(session_id)
+        if session.busy:
+            raise SessionError(409, f"session {session_id!r} is already generating: wait for "
+                               "its call to finish (one step at a time per session)",
+                               "session_id")  # fmt: skip
+        append = [int(t) for t in append]
+        if not append and not session.tokens:
+            raise EngineError("the first call of a session must append at least one token",
+                              "append_token_ids")  # fmt: skip
+        total, limit = len(session.tokens) + len(append), self.cfg.max_seq_len - 1
+        if total > limit:
+            raise SessionError(413, f"the session would hold {total} tokens ({len(session.tokens)} "
+                               f"+ {len(append)} appended); a session holds at most {limit} "
+                               "(the context, less one token to generate): rewind or open a new "
+                               "session", "append_token_ids")  # fmt: skip
+        handle = self.submit(session.tokens + append, params, session=session)
+        session.busy, session.last_used = True, time.monotonic()
+        return handle
+
+    def rewind_session(self, session_id: str, to: int) -> Session:
+        """Drop everything after logical position `to` (a retry from a turn boundary); the
+        slot keeps the KV of the first `to` tokens."""
+        session = self.session(session_id)
+        if session.busy:
+            raise SessionError(409, f"session {session_id!r} is generating: rewind after its "
+                               "call", "session_id")  # fmt: skip
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(session.tokens):
+            raise EngineError(f"to={to!r} is invalid: an integer in [0, {len(session.tokens)}] "
+                              "(the session's length)", "to")  # fmt: skip
+        del session.tokens[to:]
+        if session.slot is not None:
+            held = self._slot_tokens[session.slot]
+            del held[to:]
+            self._lengths[session.slot] = len(held)
+        session.last_used = time.monotonic()
+        return session
+
+    def close_session(self, session_id: str) -> None:
+        """Forget the session and free its slot (a call in flight is aborted)."""
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            raise SessionError(404, f"session {session_id!r} does not exist", "session_id")
+        for request in list(self._requests.values()):
+            if request.session is session:
+                self.abort(request.id)
+        self._unpin(session, None)
+
+    def session_kv_tokens(self, session: Session) -> int:
+        """KV positions the session's slot holds (0 without a slot)."""
+        return 0 if session.slot is None else int(self._lengths[session.slot])
+
+    def _unpin(self, session: Session, gone: str | None) -> None:
+        if session.slot is not None and self._slot_session[session.slot] is session:
+            self._slot_session[session.slot] = None
+        session.slot, session.gone = None, gone
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            idle_s = now - session.last_used
+            if session.gone is None and not session.busy and idle_s > session.ttl_s:
+                self._unpin(session, f"it was idle for more than its ttl_s={session.ttl_s:g}")
+
+    def _evict_for(self, free: list[int]) -> int | None:
+        """Memory pressure: the slot of the least recently used idle session, unpinned."""
+        idle = [s for s in free if self._slot_session[s] is not None]
+        if not idle:
+            return None
+        slot = min(idle, key=lambda s: self._slot_session[s].last_used)
+        session = self._slot_session[slot]
+        self._unpin(session, "its slot was taken for another request (memory pressure: every "
+                             "KV slot was in use)")  # fmt: skip
+        self.stats["sessions_evicted"] += 1
+        return slot
 
     def abort(self, request_id: str) -> None:
         """Finish the request with `abort`; its slots are freed at the next step."""
@@ -496,17 +642,26 @@ class Engine:
 
     def _place(self, seq: _Seq) -> bool:
         want = seq.prompt[:-1]
+        session = seq.request.session
+        if session is not None and session.slot is not None:
+            return self._place_in(seq, session.slot, want)  # its own slot: pinned, idle
+        self._expire_sessions()
+        pinned = self._slot_session
         best, best_len = None, 0
         if self.cfg.prefix_reuse and want:
             for slot, tokens in enumerate(self._slot_tokens):
-                if self._slot_version[slot] != self.version:  # KV of older weights
-                    continue
+                if self._slot_version[slot] != self.version or pinned[slot] is not None:
+                    continue  # KV of older weights, or a session's own
                 m = _common_prefix(tokens, want)
                 if m > best_len:
                     best, best_len = slot, m
-        free = [s for s in range(self.cfg.num_slots) if self._slot_owner[s] is None]
+        idle = [s for s in range(self.cfg.num_slots) if self._slot_owner[s] is None]
+        free = [s for s in idle if pinned[s] is None]
         if not free:
-            return False
+            slot = self._evict_for(idle)
+            if slot is None:
+                return False
+            free = [slot]
         if best is not None and self._slot_owner[best] is None:
             slot = best  # take the cached slot over in place: no copy
         else:
@@ -518,17 +673,28 @@ class Engine:
                 # A copy's destination holds nothing until the copy runs: copy from its source.
                 pending = dict((d, s) for s, d in self._pending_copies)
                 self._pending_copies.append((pending.get(best, best), slot))
-        self._slot_tokens[slot] = want[:best_len]
-        self._lengths[slot] = best_len
+        if session is not None:
+            session.slot, pinned[slot] = slot, session
+        return self._place_in(seq, slot, want, cached=best_len if best is not None else 0)
+
+    def _place_in(self, seq: _Seq, slot: int, want: list[int], cached: int | None = None) -> bool:
+        """Seat `seq` in `slot`, reusing the first `cached` tokens of its KV (None: as many
+        as the slot holds of `want`, if its KV is of the current weights)."""
+        held = self._slot_tokens[slot]
+        if cached is None:
+            fresh = self._slot_version[slot] == self.version
+            cached = _common_prefix(held, want) if fresh else 0
+        self._slot_tokens[slot] = want[:cached]
+        self._lengths[slot] = cached
         self._slot_owner[slot] = seq
         self._slot_used[slot] = time.perf_counter()
         self._slot_version[slot] = self.version
-        seq.slot, seq.cached = slot, best_len
-        seq.pending = want[best_len:]
+        seq.slot, seq.cached = slot, cached
+        seq.pending = want[cached:]
         seq.next_input = seq.prompt[-1]
         seq.admitted_at = time.perf_counter()
         self.stats["prompt_tokens"] += len(seq.prompt)
-        self.stats["cached_tokens"] += best_len
+        self.stats["cached_tokens"] += cached
         return True
 
     def _plan(self):
@@ -660,6 +826,10 @@ class Engine:
             self._slot_used[seq.slot] = time.perf_counter()
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        session = seq.request.session
+        if session is not None:  # the stream goes on from what was generated, even if cut
+            session.tokens = seq.prompt + seq.generated
+            session.busy, session.last_used = False, time.monotonic()
         ids = seq.generated
         body = ids[:-1] if ids and reason == "stop" and ids[-1] in seq.request.stop_ids else ids
         text = self.tokenizer.decode(body)

@@ -1,0 +1,241 @@
+"""Persistent KV sessions (issue 19, part 1) over real sockets: `run_server` on 127.0.0.1 in
+front of a tiny engine. A session keeps its slot's KV between calls, so each call prefills only
+what was appended; its greedy output equals a stateless completion of the same tokens; rewind
+drops the tail; steps of different sessions share device steps; every misuse is an OpenAI-shaped
+error with its status (404 unknown, 409 busy / expired / evicted, 413 over-long, 400 malformed);
+a TTL or memory pressure ends a session with a reason its next call is told."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from flax import nnx
+
+from rl.data import ByteTokenizer
+from rl.model import Qwen3, tiny
+from serving.config import ServerConfig
+from serving.engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+TOK = ByteTokenizer()
+SEQ, SLOTS = 256, 4
+ECFG = EngineConfig(num_slots=SLOTS, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served():
+    from serving.server import background_server
+
+    model = Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0))
+    engine = Engine(model, TOK, ECFG)
+    cfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+    async with background_server(engine, TOK, cfg, start_timeout_s=180) as url:
+        yield engine, url
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http(served):
+    engine, url = served
+    for sid in list(engine.sessions):  # each test starts with every slot free
+        engine.close_session(sid)
+    async with aiohttp.ClientSession(base_url=url) as session:
+        yield session
+
+
+async def call(http, method: str, path: str, body=None, status: int = 200) -> dict:
+    async with http.request(method, path, json=body) as r:
+        data = await r.json()
+        assert r.status == status, data
+        return data
+
+
+async def open_session(http, **body) -> str:
+    return (await call(http, "POST", "/v1/sessions", body))["id"]
+
+
+def step(append, max_tokens: int = 8, **kw) -> dict:
+    key = "append_text" if isinstance(append, str) else "append_token_ids"
+    return {key: append, "max_tokens": max_tokens, "temperature": 0.0, **kw}
+
+
+async def test_each_call_prefills_only_what_was_appended_and_matches_a_stateless_completion(http):
+    sid = await open_session(http)
+    first = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("ls -la\n"))
+    assert first["prompt_tokens"] == 7 and first["cached_tokens"] == 0
+    assert first["session_tokens"] == 7 + len(first["token_ids"])
+    # The KV of every token but the last sampled one (it is the next step's input).
+    assert first["kv_tokens"] == first["session_tokens"] - 1
+    history = TOK.encode("ls -la\n") + first["token_ids"]
+    second = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("pwd\n"))
+    assert second["prompt_tokens"] == 4
+    assert second["cached_tokens"] == len(history) - 1  # only the appended tokens prefilled
+    assert second["session_tokens"] == len(history) + 4 + len(second["token_ids"])
+    stateless = await call(http, "POST", "/v1/completions", {
+        "prompt": history + TOK.encode("pwd\n"), "max_tokens": 8, "temperature": 0.0,
+        "return_token_ids": True,
+    })  # fmt: skip
+    assert second["token_ids"] == stateless["choices"][0]["token_ids"]
+    listed = (await call(http, "GET", "/v1/sessions"))["data"]
+    (mine,) = [s for s in listed if s["id"] == sid]
+    assert mine["session_tokens"] == second["session_tokens"] and mine["state"] == "open"
+    assert mine["idle_s"] >= 0 and not mine["busy"]
+    await call(http, "DELETE", f"/v1/sessions/{sid}")
+    assert sid not in [s["id"] for s in (await call(http, "GET", "/v1/sessions"))["data"]]
+    await call(http, "POST", f"/v1/sessions/{sid}/generate", step("x"), status=404)
+
+
+async def test_rewind_drops_the_tail_and_a_retry_repeats_the_turn(http):
+    sid = await open_session(http)
+    turn1 = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("echo hi\n"))
+    boundary = turn1["session_tokens"]
+    retry_of = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("cat f\n"))
+    back = await call(http, "POST", f"/v1/sessions/{sid}/rewind", {"to": boundary})
+    assert back["session_tokens"] == back["kv_tokens"] == boundary
+    again = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("cat f\n"))
+    assert again["token_ids"] == retry_of["token_ids"]  # greedy: the same turn again
+    assert again["cached_tokens"] == boundary  # the KV of turn 1 whole: kept by the rewind
+    err = await call(http, "POST", f"/v1/sessions/{sid}/rewind", {"to": 10_000}, status=400)
+    assert err["error"]["param"] == "to" and "an integer in [0," in err["error"]["message"]
+
+
+async def test_steps_of_different_sessions_share_device_steps(served, http):
+    engine, _ = served
+    sids = [await open_session(http) for _ in range(SLOTS)]
+    for sid in sids:  # each session holds its context first
+        await call(http, "POST", f"/v1/sessions/{sid}/generate", step(f"s{sid[-4:]}\n", 1))
+    before = engine.stats["steps"]
+    outs = await asyncio.gather(*(
+        call(http, "POST", f"/v1/sessions/{sid}/generate",
+             step("go\n", 24, ignore_eos=True)) for sid in sids
+    ))  # fmt: skip
+    steps = engine.stats["steps"] - before
+    assert all(len(o["token_ids"]) == 24 for o in outs)
+    # One session alone needs >= 24 / decode_steps device steps; four in lockstep need about
+    # the same, not four times as many.
+    assert steps < 2 * (24 // ECFG.decode_steps + 4)
+
+
+async def test_misuse_gets_a_status_and_a_reason(served, http):
+    engine, _ = served
+    sid = await open_session(http)
+    for body, param in [({}, "append_token_ids"),
+                        ({"append_text": "a", "append_token_ids": [1]}, "append_token_ids"),
+                        ({"append_token_ids": [99999]}, "append_token_ids"),
+                        ({"append_token_ids": "abc"}, "append_token_ids"),
+                        ({"append_text": "a", "stream": True}, "stream"),
+                        ({"append_text": "a", "temperature": -1}, "temperature")]:  # fmt: skip
+        err = await call(http, "POST", f"/v1/sessions/{sid}/generate", body, status=400)
+        assert err["error"]["param"] == param, err
+    # An append longer than the context: 413 with the limit.
+    err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a" * SEQ), status=413)
+    assert f"at most {SEQ - 1}" in err["error"]["message"]
+    # A second step while one runs: 409.
+    slow = asyncio.create_task(call(http, "POST", f"/v1/sessions/{sid}/generate",
+                                    step("b", 200, ignore_eos=True)))  # fmt: skip
+    while not engine.sessions[sid].busy:
+        await asyncio.sleep(0.001)
+    err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("c"), status=409)
+    assert "already generating" in err["error"]["message"]
+    await slow
+    for method, path, body in [("POST", "/v1/sessions/nope/generate", step("a")),
+                               ("POST", "/v1/sessions/nope/rewind", {"to": 0}),
+                               ("DELETE", "/v1/sessions/nope", None)]:  # fmt: skip
+        err = await call(http, method, path, body, status=404)
+        assert "does not exist" in err["error"]["message"]
+    for body, says in [({"compaction": {"mode": "markovian"}}, "one of ['none']"),
+                       ({"ttl_s": 0}, "'ttl_s'=0 is out of range"),
+                       ({"ttl": 5}, "unknown field(s) ['ttl']")]:  # fmt: skip
+        err = await call(http, "POST", "/v1/sessions", body, status=400)
+        assert says in err["error"]["message"], err
+    async with http.get("/health") as r:
+        assert r.status == 200  # none of it hurt the server
+
+
+async def test_a_session_past_its_ttl_is_told_why_then_forgotten(http):
+    sid = await open_session(http, ttl_s=0.05)
+    await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a\n", 2))
+    await asyncio.sleep(0.2)
+    err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("b"), status=409)
+    assert "idle for more than its ttl_s=0.05" in err["error"]["message"]
+    await call(http, "POST", f"/v1/sessions/{sid}/generate", step("b"), status=404)
+
+
+async def test_memory_pressure_evicts_the_least_recently_used_idle_session(served, http):
+    engine, _ = served
+    sids = [await open_session(http) for _ in range(SLOTS)]
+    for sid in sids:  # every slot pinned by an idle session
+        await call(http, "POST", f"/v1/sessions/{sid}/generate", step(f"{sid[-3:]}\n", 2))
+    evicted = engine.stats["sessions_evicted"]
+    done = await call(http, "POST", "/v1/completions",
+                      {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})  # fmt: skip
+    assert done["choices"][0]["finish_reason"] in ("length", "stop")
+    assert engine.stats["sessions_evicted"] == evicted + 1
+    listed = {s["id"]: s for s in (await call(http, "GET", "/v1/sessions"))["data"]}
+    assert listed[sids[0]]["state"] == "gone" and "memory pressure" in listed[sids[0]]["reason"]
+    err = await call(http, "POST", f"/v1/sessions/{sids[0]}/generate", step("x"), status=409)
+    assert "memory pressure" in err["error"]["message"]
+    for sid in sids[1:]:  # the others kept their KV
+        out = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("y", 1))
+        assert out["cached_tokens"] > 0
+
+
+# ----- the orchestrator on sessions ------------------------------------------------------------
+
+
+async def test_episodes_through_sessions_equal_stateless_ones_and_close_their_sessions(served):
+    """`orchestrator.sessions`: the same greedy episodes, token for token, with each turn
+    sending only its new tokens; every session is closed when its episode ends."""
+    from envs.config import LocalShellConfig, TerminalConfig, TextopsConfig
+    from envs.local import LocalShell
+    from envs.textops import generate_textops
+    from rl.data import ChatRenderer
+    from rl.orchestrator.config import OrchestratorConfig
+    from rl.orchestrator.runner import Backends, RolloutRunner
+    from serving.client import ClientConfig, InferenceClient
+
+    engine, url = served
+    for sid in list(engine.sessions):
+        engine.close_session(sid)
+    renderer = ChatRenderer(TOK)
+    tasks = generate_textops(TextopsConfig(num_tasks=3, seed=1))
+    terminal = TerminalConfig(max_turns=3, max_format_errors=3, prompt_template="{instruction}",
+                              format_error_template="Format error: {reason}")  # fmt: skip
+    backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
+    runs = {}
+    async with InferenceClient(ClientConfig(url, max_retries=0)) as client:
+        for sessions in (False, True):
+            ocfg = OrchestratorConfig(arm="real", max_context_tokens=SEQ, max_tokens_per_turn=24,
+                                      temperature=0.0, sessions=sessions)  # fmt: skip
+            cached, opened = engine.stats["cached_tokens"], engine.stats["sessions_opened"]
+            runs[sessions] = await RolloutRunner(ocfg, terminal, renderer, backends,
+                                                 client=client).run(tasks)  # fmt: skip
+            runs[sessions, "cached"] = engine.stats["cached_tokens"] - cached
+            runs[sessions, "opened"] = engine.stats["sessions_opened"] - opened
+    assert [t.token_ids for t in runs[True]] == [t.token_ids for t in runs[False]]
+    assert sum(len(t.turns) for t in runs[True]) > len(tasks)  # multi-turn episodes
+    assert runs[False, "opened"] == 0 and runs[True, "opened"] == len(tasks)
+    assert not engine.sessions  # every one closed at its episode's end
+    # With sessions every later turn reuses the whole history; stateless turns reuse it only
+    # when the prefix cache still holds it.
+    assert runs[True, "cached"] >= runs[False, "cached"]
+
+
+async def test_a_server_without_sessions_is_detected_for_the_stateless_fallback():
+    from aiohttp import web
+
+    from serving.client import ClientConfig, InferenceClient
+
+    app = web.Application()  # no routes: what vLLM answers to /v1/sessions (404)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with InferenceClient(ClientConfig(f"http://127.0.0.1:{port}")) as client:
+            assert await client.open_session() is None
+    finally:
+        await runner.cleanup()
