@@ -1,0 +1,252 @@
+"""Persistent KV sessions vs re-prefill (issue 19): concurrent long episodes against a real
+`simloop serve --preset tiny` process (`launch.deploy.local.LocalServer`, byte tokenizer).
+
+Each episode runs `--turns` turns; a turn appends a `--obs-tokens` observation (random printable
+bytes, seeded) and generates a `--reply-tokens` reply (greedy, `ignore_eos`). `--sessions`
+episodes run at once, each turn by turn on its own, against a server with one slot each and a
+context that holds a whole episode. Ours: one session per episode (each call appends only the
+new observation). Peers, given the same observations: stateless `/v1/completions` sending the
+whole history every turn on the same server, where the engine's prefix reuse still finds each
+episode's previous turn in a finished slot (what it really prefilled is reported); and, with
+`--reprefill`, the same on a second server without prefix reuse: true re-prefill.
+
+    .venv/bin/python bench/sessions.py                # 8 x 50 turns x 256 tokens: ~8-10 min
+    .venv/bin/python bench/sessions.py --quick        # 2 x 8 turns x 64 tokens, with --reprefill
+    .venv/bin/python bench/sessions.py --json sessions.json
+
+On 2 CPU cores the default run's time is prefill: the engine's prefill attends over a slot's
+whole context (16,384 positions here), so each 256-token chunk costs the same at turn 1 as at
+turn 50 (~4.5 s per turn of 8 episodes, 2,056 tokens prefilled), and reply length hardly counts.
+
+Per turn: client wall latency and tokens prefilled (the context at the call minus the tokens
+whose KV the server already held). Target (issue 19): with sessions the last 10 turns' mean
+latency is within 1.2x of turns 2-11's, and each turn prefills only what it appended (plus the
+previous reply's last token, sampled but not yet in the KV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from results import Row, add_json_flag, table, write_json  # bench/ is on sys.path
+from rich.console import Console
+
+from launch.deploy.local import LocalServer
+from rl.data import ByteTokenizer
+from rl.data.rundir import CONFIG
+from serving.client import ClientConfig, InferenceClient
+
+TOK = ByteTokenizer()
+WINDOW = 10
+"""Turns per latency window: turns 2..WINDOW+1 (turn 1 has no history) vs the last WINDOW."""
+DRIFT_TARGET = 1.2
+DEFAULTS = {"sessions": 8, "turns": 50, "obs_tokens": 256, "reply_tokens": 16}
+QUICK = {"sessions": 2, "turns": 8, "obs_tokens": 64, "reply_tokens": 8}
+"""--quick: small enough for a unit test (the server's prefill attends over its whole context
+per slot, so the context length sets the cost of every prefilled token)."""
+
+
+def observation(rng: random.Random, n: int) -> list[int]:
+    """`n` random printable ASCII bytes: one token each with the byte tokenizer."""
+    ids = TOK.encode("".join(chr(rng.randint(32, 126)) for _ in range(n)))
+    assert len(ids) == n, "the byte tokenizer maps each printable byte to one token"
+    return ids
+
+
+def seq_len_for(args) -> int:
+    """The server's context per slot: a whole episode, rounded up to a power of two."""
+    need = args.turns * (args.obs_tokens + args.reply_tokens) + 1
+    return 1 << (need - 1).bit_length()
+
+
+def sampling(args) -> dict:
+    return {"max_tokens": args.reply_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def episode(client: InferenceClient, mode: str, index: int, args) -> list[dict]:
+    """One episode turn by turn; per turn its latency, context and prefilled tokens."""
+    rng = random.Random(args.seed * 100_003 + index)
+    sid = await client.open_session() if mode == "session" else None  # else stateless
+    if mode == "session" and sid is None:
+        raise RuntimeError(f"{client.cfg.base_url} has no /v1/sessions")
+    history: list[int] = []
+    turns = []
+    try:
+        for _ in range(args.turns):
+            obs = observation(rng, args.obs_tokens)
+            began = time.perf_counter()
+            if sid is not None:
+                raw, _ = await client.request(
+                    "POST", f"/v1/sessions/{sid}/generate", retries=0,
+                    json_body={"append_token_ids": obs, **sampling(args)},
+                )  # fmt: skip
+                reply, cached = raw["token_ids"], raw["cached_tokens"]
+                context = raw["session_tokens"] - len(reply)
+            else:
+                out = await client.complete(
+                    history + obs, max_tokens=args.reply_tokens, temperature=0.0,
+                    extra={"ignore_eos": True},
+                )  # fmt: skip
+                reply, cached = out.token_ids, out.cached_tokens or 0
+                context = out.raw["usage"]["prompt_tokens"]
+            latency = time.perf_counter() - began
+            sent = len(history) + len(obs)
+            if context != sent:
+                raise RuntimeError(f"{mode} turn {len(turns) + 1}: the server saw {context} "
+                                   f"tokens of context, the client sent {sent}")  # fmt: skip
+            history += obs + reply
+            turns.append({"latency_s": latency, "context": context, "appended": len(obs),
+                          "cached": cached, "prefilled": context - cached,
+                          "reply": reply})  # fmt: skip
+    finally:
+        if sid is not None:
+            await client.close_session(sid)
+    return turns
+
+
+async def run_mode(url: str, mode: str, args) -> dict:
+    """`args.sessions` episodes at once: with sessions (mode "session") or stateless."""
+    async with InferenceClient(ClientConfig(url, timeout_s=600.0)) as client:
+        began = time.perf_counter()
+        episodes = await asyncio.gather(*(episode(client, mode, i, args)
+                                          for i in range(args.sessions)))  # fmt: skip
+        wall = time.perf_counter() - began
+    by_turn = list(zip(*episodes, strict=True))  # by_turn[t][episode]
+
+    def mean_ms(turns) -> float:
+        return 1e3 * statistics.fmean(t["latency_s"] for turn in turns for t in turn)
+
+    early, late = mean_ms(by_turn[1 : 1 + WINDOW]), mean_ms(by_turn[-WINDOW:])
+    flat = [t for ep in episodes for t in ep]
+    return {
+        "mode": mode, "wall_s": wall, "early_ms": early, "late_ms": late, "drift": late / early,
+        "prefilled": sum(t["prefilled"] for t in flat),
+        "sent": sum(t["context"] for t in flat),
+        "appended": sum(t["appended"] for t in flat),
+        "max_extra_prefill": max(t["prefilled"] - t["appended"] for t in flat),
+        "turn_ms": [1e3 * statistics.fmean(t["latency_s"] for t in turn) for turn in by_turn],
+        "turn_prefilled": [sum(t["prefilled"] for t in turn) for turn in by_turn],
+        "replies": [[t["reply"] for t in ep] for ep in episodes],
+    }  # fmt: skip
+
+
+async def measure(urls: dict[str, str], args) -> dict[str, dict]:
+    """Each mode on its server (`urls`: mode -> URL), one after another."""
+    # A warm-up at the same concurrency before each mode (compiles every prefill/decode shape
+    # it uses, so no mode pays JAX's compile in its timings); its other observations
+    # (seed + 1) also take every slot again, so that no mode's first turn reuses the KV that
+    # the mode before it left behind.
+    warm = argparse.Namespace(**{**vars(args), "turns": 2, "seed": args.seed + 1})
+    done = {}
+    for mode, url in urls.items():
+        await run_mode(url, mode, warm)
+        done[mode] = await run_mode(url, mode, args)
+    return done
+
+
+def rows_of(ours: dict, peer: dict, args, vs: str) -> list[Row]:
+    """Ours against one peer (`vs` names it)."""
+    shape = f"{args.sessions} x {args.turns} turns"
+    early = f"turns 2-{min(WINDOW + 1, args.turns)}"
+    late = f"last {WINDOW} turns" if args.turns > WINDOW + 1 else "last turns"
+    return [
+        Row(f"per-turn latency, {early} ({shape}) {vs}", ours["early_ms"],
+            peer["early_ms"], "ms", ratio_of="peer/ours"),
+        Row(f"per-turn latency, {late} ({shape}) {vs}", ours["late_ms"], peer["late_ms"], "ms",
+            ratio_of="peer/ours"),
+        Row(f"latency drift: {late} / {early} {vs}", ours["drift"], peer["drift"],
+            "x", f"<= {DRIFT_TARGET}", ratio_of="peer/ours"),
+        Row(f"tokens prefilled, whole run ({shape}) {vs}", ours["prefilled"], peer["prefilled"],
+            "tokens", ratio_of="peer/ours"),
+        Row(f"tokens prefilled beyond those appended, worst turn {vs}",
+            ours["max_extra_prefill"], peer["max_extra_prefill"], "tokens", "<= 1",
+            ratio_of="peer/ours"),
+        Row(f"wall time, whole run ({shape}) {vs}", ours["wall_s"], peer["wall_s"], "s",
+            ratio_of="peer/ours"),
+    ]  # fmt: skip
+
+
+def positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is invalid: a positive integer")
+    return n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for flag, help_ in (("--sessions", "episodes at once"), ("--turns", "turns per episode"),
+                        ("--obs-tokens", "tokens appended per turn"),
+                        ("--reply-tokens", "tokens generated per turn")):  # fmt: skip
+        default = DEFAULTS[flag.lstrip("-").replace("-", "_")]
+        parser.add_argument(flag, type=positive, help=f"{help_} (default {default})")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the observations")
+    parser.add_argument("--reprefill", action="store_true",
+                        help="also measure true re-prefill: the stateless peer on a second server "
+                             "without prefix reuse (its prefill grows with the history: hours "
+                             "on CPU at the default shape; --quick turns it on)")  # fmt: skip
+    quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke test with --reprefill: {quick}")  # fmt: skip
+    add_json_flag(parser)
+    args = parser.parse_args()
+    for key, default in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    args.reprefill = args.reprefill or args.quick
+    if args.turns < 2:
+        parser.error(f"--turns {args.turns} is invalid: >= 2 (turn 1 is left out of the windows)")
+    console = Console()
+    seq = seq_len_for(args)
+    serve = ["--preset", "tiny", "--num-slots", str(args.sessions), "--max-seq-len", str(seq)]
+    servers = {"session": serve}  # the stateless peer uses it too: prefix reuse on
+    if args.reprefill:
+        servers["reprefill"] = serve + ["--serve.engine.prefix_reuse", "false"]
+    with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp, ExitStack() as stack:
+        (Path(tmp) / CONFIG).write_text("{}\n")  # --preset tiny: the defaults do
+        urls = {}
+        for name, flags in servers.items():
+            with console.status(f"simloop serve {' '.join(flags)}"):
+                server = LocalServer.start("agent", tmp, extra_args=flags, name=name)
+            urls[name] = stack.enter_context(server).url
+        urls = {"session": urls["session"], "stateless": urls["session"]} | urls
+        with console.status(f"{args.sessions} episodes x {args.turns} turns, {len(urls)} modes"):
+            done = asyncio.run(measure(urls, args))
+    ours, peer = done["session"], done["stateless"]
+    replies = {mode: d.pop("replies") for mode, d in done.items()}
+    same = sum(a == b for a, b in zip(replies["session"], replies["stateless"], strict=True))
+    results = rows_of(ours, peer, args, "vs stateless + prefix reuse")
+    if "reprefill" in done:
+        results += rows_of(ours, done["reprefill"], args, "vs re-prefill")
+    else:  # without reuse every token sent is prefilled: a count, not a measurement
+        results.append(Row(f"tokens prefilled, whole run ({args.sessions} x {args.turns} turns) "
+                           "vs re-prefill (counted: all tokens sent)", ours["prefilled"],
+                           peer["sent"], "tokens", ratio_of="peer/ours"))  # fmt: skip
+    console.print(table("persistent KV sessions vs stateless completions", results))
+    console.print(
+        f"simloop serve --preset tiny, {args.sessions} slots x {seq} context; each turn appends "
+        f"{args.obs_tokens} tokens and generates {args.reply_tokens} (greedy). Sent as context: "
+        f"{peer['sent']:,} tokens; appended: {ours['appended']:,}. Episodes whose replies match "
+        f"between sessions and stateless: {same}/{args.sessions}."
+    )
+    if args.json:
+        detail = {"server": {"preset": "tiny", "num_slots": args.sessions, "max_seq_len": seq},
+                  "episodes": args.sessions, "turns": args.turns, "obs_tokens": args.obs_tokens,
+                  "reply_tokens": args.reply_tokens, "same_replies": same, **done}  # fmt: skip
+        write_json(args.json, "sessions", results, detail)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

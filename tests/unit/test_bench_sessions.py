@@ -1,0 +1,65 @@
+"""bench/sessions.py --quick end to end: real `simloop serve` processes, sessions against the
+stateless peer (prefix reuse on) and true re-prefill, rows in the common JSON shape."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROW_KEYS = {"measure", "ours", "peer", "ratio", "ratio_of", "target", "unit"}
+PEERS = ("vs stateless + prefix reuse", "vs re-prefill")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "sessions.json"
+    done = subprocess.run([sys.executable, "bench/sessions.py", "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_quick_run_writes_rows_against_both_peers(quick):
+    assert quick["bench"] == "sessions"
+    rows = quick["rows"]
+    assert all(set(r) == ROW_KEYS and isinstance(r["ours"], int | float) for r in rows)
+    for vs in PEERS:
+        mine = [r for r in rows if r["measure"].endswith(vs)]
+        assert [(m["measure"].split(" (")[0].split(",")[0], m["unit"]) for m in mine] == [
+            ("per-turn latency", "ms"), ("per-turn latency", "ms"),
+            (f"latency drift: last turns / turns 2-8 {vs}", "x"), ("tokens prefilled", "tokens"),
+            ("tokens prefilled beyond those appended", "tokens"), ("wall time", "s"),
+        ]  # fmt: skip
+        assert all(m["peer"] > 0 and m["ratio_of"] == "peer/ours" for m in mine)
+    by = {r["measure"]: r for r in rows}
+    drift = by[f"latency drift: last turns / turns 2-8 {PEERS[0]}"]
+    assert drift["target"] == "<= 1.2" and drift["ours"] > 0
+    d = quick["detail"]
+    assert (d["episodes"], d["turns"], d["obs_tokens"], d["reply_tokens"]) == (2, 8, 64, 8)
+    for mode in ("session", "stateless", "reprefill"):
+        assert len(d[mode]["turn_ms"]) == len(d[mode]["turn_prefilled"]) == 8
+        assert all(ms > 0 for ms in d[mode]["turn_ms"])
+
+
+def test_sessions_prefill_only_what_each_turn_appends_and_less_than_re_prefill(quick):
+    d = quick["detail"]
+    ours, reprefill = d["session"], d["reprefill"]
+    appended = 2 * 8 * 64
+    # Each turn after the first also prefills the previous reply's last token (sampled, not
+    # yet in the KV); nothing more.
+    assert ours["appended"] == appended
+    assert ours["prefilled"] == appended + 2 * 7 and ours["max_extra_prefill"] == 1
+    assert ours["turn_prefilled"] == [2 * 64] + [2 * 65] * 7
+    # Re-prefill (no reuse) prefills every token it sends: the whole history each turn.
+    assert reprefill["prefilled"] == reprefill["sent"] == ours["sent"]
+    assert reprefill["prefilled"] > 4 * ours["prefilled"]
+    assert reprefill["turn_prefilled"] == sorted(reprefill["turn_prefilled"])
+    # The stateless peer on the sessions' server reuses a finished slot's KV where it can.
+    assert ours["prefilled"] <= d["stateless"]["prefilled"] < reprefill["prefilled"]
+    by = {r["measure"]: r for r in quick["rows"]}
+    row = by[f"tokens prefilled, whole run (2 x 8 turns) {PEERS[1]}"]
+    assert (row["ours"], row["peer"]) == (ours["prefilled"], reprefill["prefilled"])
+    assert row["ratio"] > 4
