@@ -24,7 +24,7 @@ from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
 from rl.train.rollouts import build_rl_batch
 from serving.client import ClientConfig, InferenceClient
 
-K, CONTEXT = 3, 2048
+K, CONTEXT = 3, 1024
 TOL = 1e-4
 """f32: the server's decode (KV cache, one token at a time) and the trainer's forward (the
 whole row at once) sum the same terms in different orders; ~1e-6 apart for a tiny model."""
@@ -43,6 +43,7 @@ async def test_trainer_logprobs_equal_the_servers_over_three_trials(tmp_path):
     tasks = generate_textops(TextopsConfig(num_tasks=2, seed=4, from_file_prob=1.0))
     terminal = TerminalConfig(trials=K, turns_per_trial=1, prompt_template="{instruction}",
                               format_error_template="Format error: {reason}",
+                              trial_feedback_template="Wrong.{verdict}",
                               trial_reward="per_trial")  # fmt: skip
     ocfg = OrchestratorConfig(arm="real", max_context_tokens=CONTEXT, max_tokens_per_turn=32,
                               group_size=2, max_staleness=None, seed=7)  # fmt: skip
