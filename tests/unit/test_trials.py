@@ -271,3 +271,41 @@ async def test_a_shell_that_fails_ends_the_episode_without_another_trial():
         r = await env.step(bash("ls"))
     assert r.done and r.info["status"] == "error" and len(env.trials) == 1
     assert r.info["trials"][0]["reason"].startswith("ShellError")
+
+
+# ----- the demo's optional stage -------------------------------------------------------------
+
+
+def test_the_demo_trials_stage_is_wired_summarised_and_reported(tmp_path, capsys):
+    """`--demo.trials 2` adds stage `trials/` (its server in the dry run, with the stage's
+    768-token context); its summary recounts success by trial from the stage's eval.json, and
+    the report shows the table (the stage itself is train-agent, run end to end above and in
+    the README's measured command)."""
+    from launch.cli import main
+    from launch.jobs.demo import _trials_summary
+    from launch.report.page import _trials
+    from rl.data import rundir
+    from rl.orchestrator.evaluate import score
+
+    assert main(["demo", "--out", str(tmp_path / "d"), "--demo.trials", "2", "--dry-run",
+                 "--format", "json"]) == 0  # fmt: skip
+    procs = json.loads(capsys.readouterr().out)["processes"]
+    (server,) = [p for p in procs if p["stage"] == "trials"]
+    assert server["command"][server["command"].index("--max-seq-len") + 1] == "768"
+
+    def ep(*rewards):
+        trials = [Trial(i, i, i + 1, r, "ok", None, "h") for i, r in enumerate(rewards)]
+        return dataclasses.replace(_traj(trials, turns=len(rewards)), task_id=f"t{len(rewards)}")
+
+    stage = tmp_path / "run" / "trials"
+    stage.mkdir(parents=True)
+    evals = {"before": [ep(0.0, 1.0), ep(0.0, 0.0)], "after": [ep(1.0), ep(0.0, 1.0)]}
+    data = {label: {"real": score(e, [], "real", 1).to_dict()} for label, e in evals.items()}
+    (stage / rundir.EVAL).write_text(json.dumps(data))
+    s = _trials_summary(tmp_path / "run", {"trials": {}})
+    assert s["trials"] == 2
+    assert s["before"]["success_at"] == [0.0, 0.5] and s["before"]["adaptation_delta"] == 0.5
+    assert s["after"]["success_at"] == [0.5, 1.0]
+    page = _trials(data, ["real"], {"real": "real shell"})  # the report's table
+    assert "Several trials per episode" in page and "by trial 2: 1.00" in page
+    assert _trials_summary(tmp_path / "run", {}) is None  # no stage, no section
