@@ -267,8 +267,10 @@ class TrialEnv:
         await self._close_shell()
         self._stack = AsyncExitStack()
         shell = await self._stack.enter_async_context(self.factory(self.task))
-        hash_fn = getattr(shell, "workspace_hash", None)
-        workspace = await hash_fn() if callable(hash_fn) else setup_hash(self.task.setup)
+        workspace = ""  # a single-trial episode records no trials: nothing to hash
+        if self.config.trials > 1:
+            hash_fn = getattr(shell, "workspace_hash", None)
+            workspace = await hash_fn() if callable(hash_fn) else setup_hash(self.task.setup)
         self.env = TerminalEnv(self.task, shell, self.trial_config,
                                reward_context=self.reward_context)  # fmt: skip
         self.trials.append({"index": len(self.trials), "start_turn": self.turns,

@@ -321,10 +321,8 @@ class Server:
 
     async def open_session(self, request: web.Request) -> web.Response:
         opened = parse_session_open(await self._json(request, allow_empty=True), MAX_TTL_S)
-        try:
+        with self._session_call():
             session = self.engine.open_session(opened.ttl_s)
-        except EngineBusy as e:
-            raise ApiError(429, str(e)) from e
         return web.json_response({"id": session.id, "ttl_s": session.ttl_s,
                                   "compaction": {"mode": opened.compaction}})  # fmt: skip
 
@@ -336,19 +334,25 @@ class Server:
                 for s in list(self.engine.sessions.values())]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
-    async def session_generate(self, request: web.Request) -> web.Response:
-        sid = request.match_info["id"]
-        body = await self._json(request)
-        step = parse_session_generate(body, self.tokenizer, self.limits)
-        started = time.perf_counter()
+    @contextlib.contextmanager
+    def _session_call(self):
+        """A session call's engine errors as HTTP errors: SessionError keeps its status."""
         try:
-            handle = self.engine.session_submit(sid, step.append, step.params)
+            yield
         except SessionError as e:
             raise ApiError(e.status, str(e), param=e.field) from e
         except EngineError as e:
             raise ApiError(400, str(e), param=e.field) from e
         except EngineBusy as e:
             raise ApiError(503 if not self.engine.running else 429, str(e)) from e
+
+    async def session_generate(self, request: web.Request) -> web.Response:
+        sid = request.match_info["id"]
+        body = await self._json(request)
+        step = parse_session_generate(body, self.tokenizer, self.limits)
+        started = time.perf_counter()
+        with self._session_call():
+            handle = self.engine.session_submit(sid, step.append, step.params)
         try:
             (out,) = await handle.result()
         finally:  # a disconnect cancels us: abort what is left
@@ -372,20 +376,14 @@ class Server:
         if not isinstance(body, dict) or "to" not in body:
             raise ApiError(400, "the body must be {\"to\": n}: the logical position to keep",
                            param="to")  # fmt: skip
-        try:
+        with self._session_call():
             session = self.engine.rewind_session(sid, body["to"])
-        except SessionError as e:
-            raise ApiError(e.status, str(e), param=e.field) from e
-        except EngineError as e:
-            raise ApiError(400, str(e), param=e.field) from e
         return web.json_response(self._session_fields(session))
 
     async def close_session(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
-        try:
+        with self._session_call():
             self.engine.close_session(sid)
-        except SessionError as e:
-            raise ApiError(e.status, str(e), param=e.field) from e
         return web.json_response({"id": sid, "deleted": True})
 
     # ----- small routes ----------------------------------------------------------------------
