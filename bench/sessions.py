@@ -13,6 +13,11 @@ episode's previous turn in a finished slot (what it really prefilled is reported
     .venv/bin/python bench/sessions.py                # 8 x 50 turns x 256 tokens: ~8-10 min
     .venv/bin/python bench/sessions.py --quick        # 2 x 8 turns x 64 tokens, with --reprefill
     .venv/bin/python bench/sessions.py --json sessions.json
+    .venv/bin/python bench/sessions.py --compaction --sessions 2   # + KV held per compaction mode
+
+`--compaction` also runs the session episodes once per compaction mode (`serving.compaction`:
+markovian, turn, budget, each protecting the last turn; turn keeps half of an older turn,
+budget holds at most a quarter of the episode) and reports the KV each holds.
 
 On 2 CPU cores the default run's time is prefill: the engine's prefill attends over a slot's
 whole context (16,384 positions here), so each 256-token chunk costs the same at turn 1 as at
@@ -42,7 +47,7 @@ from rich.console import Console
 from launch.deploy.local import LocalServer
 from rl.data import ByteTokenizer
 from rl.data.rundir import CONFIG
-from serving.client import ClientConfig, InferenceClient
+from serving.client import ClientConfig, InferenceClient, SessionCompaction
 
 TOK = ByteTokenizer()
 WINDOW = 10
@@ -71,11 +76,22 @@ def sampling(args) -> dict:
     return {"max_tokens": args.reply_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
+def compaction_of(mode: str, args) -> SessionCompaction | None:
+    """`session:<mode>` -> its compaction settings (`session`: none; stateless modes: None)."""
+    if not mode.startswith("session"):
+        return None
+    name = mode.partition(":")[2] or "none"
+    budget = max(args.turns * (args.obs_tokens + args.reply_tokens) // 4, 2 * args.obs_tokens)
+    return SessionCompaction(mode=name, keep_ratio=0.5,
+                             kv_budget=budget if name == "budget" else None)  # fmt: skip
+
+
 async def episode(client: InferenceClient, mode: str, index: int, args) -> list[dict]:
     """One episode turn by turn; per turn its latency, context and prefilled tokens."""
     rng = random.Random(args.seed * 100_003 + index)
-    sid = await client.open_session() if mode == "session" else None  # else stateless
-    if mode == "session" and sid is None:
+    compaction = compaction_of(mode, args)
+    sid = None if compaction is None else await client.open_session(compaction=compaction)
+    if compaction is not None and sid is None:
         raise RuntimeError(f"{client.cfg.base_url} has no /v1/sessions")
     history: list[int] = []
     turns = []
@@ -89,7 +105,7 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
                     json_body={"append_token_ids": obs, **sampling(args)},
                 )  # fmt: skip
                 reply, cached = raw["token_ids"], raw["cached_tokens"]
-                context = raw["session_tokens"] - len(reply)
+                context, kv = raw["session_tokens"] - len(reply), raw["kv_tokens"]
             else:
                 out = await client.complete(
                     history + obs, max_tokens=args.reply_tokens, temperature=0.0,
@@ -97,14 +113,17 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
                 )  # fmt: skip
                 reply, cached = out.token_ids, out.cached_tokens or 0
                 context = out.raw["usage"]["prompt_tokens"]
+                kv = context + len(reply) - 1
             latency = time.perf_counter() - began
             sent = len(history) + len(obs)
             if context != sent:
                 raise RuntimeError(f"{mode} turn {len(turns) + 1}: the server saw {context} "
                                    f"tokens of context, the client sent {sent}")  # fmt: skip
             history += obs + reply
+            # a compacted session's prefix was partly dropped, not re-prefilled: what it
+            # prefilled is what it had not seen (cached counts every token it has seen)
             turns.append({"latency_s": latency, "context": context, "appended": len(obs),
-                          "cached": cached, "prefilled": context - cached,
+                          "cached": cached, "prefilled": context - cached, "kv": kv,
                           "reply": reply})  # fmt: skip
     finally:
         if sid is not None:
@@ -132,6 +151,8 @@ async def run_mode(url: str, mode: str, args) -> dict:
         "sent": sum(t["context"] for t in flat),
         "appended": sum(t["appended"] for t in flat),
         "max_extra_prefill": max(t["prefilled"] - t["appended"] for t in flat),
+        "kv_last": statistics.fmean(ep[-1]["kv"] for ep in episodes),
+        "kv_max": max(t["kv"] for t in flat),
         "turn_ms": [1e3 * statistics.fmean(t["latency_s"] for t in turn) for turn in by_turn],
         "turn_prefilled": [sum(t["prefilled"] for t in turn) for turn in by_turn],
         "replies": [[t["reply"] for t in ep] for ep in episodes],
@@ -196,15 +217,19 @@ def main() -> int:
                         help="also measure true re-prefill: the stateless peer on a second server "
                              "without prefix reuse (its prefill grows with the history: hours "
                              "on CPU at the default shape; --quick turns it on)")  # fmt: skip
+    parser.add_argument("--compaction", action="store_true",
+                        help="also run the sessions once per compaction mode (markovian, turn, "
+                             "budget) and report the KV each holds")  # fmt: skip
     quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
     parser.add_argument("--quick", action="store_true",
-                        help=f"a smoke test with --reprefill: {quick}")  # fmt: skip
+                        help=f"a smoke test, --reprefill --compaction: {quick}")  # fmt: skip
     add_json_flag(parser)
     args = parser.parse_args()
     for key, default in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, default)
     args.reprefill = args.reprefill or args.quick
+    args.compaction = args.compaction or args.quick
     if args.turns < 2:
         parser.error(f"--turns {args.turns} is invalid: >= 2 (turn 1 is left out of the windows)")
     console = Console()
@@ -221,6 +246,8 @@ def main() -> int:
                 server = LocalServer.start("agent", tmp, extra_args=flags, name=name)
             urls[name] = stack.enter_context(server).url
         urls = {"session": urls["session"], "stateless": urls["session"]} | urls
+        if args.compaction:
+            urls |= {f"session:{m}": urls["session"] for m in ("markovian", "turn", "budget")}
         with console.status(f"{args.sessions} episodes x {args.turns} turns, {len(urls)} modes"):
             done = asyncio.run(measure(urls, args))
     ours, peer = done["session"], done["stateless"]
@@ -233,6 +260,16 @@ def main() -> int:
         results.append(Row(f"tokens prefilled, whole run ({args.sessions} x {args.turns} turns) "
                            "vs re-prefill (counted: all tokens sent)", ours["prefilled"],
                            peer["sent"], "tokens", ratio_of="peer/ours"))  # fmt: skip
+    for mode in [m for m in done if m.startswith("session:")]:
+        name, d = mode.partition(":")[2], done[mode]
+        results += [
+            Row(f"KV held at the last turn: {name} vs none", d["kv_last"], ours["kv_last"],
+                "tokens", ratio_of="peer/ours"),
+            Row(f"KV held, most at any turn: {name} vs none", d["kv_max"], ours["kv_max"],
+                "tokens", ratio_of="peer/ours"),
+            Row(f"latency drift: {name} vs none", d["drift"], ours["drift"], "x",
+                f"<= {DRIFT_TARGET}", ratio_of="peer/ours"),
+        ]  # fmt: skip
     console.print(table("persistent KV sessions vs stateless completions", results))
     console.print(
         f"simloop serve --preset tiny, {args.sessions} slots x {seq} context; each turn appends "

@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from serving.compaction import SessionCompaction  # also the orchestrator's (via the client)
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -289,10 +291,14 @@ class InferenceClient:
 
     # ----- persistent KV sessions (simloop serve; vLLM has none) ------------------------------
 
-    async def open_session(self, *, ttl_s: float | None = None) -> str | None:
+    async def open_session(self, *, ttl_s: float | None = None,
+                           compaction: SessionCompaction | None = None) -> str | None:  # fmt: skip
         """A new session's id, or None when the server has no sessions (404/405: vLLM), so
-        the caller falls back to stateless completions."""
-        ask = {} if ttl_s is None else {"ttl_s": ttl_s}
+        the caller falls back to stateless completions. `compaction`: how the server thins
+        the session's KV (`serving.compaction`; default none)."""
+        ask: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+        if compaction is not None and compaction.mode != "none":
+            ask["compaction"] = compaction.to_json()
         try:
             body, _ = await self.request("POST", "/v1/sessions", json_body=ask)
         except ClientError as e:

@@ -35,6 +35,8 @@ from typing import Any
 
 from rl.data.chat import ROLES, ChatRenderer, Message
 from rl.data.tokenizer import Tokenizer
+from serving.compaction import MODES as COMPACTION_MODES
+from serving.compaction import SessionCompaction
 from serving.config import (
     INT32_MAX,
     MAX_N,
@@ -232,19 +234,15 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> Complet
                              echo_logprobs=logprobs is not None, **common)  # fmt: skip
 
 
-COMPACTION_MODES = ("none",)
-"""Session compaction modes this server implements (`markovian`, `turn` and `budget` are not
-built yet: a session asking for one is refused, never silently served without it)."""
-
-
 @dataclass
 class SessionOpen:
     ttl_s: float | None
-    compaction: str = "none"
+    compaction: SessionCompaction
 
 
 def parse_session_open(body: Any, max_ttl_s: float) -> SessionOpen:
-    """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode": ...}}` (an empty body is fine)."""
+    """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode", ...}}` (an empty body is fine;
+    `serving.compaction.SessionCompaction` holds the compaction fields)."""
     body = {} if body is None else body
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
@@ -253,12 +251,11 @@ def parse_session_open(body: Any, max_ttl_s: float) -> SessionOpen:
         raise bad(unknown[0], f"unknown field(s) {unknown}: allowed ttl_s, compaction")
     ttl = None if body.get("ttl_s") is None else _num(body, "ttl_s", None, lo=0.0, hi=max_ttl_s,
                                                       open_lo=True)  # fmt: skip
-    compaction = body.get("compaction") or {"mode": "none"}
-    mode = compaction.get("mode") if isinstance(compaction, dict) else None
-    if mode not in COMPACTION_MODES:
-        raise bad("compaction", f"'compaction' must be {{\"mode\": one of "
-                  f"{list(COMPACTION_MODES)}}}, got {short_repr(compaction)}")  # fmt: skip
-    return SessionOpen(ttl_s=ttl, compaction=mode)
+    try:
+        compaction = SessionCompaction.from_json(body.get("compaction"))
+    except (TypeError, ValueError) as e:
+        raise bad("compaction", f"{e} (modes: {list(COMPACTION_MODES)})") from None
+    return SessionOpen(ttl_s=ttl, compaction=compaction)
 
 
 @dataclass

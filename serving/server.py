@@ -317,14 +317,17 @@ class Server:
 
     def _session_fields(self, session) -> dict:
         return {"id": session.id, "session_tokens": len(session.tokens),
-                "kv_tokens": self.engine.session_kv_tokens(session)}  # fmt: skip
+                "kv_tokens": self.engine.session_kv_tokens(session),
+                "compaction": session.compaction.to_json(),
+                "compactions": session.compactions, "keys_dropped": session.keys_dropped,
+                "kv_epoch": self.engine.session_epoch(session)}  # fmt: skip
 
     async def open_session(self, request: web.Request) -> web.Response:
         opened = parse_session_open(await self._json(request, allow_empty=True), MAX_TTL_S)
         with self._session_call():
-            session = self.engine.open_session(opened.ttl_s)
+            session = self.engine.open_session(opened.ttl_s, opened.compaction)
         return web.json_response({"id": session.id, "ttl_s": session.ttl_s,
-                                  "compaction": {"mode": opened.compaction}})  # fmt: skip
+                                  "compaction": opened.compaction.to_json()})  # fmt: skip
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -352,7 +355,7 @@ class Server:
         step = parse_session_generate(body, self.tokenizer, self.limits)
         started = time.perf_counter()
         with self._session_call():
-            handle = self.engine.session_submit(sid, step.append, step.params)
+            handle = await self.engine.session_submit(sid, step.append, step.params)
         try:
             (out,) = await handle.result()
         finally:  # a disconnect cancels us: abort what is left
@@ -367,6 +370,7 @@ class Server:
             "finish_reason": out.finish_reason, "prompt_tokens": len(step.append),
             "cached_tokens": out.cached_tokens, "kv_tokens": fields.get("kv_tokens", 0),
             "session_tokens": fields.get("session_tokens", 0),
+            "kv_epoch": fields.get("kv_epoch"),
             "weight_version": self.engine.version,
         })  # fmt: skip
 

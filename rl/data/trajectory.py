@@ -138,6 +138,11 @@ class Trajectory:
     meta: dict[str, Any] = field(default_factory=dict)
     trials: list[Trial] = field(default_factory=list)
     """Multi-trial episodes: the attempts, in order (empty for a single trial)."""
+    kv_epochs: list[dict[str, Any]] = field(default_factory=list)
+    """Compacted KV sessions (`serving.compaction`): what each token could see when it was
+    produced, as epochs `{"start": s, "kept": [[a, b], ...]}` in order of `start`. A token at
+    index i belongs to the last epoch with start <= i and saw the kept half-open ranges (all
+    before s) plus every token from s to i. Empty: plain causal attention (no compaction)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -287,6 +292,33 @@ def validate(traj: Trajectory) -> None:
         _validate_turn(traj, turn, i, fail)
     _validate_trials(traj, fail)
     _validate_tokens(traj, fail)
+    _validate_kv_epochs(traj, fail)
+
+
+def _validate_kv_epochs(traj: Trajectory, fail) -> None:
+    epochs = traj.kv_epochs
+    if not isinstance(epochs, list):
+        fail("kv_epochs", epochs, "a list")
+    last = -1
+    for e, epoch in enumerate(epochs):
+        name = f"kv_epochs[{e}]"
+        if not isinstance(epoch, dict) or set(epoch) != {"start", "kept"}:
+            fail(name, epoch, 'an object {"start": int, "kept": [[a, b], ...]}')
+        start, kept = epoch["start"], epoch["kept"]
+        if e == 0 and start != 0:
+            fail(f"{name}.start", start, "0 (the first epoch starts at the first token)")
+        if not _is_int(start) or not last < start <= len(traj.token_ids):
+            fail(f"{name}.start", start, f"an integer in ({last}, {len(traj.token_ids)}] "
+                 "(epochs in increasing order, within the token ids)")  # fmt: skip
+        last, prev = start, 0
+        if not isinstance(kept, list):
+            fail(f"{name}.kept", kept, "a list of [a, b] ranges")
+        for r in kept:
+            if not (isinstance(r, list | tuple) and len(r) == 2 and all(_is_int(x) for x in r)
+                    and prev <= r[0] < r[1] <= start):  # fmt: skip
+                fail(f"{name}.kept", r, f"sorted, disjoint [a, b) ranges with {prev} <= a < b "
+                     f"<= start ({start})")  # fmt: skip
+            prev = r[1]
 
 
 def _validate_trials(traj: Trajectory, fail) -> None:

@@ -62,10 +62,41 @@ class KVCache:
         return dataclasses.replace(self, lengths=jnp.where(mask_B, 0, self.lengths))
 
 
+@partial(
+    jax.tree_util.register_dataclass, data_fields=["epoch_BT", "start_BE", "kept_BES"],
+    meta_fields=[],
+)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class KVVisibility:
+    """What each token of a training row could see when a compacting KV session produced it
+    (`serving` sessions; `rl.data.trajectory.Trajectory.kv_epochs`). The row's tokens fall in
+    epochs (one per session call): a token of epoch e at index i saw the keys `kept_BES[b, e]`
+    marks (all before `start_BE[b, e]`) and every token from `start_BE[b, e]` to i. Epoch 0
+    starting at 0 with nothing kept is plain causal attention."""
+
+    epoch_BT: jax.Array
+    start_BE: jax.Array
+    kept_BES: jax.Array
+
+    def mask(self, t: int) -> jax.Array:
+        b = self.epoch_BT.shape[0]
+        rows_B1 = jnp.arange(b)[:, None]
+        start_BT = self.start_BE[rows_B1, self.epoch_BT]
+        kept_BTS = self.kept_BES[rows_B1, self.epoch_BT][:, :, :t]
+        idx = jnp.arange(t)
+        return kept_BTS | (idx[None, None, :] >= start_BT[:, :, None])
+
+
 def attend(
-    q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array
-) -> jax.Array:
-    """Grouped-query softmax attention; scores and softmax in float32."""
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    mask_BTS: jax.Array,
+    mass_valid_BT: jax.Array | None = None,
+):
+    """Grouped-query softmax attention; scores and softmax in float32. With `mass_valid_BT`,
+    also the attention mass each key position received, summed over heads and the valid
+    queries: `(out_BTNH, mass_BS)`."""
     b, t, n, h = q_BTNH.shape
     kv = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
@@ -76,7 +107,12 @@ def attend(
     scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, NEG_INF)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
-    return out_BTKGH.reshape(b, t, n, h)
+    out_BTNH = out_BTKGH.reshape(b, t, n, h)
+    if mass_valid_BT is None:
+        return out_BTNH
+    mass_BS = jnp.einsum("BKGTS,BT->BS", probs_BKGTS.astype(jnp.float32),
+                         mass_valid_BT.astype(jnp.float32))  # fmt: skip
+    return out_BTNH, mass_BS
 
 
 class Attention(nnx.Module):
@@ -138,9 +174,11 @@ class Block(nnx.Module):
         mask_BTS: jax.Array,
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         write_idx_BT: jax.Array | None = None,
+        mass_valid_BT: jax.Array | None = None,
     ):
         """Without `kv_cache`, attend over this call's own keys; with it, scatter the new keys
-        to `write_idx_BT` (out-of-range indices are dropped) and attend over the cache."""
+        to `write_idx_BT` (out-of-range indices are dropped) and attend over the cache. With
+        `mass_valid_BT`, also returns the attention mass per key position (`attend`)."""
         q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(self.attn_norm(x_BTD), positions_BT)
         if kv_cache is None:
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
@@ -155,12 +193,14 @@ class Block(nnx.Module):
             )
             k_BSKH = constrain(k_BSKH, CACHE_AXES[1:])
             v_BSKH = constrain(v_BSKH, CACHE_AXES[1:])
-        attn_BTNH = attend(
-            q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), mask_BTS
-        )
+        attn = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                      mask_BTS, mass_valid_BT)  # fmt: skip
+        attn_BTNH, mass_BS = attn if mass_valid_BT is not None else (attn, None)
         x_BTD = x_BTD + self.attn.out(attn_BTNH)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
         x_BTD = constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+        if mass_valid_BT is not None:
+            return x_BTD, (k_BSKH, v_BSKH), mass_BS
         return x_BTD, (k_BSKH, v_BSKH)
 
 
@@ -215,12 +255,17 @@ class Qwen3(nnx.Module):
             logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
-    def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, write_idx_BT=None):
+    def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, write_idx_BT=None,
+                     mass_valid_BT=None):  # fmt: skip
         graphdef, stacked = nnx.split(self.layers)
 
         def body(x_BTD, xs):
             layer_state, kv = xs
             block = nnx.merge(graphdef, layer_state)
+            if mass_valid_BT is not None:  # attention mass per layer instead of the new KV
+                x_BTD, _, mass_BS = block(x_BTD, positions_BT, mask_BTS, kv, write_idx_BT,
+                                          mass_valid_BT)  # fmt: skip
+                return x_BTD, mass_BS
             x_BTD, kv_new = block(x_BTD, positions_BT, mask_BTS, kv, write_idx_BT)
             return x_BTD, (kv_new if kv is not None else None)
 
@@ -234,6 +279,7 @@ class Qwen3(nnx.Module):
         tokens_BT: jax.Array,
         positions_BT: jax.Array | None = None,
         segment_ids_BT: jax.Array | None = None,
+        kv_visibility: KVVisibility | None = None,
     ) -> jax.Array:
         """Final-block activations [B, T, D] before the final norm (for chunked losses)."""
         b, t = tokens_BT.shape
@@ -243,6 +289,8 @@ class Qwen3(nnx.Module):
         mask_BTS = jnp.broadcast_to(idx[:, None] >= idx[None, :], (b, t, t))
         if segment_ids_BT is not None:
             mask_BTS = mask_BTS & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+        if kv_visibility is not None:
+            mask_BTS = mask_BTS & kv_visibility.mask(t)
         h_BTD, _ = self._scan_blocks(self.embed_tokens(tokens_BT), positions_BT, mask_BTS)
         return h_BTD
 
@@ -251,10 +299,14 @@ class Qwen3(nnx.Module):
         tokens_BT: jax.Array,
         positions_BT: jax.Array | None = None,
         segment_ids_BT: jax.Array | None = None,
+        kv_visibility: KVVisibility | None = None,
     ) -> jax.Array:
         """Logits [B, T, V] in float32. Positions default to 0..T-1; with `segment_ids_BT`,
-        tokens attend only within their own segment (packed rows)."""
-        return self.logits(self.hidden_states(tokens_BT, positions_BT, segment_ids_BT))
+        tokens attend only within their own segment (packed rows); with `kv_visibility`, only
+        what a compacted KV session let them see when they were sampled."""
+        return self.logits(
+            self.hidden_states(tokens_BT, positions_BT, segment_ids_BT, kv_visibility)
+        )
 
     # ----- decode with a KV cache ------------------------------------------------------------
 
@@ -266,42 +318,71 @@ class Qwen3(nnx.Module):
         tokens_BT: jax.Array,
         cache: KVCache,
         num_new_B: jax.Array | None = None,
+        shift_B: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Append `num_new_B[b]` tokens (a left-aligned prefix of row b; default all T) to slot
         b and return their logits [B, T, V] and the updated cache. Rows with `num_new_B == 0`
         are left untouched (their logits are meaningless). Tokens that would run past the
-        cache's `max_len` are not stored: keep `lengths + num_new <= max_len`."""
-        h_BTD, new_cache = self._extend(tokens_BT, cache, num_new_B)
+        cache's `max_len` are not stored: keep `lengths + num_new <= max_len`. A token's
+        position (RoPE) is its cache index plus `shift_B[b]` (default 0): a compacted session
+        holds fewer keys than the tokens it has seen, and its new tokens keep counting on."""
+        h_BTD, new_cache = self._extend(tokens_BT, cache, num_new_B, shift_B)
         return self.logits(h_BTD), new_cache
 
     def prefill(
-        self, tokens_BT: jax.Array, cache: KVCache, num_new_B: jax.Array | None = None
+        self,
+        tokens_BT: jax.Array,
+        cache: KVCache,
+        num_new_B: jax.Array | None = None,
+        shift_B: jax.Array | None = None,
     ) -> KVCache:
         """`decode` without the LM head: only writes keys/values (prompt chunks whose logits
         nobody samples from)."""
-        return self._extend(tokens_BT, cache, num_new_B)[1]
+        return self._extend(tokens_BT, cache, num_new_B, shift_B)[1]
 
-    def _extend(self, tokens_BT, cache, num_new_B):
+    def attention_mass(
+        self,
+        tokens_BT: jax.Array,
+        cache: KVCache,
+        start_B: jax.Array,
+        num_B: jax.Array,
+        shift_B: jax.Array | None = None,
+    ) -> jax.Array:
+        """How much attention every held key received from `num_B[b]` tokens already in slot b
+        at cache indices `start_B[b]...` (the tokens themselves, re-run without writing):
+        [B, S] float32, summed over layers, heads and those queries. Session compaction
+        keeps the keys a turn's response attended to most."""
+        _, mass_LBS = self._run(tokens_BT, cache, num_B, shift_B, start_B=start_B, mass=True)
+        return jnp.sum(mass_LBS, axis=0)
+
+    def _extend(self, tokens_BT, cache, num_new_B, shift_B=None):
+        h_BTD, (k, v), new_len_B = self._run(tokens_BT, cache, num_new_B, shift_B)
+        k, v = constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
+        new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
+        return h_BTD, new_cache
+
+    def _run(self, tokens_BT, cache, num_new_B, shift_B, *, start_B=None, mass=False):
         b, t = tokens_BT.shape
         if num_new_B is None:
             num_new_B = jnp.full((b,), t, jnp.int32)
         num_new_B = num_new_B.astype(jnp.int32)
-        start_B = cache.lengths
+        start_B = cache.lengths if start_B is None else start_B.astype(jnp.int32)
         offsets_T = jnp.arange(t, dtype=jnp.int32)
-        positions_BT = start_B[:, None] + offsets_T[None, :]
+        index_BT = start_B[:, None] + offsets_T[None, :]  # where each token's key lives
+        positions_BT = index_BT if shift_B is None else index_BT + shift_B[:, None]
         valid_BT = offsets_T[None, :] < num_new_B[:, None]
-        write_idx_BT = jnp.where(valid_BT, positions_BT, cache.max_len)  # max_len: dropped
         new_len_B = start_B + num_new_B
         s_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
-        mask_BTS = (s_idx[None, None, :] <= positions_BT[:, :, None]) & (
+        mask_BTS = (s_idx[None, None, :] <= index_BT[:, :, None]) & (
             s_idx[None, None, :] < new_len_B[:, None, None]
         )
-        h_BTD, (k, v) = self._scan_blocks(
-            self.embed_tokens(tokens_BT), positions_BT, mask_BTS, cache, write_idx_BT
-        )
-        k, v = constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
-        new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
-        return h_BTD, new_cache
+        x_BTD = self.embed_tokens(tokens_BT)
+        if mass:  # nothing written: these tokens' keys are in the cache already
+            no_write_BT = jnp.full_like(index_BT, cache.max_len)
+            return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, no_write_BT, valid_BT)
+        write_idx_BT = jnp.where(valid_BT, index_BT, cache.max_len)  # max_len: dropped
+        h_BTD, kv = self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, write_idx_BT)
+        return h_BTD, kv, new_len_B
 
 
 def jit_forward(model: Qwen3):

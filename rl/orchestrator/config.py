@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 ARMS = ("real", "replay", "closed_loop", "mixed")
 FAILED_SIBLING_POLICIES = ("mask_group", "drop_episode")
@@ -55,6 +56,11 @@ class OrchestratorConfig:
     `/v1/sessions`: each turn sends only the tokens appended since the last, the server
     keeps the KV), closed when the episode ends, also on abort. A server without sessions
     (vLLM: prefix caching only) gets stateless completions instead."""
+    session_compaction: dict[str, Any] = field(default_factory=dict)
+    """How the server thins each agent session's KV (`serving.compaction.SessionCompaction`):
+    `{"mode": none | markovian | turn | budget, "n_protect_turns", "keep_ratio",
+    "kv_budget"}`; {} is none. Episodes record what each token saw (`kv_epochs`), so the
+    trainer replays it exactly. Needs `sessions: true`."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -63,6 +69,16 @@ class OrchestratorConfig:
 
         if self.arm not in ARMS:
             raise bad("arm", f"one of {list(ARMS)}")
+        if self.session_compaction:
+            from serving.client import SessionCompaction
+
+            try:
+                mode = SessionCompaction.from_json(self.session_compaction).mode
+            except (TypeError, ValueError) as e:
+                raise bad("session_compaction", str(e)) from None
+            if mode != "none" and not self.sessions:
+                raise bad("session_compaction", "only with sessions: true (compaction acts on "
+                          "a session's KV)")  # fmt: skip
         if self.failed_sibling not in FAILED_SIBLING_POLICIES:
             raise bad("failed_sibling", f"one of {list(FAILED_SIBLING_POLICIES)}")
         for name in ("group_size", "max_concurrent_episodes", "max_concurrent_simulated",

@@ -169,12 +169,24 @@ class _SessionTurns:
 
     def __init__(self, client, session_id: str):
         self.client, self.id, self.held = client, session_id, 0
+        self.epochs: list[dict] = []
+        """What the server's compaction let each token see (`Trajectory.kv_epochs`)."""
 
     async def complete(self, ids: list[int], **kw) -> Any:
         kw.pop("logprobs", None)
         out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0, **kw)
         self.held = len(ids) + len(out.token_ids)
+        epoch = out.raw.get("kv_epoch")
+        if isinstance(epoch, dict) and (not self.epochs or epoch != self.epochs[-1]):
+            # a later start is a compaction; an earlier one a rewind back into history
+            self.epochs = [e for e in self.epochs if e["start"] < epoch["start"]] + [epoch]
         return out
+
+    def kv_epochs(self) -> list[dict]:
+        """The epochs, or [] when nothing was ever compacted (plain causal attention)."""
+        compacted = any(e["kept"] != ([[0, e["start"]]] if e["start"] else [])
+                        for e in self.epochs)  # fmt: skip
+        return [dict(e) for e in self.epochs] if compacted else []
 
     async def close(self) -> None:
         try:
@@ -186,12 +198,18 @@ class _SessionTurns:
 async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, version_hint):
     session = None
     if cfg.sessions and hasattr(client, "open_session"):
-        sid = await client.open_session()
+        compaction = None
+        if cfg.session_compaction:
+            from serving.client import SessionCompaction
+
+            compaction = SessionCompaction.from_json(cfg.session_compaction)
+        sid = await client.open_session(compaction=compaction)
         session = None if sid is None else _SessionTurns(client, sid)
     try:
         await _agent_turns(spec, session or client, env, renderer, cfg, result, version_hint)
     finally:
         if session is not None:
+            result.trajectory.kv_epochs = session.kv_epochs()
             await asyncio.shield(session.close())
 
 

@@ -214,4 +214,26 @@ def build_rl_batch(
     stats.staleness_mean = float(np.mean(stale)) if stale else 0.0
     stats.staleness_max = int(max(stale)) if stale else 0
     stats.episode_tokens_mean = float(np.mean([len(t.token_ids) for t in used]))
+    if any(t.kv_epochs for t in used):
+        batch.update(kv_visibility(used, rows=rows, seq_len=T))
     return batch, stats
+
+
+def kv_visibility(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> dict:
+    """The arrays of `rl.model.transformer.KVVisibility` for rows of `episodes` (row i is
+    episode i): `kv_epoch` [rows, T], `kv_start` [rows, E], `kv_kept` [rows, E, T] (E: the
+    most epochs of any episode). An episode without `kv_epochs` gets one epoch from 0 with
+    nothing kept: plain causal attention."""
+    T = seq_len
+    E = max([len(t.kv_epochs) for t in episodes] + [1])
+    epoch = np.zeros((rows, T), np.int32)
+    start = np.zeros((rows, E), np.int32)
+    kept = np.zeros((rows, E, T), bool)
+    for row, t in enumerate(episodes):
+        for e, ep in enumerate(t.kv_epochs):
+            s = min(int(ep["start"]), T)
+            start[row, e] = s
+            epoch[row, s:] = e
+            for a, b in ep["kept"]:
+                kept[row, e, min(a, T) : min(b, T)] = True
+    return {"kv_epoch": epoch, "kv_start": start, "kv_kept": kept}

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rl.model.config import MeshConfig, ModelConfig
 from rl.model.sharding import Rules, logical_to_spec, make_mesh, use_mesh
-from rl.model.transformer import Qwen3
+from rl.model.transformer import KVVisibility, Qwen3
 from rl.train.config import OptimConfig
 from rl.train.losses import get_loss, mask_vocab, token_logprobs
 from rl.train.mesh import batch_sharding, data_parallel_size
@@ -210,7 +210,10 @@ class Trainer:
 
     def _logits(self, params, batch) -> jax.Array:
         model = nnx.merge(self.graphdef, self._as_state(params), self._rest)
-        logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        visibility = None
+        if "kv_epoch" in batch:  # compacted KV sessions: what each token saw when sampled
+            visibility = KVVisibility(batch["kv_epoch"], batch["kv_start"], batch["kv_kept"])
+        logits_BTV = model(batch["tokens"], batch["positions"], batch["segment_ids"], visibility)
         return mask_vocab(logits_BTV, self.valid_vocab)
 
     def _logprobs(self, params, batch) -> jax.Array:

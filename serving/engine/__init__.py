@@ -6,10 +6,9 @@ from serving.engine.engine import (
     EngineBusy,
     EngineError,
     SequenceOutput,
-    Session,
-    SessionError,
     TokenEvent,
 )
+from serving.engine.sessions import Session, SessionError
 
 __all__ = [
     "Engine",

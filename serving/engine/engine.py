@@ -17,12 +17,7 @@ Prefix reuse: a slot keeps the tokens whose keys it holds after its sequence fin
 prompt that extends them (the next turn of an episode) takes that slot over and only prefills
 the new suffix; a prompt sharing a prefix with a busy slot copies its row instead.
 
-Sessions (`open_session`, `session_submit`, `rewind_session`, `close_session`) pin a slot to a
-caller between calls: the session's KV stays there (no other request takes the slot over or
-evicts it), each call prefills only what was appended since, and steps of different sessions
-decode in the same device steps as everything else. A session loses its slot only when it is
-closed, idles past its TTL, or when a request finds no free slot and it is the least recently
-used idle session (memory pressure); its next call is then refused with the reason.
+Sessions (`serving.engine.sessions`) pin a slot to a caller between calls and compact it.
 """
 
 from __future__ import annotations
@@ -50,6 +45,7 @@ from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.sampling import sample
+from serving.engine.sessions import Session, SessionsMixin
 
 log = logging.getLogger(__name__)
 
@@ -64,31 +60,6 @@ class EngineError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
-
-
-class SessionError(Exception):
-    """A session call that cannot be served: `status` is the HTTP status that says why (404
-    unknown, 409 busy / closed / evicted, 413 over-long), `field` the offending field."""
-
-    def __init__(self, status: int, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.field = status, field
-
-
-@dataclass(eq=False)
-class Session:
-    """A persistent KV session: its logical token stream and the slot that holds its KV."""
-
-    id: str
-    ttl_s: float
-    tokens: list[int] = field(default_factory=list)
-    """Everything appended and generated so far (`session_tokens` is its length)."""
-    slot: int | None = None
-    busy: bool = False
-    created: float = field(default_factory=time.monotonic)
-    last_used: float = field(default_factory=time.monotonic)
-    gone: str | None = None
-    """Why the session can no longer be used (expired, evicted); its next call says so."""
 
 
 class EngineBusy(RuntimeError):
@@ -193,7 +164,7 @@ class RequestHandle:
                 self._engine.abort(self.id)
 
 
-class Engine:
+class Engine(SessionsMixin):
     """`engine = Engine(model, tokenizer, EngineConfig()); await engine.start()`, then
     `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
 
@@ -209,6 +180,8 @@ class Engine:
         self._cache = commit(KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len))
         b = cfg.num_slots
         self._lengths = np.zeros(b, np.int32)
+        self._shift = np.zeros(b, np.int32)
+        """Logical position minus cache index of a slot's next token (compacted sessions)."""
         self._slot_tokens: list[list[int]] = [[] for _ in range(b)]
         self._slot_owner: list[_Seq | None] = [None] * b
         self._slot_used = np.zeros(b, np.float64)
@@ -216,6 +189,8 @@ class Engine:
         """Weight version a slot's KV was computed with: only the current one is reused."""
         self._waiting: deque[_Seq] = deque()
         self._pending_copies: list[tuple[int, int]] = []
+        self._pending_compactions: list[tuple[int, list[int]]] = []
+        self._pending_probes: list[tuple[Session, int, int, list[int]]] = []
         self._requests: dict[str, _Request] = {}
         self._aborts: set[str] = set()
         self._ids = itertools.count()
@@ -225,10 +200,11 @@ class Engine:
         self.failure: BaseException | None = None
         """Set when the loop died; every request in flight was failed with it."""
         self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-        self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0}
+        self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0, "compact": 0,
+                                       "probe": 0}  # fmt: skip
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
-                          steps=0, aborted=0, sessions_opened=0,
-                          sessions_evicted=0)  # fmt: skip
+                          steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
+                          session_compactions=0)  # fmt: skip
         self._slot_session: list[Session | None] = [None] * b
         """The session a slot is pinned to (between its calls too)."""
         self.sessions: dict[str, Session] = {}
@@ -240,8 +216,8 @@ class Engine:
         graphdef, num_top = self._graphdef, self.cfg.max_top_logprobs
         valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
 
-        def decode(state, cache, lengths_B, tokens_B, active_B, temp_B, top_p_B, top_k_B,
-                   seed_B, index_B, counter_B, *, steps):  # fmt: skip
+        def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
+                   top_k_B, seed_B, index_B, counter_B, *, steps):  # fmt: skip
             """`steps` tokens for every active slot, each step feeding back its own sample."""
             self.traces["decode"] += 1
             model = nnx.merge(graphdef, state)
@@ -250,7 +226,7 @@ class Engine:
             def one(carry, j):
                 cache, lengths_B, tok_B = carry
                 cache = dataclasses.replace(cache, lengths=lengths_B)
-                logits_BTV, cache = model.decode(tok_B[:, None], cache, active_i_B)
+                logits_BTV, cache = model.decode(tok_B[:, None], cache, active_i_B, shift_B)
                 out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B,
                              counter_B + j, num_top, valid_vocab)  # fmt: skip
                 return (cache, lengths_B + active_i_B, out[0]), out
@@ -259,15 +235,19 @@ class Engine:
                                                jnp.arange(steps, dtype=jnp.int32))  # fmt: skip
             return cache, outs
 
-        def prefill(state, cache, lengths_B, slots_P, tokens_PT, num_new_P):
-            self.traces["prefill"] += 1
-            model = nnx.merge(graphdef, state)
-            sub = KVCache(
+        def rows(cache, lengths_B, slots_P):
+            return KVCache(
                 k=jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0),
                 v=jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0),
                 lengths=jnp.take(lengths_B, slots_P, mode="fill", fill_value=0),
             )
-            sub = model.prefill(tokens_PT, sub, num_new_P)
+
+        def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P):
+            self.traces["prefill"] += 1
+            model = nnx.merge(graphdef, state)
+            sub = rows(cache, lengths_B, slots_P)
+            shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
+            sub = model.prefill(tokens_PT, sub, num_new_P, shift_P)
             return KVCache(
                 k=cache.k.at[:, slots_P].set(sub.k, mode="drop"),
                 v=cache.v.at[:, slots_P].set(sub.v, mode="drop"),
@@ -284,6 +264,28 @@ class Engine:
                 v=cache.v.at[:, dst_P].set(v, mode="drop"),
             )
 
+        def compact(cache, slots_P, index_PS):
+            """Each listed slot keeps the keys at `index_PS` (in that order) at its front."""
+            self.traces["compact"] += 1
+            take = jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0)
+            k = jnp.take_along_axis(take, index_PS[None, :, :, None, None], axis=2)
+            take = jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0)
+            v = jnp.take_along_axis(take, index_PS[None, :, :, None, None], axis=2)
+            return dataclasses.replace(
+                cache,
+                k=cache.k.at[:, slots_P].set(k, mode="drop"),
+                v=cache.v.at[:, slots_P].set(v, mode="drop"),
+            )
+
+        def probe(state, cache, slots_P, tokens_PT, start_P, num_P, shift_P):
+            """Attention mass per key of the slots' tokens at `start_P` (already written)."""
+            self.traces["probe"] += 1
+            model = nnx.merge(graphdef, state)
+            sub = rows(cache, jnp.zeros((cache.batch,), jnp.int32), slots_P)
+            return model.attention_mass(tokens_PT, sub, start_P, num_P, shift_P)
+
+        self._compact_fn = jax.jit(compact, donate_argnums=(0,))
+        self._probe_fn = jax.jit(probe)
         self._decode = {
             k: jax.jit(functools.partial(decode, steps=k), donate_argnums=(1,))
             for k in sorted({1, self.cfg.decode_steps})
@@ -296,13 +298,15 @@ class Engine:
         b, p = self.cfg.num_slots, self.cfg.prefill_batch
         zeros_b = np.zeros(b, np.int32)
         for t in self.cfg.prefill_buckets:
-            self._cache = self._prefill(self._state, self._cache, zeros_b,
+            self._cache = self._prefill(self._state, self._cache, zeros_b, zeros_b,
                                         np.full(p, b, np.int32), np.zeros((p, t), np.int32),
                                         np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
+        self._cache = self._compact_fn(self._cache, np.full(p, b, np.int32),
+                                       np.zeros((p, self.cfg.max_seq_len), np.int32))  # fmt: skip
         for decode in self._decode.values():
             self._cache, _ = decode(
-                self._state, self._cache, zeros_b, zeros_b, np.zeros(b, bool),
+                self._state, self._cache, zeros_b, zeros_b, zeros_b, np.zeros(b, bool),
                 np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
                 zeros_b,
             )  # fmt: skip
@@ -357,35 +361,43 @@ class Engine:
         *,
         n: int = 1,
         request_id: str | None = None,
-        session: Session | None = None,
     ) -> RequestHandle:
         """Queue `n` samples of `prompt` (token ids). Raises EngineError for bad input."""
-        if self.failure is not None:
-            raise EngineBusy(f"engine failed: {self.failure!r}")
-        if self._closing or not self.running:
-            raise EngineBusy("engine is not running")
         prompt = [int(t) for t in prompt]
-        # Ids past the tokenizer's vocabulary are embedding rows with no token (never sampled).
-        s, vocab = self.cfg.max_seq_len, min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
+        s = self.cfg.max_seq_len
         if not prompt:
             raise EngineError("prompt is empty: give at least one token", "prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                              "prompt")  # fmt: skip
+        self._check_ids(prompt, "prompt")
         if len(prompt) >= s:
             raise EngineError(f"prompt has {len(prompt)} tokens; the context is {s} tokens and "
                               "at least one must be left to generate", "prompt")  # fmt: skip
-        if not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise EngineError(f"n={n!r} is invalid: an integer in [1, {MAX_N}]", "n")
-        if params.logprobs > self.cfg.max_top_logprobs:
-            raise EngineError(f"logprobs={params.logprobs} is invalid: at most "
-                              f"{self.cfg.max_top_logprobs}", "logprobs")  # fmt: skip
         room = s - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise EngineError(f"max_tokens={params.max_tokens} is beyond the context: the prompt "
                               f"has {len(prompt)} tokens of {s}, so at most {room}",
                               "max_tokens")  # fmt: skip
+        return self._enqueue(prompt, params, n=n, room=room, request_id=request_id)
+
+    def _check_ids(self, ids: list[int], name: str) -> None:
+        # Ids past the tokenizer's vocabulary are embedding rows with no token (never sampled).
+        vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {vocab})", name)  # fmt: skip
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams, *, n: int, room: int,
+                 request_id: str | None = None,
+                 session: Session | None = None) -> RequestHandle:  # fmt: skip
+        if self.failure is not None:
+            raise EngineBusy(f"engine failed: {self.failure!r}")
+        if self._closing or not self.running:
+            raise EngineBusy("engine is not running")
+        if not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise EngineError(f"n={n!r} is invalid: an integer in [1, {MAX_N}]", "n")
+        if params.logprobs > self.cfg.max_top_logprobs:
+            raise EngineError(f"logprobs={params.logprobs} is invalid: at most "
+                              f"{self.cfg.max_top_logprobs}", "logprobs")  # fmt: skip
         max_tokens = min(params.max_tokens or self.cfg.default_max_tokens, room)
         if self.cfg.max_tokens_cap is not None:
             max_tokens = min(max_tokens, self.cfg.max_tokens_cap)
@@ -417,113 +429,6 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams, *, n: int = 1
     ) -> list[SequenceOutput]:
         return await self.submit(prompt, params, n=n).result()
-
-    # ----- sessions ---------------------------------------------------------------------------
-
-    def open_session(self, ttl_s: float | None = None) -> Session:
-        """A new, empty session (its slot is taken at its first call)."""
-        self._expire_sessions()
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise EngineBusy(f"{len(self.sessions)} sessions are open (the limit is "
-                             f"{self.cfg.max_sessions}); close one first")  # fmt: skip
-        sid = f"sess-{os.urandom(8).hex()}"
-        session = Session(sid, float(ttl_s if ttl_s is not None else self.cfg.session_ttl_s))
-        self.sessions[sid] = session
-        self.stats["sessions_opened"] += 1
-        return session
-
-    def session(self, session_id: str) -> Session:
-        """The open session `session_id`; SessionError 404 if unknown, 409 (once, then it is
-        forgotten) if it expired or was evicted."""
-        self._expire_sessions()
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise SessionError(404, f"session {session_id!r} does not exist (closed, or never "
-                               "opened): open a new one", "session_id")  # fmt: skip
-        if session.gone is not None:
-            del self.sessions[session_id]
-            raise SessionError(409, f"session {session_id!r} is gone: {session.gone}; open a "
-                               "new one and send its whole context", "session_id")  # fmt: skip
-        return session
-
-    def session_submit(self, session_id: str, append: Sequence[int],
-                       params: SamplingParams) -> RequestHandle:  # fmt: skip
-        """Append `append` to the session and generate from it: only tokens whose KV the
-        session's slot does not hold yet are prefilled. One call at a time per session."""
-        session = self.session(session_id)
-        if session.busy:
-            raise SessionError(409, f"session {session_id!r} is already generating: wait for "
-                               "its call to finish (one step at a time per session)",
-                               "session_id")  # fmt: skip
-        append = [int(t) for t in append]
-        if not append and not session.tokens:
-            raise EngineError("the first call of a session must append at least one token",
-                              "append_token_ids")  # fmt: skip
-        total, limit = len(session.tokens) + len(append), self.cfg.max_seq_len - 1
-        if total > limit:
-            raise SessionError(413, f"the session would hold {total} tokens ({len(session.tokens)} "
-                               f"+ {len(append)} appended); a session holds at most {limit} "
-                               "(the context, less one token to generate): rewind or open a new "
-                               "session", "append_token_ids")  # fmt: skip
-        handle = self.submit(session.tokens + append, params, session=session)
-        session.busy, session.last_used = True, time.monotonic()
-        return handle
-
-    def rewind_session(self, session_id: str, to: int) -> Session:
-        """Drop everything after logical position `to` (a retry from a turn boundary); the
-        slot keeps the KV of the first `to` tokens."""
-        session = self.session(session_id)
-        if session.busy:
-            raise SessionError(409, f"session {session_id!r} is generating: rewind after its "
-                               "call", "session_id")  # fmt: skip
-        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(session.tokens):
-            raise EngineError(f"to={to!r} is invalid: an integer in [0, {len(session.tokens)}] "
-                              "(the session's length)", "to")  # fmt: skip
-        del session.tokens[to:]
-        if session.slot is not None:
-            held = self._slot_tokens[session.slot]
-            del held[to:]
-            self._lengths[session.slot] = len(held)
-        session.last_used = time.monotonic()
-        return session
-
-    def close_session(self, session_id: str) -> None:
-        """Forget the session and free its slot (a call in flight is aborted)."""
-        session = self.sessions.pop(session_id, None)
-        if session is None:
-            raise SessionError(404, f"session {session_id!r} does not exist", "session_id")
-        for request in list(self._requests.values()):
-            if request.session is session:
-                self.abort(request.id)
-        self._unpin(session, None)
-
-    def session_kv_tokens(self, session: Session) -> int:
-        """KV positions the session's slot holds (0 without a slot)."""
-        return 0 if session.slot is None else int(self._lengths[session.slot])
-
-    def _unpin(self, session: Session, gone: str | None) -> None:
-        if session.slot is not None and self._slot_session[session.slot] is session:
-            self._slot_session[session.slot] = None
-        session.slot, session.gone = None, gone
-
-    def _expire_sessions(self) -> None:
-        now = time.monotonic()
-        for session in list(self.sessions.values()):
-            idle_s = now - session.last_used
-            if session.gone is None and not session.busy and idle_s > session.ttl_s:
-                self._unpin(session, f"it was idle for more than its ttl_s={session.ttl_s:g}")
-
-    def _evict_for(self, free: list[int]) -> int | None:
-        """Memory pressure: the slot of the least recently used idle session, unpinned."""
-        idle = [s for s in free if self._slot_session[s] is not None]
-        if not idle:
-            return None
-        slot = min(idle, key=lambda s: self._slot_session[s].last_used)
-        session = self._slot_session[slot]
-        self._unpin(session, "its slot was taken for another request (memory pressure: every "
-                             "KV slot was in use)")  # fmt: skip
-        self.stats["sessions_evicted"] += 1
-        return slot
 
     def abort(self, request_id: str) -> None:
         """Finish the request with `abort`; its slots are freed at the next step."""
@@ -644,7 +549,7 @@ class Engine:
         want = seq.prompt[:-1]
         session = seq.request.session
         if session is not None and session.slot is not None:
-            return self._place_in(seq, session.slot, want)  # its own slot: pinned, idle
+            return self._place_session(seq, session)  # its own slot: pinned, idle
         self._expire_sessions()
         pinned = self._slot_session
         best, best_len = None, 0
@@ -686,6 +591,7 @@ class Engine:
             cached = _common_prefix(held, want) if fresh else 0
         self._slot_tokens[slot] = want[:cached]
         self._lengths[slot] = cached
+        self._shift[slot] = 0
         self._slot_owner[slot] = seq
         self._slot_used[slot] = time.perf_counter()
         self._slot_version[slot] = self.version
@@ -701,9 +607,11 @@ class Engine:
         """Host-side inputs of the next device step, or None when there is nothing to do."""
         b, p, chunk = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.prefill_chunk
         copies, self._pending_copies = self._pending_copies, []
+        compactions, self._pending_compactions = self._pending_compactions, []
+        probes, self._pending_probes = self._pending_probes[:p], self._pending_probes[p:]
         prefilling = [s for s in self._slot_owner if s is not None and s.pending][:p]
         decoding = [s for s in self._slot_owner if s is not None and not s.pending]
-        if not copies and not prefilling and not decoding:
+        if not copies and not compactions and not probes and not prefilling and not decoding:
             return None
 
         copy_args = []  # fixed-size groups of `prefill_batch` (one compiled shape)
@@ -712,8 +620,9 @@ class Engine:
             for i, (s, d) in enumerate(copies[start : start + p]):
                 src[i], dst[i] = s, d
             copy_args.append((src, dst))
+        side = self._side_args(compactions, probes)
 
-        plan = bool(copies or prefilling)  # busy: keep the step short
+        plan = bool(copies or compactions or probes or prefilling)  # busy: keep the step short
         prefill_args, chunks = None, []
         if prefilling:
             longest = max(min(len(s.pending), chunk) for s in prefilling)
@@ -726,7 +635,7 @@ class Engine:
                 slots[i], num_new[i] = seq.slot, len(part)
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
-            prefill_args = (self._lengths.copy(), slots, tokens, num_new)
+            prefill_args = (self._lengths.copy(), self._shift.copy(), slots, tokens, num_new)
             for seq, part in chunks:  # lengths after the prefill, before the decode
                 self._lengths[seq.slot] += len(part)
 
@@ -741,9 +650,32 @@ class Engine:
                 tokens[i], active[i] = seq.next_input, True
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
-            decode_args = (self._lengths.copy(), tokens, active, temp, top_p, top_k, seed, index,
-                           counter)  # fmt: skip
-        return copy_args, prefill_args, chunks, decode_args, decoding, self._steps(decoding, plan)
+            decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
+                           top_k, seed, index, counter)  # fmt: skip
+        steps = self._steps(decoding, plan)
+        return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
+
+    def _side_args(self, compactions, probes):
+        """Session compactions (gathers of kept keys) and `turn`-mode scoring probes."""
+        b, p, s = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.max_seq_len
+        gathers = []
+        for start in range(0, len(compactions), p):
+            slots, index = np.full(p, b, np.int32), np.zeros((p, s), np.int32)
+            for i, (slot, rows) in enumerate(compactions[start : start + p]):
+                slots[i], index[i, : len(rows)] = slot, rows
+            gathers.append((slots, index))
+        probe_args = None
+        if probes:
+            longest = max(len(part) for _, _, _, part in probes)
+            t = next(x for x in self.cfg.prefill_buckets if x >= longest)
+            slots, tokens = np.full(p, b, np.int32), np.zeros((p, t), np.int32)
+            start, num, shift = (np.zeros(p, np.int32) for _ in range(3))
+            for i, (_, slot, begin, part) in enumerate(probes):
+                slots[i], start[i], num[i] = slot, begin, len(part)
+                tokens[i, : len(part)] = part
+                shift[i] = self._shift[slot]
+            probe_args = (slots, tokens, start, num, shift)
+        return gathers, probes, probe_args
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:
         """Decode several tokens per device call while the batch is stable: nothing to
@@ -758,11 +690,18 @@ class Engine:
             return 1
         return k
 
-    def _device_step(self, state, copy_args, prefill_args, chunks, decode_args, decoding, steps):
+    def _device_step(self, state, copy_args, side, prefill_args, chunks, decode_args, decoding,
+                     steps):  # fmt: skip
         """Runs in a worker thread: the only place device work happens."""
         cache = self._cache
         for src, dst in copy_args:
             cache = self._copy(cache, src, dst)
+        gathers, _, probe_args = side
+        for slots, index in gathers:
+            cache = self._compact_fn(cache, slots, index)
+        mass = None
+        if probe_args is not None:
+            mass = jax.device_get(self._probe_fn(state, cache, *probe_args))
         if prefill_args is not None:
             cache = self._prefill(state, cache, *prefill_args)
         out = None
@@ -770,10 +709,13 @@ class Engine:
             cache, out = self._decode[steps](state, cache, *decode_args)
             out = jax.device_get(out)
         self._cache = cache
-        return out
+        return out, mass
 
-    def _deliver(self, plan, out, version: int) -> None:
-        _, _, chunks, _, decoding, steps = plan
+    def _deliver(self, plan, result, version: int) -> None:
+        _, (_, probes, _), _, chunks, _, decoding, steps = plan
+        out, mass = result
+        for i, (session, *_) in enumerate(probes):
+            self._probe_done(session, mass[i])
         for seq, part in chunks:
             self._slot_tokens[seq.slot].extend(part)
             del seq.pending[: len(part)]
@@ -826,10 +768,8 @@ class Engine:
             self._slot_used[seq.slot] = time.perf_counter()
         elif seq in self._waiting:
             self._waiting.remove(seq)
-        session = seq.request.session
-        if session is not None:  # the stream goes on from what was generated, even if cut
-            session.tokens = seq.prompt + seq.generated
-            session.busy, session.last_used = False, time.monotonic()
+        if seq.request.session is not None:
+            self._session_finished(seq, reason)
         ids = seq.generated
         body = ids[:-1] if ids and reason == "stop" and ids[-1] in seq.request.stop_ids else ids
         text = self.tokenizer.decode(body)

@@ -1,5 +1,6 @@
 """bench/sessions.py --quick end to end: real `simloop serve` processes, sessions against the
-stateless peer (prefix reuse on) and true re-prefill, rows in the common JSON shape."""
+stateless peer (prefix reuse on) and true re-prefill, the KV each compaction mode holds, rows
+in the common JSON shape."""
 
 import json
 import subprocess
@@ -63,3 +64,18 @@ def test_sessions_prefill_only_what_each_turn_appends_and_less_than_re_prefill(q
     row = by[f"tokens prefilled, whole run (2 x 8 turns) {PEERS[1]}"]
     assert (row["ours"], row["peer"]) == (ours["prefilled"], reprefill["prefilled"])
     assert row["ratio"] > 4
+
+
+def test_each_compaction_mode_holds_less_kv_than_none(quick):
+    d = quick["detail"]
+    full = d["session"]["kv_last"]
+    assert full == 8 * (64 + 8) - 1  # every appended and generated token but the last
+    # markovian: the prompt (turn 1's observation) and the last turn only
+    assert d["session:markovian"]["kv_last"] == 64 + 8 + 64 + 7
+    # turn: older turns thinned to half; budget: never more than a quarter of the episode
+    assert full / 2 < d["session:turn"]["kv_last"] < full
+    assert d["session:budget"]["kv_max"] <= 8 * 72 // 4
+    by = {r["measure"]: r for r in quick["rows"]}
+    for mode in ("markovian", "turn", "budget"):
+        row = by[f"KV held at the last turn: {mode} vs none"]
+        assert row["peer"] == full and row["ratio"] > 1

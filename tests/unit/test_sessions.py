@@ -145,7 +145,11 @@ async def test_misuse_gets_a_status_and_a_reason(served, http):
                                ("DELETE", "/v1/sessions/nope", None)]:  # fmt: skip
         err = await call(http, method, path, body, status=404)
         assert "does not exist" in err["error"]["message"]
-    for body, says in [({"compaction": {"mode": "markovian"}}, "one of ['none']"),
+    for body, says in [({"compaction": {"mode": "zip"}}, "compaction.mode='zip' is invalid"),
+                       ({"compaction": {"mode": "budget"}}, "required by mode 'budget'"),
+                       ({"compaction": {"mode": "turn", "keep_ratio": 2}}, "in (0, 1]"),
+                       ({"compaction": {"mode": "turn", "ratio": 1}}, "unknown field(s) ['ratio']"),
+                       ({"compaction": "markovian"}, "must be an object"),
                        ({"ttl_s": 0}, "'ttl_s'=0 is out of range"),
                        ({"ttl": 5}, "unknown field(s) ['ttl']")]:  # fmt: skip
         err = await call(http, "POST", "/v1/sessions", body, status=400)
