@@ -1,6 +1,7 @@
 """Shared test helpers: small real artifacts the tests build themselves (nothing from a hub)."""
 
 import json
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,21 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 日本語",
     "<tool_response>\nexit code 0\n</tool_response>",
 ]
+
+
+def user_env(*, cheap_compile: bool = False, **extra: str) -> dict[str, str]:
+    """This process's environment as a user's shell would have it for a simloop command: no
+    XLA_FLAGS (simloop plans its own fake devices, one per server). `cheap_compile` keeps the
+    suite's cheap compile flags (tests/conftest.py; simloop passes them on to every process
+    it starts): for short, compile-bound commands only — they slow a long run's steps ~2x
+    (train-agent's learning run: 6 -> 12 minutes)."""
+    env = dict(os.environ)
+    count = "--xla_force_host_platform_device_count"
+    flags = [f for f in env.pop("XLA_FLAGS", "").split()
+             if cheap_compile and not f.startswith(count)]  # fmt: skip
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return {**env, **extra}
 
 
 def build_hf_tokenizer(path: Path, vocab_size: int = 400) -> Path:

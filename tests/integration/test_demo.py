@@ -8,7 +8,6 @@ The report is rendered in headless Chromium (Debian's `chromium`; `make test` in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig
 from launch.jobs.episodes import agent_tasks
 from rl.data.trajectory import load_trajectories
+from tests.fakes import user_env
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _demo(out: Path) -> subprocess.CompletedProcess:
     # As a user runs it: simloop gives itself the fake devices of the demo's cpu-8 plan.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     # No --config: `simloop demo` is the embedded default and runs configs/demo_cpu.yaml.
     cmd = [sys.executable, "-m", "launch", "demo", "--out", str(out), "--quick"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
@@ -203,7 +203,7 @@ def test_rerun_skips_finished_stages_resumes_an_interrupted_one_and_report_cli(d
     assert "nothing to train" in proc.stdout
     assert (out / "sim" / "stage.json").exists()
     (out / "report.html").unlink()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     proc = subprocess.run([sys.executable, "-m", "launch", "report", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0 and (out / "report.html").exists()

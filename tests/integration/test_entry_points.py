@@ -1,12 +1,13 @@
 """Entry points run as a user runs them: the installed `simloop` script and the bench script."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fakes import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -40,7 +41,7 @@ def test_installed_demo_script_checks_its_arguments_first():
 @pytest.mark.slow
 def test_model_bench_runs_and_reports_numbers(tmp_path):
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    env = user_env()  # one CPU device, as a user
     subprocess.run(
         [sys.executable, "bench/model_forward.py", "--sizes", "tiny", "--repeats", "1",
          "--seq", "32", "--prompt", "8", "--decode-steps", "4", "--json", str(out)],
@@ -55,7 +56,7 @@ def test_model_bench_runs_and_reports_numbers(tmp_path):
 @pytest.mark.slow
 def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
     out = tmp_path / "engine.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env(cheap_compile=True)
     subprocess.run(
         [sys.executable, "bench/engine_throughput.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True,
@@ -82,7 +83,7 @@ def test_orchestrator_bench_runs_every_episode_concurrently(tmp_path):
 @pytest.mark.slow
 def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
     out = tmp_path / "train.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env(cheap_compile=True)
     subprocess.run(
         [sys.executable, "bench/train_step.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True,
@@ -102,7 +103,7 @@ def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
 @pytest.mark.slow
 def test_publish_bench_quick_times_both_backends_against_the_raw_write(tmp_path):
     out = tmp_path / "publish.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # servers: one device each
+    env = user_env(cheap_compile=True)  # servers: one device each
     subprocess.run(
         [sys.executable, "bench/publish_latency.py", "--quick", "--json", str(out)],
         cwd=REPO, env=env, check=True, capture_output=True, timeout=120,

@@ -5,7 +5,6 @@ that resumes from the checkpoint and reuses the collected transcripts."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from rl.data.trajectory import load_trajectories
 from rl.model.params_io import read_model_config
+from tests.fakes import user_env
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pretrain(out: Path, steps: int) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     cmd = [sys.executable, "-m", "launch", "pretrain-sim", "--config",
            str(ROOT / "configs" / "demo_cpu.yaml"), "--out", str(out),
            "--pretrain_sim.cases", "24", "--pretrain_sim.eval_cases", "6",

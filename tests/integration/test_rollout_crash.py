@@ -7,7 +7,6 @@ never get a reply: the job is mid-run, with episodes in flight, when it is kille
 """
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig
 from rl.data.sim_format import format_observation
 from rl.data.trajectory import load_trajectories, validate
-from tests.fakes import FakeAgentClient
+from tests.fakes import FakeAgentClient, user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -77,7 +76,7 @@ async def test_sigkilled_rollout_leaves_only_whole_valid_records(tmp_path):
     ]
     (_, agent_url), (_, sim_url) = servers
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     log = tmp_path / "rollout.log"
     with open(log, "wb") as sink:
         proc = await asyncio.create_subprocess_exec(

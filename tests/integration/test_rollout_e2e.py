@@ -7,7 +7,6 @@ checked is that every episode ends with a valid trajectory and an explained stat
 """
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from serving.client import ClientConfig, InferenceClient
-from tests.fakes import free_port, wait_until
+from tests.fakes import free_port, user_env, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -38,7 +37,7 @@ SMALL = ["--orchestrator.max_tokens_per_turn", "48", "--env.terminal.max_turns",
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return user_env()
 
 
 @pytest.fixture(scope="module")

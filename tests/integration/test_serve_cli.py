@@ -2,7 +2,6 @@
 a clean shutdown on SIGTERM."""
 
 import json
-import os
 import re
 import select
 import signal
@@ -14,6 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.fakes import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -42,7 +43,7 @@ def _request(url: str, body: dict | None = None) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_simloop_serve_answers_and_stops_on_sigterm(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    env = user_env()  # one CPU device, as a user
     env["JAX_PLATFORMS"] = "cpu"
     stderr = (tmp_path / "serve.err").open("w")
     proc = subprocess.Popen(

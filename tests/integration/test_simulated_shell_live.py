@@ -5,7 +5,6 @@ prompts rendered and sent as token ids, stop on end-of-turn, the token cap, path
 history, and the server's prefix reuse across turns.
 """
 
-import os
 import re
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from envs.shell import Observation
 from envs.simulated import SimulatedShell
 from rl.data import ByteTokenizer, ChatRenderer
 from serving.client import ClientConfig, InferenceClient
+from tests.fakes import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -28,7 +28,7 @@ SIMLOOP = Path(sys.executable).parent / "simloop"
 
 @pytest.fixture(scope="module")
 def server_url():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     proc = subprocess.Popen(
         [SIMLOOP, "serve", "--preset", "tiny", "--port", "0", "--max-seq-len", "1024",
          "--num-slots", "4"],

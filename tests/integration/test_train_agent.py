@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fakes import user_env
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def records(run: Path, stage: str) -> list[dict]:
 def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("agent")
     # As a user runs it: simloop gives itself the 8 fake devices of the demo's cpu-8 plan.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     cmd = [
         sys.executable,
         "-m",
@@ -182,7 +183,7 @@ def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
     sim = tmp_path / "random-sim"
     save_params(Qwen3(load_config(SimloopConfig, CONFIG).simulator.model, rngs=nnx.Rngs(0)), sim)
     run = tmp_path / "eval"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     cmd = [sys.executable, "-m", "launch", "eval-agent", "--config", str(CONFIG),
            "--out", str(run), "--agent.weights", str(out / "weights" / "final"),
            "--simulator.weights", str(sim), "--env.shell.simulated.max_tokens", "48",

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fakes import user_env
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,10 +28,8 @@ def simloop(*args: str) -> list[str]:
 
 
 def _env() -> dict:
-    env = dict(os.environ)
     # As a user runs it: simloop gives itself the 8 fake devices of the demo's cpu-8 plan.
-    env.pop("XLA_FLAGS", None)
-    return env
+    return user_env()
 
 
 def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:

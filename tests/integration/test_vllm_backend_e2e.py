@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fakes import user_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +39,7 @@ def test_one_rl_step_through_the_vllm_backend_with_the_fake_server(tmp_path):
     out = tmp_path / "agent"
     port = _free_port()
     fake = f"[{sys.executable}, -m, serving.vllm.fake_server, serve]"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     cmd = [sys.executable, "-m", "launch", "train-agent", "--config", str(CONFIG),
            "--out", str(out), "--serve.backend", "vllm", "--vllm.command", fake,
            "--vllm.start_stagger_s", "0", "--vllm.max_model_len", "1024",

@@ -7,7 +7,6 @@ last line skipped with a warning)."""
 import asyncio
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.orchestrator.storage import TrajectoryWriter
 from serving.client import ClientConfig, InferenceClient
-from tests.fakes import FakeAgentClient, wait_until
+from tests.fakes import FakeAgentClient, user_env, wait_until
 
 RENDERER = ChatRenderer(ByteTokenizer())
 TERMINAL = TerminalConfig(max_turns=4, command_timeout_s=10)
@@ -168,7 +167,7 @@ asyncio.run(main())
 
 @pytest.fixture
 def simulator_process():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     proc = subprocess.Popen([sys.executable, "-c", SIMULATOR], stdout=subprocess.PIPE, text=True,
                             env=env)  # fmt: skip
     try:
