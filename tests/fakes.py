@@ -33,6 +33,24 @@ def user_env(*, cheap_compile: bool = False, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def tiny_agent_serve_args(tmp_path: Path, *, seed: int, context: int):
+    """A random tiny model saved as an HF checkpoint, a run directory for `simloop serve`, and
+    the serve flags that load it as `agent` (4 slots, `context` tokens): `(cfg, hf, run, args)`
+    for `launch.deploy.local.LocalServer.start("agent", run, extra_args=args)`."""
+    from flax import nnx
+
+    from rl.model import Qwen3, save_hf, tiny
+
+    cfg = tiny(initializer_range=0.2)
+    hf = save_hf(cfg, Qwen3(cfg, rngs=nnx.Rngs(seed)), tmp_path / "hf")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    args = ["--model", str(hf), "--model-name", "agent", "--num-slots", "4",
+            "--max-seq-len", str(context)]  # fmt: skip
+    return cfg, hf, run, args
+
+
 def build_hf_tokenizer(path: Path, vocab_size: int = 400) -> Path:
     """Train a byte-level BPE with Qwen-style ChatML specials; write tokenizer.json and
     tokenizer_config.json into `path` (an HF tokenizer directory)."""

@@ -409,7 +409,14 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
                     f"({cfg.vllm.max_model_len}), the context of the {role} vLLM servers"
                 )
             continue  # vLLM sizes its own KV cache from gpu_memory_utilization
-        if asked is not None and asked > engine.max_seq_len:
+        compacting = (
+            role == "agent"
+            and cfg.orchestrator.sessions
+            and cfg.orchestrator.session_compaction.get("mode", "none") != "none"
+        )
+        # A compacting session holds fewer keys than its episode has tokens: only the slot
+        # must fit what a call keeps (the server answers 413 when it does not).
+        if asked is not None and asked > engine.max_seq_len and not compacting:
             raise ValueError(
                 f"{key}.max_context_tokens={asked} is invalid: at most serve.engine.max_seq_len "
                 f"({engine.max_seq_len}), the context of the {role} server this job starts"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from envs.config import LocalShellConfig, TerminalConfig, TextopsConfig
 from envs.local import LocalShell
@@ -16,13 +15,13 @@ from launch.config.schema import SimloopConfig
 from launch.deploy.local import LocalServer
 from rl.data import ByteTokenizer, ChatRenderer
 from rl.data.trajectory import validate
-from rl.model import Qwen3, save_hf, tiny
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.train.build import build_trainer
 from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
 from rl.train.rollouts import build_rl_batch
 from serving.client import ClientConfig, InferenceClient
+from tests.fakes import tiny_agent_serve_args
 
 K, CONTEXT = 3, 1024
 TOL = 1e-4
@@ -32,13 +31,7 @@ whole row at once) sum the same terms in different orders; ~1e-6 apart for a tin
 
 @pytest.mark.slow
 async def test_trainer_logprobs_equal_the_servers_over_three_trials(tmp_path):
-    cfg = tiny(initializer_range=0.2)
-    hf = save_hf(cfg, Qwen3(cfg, rngs=nnx.Rngs(3)), tmp_path / "hf")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text("{}\n")
-    args = ["--model", str(hf), "--model-name", "agent", "--num-slots", "4",
-            "--max-seq-len", str(CONTEXT)]  # fmt: skip
+    cfg, hf, run, args = tiny_agent_serve_args(tmp_path, seed=3, context=CONTEXT)
     renderer = ChatRenderer(ByteTokenizer())
     tasks = generate_textops(TextopsConfig(num_tasks=2, seed=4, from_file_prob=1.0))
     terminal = TerminalConfig(trials=K, turns_per_trial=1, prompt_template="{instruction}",

@@ -59,6 +59,12 @@ def test_an_episode_context_beyond_the_server_is_caught_before_starting():
                                          r"serve.engine.max_seq_len \(2048\)"):  # fmt: skip
         check_local_servers(cfg, ["agent"])
     check_local_servers(cfg, [])  # no server of this job's own: nothing to compare with
+    # a compacting session keeps fewer keys than its episode has tokens: allowed
+    compacting = load_config(SimloopConfig, DEMO, [
+        "--orchestrator.max_context_tokens", "4096", "--serve.engine.max_seq_len", "2048",
+        "--orchestrator.sessions", "true", "--orchestrator.session_compaction",
+        "{mode: markovian}"])  # fmt: skip
+    check_local_servers(compacting, ["agent"])
     sim = load_config(SimloopConfig, DEMO, ["--env.shell.simulated.max_context_tokens", "3000",
                                             "--env.shell.simulated.max_tokens", "64"])  # fmt: skip
     with pytest.raises(ValueError, match=r"simulated.max_context_tokens=3000"):
