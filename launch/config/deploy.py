@@ -142,9 +142,17 @@ class GkeConfig:
     """Pod failures tolerated before the job fails (restarts resume from checkpoints)."""
     max_restarts: int = 3
     """JobSet-level restarts of the whole slice."""
+    admin_token_secret: str | None = None
+    """An existing Kubernetes Secret whose key `token` is the admin token of the pods' JAX
+    servers (`serve.backend: jax`): every process gets it as SIMLOOP_ADMIN_TOKEN, so the
+    trainer can publish weights to them (`kubectl create secret generic NAME
+    --from-literal=token=$(openssl rand -hex 16)`). Required when the plan starts JAX servers;
+    vLLM servers take weights through their worker extension instead."""
 
     def __post_init__(self) -> None:
         c = "GkeConfig"
+        if self.admin_token_secret is not None:
+            _dns_name(c, "admin_token_secret", self.admin_token_secret, 253)
         _dns_name(c, "name", self.name, 40)
         _dns_name(c, "namespace", self.namespace, 63)
         if self.bucket is not None and self.pvc is not None:

@@ -103,6 +103,11 @@ class ServeConfig:
     """`simloop serve`: the role whose model (and tokenizer) the server loads."""
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    restart_attempts: int = 3
+    """A job's own server replica that dies is restarted this many times before it is retired
+    (the other replicas keep serving); 0 never restarts."""
+    restart_backoff_s: float = 2.0
+    """Wait after a failed restart attempt, doubled after each."""
 
     def backend_of(self, role: str) -> str:
         """The backend serving model role `role` (`agent` or `simulator`)."""
@@ -120,6 +125,14 @@ class ServeConfig:
                 f"ServeConfig.backends={self.backends!r} is invalid: a mapping from "
                 f"{list(MODEL_ROLES)} to {list(BACKENDS)}"
             )
+        n = self.restart_attempts
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 100:
+            raise ValueError(f"ServeConfig.restart_attempts={n!r} is invalid: an integer in "
+                             "[0, 100]")  # fmt: skip
+        b = self.restart_backoff_s
+        if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 3600:
+            raise ValueError(f"ServeConfig.restart_backoff_s={b!r} is invalid: seconds in "
+                             "[0, 3600]")  # fmt: skip
         for name, top in (("num_slots", MAX_SLOTS), ("max_seq_len", MAX_SEQ_LEN)):
             v = getattr(self.engine, name)
             if not isinstance(v, bool) and isinstance(v, int) and v > top:

@@ -212,6 +212,28 @@ def _ranges(indexes: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
+def _admin_token_env(cfg, plan) -> list[dict[str, Any]]:
+    """SIMLOOP_ADMIN_TOKEN from `gke.admin_token_secret` when the plan starts JAX servers (their
+    /admin routes need it, and the trainer publishes with it); GkeError when it is unset."""
+    from launch.deploy.chips import SERVE_ROLE
+    from launch.deploy.local import ADMIN_TOKEN_ENV
+
+    jax_roles = [m for m, serve in SERVE_ROLE.items()
+                 if plan.role(serve) and cfg.serve.backend_of(m) == "jax"]  # fmt: skip
+    if not jax_roles:
+        return []
+    secret = cfg.gke.admin_token_secret
+    if secret is None:
+        raise GkeError(
+            f"the plan starts JAX servers ({', '.join(jax_roles)}; serve.backend: jax), whose "
+            "weights are published through /admin with a token: create a Secret (kubectl "
+            "create secret generic simloop-admin --from-literal=token=$(openssl rand -hex 16)) "
+            "and set gke.admin_token_secret to its name, or use serve.backend: vllm"
+        )
+    ref = {"secretKeyRef": {"name": secret, "key": "token"}}
+    return [{"name": ADMIN_TOKEN_ENV, "valueFrom": ref}]
+
+
 def render(cfg) -> list[dict[str, Any]]:
     """The Service, ConfigMap and JobSet of `cfg`, validated (GkeError / ManifestError)."""
     from launch.config.loading import dump_config
@@ -270,6 +292,7 @@ def render(cfg) -> list[dict[str, Any]]:
     else:
         checkpoints = {"name": "checkpoints", "persistentVolumeClaim": {"claimName": g.pvc}}
     servers = sorted({(p.http_port, p.role) for p in plan.processes if p.http_port})
+    token_env = _admin_token_env(cfg, plan)
     container = {
         "name": "simloop",
         "image": g.image,
@@ -279,6 +302,7 @@ def render(cfg) -> list[dict[str, Any]]:
             {"name": "SIMLOOP_CONFIG", "value": f"{CONFIG_DIR}/config.yaml"},
             {"name": "SIMLOOP_JOBSET", "value": g.name},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *token_env,
         ],
         "ports": [
             {"name": _port_name(role, port), "containerPort": port, "protocol": "TCP"}

@@ -174,7 +174,7 @@ def write_vllm_model(cfg, role: str, model_dir: Path) -> None:
 
 RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_S = 2.0
-"""Wait after a failed restart attempt, doubled after each."""
+"""Defaults (`serve.restart_attempts`, `serve.restart_backoff_s` set them per job)."""
 RESTART_CLOSE_S = 30.0
 """How long closing waits for the restarts it cancelled (a server mid-start is stopped)."""
 
@@ -230,8 +230,9 @@ class ReplicaRestarter:
                 await asyncio.sleep(delay)
                 delay *= 2
         if not replica.live:  # (not readmitted by someone else meanwhile)
-            self.pool.retire(replica, f"down ({reason}); {self.attempts} restarts failed, the "
-                             f"last: {last}")  # fmt: skip
+            why = (f"{self.attempts} restarts failed, the last: {last}" if self.attempts
+                   else "restarts are off (serve.restart_attempts: 0)")  # fmt: skip
+            self.pool.retire(replica, f"down ({reason}); {why}")
 
     async def close(self) -> None:
         """Cancel the restarts under way (bounded; a server one was starting is stopped)."""
@@ -341,7 +342,10 @@ async def role_clients(
 
                 pool = ReplicaPool(clients.replicas[role], role=role)
                 if servers:  # ours: an ejected one is restarted (before the servers stop)
-                    stack.push_async_callback(ReplicaRestarter(pool, servers, start, _kill).close)
+                    restarter = ReplicaRestarter(pool, servers, start, _kill,
+                                                 attempts=cfg.serve.restart_attempts,
+                                                 backoff_s=cfg.serve.restart_backoff_s)  # fmt: skip
+                    stack.push_async_callback(restarter.close)
                 clients[role] = await stack.enter_async_context(pool)
         yield clients
 

@@ -491,3 +491,23 @@ def test_launcher_main_reads_the_host_from_job_completion_index(tmp_path, monkey
     assert gke_pod.main(["--plan", str(plan), "--", "true"]) == 0
     assert "nothing is planned on host 1" in capsys.readouterr().err
     assert gke_pod.main(["--plan", str(plan)]) == 2  # no command
+
+
+def test_jax_servers_get_their_admin_token_from_a_secret():
+    jax = load_config(SimloopConfig, V6E_8, ["--serve.backend", "jax"])
+    with pytest.raises(gke.GkeError, match="gke.admin_token_secret") as e:
+        gke.render(jax)
+    assert "kubectl create secret generic" in str(e.value)
+    secret = ["--serve.backend", "jax", "--gke.admin_token_secret", "simloop-admin"]
+    cfg = load_config(SimloopConfig, V6E_8, secret)
+    docs = {d["kind"]: d for d in gke.render(cfg)}  # validated against the k8s models too
+    _, pod = _pod(docs["JobSet"])
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    assert env["SIMLOOP_ADMIN_TOKEN"] == {
+        "name": "SIMLOOP_ADMIN_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "simloop-admin", "key": "token"}},
+    }
+    # vLLM servers (the TPU configs) take weights through their worker extension: no token
+    _, vllm = _render(V6E_8)
+    _, pod = _pod(vllm["JobSet"])
+    assert "SIMLOOP_ADMIN_TOKEN" not in {e["name"] for e in pod["spec"]["containers"][0]["env"]}

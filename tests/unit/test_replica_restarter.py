@@ -132,6 +132,34 @@ async def test_a_replica_that_never_comes_back_is_given_up_and_sessions_fail_at_
     await restarter.close()
 
 
+async def test_with_restarts_off_a_dead_replica_is_retired_at_once_saying_so(fleet):
+    servers, pool = await fleet(2)
+    started: list[int] = []
+
+    async def start(i, closing):
+        started.append(i)
+
+    restarter = ReplicaRestarter(pool, list(servers), start, lambda s: s.stop(), attempts=0)
+    pool.eject(0, "died")
+    assert await wait_until(lambda: pool.replicas[0].retired)
+    assert started == [] and "restarts are off (serve.restart_attempts: 0)" in (
+        pool.replicas[0].reason
+    )
+    await restarter.close()
+
+
+def test_restart_settings_are_validated_with_the_allowed_range():
+    from launch.config.schema import ServeConfig
+
+    assert ServeConfig(restart_attempts=5, restart_backoff_s=0.5).restart_attempts == 5
+    for bad, says in (({"restart_attempts": -1}, "restart_attempts=-1 is invalid: an integer"),
+                      ({"restart_attempts": True}, "restart_attempts=True"),
+                      ({"restart_backoff_s": float("nan")}, "restart_backoff_s=nan")):  # fmt: skip
+        with pytest.raises(ValueError, match=None) as e:
+            ServeConfig(**bad)
+        assert says in str(e.value)
+
+
 async def test_a_session_waiting_for_a_replica_fails_when_the_last_one_is_given_up(fleet):
     servers, pool = await fleet(2)
     go = asyncio.Event()
