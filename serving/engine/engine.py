@@ -44,6 +44,7 @@ from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
+from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
 from serving.engine.sessions import Session, SessionsMixin
 
@@ -52,18 +53,6 @@ log = logging.getLogger(__name__)
 MIN_COPY_PREFIX = 16
 """A busy slot's prefix is copied for a new sequence only when this long (or the whole
 prompt, as for `n` samples); shorter shared prefixes are cheaper to prefill again."""
-
-
-class EngineError(ValueError):
-    """A request the engine refuses; `field` names the offending input."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-class EngineBusy(RuntimeError):
-    """Too many sequences are waiting (HTTP 429)."""
 
 
 @dataclass
@@ -294,7 +283,9 @@ class Engine(SessionsMixin):
         self._copy = jax.jit(copy, donate_argnums=(0,))
 
     def warmup(self) -> None:
-        """Compile every shape the engine will use, so no request triggers a compile."""
+        """Compile every shape a request uses, so no request triggers a compile. A compacting
+        session's gather and `turn` scoring compile at their first use (most servers never
+        compact: their start-up does not pay for it)."""
         b, p = self.cfg.num_slots, self.cfg.prefill_batch
         zeros_b = np.zeros(b, np.int32)
         for t in self.cfg.prefill_buckets:
@@ -302,8 +293,6 @@ class Engine(SessionsMixin):
                                         np.full(p, b, np.int32), np.zeros((p, t), np.int32),
                                         np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
-        self._cache = self._compact_fn(self._cache, np.full(p, b, np.int32),
-                                       np.zeros((p, self.cfg.max_seq_len), np.int32))  # fmt: skip
         for decode in self._decode.values():
             self._cache, _ = decode(
                 self._state, self._cache, zeros_b, zeros_b, zeros_b, np.zeros(b, bool),
@@ -620,7 +609,7 @@ class Engine(SessionsMixin):
             for i, (s, d) in enumerate(copies[start : start + p]):
                 src[i], dst[i] = s, d
             copy_args.append((src, dst))
-        side = self._side_args(compactions, probes)
+        side = self._session_step_args(compactions, probes)
 
         plan = bool(copies or compactions or probes or prefilling)  # busy: keep the step short
         prefill_args, chunks = None, []
@@ -654,28 +643,6 @@ class Engine(SessionsMixin):
                            top_k, seed, index, counter)  # fmt: skip
         steps = self._steps(decoding, plan)
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
-
-    def _side_args(self, compactions, probes):
-        """Session compactions (gathers of kept keys) and `turn`-mode scoring probes."""
-        b, p, s = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.max_seq_len
-        gathers = []
-        for start in range(0, len(compactions), p):
-            slots, index = np.full(p, b, np.int32), np.zeros((p, s), np.int32)
-            for i, (slot, rows) in enumerate(compactions[start : start + p]):
-                slots[i], index[i, : len(rows)] = slot, rows
-            gathers.append((slots, index))
-        probe_args = None
-        if probes:
-            longest = max(len(part) for _, _, _, part in probes)
-            t = next(x for x in self.cfg.prefill_buckets if x >= longest)
-            slots, tokens = np.full(p, b, np.int32), np.zeros((p, t), np.int32)
-            start, num, shift = (np.zeros(p, np.int32) for _ in range(3))
-            for i, (_, slot, begin, part) in enumerate(probes):
-                slots[i], start[i], num[i] = slot, begin, len(part)
-                tokens[i, : len(part)] = part
-                shift[i] = self._shift[slot]
-            probe_args = (slots, tokens, start, num, shift)
-        return gathers, probes, probe_args
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:
         """Decode several tokens per device call while the batch is stable: nothing to

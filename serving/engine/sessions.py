@@ -27,18 +27,10 @@ import numpy as np
 
 from serving.compaction import SessionCompaction, plan_keep, ranges
 from serving.config import SamplingParams
+from serving.engine.errors import EngineBusy, EngineError, SessionError
 
 if TYPE_CHECKING:
     from serving.engine.engine import RequestHandle, _Seq
-
-
-class SessionError(Exception):
-    """A session call that cannot be served: `status` is the HTTP status that says why (404
-    unknown, 409 busy / closed / evicted, 413 over-long), `field` the offending field."""
-
-    def __init__(self, status: int, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status, self.field = status, field
 
 
 @dataclass(eq=False)
@@ -82,8 +74,6 @@ class SessionsMixin:
         self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
     ) -> Session:
         """A new, empty session (its slot is taken at its first call)."""
-        from serving.engine.engine import EngineBusy
-
         self._expire_sessions()
         if len(self.sessions) >= self.cfg.max_sessions:
             raise EngineBusy(f"{len(self.sessions)} sessions are open (the limit is "
@@ -114,8 +104,6 @@ class SessionsMixin:
         """Append `append` to the session and generate from it: the session is compacted
         first (its mode), then only tokens whose KV the slot does not hold are prefilled.
         One call at a time per session."""
-        from serving.engine.engine import EngineError
-
         session = self._idle_session(session_id, "generate")
         if session.scoring is not None:  # `turn`: the last response's scores are on their way
             session.busy = True
@@ -152,8 +140,6 @@ class SessionsMixin:
     def rewind_session(self, session_id: str, to: int) -> Session:
         """Drop everything after logical position `to` (a retry from a turn boundary); the
         slot keeps the keys of the first `to` tokens that it holds."""
-        from serving.engine.engine import EngineError
-
         session = self._idle_session(session_id, "rewind")
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(session.tokens):
             raise EngineError(f"to={to!r} is invalid: an integer in [0, {len(session.tokens)}] "
@@ -245,14 +231,14 @@ class SessionsMixin:
         slot has seen are pending; positions continue from the session's logical length."""
         slot = session.slot
         fresh = self._slot_version[slot] == self.version
-        if not fresh and not session.kept and session.tail_start == 0:
+        if not fresh and not session.compactions:
             # Never compacted: its KV can be recomputed under the new weights, as any prefix.
             del self._slot_tokens[slot][:]
             self._lengths[slot] = 0
         frontier = self._frontier(session)
         self._slot_owner[slot] = seq
         self._slot_used[slot] = time.perf_counter()
-        if fresh or not session.kept:
+        if fresh or not session.compactions:
             self._slot_version[slot] = self.version
         self._shift[slot] = frontier - int(self._lengths[slot])
         seq.slot, seq.cached = slot, frontier
@@ -297,11 +283,34 @@ class SessionsMixin:
             session.scoring.set()
             session.scoring = None
 
+    def _session_step_args(self, compactions, probes):
+        """Host inputs of a device step's session work: compactions (gathers of kept keys, in
+        groups of `prefill_batch`) and `turn`-mode scoring probes (one bucket-padded batch)."""
+        b, p, s = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.max_seq_len
+        gathers = []
+        for start in range(0, len(compactions), p):
+            slots, index = np.full(p, b, np.int32), np.zeros((p, s), np.int32)
+            for i, (slot, rows) in enumerate(compactions[start : start + p]):
+                slots[i], index[i, : len(rows)] = slot, rows
+            gathers.append((slots, index))
+        probe_args = None
+        if probes:
+            longest = max(len(part) for _, _, _, part in probes)
+            t = next(x for x in self.cfg.prefill_buckets if x >= longest)
+            slots, tokens = np.full(p, b, np.int32), np.zeros((p, t), np.int32)
+            start, num, shift = (np.zeros(p, np.int32) for _ in range(3))
+            for i, (_, slot, begin, part) in enumerate(probes):
+                slots[i], start[i], num[i] = slot, begin, len(part)
+                tokens[i, : len(part)] = part
+                shift[i] = self._shift[slot]
+            probe_args = (slots, tokens, start, num, shift)
+        return gathers, probes, probe_args
+
     def _unpin(self, session: Session, gone: str | None) -> None:
         slot = session.slot
         if slot is not None and self._slot_session[slot] is session:
             self._slot_session[slot] = None
-            if session.kept or session.tail_start:
+            if session.compactions:
                 # Compacted keys are no prefix of any prompt: nobody may reuse them.
                 self._slot_version[slot] = -1
                 self._slot_tokens[slot] = []
