@@ -23,6 +23,7 @@ Sessions (`serving.engine.sessions`) pin a slot to a caller between calls and co
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import itertools
@@ -194,6 +195,8 @@ class Engine(SessionsMixin):
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
                           steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
                           session_compactions=0)  # fmt: skip
+        self.view_calls: collections.Counter[tuple[str, int]] = collections.Counter()
+        """Device calls per (step kind, KV view): how much of the cache the steps touched."""
         self._slot_session: list[Session | None] = [None] * b
         """The session a slot is pinned to (between its calls too)."""
         self.sessions: dict[str, Session] = {}
@@ -206,40 +209,49 @@ class Engine(SessionsMixin):
         valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
 
         def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
-                   top_k_B, seed_B, index_B, counter_B, *, steps):  # fmt: skip
-            """`steps` tokens for every active slot, each step feeding back its own sample."""
+                   top_k_B, seed_B, index_B, counter_B, *, steps, view):  # fmt: skip
+            """`steps` tokens for every active slot, each step feeding back its own sample.
+            Only the first `view` cache positions are read and written: every active slot's
+            keys, including the `steps` new ones, fit in them (`_view_for`)."""
             self.traces["decode"] += 1
             model = nnx.merge(graphdef, state)
             active_i_B = active_B.astype(jnp.int32)
 
             def one(carry, j):
-                cache, lengths_B, tok_B = carry
-                cache = dataclasses.replace(cache, lengths=lengths_B)
-                logits_BTV, cache = model.decode(tok_B[:, None], cache, active_i_B, shift_B)
+                sub, lengths_B, tok_B = carry
+                sub = dataclasses.replace(sub, lengths=lengths_B)
+                logits_BTV, sub = model.decode(tok_B[:, None], sub, active_i_B, shift_B)
                 out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B,
                              counter_B + j, num_top, valid_vocab)  # fmt: skip
-                return (cache, lengths_B + active_i_B, out[0]), out
+                return (sub, lengths_B + active_i_B, out[0]), out
 
-            (cache, _, _), outs = jax.lax.scan(one, (cache, lengths_B, tokens_B),
-                                               jnp.arange(steps, dtype=jnp.int32))  # fmt: skip
-            return cache, outs
-
-        def rows(cache, lengths_B, slots_P):
+            sub = KVCache(k=cache.k[:, :, :view], v=cache.v[:, :, :view], lengths=lengths_B)
+            (sub, _, _), outs = jax.lax.scan(one, (sub, lengths_B, tokens_B),
+                                             jnp.arange(steps, dtype=jnp.int32))  # fmt: skip
             return KVCache(
-                k=jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0),
-                v=jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0),
+                k=cache.k.at[:, :, :view].set(sub.k),
+                v=cache.v.at[:, :, :view].set(sub.v),
+                lengths=cache.lengths,
+            ), outs
+
+        def rows(cache, lengths_B, slots_P, view=None):
+            return KVCache(
+                k=jnp.take(cache.k[:, :, :view], slots_P, axis=1, mode="fill", fill_value=0),
+                v=jnp.take(cache.v[:, :, :view], slots_P, axis=1, mode="fill", fill_value=0),
                 lengths=jnp.take(lengths_B, slots_P, mode="fill", fill_value=0),
             )
 
-        def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P):
+        def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P, *, view):
+            """Writes the chunks' keys; reads and writes only the first `view` positions of
+            the listed slots (every chunk ends within them)."""
             self.traces["prefill"] += 1
             model = nnx.merge(graphdef, state)
-            sub = rows(cache, lengths_B, slots_P)
+            sub = rows(cache, lengths_B, slots_P, view)
             shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
             sub = model.prefill(tokens_PT, sub, num_new_P, shift_P)
             return KVCache(
-                k=cache.k.at[:, slots_P].set(sub.k, mode="drop"),
-                v=cache.v.at[:, slots_P].set(sub.v, mode="drop"),
+                k=cache.k.at[:, slots_P, :view].set(sub.k, mode="drop"),
+                v=cache.v.at[:, slots_P, :view].set(sub.v, mode="drop"),
                 lengths=lengths_B,
             )
 
@@ -276,10 +288,14 @@ class Engine(SessionsMixin):
         self._compact_fn = jax.jit(compact, donate_argnums=(0,))
         self._probe_fn = jax.jit(probe)
         self._decode = {
-            k: jax.jit(functools.partial(decode, steps=k), donate_argnums=(1,))
+            (k, v): jax.jit(functools.partial(decode, steps=k, view=v), donate_argnums=(1,))
             for k in sorted({1, self.cfg.decode_steps})
+            for v in self.cfg.kv_views
         }
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._prefill = {
+            v: jax.jit(functools.partial(prefill, view=v), donate_argnums=(1,))
+            for v in self.cfg.prefill_views
+        }
         self._copy = jax.jit(copy, donate_argnums=(0,))
 
     def warmup(self) -> None:
@@ -288,10 +304,11 @@ class Engine(SessionsMixin):
         compact: their start-up does not pay for it)."""
         b, p = self.cfg.num_slots, self.cfg.prefill_batch
         zeros_b = np.zeros(b, np.int32)
-        for t in self.cfg.prefill_buckets:
-            self._cache = self._prefill(self._state, self._cache, zeros_b, zeros_b,
-                                        np.full(p, b, np.int32), np.zeros((p, t), np.int32),
-                                        np.zeros(p, np.int32))  # fmt: skip
+        for prefill in self._prefill.values():
+            for t in self.cfg.prefill_buckets:
+                self._cache = prefill(self._state, self._cache, zeros_b, zeros_b,
+                                      np.full(p, b, np.int32), np.zeros((p, t), np.int32),
+                                      np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
         for decode in self._decode.values():
             self._cache, _ = decode(
@@ -624,11 +641,14 @@ class Engine(SessionsMixin):
                 slots[i], num_new[i] = seq.slot, len(part)
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
-            prefill_args = (self._lengths.copy(), self._shift.copy(), slots, tokens, num_new)
+            end = max(self._lengths[seq.slot] + len(part) for seq, part in chunks)
+            view = _view_for(self.cfg.prefill_views, end)
+            prefill_args = (view, self._lengths.copy(), self._shift.copy(), slots, tokens,
+                            num_new)  # fmt: skip
             for seq, part in chunks:  # lengths after the prefill, before the decode
                 self._lengths[seq.slot] += len(part)
 
-        decode_args = None
+        decode_args, steps = None, self._steps(decoding, plan)
         if decoding:
             tokens, active = np.zeros(b, np.int32), np.zeros(b, bool)
             temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
@@ -639,9 +659,11 @@ class Engine(SessionsMixin):
                 tokens[i], active[i] = seq.next_input, True
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
-            decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
-                           top_k, seed, index, counter)  # fmt: skip
-        steps = self._steps(decoding, plan)
+            view = _view_for(
+                self.cfg.kv_views, max(self._lengths[s.slot] for s in decoding) + steps
+            )
+            decode_args = (view, self._lengths.copy(), self._shift.copy(), tokens, active, temp,
+                           top_p, top_k, seed, index, counter)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:
@@ -670,10 +692,14 @@ class Engine(SessionsMixin):
         if probe_args is not None:
             mass = jax.device_get(self._probe_fn(state, cache, *probe_args))
         if prefill_args is not None:
-            cache = self._prefill(state, cache, *prefill_args)
+            view, *args = prefill_args
+            self.view_calls["prefill", view] += 1
+            cache = self._prefill[view](state, cache, *args)
         out = None
         if decode_args is not None:
-            cache, out = self._decode[steps](state, cache, *decode_args)
+            view, *args = decode_args
+            self.view_calls["decode", view] += 1
+            cache, out = self._decode[steps, view](state, cache, *args)
             out = jax.device_get(out)
         self._cache = cache
         return out, mass
@@ -759,6 +785,11 @@ class Engine(SessionsMixin):
             self._requests.pop(request.id, None)
             if not request.done.done():
                 request.done.set_result([s.output for s in request.seqs])
+
+
+def _view_for(views: tuple[int, ...], keys: int) -> int:
+    """The shortest of the compiled KV `views` that holds `keys` positions."""
+    return next((v for v in views if v >= keys), views[-1])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

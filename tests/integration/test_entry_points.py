@@ -65,6 +65,7 @@ def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
     assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
     assert result["batching"]["sequential_s"] > result["batching"]["concurrent_s"] > 0
     assert result["session"]["cached_tokens"] > 0
+    assert result["live"]["long_tok_s"] > 0 and result["live"]["short_tok_s"] > 0
 
 
 @pytest.mark.slow

@@ -140,6 +140,33 @@ async def test_greedy_matches_a_plain_loop_over_the_model(engine):
     assert len({tuple(r) for r in want}) == len(want)  # the prompts really steer the model
 
 
+async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
+    """A slot pool four times longer decodes over the same KV view for the same live lengths:
+    the same tokens, and logprobs equal up to float32 rounding of sums over a few hundred
+    terms (its prefill view is longer, and slots may sit at other batch rows). Only a
+    sequence that needs the long view gets it."""
+    long = Engine(BASE, TOK, EngineConfig(num_slots=8, max_seq_len=4 * SEQ, prefill_chunk=32,
+                                          prefill_batch=2))  # fmt: skip
+    assert long.cfg.kv_views == (256, 512, 1024) and engine.cfg.kv_views == (256,)
+    assert long.cfg.prefill_views == (512, 1024) and engine.cfg.prefill_views == (256,)
+    await long.start()
+    try:
+        prompts = [prompt(n, seed=900 + n) for n in (20, 100, 230)]
+        params = greedy(12, logprobs=2)
+        short_outs = await asyncio.gather(*(gen(engine, p, params) for p in prompts))
+        long_outs = await asyncio.gather(*(gen(long, p, params) for p in prompts))
+        for (a,), (b,) in zip(short_outs, long_outs, strict=True):
+            assert a.token_ids == b.token_ids
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert {v for kind, v in long.view_calls if kind == "decode"} == {256}
+        assert {v for kind, v in long.view_calls if kind == "prefill"} == {512}
+        (out,) = await gen(long, prompt(600, seed=9), greedy(12))
+        assert len(out.token_ids) == 12
+        assert long.view_calls["decode", 1024] > 0 and long.view_calls["prefill", 1024] > 0
+    finally:
+        await long.stop()
+
+
 async def test_64_queued_requests_complete_and_match_their_solo_runs(engine, engine_b):
     rng = np.random.default_rng(7)
     base = prompt(40, seed=3)
