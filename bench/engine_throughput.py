@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +39,13 @@ from serving.engine import Engine, EngineConfig, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 REPEATS = 3
+QUICK_SHAPES: dict = {}
+"""With --quick, the slot-pool shapes every engine uses (a smoke test: their programs are
+compiled once and loaded from the compilation cache by the next engine)."""
+
+
+def engine_config(**shape) -> EngineConfig:
+    return EngineConfig(**{**shape, **QUICK_SHAPES})
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -53,8 +61,8 @@ async def _engine(model, cfg: EngineConfig) -> Engine:
 
 async def engine_decode(model, prompts, new_tokens, max_seq_len) -> float:
     """Seconds for the engine to generate `new_tokens` for every prompt, all at once."""
-    cfg = EngineConfig(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
-                       prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
+    cfg = engine_config(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
+                        prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
     engine = await _engine(model, cfg)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     await asyncio.gather(*(engine.generate(p, params) for p in prompts))  # warm the path
@@ -74,8 +82,10 @@ async def live_pools(model, prompts, new_tokens, pools, rounds) -> list[float]:
     both alike."""
     engines = []
     for max_seq_len in pools:
-        cfg = EngineConfig(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
-                           prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
+        cfg = engine_config(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
+                            prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
+        if QUICK_SHAPES:
+            cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
         engines.append(await _engine(model, cfg))
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     best = [float("inf")] * len(engines)
@@ -140,8 +150,8 @@ def hf_decode(model, prompts, new_tokens) -> float:
 
 async def batching(model, n, prompt_len, new_tokens, max_seq_len) -> tuple[float, float]:
     """(concurrent seconds, sequential seconds) for the same `n` requests on one engine."""
-    cfg = EngineConfig(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=8,
-                       prefix_reuse=False)  # fmt: skip
+    cfg = engine_config(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=8,
+                        prefix_reuse=False)  # fmt: skip
     engine = await _engine(model, cfg)
     prompts = _prompts(n, prompt_len, seed=1)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
@@ -161,8 +171,8 @@ async def batching(model, n, prompt_len, new_tokens, max_seq_len) -> tuple[float
 
 async def session(model, turns, obs_len, new_tokens, reuse: bool, max_seq_len) -> tuple[float, int]:
     """(seconds, cached prompt tokens) for one multi-turn episode."""
-    cfg = EngineConfig(num_slots=4, max_seq_len=max_seq_len, prefill_chunk=256, prefill_batch=1,
-                       prefix_reuse=reuse)  # fmt: skip
+    cfg = engine_config(num_slots=4, max_seq_len=max_seq_len, prefill_chunk=256, prefill_batch=1,
+                        prefix_reuse=reuse)  # fmt: skip
     engine = await _engine(model, cfg)
     rng = np.random.RandomState(2)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
@@ -184,6 +194,8 @@ def main() -> None:
     add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
+    if q:
+        QUICK_SHAPES.update(num_slots=16, max_seq_len=256, prefill_chunk=64, prefill_batch=8)
     batch, prompt_len, new_tokens = (4, 16, 8) if q else (8, 32, 64)
     n_conc, conc_new = (16, 4) if q else (64, 32)
     turns, obs_len, turn_new = (3, 64, 4) if q else (10, 256, 16)
@@ -208,7 +220,7 @@ def main() -> None:
     with console.status(f"continuous batching: {n_conc} concurrent vs sequential"):
         t_conc, t_seq = asyncio.run(batching(model, n_conc, 32, conc_new, 256))
     results["batching"] = dict(concurrent_s=t_conc, sequential_s=t_seq, requests=n_conc)
-    max_len = 512 if q else 4096  # quick: the 3 short turns fit; decode cost follows it
+    max_len = 256 if q else 4096  # quick: the 3 short turns fit
     with console.status(f"{turns}-turn session: prefix reuse"):
         t_reuse, cached = asyncio.run(session(model, turns, obs_len, turn_new, True, max_len))
     with console.status(f"{turns}-turn session: full re-prefill"):
