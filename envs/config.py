@@ -238,6 +238,18 @@ class SimulatedShellConfig:
     """...and the output has at least this many lines."""
     repetition_min_compression: float = 0.08
     """`repetition` when zlib compresses an output of at least 512 bytes below this ratio."""
+    sessions: bool = False
+    """One persistent KV session per episode on the simulator server (`simloop serve`'s
+    `/v1/sessions`): each turn appends only what its prompt adds to the session, and a prompt
+    that departs from it (older turns dropped to fit the context) rewinds it to where they
+    still agree. The prompts, and so the observations, are the stateless ones. A server
+    without sessions (vLLM) gets stateless completions. `orchestrator.sessions: true` turns
+    this on too."""
+    session_compaction: dict = field(default_factory=dict)
+    """How the server thins each simulator session's KV (`serving.compaction`:
+    `{"mode": "markovian", "n_protect_turns": 2}` ...; empty: none). With compaction the whole
+    history is sent and the server decides what the simulator still sees, instead of the
+    `max_context_tokens` rule. Needs `sessions: true`."""
 
     def __post_init__(self) -> None:
         cls = "SimulatedShellConfig"
@@ -263,6 +275,18 @@ class SimulatedShellConfig:
         _check(cls, "repetition_max_line_share", share, 0 < share <= 1, "a number in (0, 1]")
         comp = self.repetition_min_compression
         _check(cls, "repetition_min_compression", comp, 0 <= comp < 1, "a number in [0, 1)")
+        _check(cls, "sessions", self.sessions, isinstance(self.sessions, bool), "true or false")
+        mode = self.session_compaction.get("mode", "none") if isinstance(
+            self.session_compaction, dict) else None  # fmt: skip
+        _check(cls, "session_compaction", self.session_compaction, mode is not None,
+               "a mapping of compaction settings")  # fmt: skip
+        _check(cls, "session_compaction", self.session_compaction,
+               mode == "none" or self.sessions, "only with sessions: true")  # fmt: skip
+
+    @property
+    def compacting(self) -> bool:
+        """Whether the server, not the prompt renderer, bounds what the simulator sees."""
+        return self.sessions and self.session_compaction.get("mode", "none") != "none"
 
 
 @dataclass(frozen=True)

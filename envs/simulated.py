@@ -103,10 +103,49 @@ class SimulatedShell(ShellLifecycle):
         self.history: list[tuple[str, Observation]] = []
         self._lock = asyncio.Lock()
         self._closed = False
+        self._session: str | None = None
+        """The simulator session of this episode (`config.sessions`), opened at the first run."""
+        self._session_ids: list[int] = []
+        """What the session holds, logically: every id appended or generated in it."""
+        self._appended: int | None = None
+        """Prompt ids the last session call sent (the rest the session held already)."""
+        self._stateless = not (self.config.sessions and renderer is not None
+                               and hasattr(client, "open_session"))  # fmt: skip
 
     async def close(self) -> None:
-        """Nothing to release (the client belongs to the caller); later runs fail."""
+        """Closes the episode's simulator session, if any (the client belongs to the caller);
+        later runs fail."""
         self._closed = True
+        if self._session is not None:
+            sid, self._session = self._session, None
+            try:
+                await asyncio.shield(self.client.close_session(sid))
+            except Exception:  # noqa: BLE001 - a server that is gone forgets it anyway (TTL)
+                pass
+
+    async def _complete(self, prompt: list[int] | str, **kw) -> CompletionLike:
+        """One observation: through the episode's session when there is one (only what the
+        prompt adds to it is sent; a prompt that departs from it rewinds it first), else a
+        stateless completion."""
+        if not self._stateless and self._session is None:
+            compaction = self.config.session_compaction or None
+            self._session = await self.client.open_session(compaction=compaction)
+            self._stateless = self._session is None  # the server has no sessions: say no more
+        if self._stateless:
+            return await self.client.complete(prompt, **kw)
+        held = self._session_ids
+        same = 0
+        for a, b in zip(prompt, held, strict=False):
+            if a != b:
+                break
+            same += 1
+        if same < len(held):
+            await self.client.rewind_session(self._session, same)
+        kw.pop("stop", None)
+        out = await self.client.session_generate(self._session, list(prompt[same:]), **kw)
+        self._session_ids = list(prompt) + list(out.token_ids)
+        self._appended = len(prompt) - same
+        return out
 
     def _prompt(self, command: str) -> tuple[list[int] | str, int, int]:
         """(prompt, max_tokens, turns dropped from the history)."""
@@ -125,7 +164,7 @@ class SimulatedShell(ShellLifecycle):
         if self.renderer is None:
             text = render_text(messages, add_generation_prompt=True, enable_thinking=False)
             return text, cfg.max_tokens, len(self.history) - len(history)
-        if cfg.max_context_tokens is not None:
+        if cfg.max_context_tokens is not None and not cfg.compacting:
             # Whole oldest turns go until the prompt leaves room for max_tokens: the rule
             # `simloop train-sim` builds its examples with (ChatML messages tokenize alone).
             render = self.renderer.render
@@ -139,7 +178,7 @@ class SimulatedShell(ShellLifecycle):
                 messages = messages_with(history)
         ids = self.renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
         dropped = len(self.history) - len(history)
-        if cfg.max_context_tokens is None:
+        if cfg.max_context_tokens is None or cfg.compacting:  # the server bounds its KV
             return ids, cfg.max_tokens, dropped
         room = cfg.max_context_tokens - len(ids)
         if room <= 0:
@@ -163,7 +202,7 @@ class SimulatedShell(ShellLifecycle):
             start = time.monotonic()
             try:
                 result = await asyncio.wait_for(
-                    self.client.complete(
+                    self._complete(
                         prompt,
                         max_tokens=max_tokens,
                         temperature=cfg.temperature,
@@ -189,6 +228,8 @@ class SimulatedShell(ShellLifecycle):
                 )
             obs = self._observation(result, time.monotonic() - start)
             obs.info["prompt_tokens"] = len(prompt) if isinstance(prompt, list) else None
+            if self._session is not None:
+                obs.info["appended_tokens"] = self._appended
             if dropped:
                 obs.info["history_dropped"] = dropped
             self.history.append((command, obs))

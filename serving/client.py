@@ -291,12 +291,15 @@ class InferenceClient:
 
     # ----- persistent KV sessions (simloop serve; vLLM has none) ------------------------------
 
-    async def open_session(self, *, ttl_s: float | None = None,
-                           compaction: SessionCompaction | None = None) -> str | None:  # fmt: skip
+    async def open_session(
+        self, *, ttl_s: float | None = None, compaction: SessionCompaction | dict | None = None
+    ) -> str | None:
         """A new session's id, or None when the server has no sessions (404/405: vLLM), so
         the caller falls back to stateless completions. `compaction`: how the server thins
         the session's KV (`serving.compaction`; default none)."""
         ask: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
+        if isinstance(compaction, dict):  # a config's settings
+            compaction = SessionCompaction.from_json(compaction or None)
         if compaction is not None and compaction.mode != "none":
             ask["compaction"] = compaction.to_json()
         try:
@@ -310,12 +313,15 @@ class InferenceClient:
     async def session_generate(self, session_id: str, append_token_ids: list[int], *,
                                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                                seed: int | None = None, logprobs: int | None = None,
+                               stop_token_ids: list[int] | None = None,
                                timeout_s: float | None = None) -> Completion:  # fmt: skip
         """Append ids to the session and generate (never retried: a retry could append twice;
         rewind to a turn boundary and call again instead)."""
         body = {"append_token_ids": list(append_token_ids), "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "seed": seed,
                 "logprobs": logprobs}  # fmt: skip
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
         started = time.perf_counter()
         raw, n = await self.request("POST", f"/v1/sessions/{session_id}/generate",
                                     json_body=body, timeout_s=timeout_s, retries=0)  # fmt: skip

@@ -426,7 +426,7 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
             role == "agent"
             and cfg.orchestrator.sessions
             and cfg.orchestrator.session_compaction.get("mode", "none") != "none"
-        )
+        ) or (role == "simulator" and cfg.env.shell.simulated.compacting)
         # A compacting session holds fewer keys than its episode has tokens: only the slot
         # must fit what a call keeps (the server answers 413 when it does not).
         if asked is not None and asked > engine.max_seq_len and not compacting:

@@ -9,6 +9,7 @@ held-out evaluation of a served policy (`train-agent` before/after RL, `eval-age
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -31,9 +32,22 @@ def check_servers(cfg: SimloopConfig, roles: list[str]) -> None:
 def job_backends(cfg: SimloopConfig, simulator_client=None):
     """The config's real shell and, with a simulator client, the simulated one."""
     from envs.backends import shell_backends
+    from launch.jobs.errors import UsageError
+    from serving.compaction import SessionCompaction
 
+    try:
+        SessionCompaction.from_json(cfg.env.shell.simulated.session_compaction or None)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"env.shell.simulated.session_compaction is invalid: {e}") from e
+
+    shell = cfg.env.shell
+    if cfg.orchestrator.sessions and not shell.simulated.sessions:
+        # `orchestrator.sessions` puts both roles' episodes on sessions.
+        shell = dataclasses.replace(
+            shell, simulated=dataclasses.replace(shell.simulated, sessions=True)
+        )
     return shell_backends(
-        cfg.env.shell,
+        shell,
         run_id=cfg.run.name,
         simulator_client=simulator_client,
         simulator_tokenizer=cfg.simulator.tokenizer,

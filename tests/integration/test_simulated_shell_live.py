@@ -5,6 +5,7 @@ prompts rendered and sent as token ids, stop on end-of-turn, the token cap, path
 history, and the server's prefix reuse across turns.
 """
 
+import dataclasses
 import re
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from envs.config import SimulatedShellConfig
-from envs.shell import Observation
+from envs.shell import Observation, TaskSetup
 from envs.simulated import SimulatedShell
 from rl.data import ByteTokenizer, ChatRenderer
 from serving.client import ClientConfig, InferenceClient
@@ -90,3 +91,52 @@ async def test_text_prompts_work_without_a_renderer(client):
     async with SimulatedShell(client, task_instruction="t", config=cfg) as shell:
         obs = await shell.run("pwd", timeout_s=5)
     assert obs.info["prompt_tokens"] is None and "malformed" in obs.info
+
+
+COMMANDS = ["echo abc | rev", "ls -la", "cat input.txt", "wc -c input.txt", "pwd", "echo done"]
+
+
+async def _episode(client, cfg: SimulatedShellConfig) -> tuple[list[Observation], SimulatedShell]:
+    renderer = ChatRenderer(ByteTokenizer())
+    shell = SimulatedShell(client, task_instruction="t", config=cfg, renderer=renderer,
+                           setup=TaskSetup(files={"input.txt": "hello\n"}))  # fmt: skip
+    async with shell:
+        return [await shell.run(c, timeout_s=5) for c in COMMANDS], shell
+
+
+@pytest.mark.slow
+async def test_simulator_sessions_give_the_stateless_observations(client):
+    # A context that fills up: later prompts drop their oldest turns, so the session must
+    # rewind to where the new prompt departs from what it holds (the system prompt).
+    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
+                               system_prompt="", show_task=False)  # fmt: skip
+    plain, _ = await _episode(client, cfg)
+    cfg_s = dataclasses.replace(cfg, sessions=True)
+    via, shell = await _episode(client, cfg_s)
+    assert [o.output for o in via] == [o.output for o in plain]
+    assert [o.exit_code for o in via] == [o.exit_code for o in plain]
+    assert [o.info["prompt_tokens"] for o in via] == [o.info["prompt_tokens"] for o in plain]
+    assert any(o.info.get("history_dropped") for o in via), "the context never filled up"
+    assert shell._session is None  # closed with the episode
+    listed, _ = await client.request("GET", "/v1/sessions")
+    assert listed["data"] == []
+    # Only what each prompt added was sent; after a drop, all but the system prompt.
+    sent = [o.info["appended_tokens"] for o in via]
+    assert sent[0] == via[0].info["prompt_tokens"]
+    for o, n in zip(via[1:], sent[1:], strict=True):
+        assert 0 < n < o.info["prompt_tokens"]
+    assert sum(sent) < sum(o.info["prompt_tokens"] for o in via)
+
+
+@pytest.mark.slow
+async def test_a_compacting_simulator_session_runs_past_its_context(client):
+    # markovian: the server keeps the prompt and the last turn; the whole history is sent.
+    markovian = {"mode": "markovian", "n_protect_turns": 1}
+    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
+                               system_prompt="", show_task=False, sessions=True,
+                               session_compaction=markovian)  # fmt: skip
+    obs, _ = await _episode(client, cfg)
+    assert len(obs) == len(COMMANDS)
+    assert not any(o.info.get("history_dropped") for o in obs)  # nothing dropped client-side
+    assert max(o.info["prompt_tokens"] for o in obs) > 300 - 24  # past the stateless budget
+    assert all(o.info["appended_tokens"] < o.info["prompt_tokens"] for o in obs[1:])

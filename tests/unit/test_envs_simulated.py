@@ -227,3 +227,22 @@ def test_config_validation():
             task_instruction="t",
             config=SimulatedShellConfig(max_context_tokens=4096),
         )
+
+
+def test_simulator_session_settings_are_checked():
+    with pytest.raises(ValueError, match=r"session_compaction=.* only with sessions: true"):
+        SimulatedShellConfig(session_compaction={"mode": "markovian"})
+    with pytest.raises(ValueError, match=r"sessions=1 is invalid: true or false"):
+        SimulatedShellConfig(sessions=1)
+    assert SimulatedShellConfig(sessions=True, session_compaction={"mode": "budget"}).compacting
+    assert not SimulatedShellConfig(sessions=True, session_compaction={"mode": "none"}).compacting
+
+
+async def test_sessions_fall_back_to_completions_on_a_server_without_them():
+    # FakeSimulator has no open_session (like a vLLM client): stateless, same requests.
+    cfg = SimulatedShellConfig(max_tokens=16, sessions=True)
+    fake = FakeSimulator([obs_text("x")])
+    async with SimulatedShell(fake, task_instruction="t", config=cfg,
+                              renderer=ChatRenderer(ByteTokenizer())) as shell:  # fmt: skip
+        obs = await shell.run("echo x", timeout_s=5)
+    assert obs.output == "x" and len(fake.calls) == 1 and "appended_tokens" not in obs.info
