@@ -47,11 +47,14 @@ browser:
 
 # Two pytest workers (pytest-xdist), each test file on one of them (its module fixtures built
 # once): on 2 cores the suite is half compile and process start-up, which one worker leaves
-# the second core idle for. `make test TEST_WORKERS=0` runs it in this process.
+# the second core idle for. Files are handed out in tests/conftest.py's order, longest first
+# (xdist would otherwise hand out the files with the most tests first, and start the
+# minutes-long single-test files last, with the other worker idle at the end).
+# `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
 
 test: lint browser
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 demo: $(BASE_STAMP)
 	$(BIN)/simloop demo --config configs/demo_cpu.yaml --out runs/demo

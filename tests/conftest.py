@@ -39,12 +39,19 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # The files whose module fixtures run whole jobs (minutes each) go first: under `make test`'s
 # two workers (one file per worker at a time) a long file started last would leave the other
 # worker idle at the end.
-LONG_FILES = (
-    "test_train_agent.py",
-    "test_demo.py",
-    "test_train_cli.py",
-    "test_chip_plan_cpu.py",
-    "test_pretrain_sim.py",
+LONG_FILES = (  # longest first (seconds in a suite run on 2 cores, 2026-11-25)
+    "test_train_agent.py",  # ~520
+    "test_demo.py",  # ~300
+    "test_entry_points.py",  # ~290 (the bench smoke runs)
+    "test_rollout_e2e.py",  # ~190
+    "test_train_cli.py",  # ~150
+    "test_pretrain_sim.py",  # ~105
+    "test_replica_restart.py",  # ~90
+    "test_vllm_backend_e2e.py",  # ~80
+    "test_chip_plan_cpu.py",  # ~75
+    "test_simulated_shell_live.py",  # ~65
+    "test_bench_sessions.py",  # ~60
+    "test_compaction_parity.py",  # ~60
 )
 
 
