@@ -128,11 +128,28 @@ class SimulatedShell(ShellLifecycle):
         prompt adds to it is sent; a prompt that departs from it rewinds it first), else a
         stateless completion."""
         if not self._stateless and self._session is None:
-            compaction = self.config.session_compaction or None
-            self._session = await self.client.open_session(compaction=compaction)
-            self._stateless = self._session is None  # the server has no sessions: say no more
+            await self._open_session()
         if self._stateless:
             return await self.client.complete(prompt, **kw)
+        try:
+            return await self._session_step(prompt, kw)
+        except Exception as e:
+            if getattr(e, "status", None) not in (404, 409):
+                raise
+            # The server forgot the session (its TTL, memory pressure, a restart): a new one
+            # is sent the whole prompt. Calls are sequential here, so 409 is never "busy".
+            await self._open_session()
+            if self._stateless:
+                return await self.client.complete(prompt, **kw)
+            return await self._session_step(prompt, kw)
+
+    async def _open_session(self) -> None:
+        compaction = self.config.session_compaction or None
+        self._session = await self.client.open_session(compaction=compaction)
+        self._session_ids = []
+        self._stateless = self._session is None  # the server has no sessions: say no more
+
+    async def _session_step(self, prompt: list[int], kw: dict) -> CompletionLike:
         held = self._session_ids
         same = 0
         for a, b in zip(prompt, held, strict=False):
@@ -141,7 +158,7 @@ class SimulatedShell(ShellLifecycle):
             same += 1
         if same < len(held):
             await self.client.rewind_session(self._session, same)
-        kw.pop("stop", None)
+        kw = {k: v for k, v in kw.items() if k != "stop"}
         out = await self.client.session_generate(self._session, list(prompt[same:]), **kw)
         self._session_ids = list(prompt) + list(out.token_ids)
         self._appended = len(prompt) - same

@@ -140,3 +140,22 @@ async def test_a_compacting_simulator_session_runs_past_its_context(client):
     assert not any(o.info.get("history_dropped") for o in obs)  # nothing dropped client-side
     assert max(o.info["prompt_tokens"] for o in obs) > 300 - 24  # past the stateless budget
     assert all(o.info["appended_tokens"] < o.info["prompt_tokens"] for o in obs[1:])
+
+
+@pytest.mark.slow
+async def test_a_forgotten_simulator_session_is_opened_again(client):
+    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, system_prompt="",
+                               show_task=False, sessions=True)  # fmt: skip
+    renderer = ChatRenderer(ByteTokenizer())
+    async with SimulatedShell(client, task_instruction="t", config=cfg,
+                              renderer=renderer) as shell:  # fmt: skip
+        await shell.run("pwd", timeout_s=5)
+        first = shell._session
+        await client.close_session(first)  # as a TTL or memory pressure would
+        again = await shell.run("ls", timeout_s=5)
+        assert shell._session not in (None, first)
+        assert again.info["appended_tokens"] == again.info["prompt_tokens"]  # all of it
+    async with SimulatedShell(client, task_instruction="t", config=cfg,
+                              renderer=renderer) as plain:  # fmt: skip
+        await plain.run("pwd", timeout_s=5)
+        assert (await plain.run("ls", timeout_s=5)).output == again.output
