@@ -28,7 +28,7 @@ from rl.data.sim_format import (
     render_sim_messages,
     strip_think,
 )
-from rl.data.tokenizer import IM_END
+from rl.data.tokenizer import IM_END, common_prefix_len
 
 UNKNOWN_EXIT_CODE = -1
 """Exit code of an observation whose return code the simulator did not produce."""
@@ -151,11 +151,7 @@ class SimulatedShell(ShellLifecycle):
 
     async def _session_step(self, prompt: list[int], kw: dict) -> CompletionLike:
         held = self._session_ids
-        same = 0
-        for a, b in zip(prompt, held, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = common_prefix_len(prompt, held)
         if same < len(held):
             await self.client.rewind_session(self._session, same)
         kw = {k: v for k, v in kw.items() if k != "stop"}

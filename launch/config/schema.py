@@ -422,11 +422,9 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
                     f"({cfg.vllm.max_model_len}), the context of the {role} vLLM servers"
                 )
             continue  # vLLM sizes its own KV cache from gpu_memory_utilization
-        compacting = (
-            role == "agent"
-            and cfg.orchestrator.sessions
-            and cfg.orchestrator.session_compaction.get("mode", "none") != "none"
-        ) or (role == "simulator" and cfg.env.shell.simulated.compacting)
+        compacting = (role == "agent" and cfg.orchestrator.compacting) or (
+            role == "simulator" and cfg.env.shell.simulated.compacting
+        )
         # A compacting session holds fewer keys than its episode has tokens: only the slot
         # must fit what a call keeps (the server answers 413 when it does not).
         if asked is not None and asked > engine.max_seq_len and not compacting:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -206,3 +207,12 @@ def hf_dir_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 def load_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     return ByteTokenizer() if cfg.kind == "byte" else HFTokenizer(cfg.path)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids `a` and `b` share (prefix reuse, session rewinds)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -62,6 +62,11 @@ class OrchestratorConfig:
     "kv_budget"}`; {} is none. Episodes record what each token saw (`kv_epochs`), so the
     trainer replays it exactly. Needs `sessions: true`."""
 
+    @property
+    def compacting(self) -> bool:
+        """Whether the server thins the agent sessions' KV (their episodes may outgrow a slot)."""
+        return self.sessions and self.session_compaction.get("mode", "none") != "none"
+
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"OrchestratorConfig.{name}={getattr(self, name)!r} is invalid: "

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.data.tokenizer import Tokenizer
+from rl.data.tokenizer import Tokenizer, common_prefix_len
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3
@@ -563,7 +563,7 @@ class Engine(SessionsMixin):
             for slot, tokens in enumerate(self._slot_tokens):
                 if self._slot_version[slot] != self.version or pinned[slot] is not None:
                     continue  # KV of older weights, or a session's own
-                m = _common_prefix(tokens, want)
+                m = common_prefix_len(tokens, want)
                 if m > best_len:
                     best, best_len = slot, m
         idle = [s for s in range(self.cfg.num_slots) if self._slot_owner[s] is None]
@@ -594,7 +594,7 @@ class Engine(SessionsMixin):
         held = self._slot_tokens[slot]
         if cached is None:
             fresh = self._slot_version[slot] == self.version
-            cached = _common_prefix(held, want) if fresh else 0
+            cached = common_prefix_len(held, want) if fresh else 0
         self._slot_tokens[slot] = want[:cached]
         self._lengths[slot] = cached
         self._shift[slot] = 0
@@ -790,11 +790,3 @@ class Engine(SessionsMixin):
 def _view_for(views: tuple[int, ...], keys: int) -> int:
     """The shortest of the compiled KV `views` that holds `keys` positions."""
     return next((v for v in views if v >= keys), views[-1])
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
