@@ -32,6 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
     "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
     "rollout": ("run a rollout job and write trajectories", True),
+    "middleware": (
+        "Anthropic / OpenAI APIs for off-the-shelf agents, token-exact trajectories",
+        True,
+    ),
     "report": ("write a self-contained report.html for a run directory", False),
     "serve": ("the OpenAI/vLLM-compatible inference server (JAX engine)", False),
     "plan-chips": ("plan TPU chip partitions and per-process environments", False),
@@ -58,6 +62,7 @@ MODULES: dict[str, str] = {
     "train-agent": "launch.jobs.train_agent",
     "eval-agent": "launch.jobs.eval_agent",
     "rollout": "launch.jobs.rollout",
+    "middleware": "launch.jobs.middleware",
     "report": "launch.report.page",
     "serve": "launch.jobs.serve",
     "plan-chips": "launch.deploy.chips",
@@ -66,7 +71,7 @@ MODULES: dict[str, str] = {
     "e2b": "launch.jobs.e2b_sweep",
 }
 # commands that start processes: `--dry-run [--format text|json]` prints them instead
-DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo")
+DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware")
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.

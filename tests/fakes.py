@@ -1,8 +1,10 @@
 """Shared test helpers: small real artifacts the tests build themselves (nothing from a hub)."""
 
+import asyncio
 import json
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,3 +162,36 @@ class PlannedProcess:
     chips: tuple[int, ...]
     http_port: int | None
     env: dict[str, str] = field(default_factory=dict)
+
+
+class StepGate:
+    """Holds the engine before each device step until the test grants it one: the engine is
+    exactly as slow as the test needs, on any machine. Steps run in a worker thread
+    (`asyncio.to_thread`), so a semaphore holds them; the event loop learns through
+    `call_soon_threadsafe` that the engine is waiting for a grant."""
+
+    def __init__(self, engine, monkeypatch):
+        self._step = engine._device_step
+        self._loop = asyncio.get_running_loop()
+        self._permits = threading.Semaphore(0)
+        self._open = threading.Event()
+        self._waiting = asyncio.Event()
+        monkeypatch.setattr(engine, "_device_step", self._gated)
+
+    def _gated(self, *args):
+        if not self._open.is_set():
+            self._loop.call_soon_threadsafe(self._waiting.set)
+            self._permits.acquire()
+        return self._step(*args)
+
+    async def engine_waits(self) -> None:
+        """Until the engine is held before its next step (a guard, not a race: 60 s)."""
+        await asyncio.wait_for(self._waiting.wait(), 60)
+        self._waiting.clear()
+
+    def grant(self) -> None:
+        self._permits.release()
+
+    def open(self) -> None:
+        self._open.set()
+        self._permits.release()

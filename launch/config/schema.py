@@ -24,6 +24,7 @@ from rl.train.config import (
     TrainSimConfig,
 )
 from serving.config import EngineConfig, ServerConfig
+from serving.middleware.config import MiddlewareConfig
 from serving.vllm.config import VllmConfig
 
 
@@ -392,6 +393,8 @@ class SimloopConfig:
     """`simloop gke render`: the JobSet."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """vllm-tpu servers for the serving roles."""
+    middleware: MiddlewareConfig = field(default_factory=MiddlewareConfig)
+    """`simloop middleware`: Anthropic / OpenAI APIs for unmodified agent harnesses."""
 
 
 def role_model(role: RoleConfig) -> ModelConfig:

@@ -40,7 +40,7 @@ SCHEMA_VERSION = 1
 ARMS = ("real", "replay", "closed_loop", "mixed", "imported")
 STATUSES = ("ok", "truncated", "aborted", "timeout", "error")
 SOURCES = ("sampler", "rendered")
-ENV_ROLES = ("user", "tool")
+ENV_ROLES = ("user", "tool", "system")
 
 _CONTAINERS = (
     ("group_id", str),
@@ -51,6 +51,7 @@ _CONTAINERS = (
     ("token_ids", list),
     ("loss_mask", list),
     ("meta", dict),
+    ("rollout_id", str),
 )
 _TURN_CONTAINERS = (
     ("env_messages", list),
@@ -143,6 +144,10 @@ class Trajectory:
     produced, as epochs `{"start": s, "kept": [[a, b], ...]}` in order of `start`. A token at
     index i belongs to the last epoch with start <= i and saw the kept half-open ranges (all
     before s) plus every token from s to i. Empty: plain causal attention (no compaction)."""
+    rollout_id: str = ""
+    """Segments of one harness rollout (`simloop middleware`) share it: `loss.aggregation:
+    rollout_mean` weighs every rollout equally, however many segments it split into. Empty:
+    the episode is its own rollout."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

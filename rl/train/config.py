@@ -15,7 +15,7 @@ from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, tiny
 
 ADVANTAGES = ("grpo", "drgrpo")
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean", "rollout_mean")
 LOSSES = ("sft", "policy")
 
 
@@ -123,7 +123,10 @@ class PolicyLossConfig:
     counts them as failures; None leaves them out of the batch (overlong filtering)."""
     aggregation: str = "token_mean"
     """`token_mean`: mean over every generated token of the batch; `seq_mean`: mean per
-    episode, then over episodes. (`drgrpo` overrides both, see `advantage`.)"""
+    episode, then over episodes; `rollout_mean`: mean per rollout (the trajectories sharing a
+    `rollout_id`: the segments of one harness run through `simloop middleware`, pooled), then
+    over rollouts, so a rollout split into many segments weighs as much as one that was not.
+    (`drgrpo` overrides all three, see `advantage`.)"""
 
     def __post_init__(self) -> None:
         c = "PolicyLossConfig"

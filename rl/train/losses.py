@@ -121,12 +121,13 @@ def policy_loss(logits_BTV: jax.Array, batch: Batch, cfg: PolicyLossConfig | Non
         per_token_BT = per_token_BT + cfg.kl_coef * kl_BT
         metrics["kl_ref"] = _masked_mean(kl_BT, mask_BT)
 
-    loss = aggregate(per_token_BT, mask_BT, cfg)
+    rollout_tokens_B = batch.get("rollout_tokens")
+    loss = aggregate(per_token_BT, mask_BT, cfg, rollout_tokens_B)
     valid = mask_BT > 0
     big = jnp.finfo(jnp.float32).max
     metrics.update(
         loss=loss,
-        pg_loss=aggregate(-weight_BT * objective_BT, mask_BT, cfg),
+        pg_loss=aggregate(-weight_BT * objective_BT, mask_BT, cfg, rollout_tokens_B),
         entropy=_masked_mean(entropy_BT, mask_BT),
         # KL(sampler || trainer) estimated on the sampler's own tokens (k1 and k3).
         mismatch_kl=_masked_mean(-log_is_BT, mask_BT),
@@ -140,25 +141,44 @@ def policy_loss(logits_BTV: jax.Array, batch: Batch, cfg: PolicyLossConfig | Non
         ),
         advantage_mean=_masked_mean(adv_BT, mask_BT),
         tokens=jnp.sum(mask_BT),
-        weight=normaliser(mask_BT, cfg),
+        weight=normaliser(mask_BT, cfg, rollout_tokens_B),
     )
     return loss, metrics
 
 
-def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig) -> jax.Array:
-    """What `aggregate` divides by (tokens, episodes, or rows x T): the weight of a
-    micro-batch when gradients are accumulated."""
+def _rollout_weights(mask_BT: jax.Array, rollout_tokens_B: jax.Array | None) -> jax.Array:
+    """Per row, 1 / (generated tokens of its rollout in the whole step's batch)."""
+    if rollout_tokens_B is None:
+        raise ValueError("aggregation 'rollout_mean' needs batch['rollout_tokens'] "
+                         "(rl.train.rollouts.build_rl_batch adds it)")  # fmt: skip
+    return 1.0 / jnp.maximum(rollout_tokens_B.astype(jnp.float32), 1.0)
+
+
+def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig,
+               rollout_tokens_B: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    """What `aggregate` divides by (tokens, episodes, rollouts, or rows x T): the weight of a
+    micro-batch when gradients are accumulated. For `rollout_mean` it is the micro-batch's
+    share of rollouts (a rollout whose segments straddle micro-batches counts fractionally),
+    so the accumulated loss is the mean over the step's rollouts."""
     if cfg.advantage == "drgrpo":
         return jnp.asarray(mask_BT.shape[0] * mask_BT.shape[1], jnp.float32)
     if cfg.aggregation == "seq_mean":
         return jnp.sum((mask_BT.sum(1) > 0).astype(jnp.float32))
+    if cfg.aggregation == "rollout_mean":
+        return jnp.sum(mask_BT.sum(1) * _rollout_weights(mask_BT, rollout_tokens_B))
     return jnp.sum(mask_BT)
 
 
-def aggregate(per_token_BT: jax.Array, mask_BT: jax.Array, cfg: PolicyLossConfig) -> jax.Array:
-    """Reduce per-token losses to a scalar as configured (see `PolicyLossConfig`)."""
+def aggregate(per_token_BT: jax.Array, mask_BT: jax.Array, cfg: PolicyLossConfig,
+              rollout_tokens_B: jax.Array | None = None) -> jax.Array:  # fmt: skip
+    """Reduce per-token losses to a scalar as configured (see `PolicyLossConfig`).
+    `rollout_tokens_B` (`rollout_mean` only): the generated tokens of each row's rollout."""
     if cfg.advantage == "drgrpo":
         return jnp.sum(per_token_BT * mask_BT) / (mask_BT.shape[0] * mask_BT.shape[1])
+    if cfg.aggregation == "rollout_mean":
+        w_B = _rollout_weights(mask_BT, rollout_tokens_B)
+        total = jnp.sum(per_token_BT * mask_BT * w_B[:, None])
+        return total / jnp.maximum(normaliser(mask_BT, cfg, rollout_tokens_B), 1e-9)
     if cfg.aggregation == "seq_mean":
         per_row_B = jnp.sum(per_token_BT * mask_BT, axis=1) / jnp.maximum(mask_BT.sum(1), 1.0)
         rows_B = (mask_BT.sum(1) > 0).astype(jnp.float32)

@@ -216,7 +216,24 @@ def build_rl_batch(
     stats.episode_tokens_mean = float(np.mean([len(t.token_ids) for t in used]))
     if any(t.kv_epochs for t in used):
         batch.update(kv_visibility(used, rows=rows, seq_len=T))
+    if cfg.aggregation == "rollout_mean":
+        batch["rollout_tokens"] = rollout_tokens(used, batch["loss_mask"], rows=rows)
     return batch, stats
+
+
+def rollout_tokens(episodes: Sequence[Trajectory], loss_mask: np.ndarray, *, rows: int
+                   ) -> np.ndarray:  # fmt: skip
+    """[rows] float32: for row i (episode i), the generated tokens in the batch of every row
+    sharing its `rollout_id` (its own when it has none); 0 for padding rows."""
+    keys = [t.rollout_id or f"\0row{i}" for i, t in enumerate(episodes)]
+    per_row = loss_mask.sum(axis=1)
+    totals: dict[str, float] = defaultdict(float)
+    for i, k in enumerate(keys):
+        totals[k] += float(per_row[i])
+    out = np.zeros((rows,), np.float32)
+    for i, k in enumerate(keys):
+        out[i] = totals[k]
+    return out
 
 
 def kv_visibility(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> dict:

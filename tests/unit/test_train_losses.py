@@ -7,15 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl.data.trajectory import Trajectory, Turn
 from rl.train.config import PolicyLossConfig
 from rl.train.losses import (
     aggregate,
     get_loss,
     mask_vocab,
+    normaliser,
     policy_loss,
     sft_loss,
     token_logprobs,
 )
+from rl.train.rollouts import build_rl_batch
 
 LOG3 = math.log(3.0)
 
@@ -349,6 +352,46 @@ def test_aggregate_token_mean_seq_mean_and_drgrpo_by_hand():
     for cfg in (PolicyLossConfig(), PolicyLossConfig(aggregation="seq_mean"),
                 PolicyLossConfig(advantage="drgrpo")):  # fmt: skip
         assert float(aggregate(per, zero, cfg)) == 0.0
+
+
+def test_rollout_mean_weighs_each_rollout_once_by_hand():
+    # Rows: rollout "a" split in two segments (rows 0 and 2: 3 + 1 tokens), rollout "b" (row
+    # 1: 2 tokens), a padding row. Means: a = (1+2+3+10)/4 = 4, b = (7+7)/2 = 7 -> 5.5.
+    per = jnp.asarray([[1.0, 2.0, 3.0], [7.0, 7.0, 7.0], [10.0, 20.0, 30.0], [4.0, 4.0, 4.0]])
+    mask = jnp.asarray([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], jnp.float32)
+    rollout_tokens = jnp.asarray([4.0, 2.0, 4.0, 0.0])
+    cfg = PolicyLossConfig(aggregation="rollout_mean")
+    np.testing.assert_allclose(float(aggregate(per, mask, cfg, rollout_tokens)), 5.5, rtol=1e-6)
+    np.testing.assert_allclose(float(normaliser(mask, cfg, rollout_tokens)), 2.0, rtol=1e-6)
+    # token_mean would weigh rollout a by its 4 tokens: (6 + 14 + 10) / 6 = 5.
+    np.testing.assert_allclose(float(aggregate(per, mask, PolicyLossConfig())), 5.0, rtol=1e-6)
+    # Two micro-batches (rows 0-1, rows 2-3: rollout a straddles them), each weighted by its
+    # normaliser as the trainer accumulates: still 5.5.
+    parts = [(per[:2], mask[:2], rollout_tokens[:2]), (per[2:], mask[2:], rollout_tokens[2:])]
+    num = sum(float(aggregate(p, m, cfg, r)) * float(normaliser(m, cfg, r)) for p, m, r in parts)
+    den = sum(float(normaliser(m, cfg, r)) for _, m, r in parts)
+    np.testing.assert_allclose(num / den, 5.5, rtol=1e-6)
+    with pytest.raises(ValueError, match="rollout_tokens"):
+        aggregate(per, mask, cfg)
+
+
+def test_build_rl_batch_counts_each_rollouts_tokens():
+    def episode(rollout_id: str, n_gen: int, reward: float) -> Trajectory:
+        ids = list(range(1, 3 + n_gen))
+        mask = [0, 0] + [1] * n_gen
+        return Trajectory(
+            task_id="t", arm="real", env_backend="harness", status="ok", reward=reward,
+            turns=[Turn(agent_text="x", token_span=(2, 2 + n_gen))], token_ids=ids,
+            loss_mask=mask, behavior_logprobs=[None, None] + [-1.0] * n_gen,
+            policy_version=[None, None] + [0] * n_gen, rollout_id=rollout_id,
+        )  # fmt: skip
+
+    eps = [episode("a", 3, 1.0), episode("b", 2, 0.0), episode("a", 1, 1.0), episode("", 2, 0.0)]
+    cfg = PolicyLossConfig(aggregation="rollout_mean")
+    batch, _ = build_rl_batch(eps, rows=6, seq_len=8, cfg=cfg, version=0)
+    assert batch["rollout_tokens"].tolist() == [4.0, 2.0, 4.0, 2.0, 0.0, 0.0]
+    plain, _ = build_rl_batch(eps, rows=6, seq_len=8, cfg=PolicyLossConfig(), version=0)
+    assert "rollout_tokens" not in plain
 
 
 # ----- policy: against the loop reference --------------------------------------------------------

@@ -1,0 +1,96 @@
+"""`simloop middleware`: Anthropic Messages and OpenAI chat for unmodified agent harnesses, in
+front of an agent server, writing token-exact trajectories (DESIGN.md §9).
+
+    simloop middleware --config configs/demo_cpu.yaml --out runs/mw --middleware.port 8300
+    simloop middleware --config configs/v6e-8.yaml --out runs/mw \\
+        --agent.server_url http://10.0.0.2:8000          # an agent server that runs already
+
+Without `agent.server_url` the agent server is started here, as `rollout` starts it
+(`serve.backend`: `jax` or `vllm`; `--dry-run` prints it). Point a harness at it with its API
+key set to the rollout's id (`ANTHROPIC_BASE_URL=http://127.0.0.1:8300
+ANTHROPIC_API_KEY=<rollout id>`, or `OPENAI_BASE_URL=http://127.0.0.1:8300/v1
+OPENAI_API_KEY=<rollout id>`); `POST /rollouts/<id>/finish {"reward": r}` writes its segments
+to `--out/trajectories/middleware-NNNNN.jsonl` and a `middleware` record to `metrics.jsonl`.
+Stops on SIGINT/SIGTERM, writing the rollouts still open as `aborted`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+from launch.config import write_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.processes import print_dry_run
+from launch.jobs.episodes import check_servers
+from launch.jobs.errors import UsageError
+from rl.data import rundir
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "middleware", ["agent"])
+    if not args.out:
+        raise UsageError("--out DIR is required (trajectories and metrics go there)")
+    out = Path(args.out)
+    check_servers(cfg, ["agent"])
+    write_config(cfg, out)
+    asyncio.run(serve_middleware(cfg, out))
+    return 0
+
+
+async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | None = None,
+                           ready=None) -> None:  # fmt: skip
+    """Run until `stop` is set (or SIGINT/SIGTERM); `ready(url)` once it listens."""
+    from launch.deploy.local import role_clients
+    from rl.data import ChatRenderer, load_tokenizer
+    from rl.orchestrator.storage import TrajectoryWriter
+    from serving.middleware.app import Middleware, serve
+
+    mcfg = cfg.middleware
+    renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
+    writer = TrajectoryWriter(out, prefix="middleware")
+    metrics = rundir.MetricsLog(out)
+
+    def sink(trajectories) -> list[str]:
+        for t in trajectories:
+            writer.add(t)
+        paths = [str(p) for p in writer.paths[-1:]]
+        writer.flush()  # each finished rollout is on disk, fsynced, before the reply
+        first = trajectories[0]
+        metrics.write({"stage": "middleware", "rollout_id": first.rollout_id,
+                       "segments": len(trajectories), "status": first.status,
+                       "reward": first.reward,
+                       "sampled_tokens": sum(sum(t.loss_mask) for t in trajectories),
+                       "turns": sum(len(t.turns) for t in trajectories)})  # fmt: skip
+        return paths
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    tokenizer_name = cfg.agent.tokenizer.path or cfg.agent.tokenizer.kind
+    async with role_clients(cfg, out, ["agent"], who="middleware") as clients:
+        agent = clients["agent"]
+        middleware = Middleware(mcfg, agent, renderer, sink, tokenizer_name=tokenizer_name)
+        async with serve(middleware, mcfg.host, mcfg.port) as url:
+            upstream = ", ".join(clients.urls.get("agent", []))
+            print(f"simloop middleware: {url} in front of the agent server {upstream}\n"
+                  f"  Anthropic: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY=<rollout id>\n"
+                  f"  OpenAI:    OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=<rollout id>\n"
+                  f"  finish:    curl -X POST {url}/rollouts/<rollout id>/finish "
+                  "-d '{\"reward\": 1.0}'", flush=True)  # fmt: skip
+            if ready is not None:
+                ready(url)
+            try:
+                await stop.wait()
+            finally:
+                n = await middleware.flush_all("the middleware stopped before the rollout finished")
+                writer.close()
+                where = out / rundir.TRAJECTORIES
+                print(f"simloop middleware: stopped; {middleware.finished} rollouts written "
+                      f"({n} of them unfinished, as aborted) -> {where}")  # fmt: skip

@@ -1,0 +1,60 @@
+"""`MiddlewareConfig`: the `middleware` section of a simloop config (no JAX imported)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REWARD_MODES = ("all_segments", "last_segment")
+
+
+@dataclass(frozen=True)
+class MiddlewareConfig:
+    """`simloop middleware`: the Anthropic / OpenAI front for unmodified agent harnesses."""
+
+    host: str = "127.0.0.1"
+    port: int = 8300
+    """0 picks a free port (printed at start)."""
+    segments_max: int = 8
+    """Segments per rollout; one more (the harness rewrote its history again) ends the rollout
+    with a 400 naming this limit, and its trajectories are written `truncated`."""
+    reward_mode: str = "all_segments"
+    """`all_segments`: every segment of a rollout carries its reward; `last_segment`: only the
+    last one trains (earlier ones are written, marked `dropped`)."""
+    enable_thinking: bool = False
+    """Render the generation prompt with Qwen3's thinking on (False: the empty think block)."""
+    default_max_tokens: int = 1024
+    """OpenAI requests that give no `max_tokens` (Anthropic's is required)."""
+    max_tokens_cap: int | None = None
+    """Clamp every request's `max_tokens` to this (None: the request's own)."""
+    request_timeout_s: float = 600.0
+    """One generation, end to end (the agent server's answer)."""
+    rollout_ttl_s: float = 3600.0
+    """A rollout idle this long is written as `timeout` and forgotten."""
+    admin_token: str | None = None
+    """If set, `POST /rollouts/{id}/finish` needs `Authorization: Bearer <admin_token>`."""
+    model_name: str = "simloop-agent"
+    """The model name the APIs report when a request names none."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            value = getattr(self, name)
+            return ValueError(f"MiddlewareConfig.{name}={value!r} is invalid: {allowed}")
+
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise bad("port", "an integer in [0, 65535]")
+        if not isinstance(self.segments_max, int) or self.segments_max < 1:
+            raise bad("segments_max", "an integer >= 1")
+        if self.reward_mode not in REWARD_MODES:
+            raise bad("reward_mode", f"one of {list(REWARD_MODES)}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
+            raise bad("default_max_tokens", "an integer >= 1")
+        if self.max_tokens_cap is not None and (
+            not isinstance(self.max_tokens_cap, int) or self.max_tokens_cap < 1
+        ):
+            raise bad("max_tokens_cap", "an integer >= 1 or null")
+        for name in ("request_timeout_s", "rollout_ttl_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise bad(name, "a number of seconds > 0")
+        if self.admin_token is not None and not self.admin_token:
+            raise bad("admin_token", "a non-empty string or null")

@@ -1,0 +1,374 @@
+"""`simloop middleware` driven by the official `anthropic` and `openai` clients over real
+sockets, in front of (a) a real simloop server (the JAX engine, a tiny random model) and (b) a
+scripted agent server speaking the same `/v1/completions` protocol, whose replies are chosen
+tool calls (a random tiny model never writes one).
+
+Covers: both APIs streamed and not; tool calls out (parsed from the Qwen3 format) and back in
+(tool results extend the chain); concurrent rollouts; a rewritten history starting a new
+segment; every segment's ids equal to the server's prompt + output ids of its requests; a
+harness that disconnects aborting the generation and freeing the slot; finish writing
+trajectories; errors in each API's shape."""
+
+import asyncio
+import json
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from flax import nnx
+
+from rl.data import ByteTokenizer
+from rl.data.chat import ChatRenderer
+from rl.data.trajectory import to_json_line
+from rl.model import Qwen3, tiny
+from serving.client import InferenceClient
+from serving.config import ServerConfig
+from serving.engine import Engine, EngineConfig
+from serving.middleware.app import Middleware, serve
+from serving.middleware.config import MiddlewareConfig
+from tests.fakes import StepGate, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TOK = ByteTokenizer()
+EOS = TOK.eos_id
+BASH = {"name": "bash", "description": "run a shell command",
+        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                         "required": ["cmd"]}}  # fmt: skip
+OPENAI_BASH = {"type": "function", "function": {"name": "bash", "description": "run",
+                                                "parameters": BASH["input_schema"]}}  # fmt: skip
+
+
+class RecordingClient(InferenceClient):
+    """The middleware's client to the agent server, keeping every (prompt, completion)."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.calls: list = []
+
+    async def complete(self, prompt, **kw):
+        out = await super().complete(prompt, **kw)
+        self.calls.append((list(prompt), out))
+        return out
+
+
+class Front:
+    """A middleware on a free port, its sink's trajectories and its agent-side client."""
+
+    def __init__(self, middleware: Middleware, url: str, client: RecordingClient, written: list):
+        self.middleware, self.url, self.client, self.written = middleware, url, client, written
+
+    def anthropic(self, rollout: str) -> anthropic.AsyncAnthropic:
+        return anthropic.AsyncAnthropic(base_url=self.url, api_key=rollout, max_retries=0)
+
+    def openai(self, rollout: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=rollout, max_retries=0)
+
+    async def finish(self, rollout: str, **body) -> dict:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{self.url}/rollouts/{rollout}/finish", json=body) as r:
+                assert r.status == 200, await r.text()
+                return await r.json()
+
+
+async def _front(agent_url: str, cfg: MiddlewareConfig | None = None):
+    client = RecordingClient(agent_url)
+    written: list = []
+
+    def sink(trajs):
+        for t in trajs:
+            to_json_line(t)  # the trajectory validator: what the job's writer runs
+        written.extend(trajs)
+        return ["memory"]
+
+    mw = Middleware(cfg or MiddlewareConfig(port=0), client, ChatRenderer(TOK), sink,
+                    tokenizer_name="byte")  # fmt: skip
+    return mw, client, written
+
+
+# ----- (a) a real simloop server -------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def real():
+    from serving.server import background_server
+
+    model = Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0))
+    engine = Engine(model, TOK, EngineConfig(num_slots=8, max_seq_len=1024, prefill_chunk=64,
+                                             prefill_batch=4))  # fmt: skip
+    cfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+    async with background_server(engine, TOK, cfg, start_timeout_s=180) as agent_url:
+        mw, client, written = await _front(agent_url)
+        async with serve(mw, "127.0.0.1", 0) as url:
+            front = Front(mw, url, client, written)
+            front.engine = engine
+            yield front
+        await client.close()
+
+
+def _assert_token_exact(front: Front, trajectory) -> None:
+    """Each sampled turn's ids are the server's output ids for a prompt equal to everything
+    before them in the segment: the ids the sampler saw, spliced verbatim."""
+    for turn in trajectory.turns:
+        a, b = turn.token_span
+        matches = [
+            out for prompt, out in front.client.calls
+            if out.prompt_token_ids == trajectory.token_ids[:a] and prompt == out.prompt_token_ids
+        ]  # fmt: skip
+        assert matches, f"no server request had the prompt of turn {turn.token_span}"
+        out = matches[-1]
+        assert trajectory.token_ids[a:b] == out.token_ids
+        assert trajectory.behavior_logprobs[a:b] == pytest.approx(out.logprobs, abs=0)
+        assert trajectory.policy_version[a:b] == out.token_versions
+
+
+async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
+    async def harness(rollout: str, stream: bool) -> None:
+        c = real.anthropic(rollout)
+        first = [{"role": "user", "content": f"task {rollout}: list the files"}]
+        m1 = await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
+                                     tools=[BASH], messages=first)  # fmt: skip
+        assert m1.stop_reason in ("end_turn", "max_tokens") and m1.usage.output_tokens >= 1
+        history = [*first, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                             for b in m1.content]},
+                   {"role": "user", "content": "go on"}]  # fmt: skip
+        if stream:
+            async with c.messages.stream(model="tiny", max_tokens=12, system="You are terse.",
+                                         tools=[BASH], messages=history) as s:  # fmt: skip
+                m2 = await s.get_final_message()
+        else:
+            m2 = await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
+                                         tools=[BASH], messages=history)  # fmt: skip
+        assert m2.usage.input_tokens > m1.usage.input_tokens
+        if rollout.endswith("-0"):  # the harness compacts: one summary message instead
+            compacted = [{"role": "user", "content": "summary of the task so far"}]
+            await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
+                                    tools=[BASH], messages=compacted)  # fmt: skip
+        await c.close()
+
+    names = [f"rollout-{i}" for i in range(4)]
+    await asyncio.gather(*(harness(n, stream=i % 2 == 1) for i, n in enumerate(names)))
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{real.url}/rollouts/rollout-0") as r:
+            shown = await r.json()
+    assert shown["plans"] == {"new": 2, "extend": 1, "retry": 0}
+    for i, name in enumerate(names):
+        result = await real.finish(name, reward=float(i), task_id=f"t{i}", group_id="g")
+        assert result["trajectories"] == (2 if i == 0 else 1)
+    by_rollout = {}
+    for t in real.written:
+        by_rollout.setdefault(t.rollout_id, []).append(t)
+    assert sorted(by_rollout) == names
+    for name, trajs in by_rollout.items():
+        assert trajs[0].reward == float(name[-1]) and trajs[0].task_id == f"t{name[-1]}"
+        assert [len(t.turns) for t in trajs] == ([2, 1] if name.endswith("-0") else [2])
+        for t in trajs:
+            _assert_token_exact(real, t)
+    # the compacted segment starts over: its prompt is the summary, nothing before is trained
+    compacted = by_rollout["rollout-0"][1]
+    assert compacted.prompt[-1]["content"] == "summary of the task so far"
+    assert (
+        sum(compacted.loss_mask)
+        == compacted.turns[0].token_span[1] - compacted.turns[0].token_span[0]
+    )
+
+
+async def test_openai_client_streamed_and_not_over_the_real_server(real):
+    c = real.openai("oa-1")
+    r = await c.chat.completions.create(model="tiny", max_tokens=10, tools=[OPENAI_BASH],
+                                        messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    stream = await c.chat.completions.create(
+        model="tiny", max_tokens=10, stream=True, stream_options={"include_usage": True},
+        tools=[OPENAI_BASH],
+        messages=[{"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": r.choices[0].message.content},
+                  {"role": "user", "content": "more"}],
+    )  # fmt: skip
+    chunks = [ch async for ch in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens >= 1
+    await c.close()
+    result = await real.finish("oa-1", reward=0.0)
+    assert result["plans"]["extend"] == 1 and result["trajectories"] == 1
+    _assert_token_exact(real, real.written[-1])
+
+
+async def test_a_harness_that_disconnects_aborts_the_generation(real):
+    engine = real.engine
+    aborted = engine.stats["aborted"]
+    asked = asyncio.Event()
+
+    def abort(request_id: str, real_abort=engine.abort) -> None:
+        real_abort(request_id)
+        asked.set()
+
+    body = {"model": "tiny", "max_tokens": 300, "messages": [{"role": "user", "content": "x"}]}
+    headers = {"x-api-key": "gone-1", "anthropic-version": "2023-06-01"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "abort", abort)
+        gate = StepGate(engine, mp)
+        try:
+            async with aiohttp.ClientSession() as http:
+                post = asyncio.create_task(http.post(
+                    f"{real.url}/v1/messages", json=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=0.5)))  # fmt: skip
+                await gate.engine_waits()  # the engine holds the request before a step ...
+                with pytest.raises(asyncio.TimeoutError):  # ... until the harness gave up
+                    await post
+            await asyncio.wait_for(asked.wait(), 60)
+        finally:
+            gate.open()
+        assert await wait_until(lambda: engine.active_slots == 0, timeout_s=60.0)
+    assert engine.stats["aborted"] == aborted + 1
+    rollout = real.middleware.rollouts["gone-1"]
+    assert rollout.segments == [] and not rollout.lock.locked()  # nothing half-recorded
+    # The same harness, back, is served normally.
+    c = real.anthropic("gone-1")
+    m = await c.messages.create(model="tiny", max_tokens=4, messages=body["messages"])
+    assert m.usage.output_tokens >= 1
+    await c.close()
+
+
+async def test_errors_come_back_in_each_apis_shape(real):
+    c = real.anthropic("bad-1")
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        await c.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "AAAA"}}]}])  # fmt: skip
+    with pytest.raises(anthropic.AuthenticationError, match="names the rollout"):
+        await real.anthropic("no spaces allowed").messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}])  # fmt: skip
+    # longer than the agent server's context: its 400 comes back, named
+    with pytest.raises(anthropic.BadRequestError, match="agent server"):
+        await c.messages.create(model="tiny", max_tokens=4,
+                                messages=[{"role": "user", "content": "y" * 1500}])  # fmt: skip
+    o = real.openai("bad-2")
+    with pytest.raises(openai.BadRequestError, match="n=3"):
+        await o.chat.completions.create(model="tiny", n=3,
+                                        messages=[{"role": "user", "content": "x"}])  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{real.url}/rollouts/never/finish", json={"reward": 1}) as r:
+            assert r.status == 404 and "never" in (await r.json())["error"]["message"]
+        async with http.post(f"{real.url}/rollouts/bad-1/finish", json={"status": "ok"}) as r:
+            assert r.status == 400 and "reward is required" in (await r.json())["error"]["message"]
+        async with http.post(f"{real.url}/v1/messages", data=b"{nope",
+                             headers={"x-api-key": "bad-3"}) as r:  # fmt: skip
+            err = await r.json()
+            assert r.status == 400 and err["type"] == "error"
+            assert err["error"]["type"] == "invalid_request_error"
+        async with http.get(f"{real.url}/health") as r:
+            assert (await r.json())["status"] == "ok"
+
+
+# ----- (b) a scripted agent server: tool calls -----------------------------------------------
+
+
+class Scripted:
+    """`POST /v1/completions` answering each request with the next scripted reply, as simloop's
+    server would: the reply's byte ids + `<|im_end|>`, logprobs, token versions."""
+
+    def __init__(self, replies: list[str]):
+        self.replies = list(replies)
+
+    async def complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = TOK.encode_text(self.replies.pop(0)) + [EOS]
+        n = len(ids)
+        return web.json_response({
+            "id": "cmpl-1", "object": "text_completion", "model": "scripted",
+            "choices": [{"index": 0, "text": TOK.decode(ids[:-1]), "token_ids": ids,
+                         "prompt_token_ids": body["prompt"], "token_versions": [7] * n,
+                         "logprobs": {"token_logprobs": [-0.25] * n, "top_logprobs": [{}] * n},
+                         "finish_reason": "stop", "stop_reason": None}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n},
+            "weight_version": 7,
+        })  # fmt: skip
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def scripted():
+    call = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -l"}}\n</tool_call>'
+    script = Scripted([f"Let me look.\n{call}", "There is one file."] * 2)
+    app = web.Application()
+    app.router.add_post("/v1/completions", script.complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    agent_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    mw, client, written = await _front(agent_url)
+    async with serve(mw, "127.0.0.1", 0) as url:
+        yield Front(mw, url, client, written)
+    await client.close()
+    await runner.cleanup()
+
+
+async def test_anthropic_tool_use_round_trip(scripted):
+    c = scripted.anthropic("tools-a")
+    first = [{"role": "user", "content": "what is here?"}]
+    m1 = await c.messages.create(model="m", max_tokens=64, tools=[BASH], messages=first)
+    assert m1.stop_reason == "tool_use"
+    assert [b.type for b in m1.content] == ["text", "tool_use"]
+    assert m1.content[0].text == "Let me look."
+    use = m1.content[1]
+    assert (use.name, use.input) == ("bash", {"cmd": "ls -l"}) and use.id.startswith("toolu_")
+    history = [*first, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                         for b in m1.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                             "content": "-rw-r--r-- 1 a.txt"}]}]  # fmt: skip
+    async with c.messages.stream(model="m", max_tokens=64, tools=[BASH], messages=history) as s:
+        m2 = await s.get_final_message()
+    assert m2.stop_reason == "end_turn" and m2.content[0].text == "There is one file."
+    await c.close()
+    # The tool's result was rendered after the sampled ids, as Qwen3 shows tool results.
+    second_prompt = scripted.client.calls[1][0]
+    first_prompt, first_out = scripted.client.calls[0][0], scripted.client.calls[0][1]
+    assert second_prompt[: len(first_prompt) + len(first_out.token_ids)] == (
+        first_prompt + first_out.token_ids
+    )
+    tail = TOK.decode(second_prompt[len(first_prompt) + len(first_out.token_ids) :])
+    assert tail.startswith("\n<|im_start|>user\n<tool_response>\n-rw-r--r-- 1 a.txt\n")
+    system = TOK.decode(first_prompt).split("<|im_end|>")[0]
+    assert '"name": "bash"' in system and "# Tools" in system
+    result = await scripted.finish("tools-a", reward=1.0)
+    assert result["plans"] == {"new": 1, "extend": 1, "retry": 0}
+    (traj,) = scripted.written
+    assert [t.token_span[1] - t.token_span[0] for t in traj.turns] == [
+        len(first_out.token_ids), len(scripted.client.calls[1][1].token_ids)]  # fmt: skip
+    assert set(traj.policy_version) == {None, 7}
+    assert traj.turns[0].env_messages == [{"role": "tool", "content": "-rw-r--r-- 1 a.txt"}]
+
+
+async def test_openai_tool_calls_streamed_round_trip(scripted):
+    c = scripted.openai("tools-o")
+    first = [{"role": "user", "content": "what is here?"}]
+    stream = await c.chat.completions.create(model="m", tools=[OPENAI_BASH], messages=first,
+                                             stream=True)  # fmt: skip
+    calls: dict[int, dict] = {}
+    text, finish = "", None
+    async for chunk in stream:
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for tc in delta.tool_calls or []:
+            got = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            got["id"] += tc.id or ""
+            got["name"] += tc.function.name or ""
+            got["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and text == "Let me look."
+    assert calls[0]["name"] == "bash" and json.loads(calls[0]["arguments"]) == {"cmd": "ls -l"}
+    history = [*first,
+               {"role": "assistant", "content": text, "tool_calls": [
+                   {"id": calls[0]["id"], "type": "function",
+                    "function": {"name": "bash", "arguments": calls[0]["arguments"]}}]},
+               {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
+    r = await c.chat.completions.create(model="m", tools=[OPENAI_BASH], messages=history)
+    assert r.choices[0].message.content == "There is one file."
+    assert r.choices[0].finish_reason == "stop"
+    await c.close()
+    result = await scripted.finish("tools-o", reward=0.5)
+    assert result["plans"] == {"new": 1, "extend": 1, "retry": 0}
