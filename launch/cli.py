@@ -36,6 +36,10 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
         "Anthropic / OpenAI APIs for off-the-shelf agents, token-exact trajectories",
         True,
     ),
+    "harness": (
+        "run an unmodified agent (mini-swe-agent) on SWE tasks through the middleware",
+        True,
+    ),
     "report": ("write a self-contained report.html for a run directory", False),
     "serve": ("the OpenAI/vLLM-compatible inference server (JAX engine)", False),
     "plan-chips": ("plan TPU chip partitions and per-process environments", False),
@@ -63,6 +67,7 @@ MODULES: dict[str, str] = {
     "eval-agent": "launch.jobs.eval_agent",
     "rollout": "launch.jobs.rollout",
     "middleware": "launch.jobs.middleware",
+    "harness": "launch.jobs.harness",
     "report": "launch.report.page",
     "serve": "launch.jobs.serve",
     "plan-chips": "launch.deploy.chips",
@@ -71,7 +76,7 @@ MODULES: dict[str, str] = {
     "e2b": "launch.jobs.e2b_sweep",
 }
 # commands that start processes: `--dry-run [--format text|json]` prints them instead
-DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware")
+DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware", "harness")
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.data.tokenizer import BYTE_SPECIALS, ENDOFTEXT, IM_END
+from serving.client import InferenceClient
 
 CORPUS = [
     "ls -la /tmp && cat notes.txt | sort | uniq -c",
@@ -195,3 +196,34 @@ class StepGate:
     def open(self) -> None:
         self._open.set()
         self._permits.release()
+
+
+class RecordingClient(InferenceClient):
+    """An `InferenceClient` that keeps every `(prompt, Completion)` it got (`calls`)."""
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.calls: list = []
+
+    async def complete(self, prompt, **kw):
+        out = await super().complete(prompt, **kw)
+        self.calls.append((list(prompt), out))
+        return out
+
+
+def assert_token_exact(calls, trajectory) -> None:
+    """Each sampled turn of `trajectory` is a server's output ids, for a prompt equal to
+    everything before it in the trajectory (the ids the sampler saw, spliced verbatim), with
+    the server's logprobs and versions; `calls` as `RecordingClient.calls`."""
+    for turn in trajectory.turns:
+        a, b = turn.token_span
+        matches = [out for prompt, out in calls
+                   if out.prompt_token_ids == trajectory.token_ids[:a] == prompt]  # fmt: skip
+        assert matches, f"no server request had the prompt of turn {turn.token_span}"
+        # (several rollouts may have sent the same prompt: one of them sampled these ids)
+        assert any(
+            trajectory.token_ids[a:b] == out.token_ids
+            and trajectory.behavior_logprobs[a:b] == out.logprobs
+            and trajectory.policy_version[a:b] == out.token_versions
+            for out in matches
+        ), f"turn {turn.token_span}: no server answer to its prompt has its ids and logprobs"

@@ -16,6 +16,7 @@ from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
 from rl.data.datasets import DatasetConfig
 from rl.model.config import ModelConfig, ShardingConfig
 from rl.orchestrator.config import OrchestratorConfig
+from rl.orchestrator.harness import HarnessConfig
 from rl.train.config import (
     CheckpointConfig,
     OptimConfig,
@@ -395,6 +396,8 @@ class SimloopConfig:
     """vllm-tpu servers for the serving roles."""
     middleware: MiddlewareConfig = field(default_factory=MiddlewareConfig)
     """`simloop middleware`: Anthropic / OpenAI APIs for unmodified agent harnesses."""
+    harness: HarnessConfig = field(default_factory=HarnessConfig)
+    """`simloop harness`: an unmodified agent harness on SWE tasks through the middleware."""
 
 
 def role_model(role: RoleConfig) -> ModelConfig:

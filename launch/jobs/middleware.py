@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from launch.config import write_config
@@ -42,10 +43,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
-async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | None = None,
-                           ready=None) -> None:  # fmt: skip
-    """Run until `stop` is set (or SIGINT/SIGTERM); `ready(url)` once it listens."""
-    from launch.deploy.local import role_clients
+@contextlib.asynccontextmanager
+async def running_middleware(cfg: SimloopConfig, out: Path, agent) -> AsyncIterator[tuple]:
+    """The middleware in front of the client `agent`, serving on `middleware.host:port`,
+    writing finished rollouts into `out`: yields `(middleware, url)`. On exit the rollouts
+    still open are written `aborted` and the trajectory writer is closed."""
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.storage import TrajectoryWriter
     from serving.middleware.app import Middleware, serve
@@ -68,16 +70,30 @@ async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | 
                        "turns": sum(len(t.turns) for t in trajectories)})  # fmt: skip
         return paths
 
+    tokenizer_name = cfg.agent.tokenizer.path or cfg.agent.tokenizer.kind
+    middleware = Middleware(mcfg, agent, renderer, sink, tokenizer_name=tokenizer_name)
+    try:
+        async with serve(middleware, mcfg.host, mcfg.port) as url:
+            yield middleware, url
+    finally:
+        middleware.unfinished = await middleware.flush_all(
+            "the middleware stopped before the rollout finished"
+        )
+        writer.close()
+
+
+async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | None = None,
+                           ready=None) -> None:  # fmt: skip
+    """Run until `stop` is set (or SIGINT/SIGTERM); `ready(url)` once it listens."""
+    from launch.deploy.local import role_clients
+
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    tokenizer_name = cfg.agent.tokenizer.path or cfg.agent.tokenizer.kind
     async with role_clients(cfg, out, ["agent"], who="middleware") as clients:
-        agent = clients["agent"]
-        middleware = Middleware(mcfg, agent, renderer, sink, tokenizer_name=tokenizer_name)
-        async with serve(middleware, mcfg.host, mcfg.port) as url:
+        async with running_middleware(cfg, out, clients["agent"]) as (middleware, url):
             upstream = ", ".join(clients.urls.get("agent", []))
             print(f"simloop middleware: {url} in front of the agent server {upstream}\n"
                   f"  Anthropic: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY=<rollout id>\n"
@@ -86,11 +102,7 @@ async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | 
                   "-d '{\"reward\": 1.0}'", flush=True)  # fmt: skip
             if ready is not None:
                 ready(url)
-            try:
-                await stop.wait()
-            finally:
-                n = await middleware.flush_all("the middleware stopped before the rollout finished")
-                writer.close()
-                where = out / rundir.TRAJECTORIES
-                print(f"simloop middleware: stopped; {middleware.finished} rollouts written "
-                      f"({n} of them unfinished, as aborted) -> {where}")  # fmt: skip
+            await stop.wait()
+        where = out / rundir.TRAJECTORIES
+        print(f"simloop middleware: stopped; {middleware.finished} rollouts written "
+              f"({middleware.unfinished} of them unfinished, as aborted) -> {where}")  # fmt: skip

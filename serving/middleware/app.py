@@ -67,6 +67,8 @@ class Middleware:
         self.rollouts: dict[str, Rollout] = {}
         self._routes: dict[str, Any] = {}
         self.finished = 0
+        self.unfinished = 0
+        """Rollouts written `aborted` at shutdown (`flush_all`)."""
         self._reaper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -150,7 +152,14 @@ class Middleware:
             )  # fmt: skip
         except ClientError as e:
             status = e.status if e.status in (400, 413, 422) else 503
-            raise HTTPFailure(status, f"the agent server refused or failed: {e}") from e
+            message = f"the agent server refused or failed: {e}"
+            if status < 500 and "context" in str(e):
+                # OpenAI's phrase, which clients (litellm, hence mini-swe-agent) read as "the
+                # prompt is too long": they stop instead of retrying the same request.
+                n = len(plan.prompt_ids)
+                message = (f"this model's maximum context length was exceeded (the prompt has "
+                           f"{n} tokens, max_tokens {max_tokens}): {message}")  # fmt: skip
+            raise HTTPFailure(status, message) from e
         if out.finish_reason == "abort" or not out.token_ids:
             raise HTTPFailure(503, "the agent server aborted the generation (shutting down?)")
         ids = list(out.token_ids)

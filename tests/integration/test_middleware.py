@@ -24,12 +24,11 @@ from rl.data import ByteTokenizer
 from rl.data.chat import ChatRenderer
 from rl.data.trajectory import to_json_line
 from rl.model import Qwen3, tiny
-from serving.client import InferenceClient
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig
 from serving.middleware.app import Middleware, serve
 from serving.middleware.config import MiddlewareConfig
-from tests.fakes import StepGate, wait_until
+from tests.fakes import RecordingClient, StepGate, assert_token_exact, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -40,19 +39,6 @@ BASH = {"name": "bash", "description": "run a shell command",
                          "required": ["cmd"]}}  # fmt: skip
 OPENAI_BASH = {"type": "function", "function": {"name": "bash", "description": "run",
                                                 "parameters": BASH["input_schema"]}}  # fmt: skip
-
-
-class RecordingClient(InferenceClient):
-    """The middleware's client to the agent server, keeping every (prompt, completion)."""
-
-    def __init__(self, url: str):
-        super().__init__(url)
-        self.calls: list = []
-
-    async def complete(self, prompt, **kw):
-        out = await super().complete(prompt, **kw)
-        self.calls.append((list(prompt), out))
-        return out
 
 
 class Front:
@@ -109,22 +95,6 @@ async def real():
         await client.close()
 
 
-def _assert_token_exact(front: Front, trajectory) -> None:
-    """Each sampled turn's ids are the server's output ids for a prompt equal to everything
-    before them in the segment: the ids the sampler saw, spliced verbatim."""
-    for turn in trajectory.turns:
-        a, b = turn.token_span
-        matches = [
-            out for prompt, out in front.client.calls
-            if out.prompt_token_ids == trajectory.token_ids[:a] and prompt == out.prompt_token_ids
-        ]  # fmt: skip
-        assert matches, f"no server request had the prompt of turn {turn.token_span}"
-        out = matches[-1]
-        assert trajectory.token_ids[a:b] == out.token_ids
-        assert trajectory.behavior_logprobs[a:b] == pytest.approx(out.logprobs, abs=0)
-        assert trajectory.policy_version[a:b] == out.token_versions
-
-
 async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
     async def harness(rollout: str, stream: bool) -> None:
         c = real.anthropic(rollout)
@@ -166,7 +136,7 @@ async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
         assert trajs[0].reward == float(name[-1]) and trajs[0].task_id == f"t{name[-1]}"
         assert [len(t.turns) for t in trajs] == ([2, 1] if name.endswith("-0") else [2])
         for t in trajs:
-            _assert_token_exact(real, t)
+            assert_token_exact(real.client.calls, t)
     # the compacted segment starts over: its prompt is the summary, nothing before is trained
     compacted = by_rollout["rollout-0"][1]
     assert compacted.prompt[-1]["content"] == "summary of the task so far"
@@ -194,7 +164,7 @@ async def test_openai_client_streamed_and_not_over_the_real_server(real):
     await c.close()
     result = await real.finish("oa-1", reward=0.0)
     assert result["plans"]["extend"] == 1 and result["trajectories"] == 1
-    _assert_token_exact(real, real.written[-1])
+    assert_token_exact(real.client.calls, real.written[-1])
 
 
 async def test_a_harness_that_disconnects_aborts_the_generation(real):

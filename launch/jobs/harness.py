@@ -1,0 +1,110 @@
+"""`simloop harness`: an unmodified agent harness (first: mini-swe-agent) on SWE-style tasks,
+through `simloop middleware`, each run graded in a second clean sandbox.
+
+    simloop harness --config configs/demo_cpu.yaml --out runs/harness
+    simloop harness --config configs/demo_cpu.yaml --out runs/harness \\
+        --harness.tasks '[clamp, slugify]' --harness.samples 4 --harness.step_limit 6
+
+Per task (`harness.tasks` of the built-in suite, `envs/swe_suite.py`; all by default) it runs
+`harness.samples` rollouts: each starts a sandbox from the task (`env.shell.backend`: local
+bash or E2B), runs the harness in it against the middleware (its API key is the rollout id),
+kills it past `harness.wall_s` (`timeout`), grades its `git diff` in a fresh sandbox (the
+tests restored, then run) and finishes the rollout with that reward, so its token-exact
+segments land in `--out/trajectories/middleware-*.jsonl`. The agent server is
+`agent.server_url`, or one started here (`--dry-run` prints it). The local sandbox must reach
+the middleware, so its network stays shared (`env.shell.local.isolate_network` is set false;
+every other containment stays). Writes `harness.json` (per rollout: reward, status, wall
+seconds, diff size, segments) and `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+from launch.config import write_config
+from launch.config.schema import SimloopConfig
+from launch.deploy.processes import print_dry_run
+from launch.jobs.episodes import check_servers
+from launch.jobs.errors import UsageError
+from rl.data import rundir
+
+
+def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
+    """The config with a local sandbox that can reach the middleware over the network."""
+    shell = cfg.env.shell
+    if shell.backend != "local" or not shell.local.isolate_network:
+        return cfg
+    local = dataclasses.replace(shell.local, isolate_network=False)
+    env = dataclasses.replace(cfg.env, shell=dataclasses.replace(shell, local=local))
+    return dataclasses.replace(cfg, env=env)
+
+
+def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    if getattr(args, "dry_run", False):
+        return print_dry_run(args, cfg, "harness", ["agent"])
+    if not args.out:
+        raise UsageError("--out DIR is required")
+    from envs.swe_suite import swe_suite
+
+    try:
+        tasks = swe_suite(cfg.harness.tasks or None)
+    except ValueError as e:
+        raise UsageError(f"harness.tasks: {e}") from e
+    out = Path(args.out)
+    check_servers(cfg, ["agent"])
+    cfg = harness_shell(cfg)
+    write_config(cfg, out)
+    summary = asyncio.run(run_harness(cfg, out, tasks))
+    print(f"simloop harness: {summary['rollouts']} rollouts, mean reward "
+          f"{summary['reward_mean']:.2f}, statuses {summary['statuses']}, "
+          f"{summary['trajectories']} trajectories -> {out / rundir.TRAJECTORIES}")  # fmt: skip
+    return 0
+
+
+async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
+    from envs.backends import shell_backends
+    from launch.deploy.local import role_clients
+    from launch.jobs.errors import JobError
+    from launch.jobs.middleware import running_middleware
+    from rl.orchestrator.harness import HarnessRunner, HarnessUnavailable, pick_launcher
+
+    hcfg = cfg.harness
+    backends = shell_backends(cfg.env.shell, run_id=cfg.run.name)
+    try:
+        launcher = await pick_launcher(hcfg, backends.real, tasks[0])
+    except HarnessUnavailable as e:
+        raise JobError(str(e)) from e
+    metrics = rundir.MetricsLog(out)
+    results = []
+    async with role_clients(cfg, out, ["agent"], who="harness") as clients:
+        async with running_middleware(cfg, out, clients["agent"]) as (_, url):
+            runner = HarnessRunner(hcfg, backends.real, url, launcher)
+            total = len(tasks) * hcfg.samples
+            print(f"simloop harness: {hcfg.kind} x {total} rollouts through {url}", flush=True)
+
+            async def group(i: int, task) -> None:
+                for r in await runner.run_group(task, f"g{i}", hcfg.samples):
+                    results.append(r)
+                    metrics.write({"stage": "harness", **r.summary()})
+                    print(f"  {r.rollout_id}: {r.status} reward={r.reward} "
+                          f"exit={r.exit_code} {r.wall_s:.1f}s "
+                          f"segments={len(r.finish.get('segments', []))}", flush=True)  # fmt: skip
+
+            await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks)))
+    rewards = [r.reward for r in results if r.reward is not None]
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    summary = {
+        "harness": hcfg.kind, "rollouts": len(results),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "statuses": statuses,
+        "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
+        "results": [r.summary() for r in results],
+    }  # fmt: skip
+    (out / "harness.json").write_text(json.dumps(summary, indent=1))
+    return summary

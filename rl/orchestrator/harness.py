@@ -1,0 +1,316 @@
+"""Unmodified agent harnesses as the rollout source: one harness run per (task, sample), inside
+the task's sandbox, pointed at `simloop middleware`, graded in a second clean sandbox.
+
+Per rollout (`HarnessRunner.run_one`):
+1. the sandbox starts with the task's setup (a git repository for swe tasks) from the job's
+   real shell backend (local bash or E2B);
+2. the harness runs there, with its model pointed at the middleware and its API key set to the
+   rollout id (`mini-swe-agent`: its litellm `openai/` model with `api_base` and `api_key`;
+   `command`: any command line, with `{base_url}`, `{api_key}`, `{task_file}`, `{python}`),
+   under a wall-clock guard (`wall_s`: the shell kills its process group, status `timeout`);
+3. its diff (`git add -A && git diff --cached`, the harness's own files excluded) is graded
+   by the task's reward in a fresh sandbox (`envs.swe`: apply, restore protected tests, run
+   the test command);
+4. `POST /rollouts/{id}/finish` on the middleware turns the rollout's segments into
+   trajectories with that reward; they come back in the reply's `trajectories` count and are
+   written by the middleware's sink.
+
+The runner never imports the middleware: it speaks to it over HTTP like any harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import secrets
+import shlex
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from envs.backends import ShellFactory
+from envs.rewards import RewardContext, get_reward
+from envs.swe import upload_commands
+from envs.tasks import Task
+
+log = logging.getLogger(__name__)
+
+HARNESSES = ("mini-swe-agent", "command")
+WORK_DIR = ".simloop-harness"
+"""The harness's files in the sandbox (config, task text, its own trajectory), git-excluded."""
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """`simloop harness` / harness-driven RL: which agent runs, and its limits."""
+
+    kind: str = "mini-swe-agent"
+    """`mini-swe-agent` (PyPI `mini-swe-agent`, unmodified) or `command` (`command` below)."""
+    command: str | None = None
+    """`kind: command`: the command line, run in the sandbox's working directory, with
+    `{base_url}` (the middleware), `{api_key}` (the rollout id), `{task_file}` (the task
+    text's path) and `{python}` (a Python the sandbox can run, with this one's packages)
+    filled in."""
+    executable: str | None = None
+    """How the sandbox starts mini-swe-agent (a program, or a command prefix). Default: the
+    first that runs in the sandbox of `mini` beside this Python and, where that Python is
+    out of the sandbox user's reach (a root install under a private home), this Python's
+    packages imported by a system Python of the same version."""
+    base_url: str | None = None
+    """The middleware as the sandbox reaches it (default: where it listens; an E2B sandbox
+    needs a public URL)."""
+    model: str = "simloop-agent"
+    """The model name the harness asks for."""
+    step_limit: int = 8
+    """mini-swe-agent: model calls per rollout."""
+    max_tokens: int = 256
+    """Tokens per model call."""
+    temperature: float = 1.0
+    wall_s: float = 600.0
+    """Wall-clock guard of one harness run; past it the run is killed and recorded `timeout`."""
+    grade_timeout_s: float = 120.0
+    """Budget of each grading command (the tests)."""
+    concurrency: int = 4
+    """Harness runs at once."""
+    finish_timeout_s: float = 120.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment variables for the harness process."""
+    tasks: list[str] = field(default_factory=list)
+    """`simloop harness`: ids of the built-in swe suite (`envs.swe_suite`); empty: all."""
+    samples: int = 1
+    """`simloop harness`: rollouts per task."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            value = getattr(self, name)
+            return ValueError(f"HarnessConfig.{name}={value!r} is invalid: {allowed}")
+
+        if self.kind not in HARNESSES:
+            raise bad("kind", f"one of {list(HARNESSES)}")
+        if self.kind == "command" and not self.command:
+            raise bad("command", "a command line when kind is 'command'")
+        for name in ("step_limit", "max_tokens", "concurrency", "samples"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "an integer >= 1")
+        for name in ("wall_s", "grade_timeout_s", "finish_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "a number of seconds > 0")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", "a number in [0, 2]")
+
+
+@dataclass
+class HarnessResult:
+    """One finished rollout, as the runner and the middleware saw it."""
+
+    rollout_id: str
+    task_id: str
+    group_id: str
+    reward: float | None
+    status: str
+    reason: str | None
+    exit_code: int | None
+    wall_s: float
+    diff: str
+    finish: dict[str, Any] = field(default_factory=dict)
+    """The middleware's answer to the finish call (trajectories written, segments, plans)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "task_id": self.task_id, "reward": self.reward,
+                "status": self.status, "reason": self.reason, "exit_code": self.exit_code,
+                "wall_s": round(self.wall_s, 3), "diff_bytes": len(self.diff.encode()),
+                "trajectories": self.finish.get("trajectories"),
+                "segments": len(self.finish.get("segments", []))}  # fmt: skip
+
+
+def rollout_id_for(task: Task, group: str, index: int) -> str:
+    """A fresh rollout id (the harness's API key): readable, unique, within the key charset."""
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", f"{task.id}.{group}.{index}")[:100]
+    return f"{base}.{secrets.token_hex(4)}"
+
+
+class HarnessUnavailable(RuntimeError):
+    """The harness cannot be started inside the sandbox."""
+
+
+def launchers(cfg: HarnessConfig) -> list[str]:
+    """Command prefixes that may start the harness inside the sandbox, in order: for
+    mini-swe-agent `harness.executable` if set, else `mini`'s module run by this Python, or,
+    where this Python is out of the sandbox user's reach (root's install under a private
+    home), by a system Python of the same version importing this Python's packages; for
+    `command`, those Pythons (the command's `{python}`)."""
+    if cfg.kind == "mini-swe-agent" and cfg.executable:
+        return [cfg.executable]
+    paths = sysconfig.get_paths()
+    site = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    pythons = [shlex.quote(sys.executable)]
+    for folder in ("/usr/bin", "/usr/local/bin"):
+        python = Path(folder) / version
+        if python.exists():
+            pythons.append(f"PYTHONPATH={shlex.quote(site)} {python}")
+    if cfg.kind == "mini-swe-agent":
+        return [f"{p} -m minisweagent.run.mini" for p in pythons]
+    return pythons
+
+
+async def pick_launcher(cfg: HarnessConfig, real: ShellFactory, task: Task) -> str:
+    """The first of `launchers` that starts inside a sandbox of `task`."""
+    tried = []
+    probe = "--help" if cfg.kind == "mini-swe-agent" else "-c 'import sys'"
+    for launcher in launchers(cfg):
+        async with real(task) as shell:
+            obs = await shell.run(f"{launcher} {probe}", timeout_s=300.0)
+        if obs.exit_code == 0:
+            return launcher
+        tried.append(f"{launcher!r}: exit {obs.exit_code}: {obs.output.strip()[-200:]}")
+    raise HarnessUnavailable(
+        f"the harness ({cfg.kind}) does not start inside the sandbox (it runs as another user "
+        "there): " + "; ".join(tried) + ". Install it where the sandbox can run it (e.g. "
+        "python3 -m venv /opt/harness && /opt/harness/bin/pip install mini-swe-agent) and set "
+        "harness.executable=/opt/harness/bin/mini"
+    )
+
+
+def mini_command(cfg: HarnessConfig, launcher: str) -> str:
+    """The mini-swe-agent command line (its config file is written beside it, see
+    `mini_config`): non-interactive, exits when the agent submits."""
+    env = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", **cfg.extra_env}  # fmt: skip
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return (
+        f"{assigns} {launcher} -c mini.yaml -c {WORK_DIR}/mini.yaml "
+        f'-t "$(cat {WORK_DIR}/task.txt)" -y --exit-immediately --agent-class default '
+        f"-o {WORK_DIR}/trajectory.json"
+    )
+
+
+def mini_config(cfg: HarnessConfig, base_url: str, api_key: str) -> dict[str, Any]:
+    return {
+        "agent": {"step_limit": cfg.step_limit, "cost_limit": 0},
+        "model": {
+            "model_name": f"openai/{cfg.model}",
+            "model_kwargs": {"api_base": f"{base_url.rstrip('/')}/v1", "api_key": api_key,
+                             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            "cost_tracking": "ignore_errors",
+        },
+    }  # fmt: skip
+
+
+class HarnessRunner:
+    """Runs harness rollouts against a middleware at `middleware_url`."""
+
+    def __init__(self, cfg: HarnessConfig, real: ShellFactory, middleware_url: str,
+                 launcher: str = ""):  # fmt: skip
+        """`launcher`: how the sandbox starts mini-swe-agent (`pick_launcher`)."""
+        self.cfg, self.real, self.url = cfg, real, middleware_url.rstrip("/")
+        self.launcher = launcher or launchers(cfg)[0]
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+
+    async def run_group(self, task: Task, group: str, n: int) -> list[HarnessResult]:
+        """`n` rollouts of one task, concurrently (within `concurrency`)."""
+        return list(await asyncio.gather(*(self.run_one(task, group, i) for i in range(n))))
+
+    async def run_one(self, task: Task, group: str = "g0", index: int = 0) -> HarnessResult:
+        async with self._slots:
+            return await self._run(task, group, index)
+
+    async def _run(self, task: Task, group: str, index: int) -> HarnessResult:
+        cfg = self.cfg
+        rid = rollout_id_for(task, group, index)
+        base = cfg.base_url or self.url
+        started = time.perf_counter()
+        status, reason, exit_code, diff = "ok", None, None, ""
+        try:
+            async with self.real(task) as shell:
+                for cmd in self._prepare(task, base, rid):
+                    obs = await shell.run(cmd, timeout_s=60.0)
+                    if obs.exit_code != 0:
+                        raise RuntimeError(f"preparing the sandbox failed: {obs.output[-300:]}")
+                command = (mini_command(cfg, self.launcher) if cfg.kind == "mini-swe-agent" else
+                           cfg.command.format(base_url=base, api_key=rid, python=self.launcher,
+                                              task_file=f"{WORK_DIR}/task.txt"))  # fmt: skip
+                obs = await shell.run(command, timeout_s=cfg.wall_s)
+                exit_code = obs.exit_code
+                if obs.info.get("timeout"):
+                    status, reason = "timeout", f"the harness ran past wall_s={cfg.wall_s:g}s"
+                elif exit_code != 0:
+                    status = "error"
+                    reason = f"the harness exited {exit_code}: {obs.output.strip()[-300:]}"
+                got = await shell.run("git add -A && git diff --cached --binary HEAD", 60.0)
+                if status == "error":
+                    pass
+                elif got.exit_code != 0 or got.truncated:
+                    why = "was cut (larger than the shell's output cap)" if got.truncated else (
+                        f"failed: {got.output[-200:]}")  # fmt: skip
+                    status, reason = "error", f"capturing the diff {why}"
+                else:
+                    diff = got.output
+        except Exception as e:  # noqa: BLE001 - the rollout ends `error`, the run goes on
+            status, reason = "error", f"{type(e).__name__}: {e}"
+            log.warning("rollout %s (task %s) failed: %s", rid, task.id, reason)
+        reward = None
+        if status in ("ok", "timeout"):
+            reward = await self._grade(task, diff)
+        wall = time.perf_counter() - started
+        meta = {"harness": cfg.kind, "exit_code": exit_code, "wall_s": round(wall, 3),
+                "diff_bytes": len(diff.encode())}  # fmt: skip
+        if status == "ok":
+            finish_status, finish_reason = "ok", None
+        else:
+            finish_status, finish_reason = status, reason
+        finish = await self._finish(rid, reward if reward is not None else 0.0, finish_status,
+                                    finish_reason, task.id, group, meta)  # fmt: skip
+        return HarnessResult(rid, task.id, group, reward, status, reason, exit_code, wall, diff,
+                             finish)  # fmt: skip
+
+    def _prepare(self, task: Task, base: str, rid: str) -> list[str]:
+        cmds = [f"mkdir -p {WORK_DIR}",
+                f"if [ -d .git ]; then echo '{WORK_DIR}/' >> .git/info/exclude; fi"]  # fmt: skip
+        cmds += upload_commands(task.instruction, f"{WORK_DIR}/task.txt")
+        if self.cfg.kind == "mini-swe-agent":
+            config = json.dumps(mini_config(self.cfg, base, rid))  # JSON is YAML
+            cmds += upload_commands(config, f"{WORK_DIR}/mini.yaml")
+        return cmds
+
+    async def _grade(self, task: Task, diff: str) -> float:
+        """The task's reward for `diff`, computed in a fresh sandbox."""
+        fn = get_reward(task.reward.name)
+        ctx = RewardContext(shell_factory=lambda setup: self.real(_with_setup(task, setup)),
+                            timeout_s=self.cfg.grade_timeout_s)  # fmt: skip
+        try:
+            return float(await fn(task, diff, ctx))
+        except Exception as e:  # noqa: BLE001 - an ungradable diff earns nothing
+            log.warning("grading task %s failed: %s", task.id, e)
+            return 0.0
+
+    async def _finish(self, rid: str, reward: float, status: str, reason: str | None,
+                      task_id: str, group: str, meta: dict) -> dict:  # fmt: skip
+        body = {"reward": reward, "status": status, "task_id": task_id, "group_id": group,
+                "meta": meta}  # fmt: skip
+        if reason:
+            body["reason"] = reason
+        timeout = aiohttp.ClientTimeout(total=self.cfg.finish_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            async with http.post(f"{self.url}/rollouts/{rid}/finish", json=body) as r:
+                answer = await r.json(content_type=None)
+                if r.status == 404:  # the harness never called the model: nothing to write
+                    return {"trajectories": 0, "segments": [], "note": answer}
+                if r.status != 200:
+                    raise RuntimeError(f"finishing rollout {rid} failed ({r.status}): {answer}")
+                return answer
+
+
+def _with_setup(task: Task, setup) -> Task:
+    """`task` with another setup (what a reward's shell factory is asked for)."""
+    import dataclasses
+
+    return dataclasses.replace(task, setup=setup)

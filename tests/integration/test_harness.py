@@ -1,0 +1,129 @@
+"""Unmodified harnesses through the middleware, in real sandboxes (local bash), graded in a
+second clean one:
+
+- a scripted harness on the official `anthropic` SDK (`harness.kind: command`,
+  tests/scripts/anthropic_harness.py) against a real middleware over a real tiny engine: one
+  rollout applies the task's fix (reward 1), one does not (reward 0); both written through the
+  job's writer as token-exact trajectories; a stalled harness is killed at `wall_s`;
+- `simloop harness` with mini-swe-agent, unmodified, on the built-in clamp task.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from flax import nnx
+
+from envs.backends import shell_backends
+from envs.swe_suite import swe_suite
+from launch.config.loading import load_config
+from launch.config.schema import SimloopConfig
+from launch.jobs.harness import harness_shell
+from launch.jobs.middleware import running_middleware
+from rl.data import ByteTokenizer
+from rl.data.trajectory import read_jsonl
+from rl.model import Qwen3, tiny
+from rl.orchestrator.harness import HarnessConfig, HarnessRunner, HarnessUnavailable, pick_launcher
+from serving.config import ServerConfig
+from serving.engine import Engine, EngineConfig
+from tests.fakes import RecordingClient, assert_token_exact, user_env
+
+pytestmark = pytest.mark.slow
+ASYNC = pytest.mark.asyncio(loop_scope="module")
+
+REPO = Path(__file__).resolve().parents[2]
+SIMLOOP = Path(sys.executable).parent / "simloop"
+SCRIPT = REPO / "tests" / "scripts" / "anthropic_harness.py"
+TOK = ByteTokenizer()
+
+
+def command(*extra: str) -> str:
+    return f"{{python}} {SCRIPT} {{base_url}} {{api_key}} {{task_file}} " + " ".join(extra)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory):
+    from serving.server import background_server
+
+    out = tmp_path_factory.mktemp("harness-run")
+    cfg = harness_shell(load_config(SimloopConfig, REPO / "configs/demo_cpu.yaml",
+                                    ["--middleware.port", "0"]))  # fmt: skip
+    engine = Engine(Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0)), TOK,
+                    EngineConfig(num_slots=4, max_seq_len=2048, prefill_chunk=128,
+                                 prefill_batch=2))  # fmt: skip
+    scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+    async with background_server(engine, TOK, scfg, start_timeout_s=180) as agent_url:
+        client = RecordingClient(agent_url)
+        async with running_middleware(cfg, out, client) as (middleware, url):
+            real = shell_backends(cfg.env.shell, run_id="test-harness").real
+            hcfg = HarnessConfig(kind="command", command=command(), wall_s=120.0)
+            try:
+                python = await pick_launcher(hcfg, real, swe_suite(["clamp"])[0])
+            except HarnessUnavailable as e:
+                pytest.skip(f"no Python this machine's sandbox user can run: {e}")
+            yield {"out": out, "url": url, "real": real, "python": python, "client": client,
+                   "middleware": middleware}  # fmt: skip
+        await client.close()
+
+
+@ASYNC
+async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack):
+    (task,) = swe_suite(["clamp"])
+
+    def runner(*extra: str) -> HarnessRunner:
+        hcfg = HarnessConfig(kind="command", command=command("--turns 2", *extra), wall_s=120.0)
+        return HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"])
+
+    fixed, unfixed = await asyncio.gather(runner("--fix clamp").run_one(task, "g0", 0),
+                                          runner().run_one(task, "g0", 1))  # fmt: skip
+    for r in (fixed, unfixed):
+        assert r.status == "ok" and r.exit_code == 0, r.reason
+        assert r.finish["trajectories"] == 1 and r.finish["plans"]["extend"] == 1
+    assert (fixed.reward, unfixed.reward) == (1.0, 0.0)
+    assert "min(x, hi)" in fixed.diff and unfixed.diff == ""
+    trajs = {t.rollout_id: t for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+             for t in read_jsonl(p)}  # fmt: skip
+    for r in (fixed, unfixed):
+        t = trajs[r.rollout_id]
+        assert (t.reward, t.task_id, t.group_id, t.status) == (r.reward, task.id, "g0", "ok")
+        assert len(t.turns) == 2 and t.meta["harness"] == "command"
+        assert_token_exact(stack["client"].calls, t)
+
+
+@ASYNC
+async def test_a_stalled_harness_is_killed_at_wall_s(stack):
+    (task,) = swe_suite(["clamp"])
+    hcfg = HarnessConfig(kind="command", command=command("--sleep 60"), wall_s=2.0)
+    result = await HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"]).run_one(task)
+    assert result.status == "timeout" and "wall_s=2" in result.reason
+    assert result.wall_s < 30 and result.reward == 0.0  # graded: an empty diff
+    assert result.finish["trajectories"] == 0  # it never called the model
+
+
+def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):
+    out = tmp_path / "h"
+    cmd = [SIMLOOP, "harness", "--config", "configs/demo_cpu.yaml", "--out", str(out),
+           "--harness.tasks", "[clamp]", "--harness.samples", "2", "--harness.step_limit", "2",
+           "--harness.max_tokens", "32", "--orchestrator.max_context_tokens", "8192",
+           "--serve.engine.max_seq_len", "8192", "--serve.engine.num_slots", "2",
+           "--middleware.port", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    if proc.returncode == 1 and "does not start inside the sandbox" in proc.stdout + proc.stderr:
+        pytest.skip("mini-swe-agent cannot run as this machine's sandbox user: "
+                    + (proc.stdout + proc.stderr)[-500:])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "harness.json").read_text())
+    assert summary["rollouts"] == 2 and summary["harness"] == "mini-swe-agent"
+    for r in summary["results"]:
+        assert r["status"] == "ok" and r["exit_code"] == 0 and r["reward"] == 0.0, r
+        assert r["trajectories"] >= 1
+    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
+             for t in read_jsonl(p)]  # fmt: skip
+    assert len(trajs) == summary["trajectories"]
+    assert {t.rollout_id for t in trajs} == {r["rollout_id"] for r in summary["results"]}
+    assert all(t.meta["harness"] == "mini-swe-agent" and sum(t.loss_mask) > 0 for t in trajs)

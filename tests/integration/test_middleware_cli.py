@@ -1,0 +1,90 @@
+"""`simloop middleware` as users run it: the job starts its own agent server (`simloop serve`,
+from the demo config), the official `anthropic` client talks to it, a finished rollout and an
+unfinished one (written `aborted` at SIGTERM) land in `trajectories/` and `metrics.jsonl`; and
+`--dry-run --format json` lists the agent server it would start, and itself."""
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from rl.data.trajectory import read_jsonl
+from tests.fakes import free_port, user_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SIMLOOP = Path(sys.executable).parent / "simloop"
+SMALL = ["--serve.engine.num_slots", "4", "--serve.engine.max_seq_len", "1024"]
+
+
+def test_dry_run_lists_the_agent_server(tmp_path):
+    cmd = [SIMLOOP, "middleware", "--config", "configs/demo_cpu.yaml", "--out", str(tmp_path),
+           "--dry-run", "--format", "json"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=user_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    processes = json.loads(proc.stdout)["processes"]
+    assert [p["role"] for p in processes] == ["agent_serve", "middleware"]
+    assert "serve" in processes[0]["command"] and "middleware" in processes[1]["command"]
+
+
+def _lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+def test_middleware_job_serves_and_writes_trajectories(tmp_path):
+    port = free_port()
+    out = tmp_path / "mw"
+    cmd = [SIMLOOP, "middleware", "--config", "configs/demo_cpu.yaml", "--out", str(out),
+           "--middleware.port", str(port), *SMALL]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=user_env(cheap_compile=True), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        while True:  # until it listens (the agent server compiles first)
+            line = lines.get(timeout=300)
+            assert line is not None, "".join(seen)[-3000:]
+            seen.append(line)
+            if line.startswith("simloop middleware: http"):
+                break
+        url = f"http://127.0.0.1:{port}"
+        client = anthropic.Anthropic(base_url=url, api_key="job-1", max_retries=0)
+        m = client.messages.create(model="tiny", max_tokens=8,
+                                   messages=[{"role": "user", "content": "ls"}])  # fmt: skip
+        assert m.usage.output_tokens >= 1
+        left = anthropic.Anthropic(base_url=url, api_key="job-2", max_retries=0)
+        left.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        )
+        request = urllib.request.Request(f"{url}/rollouts/job-1/finish", method="POST",
+                                         data=json.dumps({"reward": 1.0}).encode())  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as r:
+            finished = json.loads(r.read())
+        assert finished["trajectories"] == 1 and finished["paths"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    while (line := lines.get(timeout=30)) is not None:
+        seen.append(line)
+    assert code == 0, "".join(seen)[-3000:]
+    assert "1 of them unfinished" in "".join(seen)
+    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
+             for t in read_jsonl(p)]  # fmt: skip
+    assert {(t.rollout_id, t.status) for t in trajs} == {("job-1", "ok"), ("job-2", "aborted")}
+    done = next(t for t in trajs if t.rollout_id == "job-1")
+    assert done.reward == 1.0 and sum(done.loss_mask) == m.usage.output_tokens
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["rollout_id"] for r in records if r.get("stage") == "middleware") == [
+        "job-1", "job-2"]  # fmt: skip

@@ -1,0 +1,57 @@
+"""A scripted agent harness on the official `anthropic` SDK, as `simloop harness` runs one
+(`harness.kind: command`): it asks the model (through the middleware) for a few turns with a
+bash tool, runs any `tool_use` it gets and sends the results back, otherwise asks it to go on.
+
+    python anthropic_harness.py BASE_URL API_KEY TASK_FILE [--turns N] [--fix clamp]
+
+`--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
+that passes; `--sleep S` stalls first (the wall-clock guard's test)."""
+
+import argparse
+import pathlib
+import subprocess
+import time
+
+import anthropic
+
+BASH = {"name": "bash", "description": "run a bash command in the repository",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                         "required": ["command"]}}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("base_url")
+    p.add_argument("api_key")
+    p.add_argument("task_file")
+    p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--fix", default=None)
+    p.add_argument("--sleep", type=float, default=0.0)
+    args = p.parse_args()
+    time.sleep(args.sleep)
+    client = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key, max_retries=2)
+    messages = [{"role": "user", "content": pathlib.Path(args.task_file).read_text()}]
+    for _ in range(args.turns):
+        m = client.messages.create(model="simloop-agent", max_tokens=16, tools=[BASH],
+                                   system="You fix bugs with the bash tool.",
+                                   messages=messages)  # fmt: skip
+        content = [b.model_dump(exclude_none=True) for b in m.content]
+        messages.append({"role": "assistant", "content": content})
+        uses = [b for b in m.content if b.type == "tool_use"]
+        if not uses:
+            messages.append({"role": "user", "content": "Go on: call the bash tool."})
+            continue
+        results = []
+        for use in uses:
+            run = subprocess.run(str(use.input.get("command", "")), shell=True, text=True,
+                                 capture_output=True, timeout=30)  # fmt: skip
+            results.append({"type": "tool_result", "tool_use_id": use.id,
+                            "content": run.stdout + run.stderr})  # fmt: skip
+        messages.append({"role": "user", "content": results})
+    if args.fix == "clamp":
+        path = pathlib.Path("clamp.py")
+        path.write_text(path.read_text().replace("min(x, lo)", "min(x, hi)"))
+
+
+if __name__ == "__main__":
+    main()
