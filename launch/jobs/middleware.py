@@ -44,10 +44,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 @contextlib.asynccontextmanager
-async def running_middleware(cfg: SimloopConfig, out: Path, agent) -> AsyncIterator[tuple]:
+async def running_middleware(cfg: SimloopConfig, out: Path, agent,
+                             on_written=None) -> AsyncIterator[tuple]:  # fmt: skip
     """The middleware in front of the client `agent`, serving on `middleware.host:port`,
-    writing finished rollouts into `out`: yields `(middleware, url)`. On exit the rollouts
-    still open are written `aborted` and the trajectory writer is closed."""
+    writing finished rollouts into `out` (and handing them to `on_written(trajectories)`):
+    yields `(middleware, url)`. On exit the rollouts still open are written `aborted` and the
+    trajectory writer is closed."""
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.storage import TrajectoryWriter
     from serving.middleware.app import Middleware, serve
@@ -62,6 +64,8 @@ async def running_middleware(cfg: SimloopConfig, out: Path, agent) -> AsyncItera
             writer.add(t)
         paths = [str(p) for p in writer.paths[-1:]]
         writer.flush()  # each finished rollout is on disk, fsynced, before the reply
+        if on_written is not None:
+            on_written(trajectories)
         first = trajectories[0]
         metrics.write({"stage": "middleware", "rollout_id": first.rollout_id,
                        "segments": len(trajectories), "status": first.status,

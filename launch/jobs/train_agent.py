@@ -82,6 +82,8 @@ def _roles(cfg: SimloopConfig) -> list[str]:
     """The model roles whose servers RL and its evaluation need."""
     ocfg, ecfg = cfg.orchestrator, cfg.train_agent.eval
     roles = ["agent"] if cfg.train_agent.steps > 0 else []
+    if cfg.train_agent.tasks == "swe":
+        return roles
     if roles and (_needs_sim(ocfg.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):
         roles.append("simulator")
     return roles
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
             "new weights can be published to it"
         )
+    if cfg.train_agent.tasks == "swe":
+        cfg = _swe_config(cfg)
     check_servers(cfg, _roles(cfg))
     out = Path(args.out)
     write_config(cfg, out)
@@ -135,6 +139,23 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         raise JobError(f"{e}; RL stopped (the last checkpoint is kept)") from e
     print(f"simloop train-agent: {json.dumps(summary)}")
     return 0
+
+
+def _swe_config(cfg: SimloopConfig) -> SimloopConfig:
+    """Checks and settings of RL through harnesses (`train_agent.tasks: swe`)."""
+    from launch.jobs.harness import harness_shell
+
+    ws = cfg.train_agent.warm_start
+    if ws.steps > 0 and not ws.trajectories:
+        raise UsageError(
+            "train_agent.tasks=swe has no scripted demonstrations to warm-start on: set "
+            "--train_agent.warm_start.steps 0 (RL from agent.weights) or give "
+            "train_agent.warm_start.trajectories"
+        )
+    if cfg.orchestrator.max_staleness != 0:
+        raise UsageError("train_agent.tasks=swe runs synchronous RL: set "
+                         "--orchestrator.max_staleness 0")  # fmt: skip
+    return harness_shell(cfg)
 
 
 async def collect_demos(cfg: SimloopConfig, tasks, renderer, n: int) -> list:
@@ -221,7 +242,12 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     tcfg, ocfg = cfg.train_agent, cfg.orchestrator
     tok = load_tokenizer(cfg.agent.tokenizer)
     renderer = ChatRenderer(tok)
-    tasks, eval_tasks = agent_tasks(cfg)
+    if tcfg.tasks == "swe":
+        from envs.swe_suite import swe_suite
+
+        tasks, eval_tasks = swe_suite(cfg.harness.tasks or None), []
+    else:
+        tasks, eval_tasks = agent_tasks(cfg)
     metrics = rundir.MetricsLog(out)
     summary: dict[str, Any] = {}
     rl_ckpt_dir = out / rundir.CHECKPOINTS / "rl"
@@ -288,6 +314,52 @@ async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:
     return summary
 
 
+@contextlib.asynccontextmanager
+async def _harness_source(cfg, out: Path, agent_client, tasks, steps: int, version: int):
+    """The middleware in front of the agent server and a `HarnessSource` running
+    `harness.kind` against it: RL episodes from unmodified harnesses."""
+    from envs.backends import shell_backends
+    from launch.jobs.middleware import running_middleware
+    from rl.orchestrator.harness import (
+        HarnessRunner,
+        HarnessSource,
+        HarnessUnavailable,
+        pick_launcher,
+    )
+
+    ocfg = cfg.orchestrator
+    real = shell_backends(cfg.env.shell, run_id=cfg.run.name).real
+    try:
+        launcher = await pick_launcher(cfg.harness, real, tasks[0])
+    except HarnessUnavailable as e:
+        raise JobError(str(e)) from e
+
+    def written(trajectories) -> None:  # the middleware's sink -> the source (bound below)
+        source.collect(trajectories)
+
+    async with running_middleware(cfg, out, agent_client, on_written=written) as (_, url):
+        runner = HarnessRunner(cfg.harness, real, url, launcher)
+        source = HarnessSource(runner, tasks, group_size=ocfg.group_size,
+                               groups=ocfg.batch_size // ocfg.group_size, rows=ocfg.batch_size,
+                               steps=steps, seed=cfg.run.seed + version)  # fmt: skip
+        print(f"simloop train-agent: RL through {cfg.harness.kind} on {len(tasks)} swe tasks, "
+              f"{ocfg.batch_size // ocfg.group_size} x {ocfg.group_size} rollouts per step "
+              f"(middleware {url})", flush=True)  # fmt: skip
+        yield source
+
+
+def _harness_summary(source) -> dict:
+    results = source.results
+    rewards = [r.reward for r in results if r.reward is not None]
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    return {"rollouts": len(results), "statuses": statuses,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
+            "dropped_segments": source.dropped_segments}  # fmt: skip
+
+
 async def _rl(
     cfg,
     out,
@@ -315,7 +387,9 @@ async def _rl(
     ecfg = tcfg.eval
     evaluating = ecfg.tasks > 0 and bool(eval_tasks)
     roles = ["agent"]
-    if _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms):
+    if tcfg.tasks != "swe" and (
+        _needs_sim(ocfg.arm) or (evaluating and "closed_loop" in ecfg.arms)
+    ):
         roles.append("simulator")
     vllm = cfg.serve.backend_of("agent") == "vllm"
     async with contextlib.AsyncExitStack() as stack:
@@ -348,19 +422,29 @@ async def _rl(
             before = rundir.read_evals(out).get("before") or await evaluate_agent(
                 cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
             )
-        backends = job_backends(cfg, clients.get("simulator"))
-        runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends, client=agent_client)
-        writer = TrajectoryWriter(out, prefix="rl")
         remaining = tcfg.steps - trainer.step_count
-        buffer = RolloutBuffer(
-            runner,
-            tasks,
-            steps=remaining,
-            seed=cfg.run.seed + start_version,
-            sink=writer.add,
-            batch_timeout_s=ocfg.episode_timeout_s * 2,
-        )
-        await buffer.start(start_version)
+        if tcfg.tasks == "swe":
+            buffer = await stack.enter_async_context(
+                _harness_source(cfg, out, agent_client, tasks, remaining, start_version)
+            )
+            runner = writer = None
+        else:
+            backends = job_backends(cfg, clients.get("simulator"))
+            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends,
+                                   client=agent_client)  # fmt: skip
+            writer = TrajectoryWriter(out, prefix="rl")
+            buffer = RolloutBuffer(
+                runner,
+                tasks,
+                steps=remaining,
+                seed=cfg.run.seed + start_version,
+                sink=writer.add,
+                batch_timeout_s=ocfg.episode_timeout_s * 2,
+            )
+        if runner is not None:
+            await buffer.start(start_version)
+        else:
+            await buffer.set_version(start_version)
         try:
             summary = await rl_loop(
                 trainer,
@@ -382,8 +466,12 @@ async def _rl(
             )
         finally:
             await buffer.close()
-            writer.close()
-            runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout", arm=ocfg.arm)
+            if runner is not None:
+                writer.close()
+                runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout", arm=ocfg.arm)
+            else:
+                summary_harness = _harness_summary(buffer)
+                rundir.MetricsLog(out).write({"stage": "rl_harness", **summary_harness})
         if evaluating:
             after = await evaluate_agent(
                 cfg,
@@ -402,6 +490,8 @@ async def _rl(
                 }
                 for arm in after
             }
+    if tcfg.tasks == "swe":
+        summary["harness"] = _harness_summary(buffer)
     history = summary.pop("history")
     rewards = [h["reward_mean"] for h in history]
     summary["reward_first"] = rewards[0] if rewards else None

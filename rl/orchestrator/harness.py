@@ -314,3 +314,68 @@ def _with_setup(task: Task, setup) -> Task:
     import dataclasses
 
     return dataclasses.replace(task, setup=setup)
+
+
+class HarnessSource:
+    """Harness rollouts as the RL trainer's episode source (`rl.train.rollouts.EpisodeSource`).
+
+    Each batch runs `groups` tasks x `group_size` rollouts at the served policy version (the
+    trainer waits: synchronous RL), then hands over the trajectories the middleware wrote for
+    them: its sink calls `collect`. A rollout may have split into several segments; when the
+    batch holds more than `rows`, the earliest segments of the rollouts with the most are
+    marked `dropped` (kept on disk, not trained) and counted in `dropped_segments`."""
+
+    def __init__(self, runner: HarnessRunner, tasks: list[Task], *, group_size: int,
+                 groups: int, rows: int, steps: int, seed: int) -> None:  # fmt: skip
+        from rl.orchestrator.buffer import task_stream
+
+        self.runner, self.group_size, self.groups, self.rows = runner, group_size, groups, rows
+        self._tasks = iter(task_stream(tasks, groups * max(steps, 1), seed))
+        self._collected: dict[str, list] = {}
+        self.version: int | None = None
+        self.results: list[HarnessResult] = []
+        self.dropped_segments = 0
+        self._batch = 0
+
+    def collect(self, trajectories: list) -> None:
+        """The middleware's sink: a finished rollout's trajectories."""
+        for t in trajectories:
+            self._collected.setdefault(t.rollout_id, []).append(t)
+
+    async def next_batch(self) -> list:
+        self._batch += 1
+        picked = [next(self._tasks) for _ in range(self.groups)]
+        tag = f"b{self._batch}v{self.version}"
+        groups = await asyncio.gather(*(
+            self.runner.run_group(task, f"{tag}-g{i}", self.group_size)
+            for i, task in enumerate(picked)
+        ))  # fmt: skip
+        results = [r for g in groups for r in g]
+        self.results += results
+        trajectories = [t for r in results for t in self._collected.pop(r.rollout_id, [])]
+        self.dropped_segments += fit_rows(trajectories, self.rows)
+        return trajectories
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+
+    async def close(self) -> None:
+        self._collected.clear()
+
+
+def fit_rows(trajectories: list, rows: int) -> int:
+    """Mark segments `dropped` until at most `rows` remain trainable: each time the earliest
+    remaining segment of the rollout with the most. Returns how many were marked."""
+    live: dict[str, list] = {}
+    for t in trajectories:
+        if not t.meta.get("dropped"):
+            live.setdefault(t.rollout_id or str(id(t)), []).append(t)
+    count = sum(len(v) for v in live.values())
+    marked = 0
+    while count > rows:
+        longest = max(live.values(), key=len)
+        victim = longest.pop(0)
+        victim.meta["dropped"] = f"the batch had more segments than its {rows} rows"
+        count -= 1
+        marked += 1
+    return marked

@@ -270,9 +270,15 @@ class TrainAgentConfig:
     per step either way)."""
     log_every: int = 1
     eval: AgentEvalConfig = field(default_factory=AgentEvalConfig)
+    tasks: str = "textops"
+    """`textops`: the built-in agent loop on `env.textops` tasks (orchestrator arms);
+    `swe`: the built-in SWE suite (`harness.tasks`), each episode an unmodified harness
+    (`harness`) through `simloop middleware`, graded in a clean sandbox."""
 
     def __post_init__(self) -> None:
         c = "TrainAgentConfig"
+        if self.tasks not in ("textops", "swe"):
+            raise _bad(c, "tasks", self.tasks, "'textops' or 'swe'")
         _int(c, self, "steps", 0)
         _int(c, self, "publish_every", 1)
         _int(c, self, "log_every", 1)

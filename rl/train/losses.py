@@ -121,13 +121,13 @@ def policy_loss(logits_BTV: jax.Array, batch: Batch, cfg: PolicyLossConfig | Non
         per_token_BT = per_token_BT + cfg.kl_coef * kl_BT
         metrics["kl_ref"] = _masked_mean(kl_BT, mask_BT)
 
-    rollout_tokens_B = batch.get("rollout_tokens")
-    loss = aggregate(per_token_BT, mask_BT, cfg, rollout_tokens_B)
+    rollout_tokens_BT = batch.get("rollout_tokens")
+    loss = aggregate(per_token_BT, mask_BT, cfg, rollout_tokens_BT)
     valid = mask_BT > 0
     big = jnp.finfo(jnp.float32).max
     metrics.update(
         loss=loss,
-        pg_loss=aggregate(-weight_BT * objective_BT, mask_BT, cfg, rollout_tokens_B),
+        pg_loss=aggregate(-weight_BT * objective_BT, mask_BT, cfg, rollout_tokens_BT),
         entropy=_masked_mean(entropy_BT, mask_BT),
         # KL(sampler || trainer) estimated on the sampler's own tokens (k1 and k3).
         mismatch_kl=_masked_mean(-log_is_BT, mask_BT),
@@ -141,21 +141,21 @@ def policy_loss(logits_BTV: jax.Array, batch: Batch, cfg: PolicyLossConfig | Non
         ),
         advantage_mean=_masked_mean(adv_BT, mask_BT),
         tokens=jnp.sum(mask_BT),
-        weight=normaliser(mask_BT, cfg, rollout_tokens_B),
+        weight=normaliser(mask_BT, cfg, rollout_tokens_BT),
     )
     return loss, metrics
 
 
-def _rollout_weights(mask_BT: jax.Array, rollout_tokens_B: jax.Array | None) -> jax.Array:
-    """Per row, 1 / (generated tokens of its rollout in the whole step's batch)."""
-    if rollout_tokens_B is None:
+def _rollout_weights(rollout_tokens_BT: jax.Array | None) -> jax.Array:
+    """Per token, 1 / (generated tokens of its row's rollout in the whole step's batch)."""
+    if rollout_tokens_BT is None:
         raise ValueError("aggregation 'rollout_mean' needs batch['rollout_tokens'] "
                          "(rl.train.rollouts.build_rl_batch adds it)")  # fmt: skip
-    return 1.0 / jnp.maximum(rollout_tokens_B.astype(jnp.float32), 1.0)
+    return 1.0 / jnp.maximum(rollout_tokens_BT.astype(jnp.float32), 1.0)
 
 
 def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig,
-               rollout_tokens_B: jax.Array | None = None) -> jax.Array:  # fmt: skip
+               rollout_tokens_BT: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """What `aggregate` divides by (tokens, episodes, rollouts, or rows x T): the weight of a
     micro-batch when gradients are accumulated. For `rollout_mean` it is the micro-batch's
     share of rollouts (a rollout whose segments straddle micro-batches counts fractionally),
@@ -165,20 +165,20 @@ def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig,
     if cfg.aggregation == "seq_mean":
         return jnp.sum((mask_BT.sum(1) > 0).astype(jnp.float32))
     if cfg.aggregation == "rollout_mean":
-        return jnp.sum(mask_BT.sum(1) * _rollout_weights(mask_BT, rollout_tokens_B))
+        return jnp.sum(mask_BT * _rollout_weights(rollout_tokens_BT))
     return jnp.sum(mask_BT)
 
 
 def aggregate(per_token_BT: jax.Array, mask_BT: jax.Array, cfg: PolicyLossConfig,
-              rollout_tokens_B: jax.Array | None = None) -> jax.Array:  # fmt: skip
+              rollout_tokens_BT: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """Reduce per-token losses to a scalar as configured (see `PolicyLossConfig`).
-    `rollout_tokens_B` (`rollout_mean` only): the generated tokens of each row's rollout."""
+    `rollout_tokens_BT` (`rollout_mean` only): per token, the generated tokens of its row's
+    rollout in the step's batch."""
     if cfg.advantage == "drgrpo":
         return jnp.sum(per_token_BT * mask_BT) / (mask_BT.shape[0] * mask_BT.shape[1])
     if cfg.aggregation == "rollout_mean":
-        w_B = _rollout_weights(mask_BT, rollout_tokens_B)
-        total = jnp.sum(per_token_BT * mask_BT * w_B[:, None])
-        return total / jnp.maximum(normaliser(mask_BT, cfg, rollout_tokens_B), 1e-9)
+        total = jnp.sum(per_token_BT * mask_BT * _rollout_weights(rollout_tokens_BT))
+        return total / jnp.maximum(normaliser(mask_BT, cfg, rollout_tokens_BT), 1e-9)
     if cfg.aggregation == "seq_mean":
         per_row_B = jnp.sum(per_token_BT * mask_BT, axis=1) / jnp.maximum(mask_BT.sum(1), 1.0)
         rows_B = (mask_BT.sum(1) > 0).astype(jnp.float32)

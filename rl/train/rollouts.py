@@ -143,6 +143,24 @@ def _skip_reason(t: Trajectory, cfg: PolicyLossConfig) -> str | None:
     return None
 
 
+def rollout_advantages(
+    used: Sequence[Trajectory], rewards: Sequence[float], cfg: PolicyLossConfig
+) -> list[float]:
+    """Group-relative advantages with one sample per rollout: the segments of a harness
+    rollout (sharing `rollout_id`) count once in their group's mean and std, and each gets
+    its rollout's advantage. Episodes without a rollout id are their own rollout."""
+    keys = [t.rollout_id or f"\0row{i}" for i, t in enumerate(used)]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    order = list(first)
+    adv = group_advantages([rewards[first[k]] for k in order],
+                           [used[first[k]].group_id or used[first[k]].task_id for k in order],
+                           cfg)  # fmt: skip
+    by_key = dict(zip(order, adv, strict=True))
+    return [by_key[k] for k in keys]
+
+
 def build_rl_batch(
     episodes: Sequence[Trajectory],
     *,
@@ -180,7 +198,7 @@ def build_rl_batch(
     if not used:
         return batch, stats
     rewards = [float(_reward(t, cfg)) for t in used]
-    adv = group_advantages(rewards, [t.group_id or t.task_id for t in used], cfg)
+    adv = rollout_advantages(used, rewards, cfg)
     per_trial = trial_advantages(used, cfg)
     stale: list[int] = []
     for row, (t, a) in enumerate(zip(used, adv, strict=True)):
@@ -223,16 +241,17 @@ def build_rl_batch(
 
 def rollout_tokens(episodes: Sequence[Trajectory], loss_mask: np.ndarray, *, rows: int
                    ) -> np.ndarray:  # fmt: skip
-    """[rows] float32: for row i (episode i), the generated tokens in the batch of every row
-    sharing its `rollout_id` (its own when it has none); 0 for padding rows."""
+    """[rows, T] float32: along row i (episode i), the generated tokens in the batch of every
+    row sharing its `rollout_id` (its own when it has none); 0 for padding rows. (Per token,
+    like every batch array, so one batch sharding fits all.)"""
     keys = [t.rollout_id or f"\0row{i}" for i, t in enumerate(episodes)]
     per_row = loss_mask.sum(axis=1)
     totals: dict[str, float] = defaultdict(float)
     for i, k in enumerate(keys):
         totals[k] += float(per_row[i])
-    out = np.zeros((rows,), np.float32)
+    out = np.zeros((rows, loss_mask.shape[1]), np.float32)
     for i, k in enumerate(keys):
-        out[i] = totals[k]
+        out[i, :] = totals[k]
     return out
 
 

@@ -127,3 +127,43 @@ def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):
     assert len(trajs) == summary["trajectories"]
     assert {t.rollout_id for t in trajs} == {r["rollout_id"] for r in summary["results"]}
     assert all(t.meta["harness"] == "mini-swe-agent" and sum(t.loss_mask) > 0 for t in trajs)
+
+
+def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
+    """RL through harness + middleware with the same loop: every rollout's reward is the
+    scripted harness's rule applied to what the model sampled, each step publishes a version,
+    and the next step's tokens carry it."""
+    out = tmp_path / "rl"
+    harness = f"{{python}} {SCRIPT} {{base_url}} {{api_key}} {{task_file}} --turns 1 --fix-if-even"
+    cmd = [SIMLOOP, "train-agent", "--config", "configs/demo_cpu.yaml", "--out", str(out),
+           "--train_agent.tasks", "swe", "--train_agent.warm_start.steps", "0",
+           "--train_agent.steps", "2", "--train_agent.seq_len", "1024",
+           "--train_agent.loss.aggregation", "rollout_mean", "--train_agent.eval.tasks", "0",
+           "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
+           "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "1024",
+           "--serve.engine.max_seq_len", "1024", "--serve.engine.num_slots", "8",
+           "--harness.kind", "command", "--harness.command", json.dumps(harness),
+           "--harness.tasks", "[clamp]",
+           "--middleware.port", "0"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    if proc.returncode == 1 and "does not start inside the sandbox" in proc.stdout + proc.stderr:
+        pytest.skip("no Python this machine's sandbox user can run: " + proc.stdout[-300:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from rl.data.tools import parse_assistant
+
+    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
+             for t in read_jsonl(p)]  # fmt: skip
+    assert len(trajs) == 16  # 2 steps x 8 rollouts, one segment each
+    for t in trajs:
+        first = parse_assistant(t.turns[0].agent_text).content
+        assert t.reward == float(len(first) % 2 == 0), (first, t.reward)
+    versions = sorted({v for t in trajs for v in t.policy_version if v is not None})
+    assert versions == [1, 2]  # step 2's rollouts ran on the version step 1 published
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r.get("stage") == "rl" and "step" in r]
+    assert [r["step"] for r in rl] == [1, 2] and all("publish_first_token_s" in r for r in rl)
+    for r in rl:
+        if r["zero_variance_groups"] < 2:  # a group with mixed rewards: a real gradient
+            assert r["loss"] != 0.0 and r["grad_norm"] > 0.0
+    assert (out / "weights" / "final").is_dir()

@@ -5,7 +5,9 @@ bash tool, runs any `tool_use` it gets and sends the results back, otherwise ask
     python anthropic_harness.py BASE_URL API_KEY TASK_FILE [--turns N] [--fix clamp]
 
 `--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
-that passes; `--sleep S` stalls first (the wall-clock guard's test)."""
+that passes; `--fix-if-even` does so only when the model's first reply has an even number of
+characters (a reward that depends on what the model sampled, for RL tests); `--sleep S`
+stalls first (the wall-clock guard's test)."""
 
 import argparse
 import pathlib
@@ -26,15 +28,19 @@ def main() -> None:
     p.add_argument("task_file")
     p.add_argument("--turns", type=int, default=2)
     p.add_argument("--fix", default=None)
+    p.add_argument("--fix-if-even", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
     args = p.parse_args()
     time.sleep(args.sleep)
     client = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key, max_retries=2)
     messages = [{"role": "user", "content": pathlib.Path(args.task_file).read_text()}]
+    first = None
     for _ in range(args.turns):
         m = client.messages.create(model="simloop-agent", max_tokens=16, tools=[BASH],
                                    system="You fix bugs with the bash tool.",
                                    messages=messages)  # fmt: skip
+        if first is None:
+            first = "".join(b.text for b in m.content if b.type == "text")
         content = [b.model_dump(exclude_none=True) for b in m.content]
         messages.append({"role": "assistant", "content": content})
         uses = [b for b in m.content if b.type == "tool_use"]
@@ -48,7 +54,7 @@ def main() -> None:
             results.append({"type": "tool_result", "tool_use_id": use.id,
                             "content": run.stdout + run.stderr})  # fmt: skip
         messages.append({"role": "user", "content": results})
-    if args.fix == "clamp":
+    if args.fix == "clamp" or (args.fix_if_even and len(first or "") % 2 == 0):
         path = pathlib.Path("clamp.py")
         path.write_text(path.read_text().replace("min(x, lo)", "min(x, hi)"))
 

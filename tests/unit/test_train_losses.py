@@ -18,7 +18,7 @@ from rl.train.losses import (
     sft_loss,
     token_logprobs,
 )
-from rl.train.rollouts import build_rl_batch
+from rl.train.rollouts import build_rl_batch, rollout_advantages
 
 LOG3 = math.log(3.0)
 
@@ -359,7 +359,7 @@ def test_rollout_mean_weighs_each_rollout_once_by_hand():
     # 1: 2 tokens), a padding row. Means: a = (1+2+3+10)/4 = 4, b = (7+7)/2 = 7 -> 5.5.
     per = jnp.asarray([[1.0, 2.0, 3.0], [7.0, 7.0, 7.0], [10.0, 20.0, 30.0], [4.0, 4.0, 4.0]])
     mask = jnp.asarray([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], jnp.float32)
-    rollout_tokens = jnp.asarray([4.0, 2.0, 4.0, 0.0])
+    rollout_tokens = jnp.broadcast_to(jnp.asarray([[4.0], [2.0], [4.0], [0.0]]), (4, 3))
     cfg = PolicyLossConfig(aggregation="rollout_mean")
     np.testing.assert_allclose(float(aggregate(per, mask, cfg, rollout_tokens)), 5.5, rtol=1e-6)
     np.testing.assert_allclose(float(normaliser(mask, cfg, rollout_tokens)), 2.0, rtol=1e-6)
@@ -373,6 +373,20 @@ def test_rollout_mean_weighs_each_rollout_once_by_hand():
     np.testing.assert_allclose(num / den, 5.5, rtol=1e-6)
     with pytest.raises(ValueError, match="rollout_tokens"):
         aggregate(per, mask, cfg)
+
+
+def test_group_advantages_count_each_rollout_once():
+    # Group g: rollout A split in two segments (reward 1), rollout B whole (reward 0). Per
+    # rollout the group is {1, 0}: mean 0.5, std 0.5, so A's segments get +1 and B -1 (a
+    # per-segment mean, 2/3, would favour the rollout that split).
+    def seg(rollout_id: str, reward: float) -> Trajectory:
+        return Trajectory(task_id="t", arm="real", env_backend="harness", status="ok",
+                          reward=reward, group_id="g", rollout_id=rollout_id)  # fmt: skip
+
+    used = [seg("A", 1.0), seg("B", 0.0), seg("A", 1.0)]
+    adv = rollout_advantages(used, [1.0, 0.0, 1.0], PolicyLossConfig())
+    np.testing.assert_allclose(adv, [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)],
+                               rtol=1e-6)  # fmt: skip
 
 
 def test_build_rl_batch_counts_each_rollouts_tokens():
@@ -389,7 +403,9 @@ def test_build_rl_batch_counts_each_rollouts_tokens():
     eps = [episode("a", 3, 1.0), episode("b", 2, 0.0), episode("a", 1, 1.0), episode("", 2, 0.0)]
     cfg = PolicyLossConfig(aggregation="rollout_mean")
     batch, _ = build_rl_batch(eps, rows=6, seq_len=8, cfg=cfg, version=0)
-    assert batch["rollout_tokens"].tolist() == [4.0, 2.0, 4.0, 2.0, 0.0, 0.0]
+    assert batch["rollout_tokens"].shape == (6, 8)
+    assert batch["rollout_tokens"][:, 0].tolist() == [4.0, 2.0, 4.0, 2.0, 0.0, 0.0]
+    assert (batch["rollout_tokens"] == batch["rollout_tokens"][:, :1]).all()
     plain, _ = build_rl_batch(eps, rows=6, seq_len=8, cfg=PolicyLossConfig(), version=0)
     assert "rollout_tokens" not in plain
 
