@@ -74,6 +74,7 @@ class Middleware:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/messages", self._anthropic)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_post("/v1/chat/completions", self._openai)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -126,6 +127,24 @@ class Middleware:
             rollout.last_used = time.time()
         build = formats.anthropic_message if api == "anthropic" else formats.openai_completion
         return web.json_response(build(reply, msg_id=msg_id, model=conv.model))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's token counting (Claude Code asks before long requests): the tokens the
+        request would render to as a fresh segment. Samples nothing, records nothing."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return _error("anthropic", 400, f"the request body is not JSON: {e}")
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}  # count_tokens requests carry none
+        try:
+            conv = self._parse(body, "anthropic")
+        except BadRequest as e:
+            return _error("anthropic", 400, str(e), e.param)
+        plan = Rollout("count", api="anthropic").plan(
+            conv, self.renderer, segments_max=1, enable_thinking=self.cfg.enable_thinking
+        )
+        return web.json_response({"input_tokens": len(plan.prompt_ids)})
 
     def _parse(self, body: Any, api: str) -> Conversation:
         if api == "anthropic":

@@ -203,6 +203,16 @@ async def test_a_harness_that_disconnects_aborts_the_generation(real):
     await c.close()
 
 
+async def test_count_tokens_counts_what_a_new_segment_would_render(real):
+    c = real.anthropic("count-1")
+    messages = [{"role": "user", "content": "how long is this?"}]
+    counted = await c.messages.count_tokens(model="tiny", messages=messages, tools=[BASH])
+    calls = len(real.client.calls)
+    m = await c.messages.create(model="tiny", max_tokens=2, messages=messages, tools=[BASH])
+    assert counted.input_tokens == m.usage.input_tokens == len(real.client.calls[calls][0])
+    await c.close()
+
+
 async def test_errors_come_back_in_each_apis_shape(real):
     c = real.anthropic("bad-1")
     with pytest.raises(anthropic.BadRequestError, match="image"):
