@@ -267,8 +267,13 @@ class HarnessRunner:
             finish_status, finish_reason = "ok", None
         else:
             finish_status, finish_reason = status, reason
-        finish = await self._finish(rid, reward if reward is not None else 0.0, finish_status,
-                                    finish_reason, task.id, group, meta)  # fmt: skip
+        try:
+            given = reward if reward is not None else 0.0
+            finish = await self._finish(rid, given, finish_status, finish_reason, task.id, group,
+                                        meta)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the rollout is lost, the run goes on
+            log.warning("rollout %s: finishing it failed: %s", rid, e)
+            finish = {"trajectories": 0, "segments": [], "error": f"{type(e).__name__}: {e}"}
         return HarnessResult(rid, task.id, group, reward, status, reason, exit_code, wall, diff,
                              finish)  # fmt: skip
 

@@ -13,7 +13,9 @@ goes back as each API's response body or its SSE stream, in the documented event
   the usage when `stream_options.include_usage`), then `data: [DONE]`.
 
 Requests the middleware cannot serve faithfully (images, server-side tools, an assistant
-prefill, `n` > 1) are refused with `BadRequest` naming the field and what is allowed.
+prefill, `n` > 1) are refused with `BadRequest` naming the field and what is allowed. Fields
+that change nothing here are accepted and ignored: `tool_choice` (the Qwen3 format cannot
+force a call), `metadata`, `thinking` (see `middleware.enable_thinking`), `cache_control`.
 """
 
 from __future__ import annotations
