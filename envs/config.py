@@ -89,6 +89,10 @@ class LocalShellConfig:
     the command) where a mount namespace works."""
     isolate_network: bool = True
     """Run commands in a fresh network namespace (`unshare -n`) where that works."""
+    visible_paths: list[str] = field(default_factory=list)
+    """Host folders the commands must see, read-only, even where the episode's private tmp
+    folders would hide them (a checkout or a virtualenv under /tmp: what a harness runs with).
+    Folders that do not exist are left out."""
     max_output_bytes: int = 65_536
     """Output kept per command (stdout and stderr merged); the middle of longer output is cut."""
     kill_after_output_bytes: int = 16 * 2**20

@@ -67,23 +67,44 @@ _WS_OWNER = re.compile(rf"{_WS_PREFIX}(\d+)\.(\d+)-")
 """Workspace names carry the owner's pid and start time, so a sweep can tell dead owners."""
 
 # The episode's mount namespace, made once per shell by a holder process (root, in the workspace
-# base; `$1` the base, `$2` the tmpfs size in bytes, `$3` "ro" to make `/` read-only), which
-# then waits on its stdin: it ends, and the namespace with it, when the shell closes the pipe or
-# simloop dies. Mounted in this order so that the workspaces folder ends up hidden whether or
-# not it lies under one of the private tmp folders. `--no-canonicalize`: `.` must stay the
-# workspace itself, not its path, which now names the empty folder just made in the tmpfs.
+# base; `$1` the base, `$2` the tmpfs size in bytes, `$3` "ro" to make `/` read-only, then the
+# host paths that must stay visible), which then waits on its stdin: it ends, and the namespace
+# with it, when the shell closes the pipe or simloop dies. Mounted in this order so that the
+# workspaces folder ends up hidden whether or not it lies under one of the private tmp folders.
+# `--no-canonicalize`: `.` must stay the workspace itself, not its path, which now names the
+# empty folder just made in the tmpfs. A visible path is first bound inside the base (which
+# comes back with its submounts, `--rbind`), then, if the tmpfs hid it, bound read-only at its
+# own path again.
 _SANDBOX = r"""set -e
 cd -- "$1"
+base=$1 size=$2 ro=$3
+shift 3
+i=0
+for p in "$@"; do
+  mkdir -p -- "$base/visible/$i"
+  mount --bind -- "$p" "$base/visible/$i"
+  mount -o remount,bind,ro -- "$base/visible/$i"
+  i=$((i+1))
+done
 for d in /tmp /var/tmp /dev/shm; do
   if [ -d "$d" ] && [ ! -L "$d" ]; then
-    mount -t tmpfs -o "size=$2,mode=1777,nosuid,nodev" simloop-tmp "$d"
+    mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" simloop-tmp "$d"
   fi
 done
-if [ -e "$1" ]; then mount -t tmpfs -o size=64k,mode=755,nosuid,nodev simloop-ws "${1%/*}"; fi
-mkdir -p -- "$1"
-mount --no-canonicalize --bind . "$1"
-if [ "$3" = ro ]; then mount -o remount,bind,ro /; fi
-cd -- "$1/work"
+if [ -e "$base" ]; then mount -t tmpfs -o size=64k,mode=755,nosuid,nodev simloop-ws "${base%/*}"; fi
+mkdir -p -- "$base"
+mount --no-canonicalize --rbind . "$base"
+i=0
+for p in "$@"; do
+  if [ ! -e "$p" ]; then
+    mkdir -p -- "$p"
+    mount --bind -- "$base/visible/$i" "$p"
+    mount -o remount,bind,ro -- "$p"
+  fi
+  i=$((i+1))
+done
+if [ "$ro" = ro ]; then mount -o remount,bind,ro /; fi
+cd -- "$base/work"
 echo ready
 read -r _ || exit 0
 """
@@ -146,11 +167,12 @@ def _probe(prefix: tuple[str, ...], cwd: str = "/") -> bool:
     return res.returncode == 0 and res.stdout == b"ok\n"
 
 
-def _start_holder(base: str, tmpfs_bytes: int, readonly_root: bool) -> subprocess.Popen:
+def _start_holder(base: str, tmpfs_bytes: int, readonly_root: bool,
+                  visible: tuple[str, ...] = ()) -> subprocess.Popen:  # fmt: skip
     """The process that makes and holds an episode's mount namespace (see `_SANDBOX`), once
     it is ready; raises ShellError if it could not be made."""
     argv = ["unshare", "-m", "--", "bash", "-c", _SANDBOX, "simloop-sandbox", base,
-            str(tmpfs_bytes), "ro" if readonly_root else "rw"]  # fmt: skip
+            str(tmpfs_bytes), "ro" if readonly_root else "rw", *visible]  # fmt: skip
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=base, env={"PATH": _PATH})  # fmt: skip
     ready, _, _ = select.select([proc.stdout], [], [], 10)
@@ -581,7 +603,10 @@ class LocalShell(ShellLifecycle):
             prefix = iso.prefix
             if iso.mount_namespace:
                 size, ro = cfg.tmpfs_bytes, iso.readonly_root
-                self._holder = await asyncio.to_thread(_start_holder, base, size, ro)
+                # parents before their children: a child may lie inside a parent's bind
+                shown = {os.path.abspath(p) for p in cfg.visible_paths if os.path.isdir(p)}
+                visible = tuple(sorted(shown, key=lambda p: (len(p), p)))
+                self._holder = await asyncio.to_thread(_start_holder, base, size, ro, visible)
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(self, _cleanup, base, self._uid, self._holder)
                 prefix = _enter(prefix, self._holder.pid)

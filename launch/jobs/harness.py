@@ -12,8 +12,10 @@ kills it past `harness.wall_s` (`timeout`), grades its `git diff` in a fresh san
 tests restored, then run) and finishes the rollout with that reward, so its token-exact
 segments land in `--out/trajectories/middleware-*.jsonl`. The agent server is
 `agent.server_url`, or one started here (`--dry-run` prints it). The local sandbox must reach
-the middleware, so its network stays shared (`env.shell.local.isolate_network` is set false;
-every other containment stays). Writes `harness.json` (per rollout: reward, status, wall
+the middleware and run the harness, so `harness_shell` shares the host's network with it,
+shows it this Python's environment and the working directory read-only
+(`env.shell.local.visible_paths`) and lets it spend `harness.wall_s` of CPU time; every other
+containment stays. Writes `harness.json` (per rollout: reward, status, wall
 seconds, diff size, segments) and `metrics.jsonl`.
 """
 
@@ -34,11 +36,20 @@ from rl.data import rundir
 
 
 def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
-    """The config with a local sandbox that can reach the middleware over the network."""
+    """The config with a local sandbox a harness can run in: it reaches the middleware over
+    the network, sees this Python's environment and the working directory (read-only, even
+    under a private /tmp), and may spend `harness.wall_s` of CPU time."""
+    import os
+    import sys
+
     shell = cfg.env.shell
-    if shell.backend != "local" or not shell.local.isolate_network:
+    if shell.backend != "local":
         return cfg
-    local = dataclasses.replace(shell.local, isolate_network=False)
+    visible = list(dict.fromkeys([*shell.local.visible_paths, sys.prefix, os.getcwd()]))
+    local = dataclasses.replace(
+        shell.local, isolate_network=False, visible_paths=visible,
+        cpu_time_s=max(shell.local.cpu_time_s, int(cfg.harness.wall_s) + 1),
+    )  # fmt: skip
     env = dataclasses.replace(cfg.env, shell=dataclasses.replace(shell, local=local))
     return dataclasses.replace(cfg, env=env)
 

@@ -105,6 +105,31 @@ async def test_tmp_folders_are_private_capped_and_end_with_the_episode():
         assert "kept" not in (await later.run(read, 5)).output
 
 
+async def test_visible_paths_stay_readable_and_read_only_under_a_private_tmp():
+    _need("private_tmp", "private tmp folders (a mount namespace)")
+    host = Path(f"/tmp/simloop-visible-{os.getpid()}")
+    (host / "inner").mkdir(parents=True)
+    (host / "inner" / "note.txt").write_text("seen\n")
+    os.chmod(host, 0o755)
+    os.chmod(host / "inner", 0o755)
+    os.chmod(host / "inner" / "note.txt", 0o644)
+    try:
+        cfg = LocalShellConfig(visible_paths=[str(host / "inner"), str(host), "/no/such/dir"])
+        async with LocalShell(cfg) as shown, LocalShell(LocalShellConfig()) as hidden:
+            read = await shown.run(f"cat {host}/inner/note.txt", 5)
+            write = await shown.run(f"echo x > {host}/inner/new.txt", 5)
+            own_tmp = await shown.run("echo mine > /tmp/own && cat /tmp/own", 5)
+            absent = await hidden.run(f"cat {host}/inner/note.txt", 5)
+        assert read.exit_code == 0 and read.output == "seen\n"
+        assert write.exit_code != 0 and not (host / "inner" / "new.txt").exists()
+        assert own_tmp.output == "mine\n" and not Path("/tmp/own").exists()
+        assert absent.exit_code != 0  # without it the private /tmp hides the folder
+    finally:
+        import shutil
+
+        shutil.rmtree(host, ignore_errors=True)
+
+
 async def test_root_is_read_only():
     _need("readonly_root", "a read-only /")
     async with LocalShell() as sh:

@@ -141,7 +141,7 @@ BROKEN = {
     "imported_from_sampler": (_set("arm", "imported"), "source="),
     # turns
     "negative_timing": (_turn(0, "timings", {"env_s": -1.0}), "turns[0].timings['env_s']"),
-    "bad_env_role": (_turn(0, "env_messages", [{"role": "system", "content": "x"}]), "env_m"),
+    "bad_env_role": (_turn(0, "env_messages", [{"role": "assistant", "content": "x"}]), "env_m"),
     "exit_code_text": (_turn(0, "exit_code", "0"), "turns[0].exit_code"),
 }
 
