@@ -165,18 +165,42 @@ def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
 
 class _SessionTurns:
     """The agent's turns through one server session (`orchestrator.sessions`): each call
-    appends what the episode's token stream gained since the session last saw it."""
+    appends what the episode's token stream gained since the session last saw it.
 
-    def __init__(self, client, session_id: str):
+    A session the server forgot (its TTL, memory pressure, a restart: 404 / 409; an episode's
+    calls are sequential, so 409 is never "busy") is opened again and sent the whole episode so
+    far. Its KV then holds every earlier token uncompacted, so when compaction had hidden some,
+    an epoch starting there that keeps everything before records what the next tokens see."""
+
+    def __init__(self, client, session_id: str, compaction=None):
         self.client, self.id, self.held = client, session_id, 0
+        self.compaction = compaction
         self.epochs: list[dict] = []
         """What the server's compaction let each token see (`Trajectory.kv_epochs`)."""
+        self.reopened = 0
+        self._floor = 0
+        """Epochs the server reports from before the last reopen (the new session's first,
+        plain one) are not news."""
 
     async def complete(self, ids: list[int], **kw) -> Any:
         kw.pop("logprobs", None)
-        out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0, **kw)
+        try:
+            out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0, **kw)
+        except Exception as e:
+            if getattr(e, "status", None) not in (404, 409):
+                raise
+            sid = await self.client.open_session(compaction=self.compaction)
+            if sid is None:
+                raise
+            self.id, self.held, self.reopened = sid, 0, self.reopened + 1
+            if any(ep["start"] > 0 for ep in self.epochs):
+                self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
+            self._floor = len(ids)
+            out = await self.client.session_generate(self.id, list(ids), logprobs=0, **kw)
         self.held = len(ids) + len(out.token_ids)
         epoch = out.raw.get("kv_epoch")
+        if isinstance(epoch, dict) and self._floor and epoch.get("start", 0) < self._floor:
+            epoch = None  # the reopened session's own view of what it was sent: nothing new
         if isinstance(epoch, dict) and (not self.epochs or epoch != self.epochs[-1]):
             # a later start is a compaction; an earlier one a rewind back into history
             self.epochs = [e for e in self.epochs if e["start"] < epoch["start"]] + [epoch]
@@ -204,12 +228,14 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
 
             compaction = SessionCompaction.from_json(cfg.session_compaction)
         sid = await client.open_session(compaction=compaction)
-        session = None if sid is None else _SessionTurns(client, sid)
+        session = None if sid is None else _SessionTurns(client, sid, compaction)
     try:
         await _agent_turns(spec, session or client, env, renderer, cfg, result, version_hint)
     finally:
         if session is not None:
             result.trajectory.kv_epochs = session.kv_epochs()
+            if session.reopened:
+                result.trajectory.meta["session_reopened"] = session.reopened
             await asyncio.shield(session.close())
 
 

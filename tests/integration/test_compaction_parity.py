@@ -2,7 +2,8 @@
 persistent sessions of a real `simloop serve`, one compaction mode at a time, then the
 trainer's forward over each whole row, told what every token could see (`kv_epochs`), gives the
 server's logprob of every generated token to 1e-4 (f32) — for `none`, `markovian`, `turn` and
-`budget`. Without that visibility the compacted rows' logprobs are measurably different, so
+`budget`, and for `turn` with sessions the server forgets mid-episode (reopened with the whole
+history). Without that visibility the compacted rows' logprobs are measurably different, so
 the check has teeth."""
 
 from __future__ import annotations
@@ -35,7 +36,27 @@ MODES = {
     "markovian": {"mode": "markovian", "n_protect_turns": 1},
     "turn": {"mode": "turn", "n_protect_turns": 1, "keep_ratio": 0.5},
     "budget": {"mode": "budget", "n_protect_turns": 2, "kv_budget": 240},
+    # `turn`, and the server forgets each session at its third call (as after its TTL): the
+    # episode reopens it with the whole history, which the next tokens then see uncompacted.
+    "turn, forgotten": {"mode": "turn", "n_protect_turns": 1, "keep_ratio": 0.5},
 }
+FORGET_AT = 3
+
+
+class ForgetfulClient(InferenceClient):
+    """Deletes a session (a real DELETE) just before its `FORGET_AT`-th generate call."""
+
+    def __init__(self, cfg: ClientConfig):
+        super().__init__(cfg)
+        self.calls: dict[str, int] = {}
+        self.forgotten = 0
+
+    async def session_generate(self, session_id, append_token_ids, **kw):
+        self.calls[session_id] = self.calls.get(session_id, 0) + 1
+        if self.calls[session_id] == FORGET_AT:
+            await self.close_session(session_id)
+            self.forgotten += 1
+        return await super().session_generate(session_id, append_token_ids, **kw)
 
 
 @pytest.mark.slow
@@ -48,8 +69,10 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
     backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
     episodes = {}
     with LocalServer.start("agent", run, extra_args=args) as server:
-        async with InferenceClient(ClientConfig(server.url, model="agent")) as client:
+        async with InferenceClient(ClientConfig(server.url, model="agent")) as plain, \
+                ForgetfulClient(ClientConfig(server.url, model="agent")) as forgetful:  # fmt: skip
             for mode, compaction in MODES.items():
+                client = forgetful if "forgotten" in mode else plain
                 ocfg = OrchestratorConfig(arm="real", max_context_tokens=CONTEXT,
                                           max_tokens_per_turn=24, group_size=2,
                                           max_staleness=None, seed=7, sessions=True,
@@ -59,12 +82,15 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
     trainer = build_trainer(RoleConfig(model=cfg, hf_path=str(hf)), renderer.tokenizer,
                             optim=OptimConfig(), steps=1, loss="policy",
                             rules=SimloopConfig().sharding.rules, seed=0)  # fmt: skip
+    assert forgetful.forgotten >= 4  # every episode's session was forgotten at least once
     loss = PolicyLossConfig(truncated_reward=0.0)
     for mode, trajs in episodes.items():
         assert len(trajs) == 4, mode
         for t in trajs:  # an untrained model never submits: every episode runs all its turns
             validate(t)
             assert len(t.turns) == TURNS + 1 or t.status != "ok", (mode, t.status, t.reason)
+            if "forgotten" in mode:
+                assert t.meta.get("session_reopened", 0) >= 1, t.meta
             if mode == "none":
                 assert t.kv_epochs == []
             else:  # compacted at least once: a later epoch that kept less than it had seen
