@@ -169,8 +169,12 @@ class _SessionTurns:
 
     A session the server forgot (its TTL, memory pressure, a restart: 404 / 409; an episode's
     calls are sequential, so 409 is never "busy") is opened again and sent the whole episode so
-    far. Its KV then holds every earlier token uncompacted, so when compaction had hidden some,
-    an epoch starting there that keeps everything before records what the next tokens see."""
+    far. Without compaction that is exact: plain causal attention either way. After a
+    compaction it is not: the new session recomputes the earlier tokens' keys with everything
+    in view, while they were first computed (and sampled from) with part of it hidden, and one
+    training forward holds one key per token. Such an episode is kept but marked `dropped`
+    (`recomputed_compacted`); an epoch from the reopen on that keeps everything before it
+    records what the new tokens themselves attended to."""
 
     def __init__(self, client, session_id: str, compaction=None):
         self.client, self.id, self.held = client, session_id, 0
@@ -178,6 +182,8 @@ class _SessionTurns:
         self.epochs: list[dict] = []
         """What the server's compaction let each token see (`Trajectory.kv_epochs`)."""
         self.reopened = 0
+        self.recomputed_compacted = False
+        """Reopened after a compaction: the run cannot be replayed in one forward."""
         self._floor = 0
         """Epochs the server reports from before the last reopen (the new session's first,
         plain one) are not news."""
@@ -195,6 +201,7 @@ class _SessionTurns:
             self.id, self.held, self.reopened = sid, 0, self.reopened + 1
             if any(ep["start"] > 0 for ep in self.epochs):
                 self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
+                self.recomputed_compacted = True
             self._floor = len(ids)
             out = await self.client.session_generate(self.id, list(ids), logprobs=0, **kw)
         self.held = len(ids) + len(out.token_ids)
@@ -236,6 +243,12 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
             result.trajectory.kv_epochs = session.kv_epochs()
             if session.reopened:
                 result.trajectory.meta["session_reopened"] = session.reopened
+            if session.recomputed_compacted:
+                result.trajectory.meta["dropped"] = (
+                    "the server forgot the agent's compacted session mid-episode; reopened, "
+                    "it recomputed the earlier tokens uncompacted, which one training forward "
+                    "cannot replay"
+                )
             await asyncio.shield(session.close())
 
 
