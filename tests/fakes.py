@@ -148,11 +148,34 @@ async def wait_until(cond, timeout_s: float = 10.0, poll_s: float = 0.005) -> bo
     return True
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (with the `span - 1` after it).
+
+    Drawn below the kernel's ephemeral range: a port from `bind(0)` lies inside it, where any
+    outgoing connection may take it before a slow-starting server binds it (a fake vLLM
+    binds ~15 s after its port is chosen, while the suite's other worker opens hundreds)."""
+    import random
+
+    high = _ephemeral_low() - span
+    low = max(1024, high - 12_000)
+    for _ in range(200):
+        port = random.randint(low, high)
+        try:
+            for p in range(port, port + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no {span} free consecutive ports on 127.0.0.1 in [{low}, {high}]")
 
 
 @dataclass

@@ -6,7 +6,6 @@ v6e-8 takes with TPU chips."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from rl.model.config import MeshConfig
 from rl.train.config import OptimConfig
 from rl.train.mesh import role_meshes
 from rl.train.trainer import Trainer
+from tests.fakes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,25 +30,9 @@ SERVE_ROLES = {"agent_serve": "agent", "sim_serve": "simulator"}
 TRAIN_ROLES = {"policy_train": "agent", "sim_train": "simulator"}
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port > 64000:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def test_demo_cpu_plan_runs_servers_and_trainers_on_their_own_devices(tmp_path):
     cfg = load_config(SimloopConfig, ROOT / "configs" / "demo_cpu.yaml")
-    chips = dataclasses.replace(cfg.chips, http_port_base=_free_port_pair())
+    chips = dataclasses.replace(cfg.chips, http_port_base=free_port(span=2))
     cfg = dataclasses.replace(cfg, chips=chips)
     plan = config_plan(cfg)
     assert set(chips.roles) == set(SERVE_ROLES) | set(TRAIN_ROLES)

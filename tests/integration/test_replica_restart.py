@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -44,16 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_VLLM = f"[{sys.executable}, -m, serving.vllm.fake_server, serve]"
 VERSION = 7
 """The version published before the rollout: what the restarted replica must serve."""
-
-
-def _two_free_ports() -> int:
-    """A base port whose next one is free too (the plan numbers servers from the base)."""
-    for _ in range(20):
-        base = free_port()
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", base + 1)) != 0:
-                return base
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
 def _config(port: int, tasks: int, *more: str) -> SimloopConfig:
@@ -87,7 +76,7 @@ async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_th
     tmp_path, monkeypatch
 ):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the servers: one CPU device each
-    cfg = _config(_two_free_ports(), tasks=4)
+    cfg = _config(free_port(span=2), tasks=4)
     out = tmp_path / "run"
     ocfg = dataclasses.replace(cfg.orchestrator, max_staleness=None)  # as `simloop rollout`
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
@@ -155,7 +144,7 @@ async def test_a_killed_jax_replica_is_restarted_on_its_port_at_the_current_vers
     command and environment (admin token included) on the same port, a log of its own."""
     small = ["--serve.engine.num_slots", "2", "--serve.engine.max_seq_len", "128",
              "--orchestrator.max_context_tokens", "128"]  # fmt: skip
-    cfg = _config(_two_free_ports(), 1, "--serve.backend", "jax", *small)
+    cfg = _config(free_port(span=2), 1, "--serve.backend", "jax", *small)
     out = tmp_path / "run"
     write_config(cfg, out)
     ckpt = save_params(Qwen3(role_model(cfg.agent), rngs=nnx.Rngs(VERSION)), out / "weights" / "v7")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakes import user_env
+from tests.fakes import free_port, user_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,15 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_one_rl_step_through_the_vllm_backend_with_the_fake_server(tmp_path):
     out = tmp_path / "agent"
-    port = _free_port()
+    port = free_port()
     fake = f"[{sys.executable}, -m, serving.vllm.fake_server, serve]"
     env = user_env()
     cmd = [sys.executable, "-m", "launch", "train-agent", "--config", str(CONFIG),
