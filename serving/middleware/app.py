@@ -66,6 +66,8 @@ class Middleware:
         self.tokenizer_name = tokenizer_name
         self.rollouts: dict[str, Rollout] = {}
         self._routes: dict[str, Any] = {}
+        self._context: int | None | bool = False
+        """The agent server's context (`max_model_len` of its /v1/models); None: unknown."""
         self.finished = 0
         self.unfinished = 0
         """Rollouts written `aborted` at shutdown (`flush_all`)."""
@@ -158,6 +160,13 @@ class Middleware:
         """Generate from the plan's ids and record the turn (only once it fully arrived)."""
         s = conv.sampling
         max_tokens = min(s.max_tokens, self.cfg.max_tokens_cap or s.max_tokens)
+        context = await self._context_limit()
+        if context is not None:  # harnesses ask for more than fits (Claude Code: 64,000)
+            n = len(plan.prompt_ids)
+            if n >= context:
+                raise HTTPFailure(400, f"this model's maximum context length is {context} "
+                                       f"tokens; the prompt has {n}")  # fmt: skip
+            max_tokens = min(max_tokens, context - n)
         client = self._routes.get(rollout.id)
         if client is None:  # a replica pool pins each rollout to one replica (warm prefixes)
             route = getattr(self.client, "session", None)
@@ -205,6 +214,20 @@ class Middleware:
         rollout.commit(plan, reply, token_ids=ids, logprobs=logprobs, versions=versions,
                        text=out.text, eos_id=eos)  # fmt: skip
         return reply
+
+    async def _context_limit(self) -> int | None:
+        """`max_model_len` the agent server reports (simloop's engine and vLLM both do), asked
+        once; None when it says nothing."""
+        if self._context is False:
+            self._context = None
+            try:
+                raw, _ = await self.client.request("GET", "/v1/models", timeout_s=30.0)
+                lengths = [m.get("max_model_len") for m in raw.get("data", [])]
+                known = [n for n in lengths if isinstance(n, int) and n > 0]
+                self._context = min(known) if known else None
+            except Exception as e:  # noqa: BLE001 - without it the server's own check decides
+                log.info("the agent server's context is unknown (%s): max_tokens unclamped", e)
+        return self._context  # type: ignore[return-value]
 
     async def _stream(self, request: web.Request, conv: Conversation, msg_id: str,
                       input_tokens: int, work) -> web.StreamResponse:  # fmt: skip

@@ -208,10 +208,13 @@ def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
     for i, m in enumerate(raw):
         m = _obj(m, f"messages[{i}]")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise BadRequest(f"messages[{i}].role={role!r} is invalid: user or assistant",
+        if role not in ("user", "assistant", "system"):
+            raise BadRequest(f"messages[{i}].role={role!r} is invalid: user, assistant or system",
                              "messages")  # fmt: skip
         content = m.get("content")
+        if role == "system":  # Claude Code sends some of its instructions this way
+            messages.append(Msg("system", _text_blocks(content, f"messages[{i}].content")))
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise BadRequest(f"messages[{i}].content must be a string or a list of blocks",

@@ -222,10 +222,16 @@ async def test_errors_come_back_in_each_apis_shape(real):
     with pytest.raises(anthropic.AuthenticationError, match="names the rollout"):
         await real.anthropic("no spaces allowed").messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}])  # fmt: skip
-    # longer than the agent server's context: its 400 comes back, named
-    with pytest.raises(anthropic.BadRequestError, match="agent server"):
+    # longer than the agent server's context (its /v1/models says 1024): named, in the phrase
+    # clients read as "too long" (litellm stops instead of retrying)
+    with pytest.raises(anthropic.BadRequestError, match="maximum context length is 1024"):
         await c.messages.create(model="tiny", max_tokens=4,
                                 messages=[{"role": "user", "content": "y" * 1500}])  # fmt: skip
+    # more max_tokens than fit (Claude Code asks for 64,000): clamped to what is left
+    async with c.messages.stream(model="tiny", max_tokens=64_000,
+                                 messages=[{"role": "user", "content": "z"}]) as s:  # fmt: skip
+        m = await s.get_final_message()
+    assert m.usage.input_tokens + m.usage.output_tokens <= 1024
     o = real.openai("bad-2")
     with pytest.raises(openai.BadRequestError, match="n=3"):
         await o.chat.completions.create(model="tiny", n=3,

@@ -94,6 +94,21 @@ def test_anthropic_request_becomes_messages_in_order():
     assert conv.system_text.startswith("S\n\n# Tools")
 
 
+def test_anthropic_system_messages_stay_in_place():
+    # Claude Code sends some instructions as messages[].role == "system" between user turns
+    conv = parse_anthropic({
+        "max_tokens": 3, "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
+            {"role": "user", "content": "c"}]}, default_model="d")  # fmt: skip
+    assert [(m.role, m.content) for m in conv.messages] == [
+        ("user", "a"), ("system", "remember b"), ("user", "c")]  # fmt: skip
+    with pytest.raises(BadRequest, match=r"messages\[0\].content"):
+        parse_anthropic({"max_tokens": 3, "messages": [
+            {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "x",
+                                            "input": {}}]}]}, default_model="d")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -108,7 +123,7 @@ def test_anthropic_request_becomes_messages_in_order():
           "messages": [{"role": "user", "content": "x"}]}, "server-side tools"),
         ({"max_tokens": 5, "temperature": 9, "messages": [{"role": "user", "content": "x"}]},
          "temperature=9"),
-        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user or assistant"),
+        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user, assistant or"),
     ],
 )  # fmt: skip
 def test_anthropic_bad_requests_name_the_field(body, needle):
