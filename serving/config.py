@@ -111,10 +111,12 @@ class EngineConfig:
 
     @property
     def prefill_views(self) -> tuple[int, ...]:
-        """KV lengths the prefill step is compiled for, 4x apart from `MIN_PREFILL_VIEW`: each
-        view is compiled for every prefill bucket, so a coarser ladder keeps the start-up
-        compile short, and a prompt chunk is cheap next to the tokens decoded after it."""
-        return _views(MIN_PREFILL_VIEW, 4, self.max_seq_len)
+        """Lengths of the held KV a prefill step is compiled to read (a chunk's own keys are
+        apart from it): 0 for first chunks, which read nothing, then 4x apart from
+        `MIN_PREFILL_VIEW`. Each view is compiled for every prefill bucket, so a coarser
+        ladder keeps the start-up compile short, and a prompt chunk is cheap next to the
+        tokens decoded after it."""
+        return (0, *_views(MIN_PREFILL_VIEW, 4, self.max_seq_len))
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,46 @@ def attend(
     return out_BTNH, mass_BS
 
 
+def attend_split(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    mask_BTS: jax.Array,
+    knew_BUKH: jax.Array,
+    vnew_BUKH: jax.Array,
+    mask_BTU: jax.Array,
+) -> jax.Array:
+    """`attend` over two key sets at once, held apart: a cache that is only read (S keys) and
+    the few keys of this call (U), so no step copies the cache to append to it. One softmax
+    over both (a shared max, summed denominators): the same attention as over the keys
+    concatenated, to float rounding. A query that sees no key gets zeros."""
+    b, t, n, h = q_BTNH.shape
+    kv = k_BSKH.shape[2]
+    if k_BSKH.shape[1] == 0:  # nothing held yet (a prompt's first chunk)
+        return attend(q_BTNH, knew_BUKH.astype(q_BTNH.dtype), vnew_BUKH.astype(v_BSKH.dtype),
+                      mask_BTU)  # fmt: skip
+    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
+    scale = 1.0 / jnp.sqrt(jnp.float32(h))
+    old_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                           preferred_element_type=jnp.float32) * scale  # fmt: skip
+    new_BKGTU = jnp.einsum("BTKGH,BUKH->BKGTU", q_BTKGH, knew_BUKH,
+                           preferred_element_type=jnp.float32) * scale  # fmt: skip
+    old_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], old_BKGTS, NEG_INF)
+    new_BKGTU = jnp.where(mask_BTU[:, None, None, :, :], new_BKGTU, NEG_INF)
+    top_BKGT1 = jnp.maximum(jnp.max(old_BKGTS, axis=-1, keepdims=True),
+                            jnp.max(new_BKGTU, axis=-1, keepdims=True))  # fmt: skip
+    top_BKGT1 = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top_BKGT1), top_BKGT1, 0.0))
+    e_old = jnp.exp(old_BKGTS - top_BKGT1)
+    e_new = jnp.exp(new_BKGTU - top_BKGT1)
+    total_BKGT1 = jnp.sum(e_old, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    inv_BKGT1 = jnp.where(total_BKGT1 > 0, 1.0 / total_BKGT1, 0.0)
+    dt = v_BSKH.dtype
+    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", (e_old * inv_BKGT1).astype(dt), v_BSKH)
+    out_BTKGH = out_BTKGH + jnp.einsum("BKGTU,BUKH->BTKGH", (e_new * inv_BKGT1).astype(dt),
+                                       vnew_BUKH.astype(dt))  # fmt: skip
+    return out_BTKGH.reshape(b, t, n, h)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -202,6 +242,31 @@ class Block(nnx.Module):
         if mass_valid_BT is not None:
             return x_BTD, (k_BSKH, v_BSKH), mass_BS
         return x_BTD, (k_BSKH, v_BSKH)
+
+    def extend(
+        self,
+        x_BTD: jax.Array,
+        positions_BT: jax.Array,
+        past: tuple[jax.Array, jax.Array],
+        past_mask_BTS: jax.Array,
+        new: tuple[jax.Array, jax.Array],
+        new_at_T: jax.Array,
+        new_mask_BTU: jax.Array,
+    ):
+        """The block on tokens whose keys go to slots `new_at_T` of the small buffers `new`
+        ([B, U, K, H]: this call's keys), attending to the read-only `past` keys and the
+        buffers' -> (x, new buffers). `past` is never written, so it is never copied."""
+        q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(self.attn_norm(x_BTD), positions_BT)
+        k_BUKH, v_BUKH = new
+        k_BUKH = k_BUKH.at[:, new_at_T].set(k_BTKH.astype(k_BUKH.dtype))
+        v_BUKH = v_BUKH.at[:, new_at_T].set(v_BTKH.astype(v_BUKH.dtype))
+        dt = q_BTNH.dtype
+        attn_BTNH = attend_split(q_BTNH, past[0].astype(dt), past[1].astype(dt), past_mask_BTS,
+                                 k_BUKH.astype(dt), v_BUKH, new_mask_BTU)  # fmt: skip
+        x_BTD = x_BTD + self.attn.out(attn_BTNH)
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        x_BTD = constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
+        return x_BTD, (k_BUKH, v_BUKH)
 
 
 def _is_var(x: object) -> bool:
@@ -352,37 +417,101 @@ class Qwen3(nnx.Module):
         at cache indices `start_B[b]...` (the tokens themselves, re-run without writing):
         [B, S] float32, summed over layers, heads and those queries. Session compaction
         keeps the keys a turn's response attended to most."""
-        _, mass_LBS = self._run(tokens_BT, cache, num_B, shift_B, start_B=start_B, mass=True)
+        _, mass_LBS = self._run(tokens_BT, cache, num_B, shift_B, start_B=start_B)
         return jnp.sum(mass_LBS, axis=0)
 
     def _extend(self, tokens_BT, cache, num_new_B, shift_B=None):
-        h_BTD, (k, v), new_len_B = self._run(tokens_BT, cache, num_new_B, shift_B)
-        k, v = constrain(k, CACHE_AXES), constrain(v, CACHE_AXES)
-        new_cache = KVCache(k=k, v=v, lengths=jnp.minimum(new_len_B, cache.max_len))
-        return h_BTD, new_cache
-
-    def _run(self, tokens_BT, cache, num_new_B, shift_B, *, start_B=None, mass=False):
         b, t = tokens_BT.shape
         if num_new_B is None:
             num_new_B = jnp.full((b,), t, jnp.int32)
         num_new_B = num_new_B.astype(jnp.int32)
-        start_B = cache.lengths if start_B is None else start_B.astype(jnp.int32)
+        start_B = cache.lengths
+        offsets_T = jnp.arange(t, dtype=jnp.int32)
+        index_BT = start_B[:, None] + offsets_T[None, :]  # where each token's key goes
+        positions_BT = index_BT if shift_B is None else index_BT + shift_B[:, None]
+        valid_BT = offsets_T[None, :] < num_new_B[:, None]
+        shape = (self.cfg.num_layers, b, t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        empty = jnp.zeros(shape, cache.k.dtype)
+        h_BTD, k_new, v_new = self.extend_kv(
+            tokens_BT, (cache.k, cache.v), start_B, (empty, empty), offsets_T,
+            causal_new_mask(valid_BT), positions_BT,
+        )  # fmt: skip
+        write_idx_BT = jnp.where(valid_BT, index_BT, cache.max_len)  # max_len: dropped
+        new_cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), write_idx_BT, k_new, v_new)
+        new_len_B = jnp.minimum(start_B + num_new_B, cache.max_len)
+        return h_BTD, dataclasses.replace(new_cache, lengths=new_len_B)
+
+    def extend_kv(
+        self,
+        tokens_BT: jax.Array,
+        past: tuple[jax.Array, jax.Array],
+        past_len_B: jax.Array,
+        new: tuple[jax.Array, jax.Array],
+        new_at_T: jax.Array,
+        new_mask_BTU: jax.Array,
+        positions_BT: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Run `tokens_BT` on top of keys held elsewhere -> (hidden [B, T, D], the buffers
+        `new` with these tokens' keys and values at `new_at_T`: [L, B, U, K, H] each).
+
+        Each token attends to the first `past_len_B[b]` keys of `past` ([L, B, S, K, H], only
+        read: a cache, or the view of one) and to the buffers' keys `new_mask_BTU` allows
+        (its own included). The caller writes the buffers wherever the keys live; nothing
+        here copies `past`."""
+        b, t = tokens_BT.shape
+        s = past[0].shape[2]
+        past_mask_BTS = jnp.broadcast_to(
+            jnp.arange(s, dtype=jnp.int32)[None, None, :] < past_len_B[:, None, None], (b, t, s)
+        )
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(x_BTD, xs):
+            layer_state, pk, pv, nk, nv = xs
+            block = nnx.merge(graphdef, layer_state)
+            return block.extend(x_BTD, positions_BT, (pk, pv), past_mask_BTS, (nk, nv),
+                                new_at_T, new_mask_BTU)  # fmt: skip
+
+        h_BTD, (k_new, v_new) = jax.lax.scan(
+            body, self.embed_tokens(tokens_BT), (stacked, past[0], past[1], new[0], new[1])
+        )
+        return h_BTD, k_new, v_new
+
+    def _run(self, tokens_BT, cache, num_B, shift_B, *, start_B):
+        """The attention mass of tokens already held at `start_B...` (nothing written)."""
+        b, t = tokens_BT.shape
+        num_B = num_B.astype(jnp.int32)
+        start_B = start_B.astype(jnp.int32)
         offsets_T = jnp.arange(t, dtype=jnp.int32)
         index_BT = start_B[:, None] + offsets_T[None, :]  # where each token's key lives
         positions_BT = index_BT if shift_B is None else index_BT + shift_B[:, None]
-        valid_BT = offsets_T[None, :] < num_new_B[:, None]
-        new_len_B = start_B + num_new_B
+        valid_BT = offsets_T[None, :] < num_B[:, None]
+        end_B = start_B + num_B
         s_idx = jnp.arange(cache.max_len, dtype=jnp.int32)
         mask_BTS = (s_idx[None, None, :] <= index_BT[:, :, None]) & (
-            s_idx[None, None, :] < new_len_B[:, None, None]
+            s_idx[None, None, :] < end_B[:, None, None]
         )
         x_BTD = self.embed_tokens(tokens_BT)
-        if mass:  # nothing written: these tokens' keys are in the cache already
-            no_write_BT = jnp.full_like(index_BT, cache.max_len)
-            return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, no_write_BT, valid_BT)
-        write_idx_BT = jnp.where(valid_BT, index_BT, cache.max_len)  # max_len: dropped
-        h_BTD, kv = self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, write_idx_BT)
-        return h_BTD, kv, new_len_B
+        no_write_BT = jnp.full_like(index_BT, cache.max_len)
+        return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, no_write_BT, valid_BT)
+
+
+def causal_new_mask(valid_BT: jax.Array) -> jax.Array:
+    """[B, T, T]: token i of a call sees the call's keys j <= i that are valid (a row's first
+    `num_new` tokens)."""
+    t = valid_BT.shape[1]
+    idx = jnp.arange(t)
+    return (idx[None, None, :] <= idx[None, :, None]) & valid_BT[:, None, :]
+
+
+def write_kv(cache: KVCache, rows_B: jax.Array, index_BU: jax.Array, k_LBUKH: jax.Array,
+             v_LBUKH: jax.Array) -> KVCache:  # fmt: skip
+    """Keys and values of a call written into `cache` rows `rows_B` at `index_BU` (indices
+    past the cache, and rows past its batch, are dropped): one scatter, in place when the
+    cache is donated."""
+    rows_BU = jnp.broadcast_to(rows_B[:, None], index_BU.shape)
+    k = cache.k.at[:, rows_BU, index_BU].set(k_LBUKH.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows_BU, index_BU].set(v_LBUKH.astype(cache.v.dtype), mode="drop")
+    return KVCache(k=constrain(k, CACHE_AXES), v=constrain(v, CACHE_AXES), lengths=cache.lengths)
 
 
 def jit_forward(model: Qwen3):

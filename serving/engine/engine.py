@@ -43,7 +43,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer, common_prefix_len
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
-from rl.model.transformer import KVCache, Qwen3
+from rl.model.transformer import KVCache, Qwen3, causal_new_mask, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -211,28 +211,32 @@ class Engine(SessionsMixin):
         def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
                    top_k_B, seed_B, index_B, counter_B, *, steps, view):  # fmt: skip
             """`steps` tokens for every active slot, each step feeding back its own sample.
-            Only the first `view` cache positions are read and written: every active slot's
-            keys, including the `steps` new ones, fit in them (`_view_for`)."""
+            Only the first `view` cache positions are read: every active slot's keys fit in
+            them (`_view_for`). The steps' own keys gather in small buffers, written into
+            the cache once at the end (the cache itself is never copied)."""
             self.traces["decode"] += 1
             model = nnx.merge(graphdef, state)
             active_i_B = active_B.astype(jnp.int32)
+            b = lengths_B.shape[0]
+            past = (cache.k[:, :, :view], cache.v[:, :, :view])
+            empty = jnp.zeros((cache.k.shape[0], b, steps, *cache.k.shape[3:]), cache.k.dtype)
+            u_U = jnp.arange(steps, dtype=jnp.int32)
 
             def one(carry, j):
-                sub, lengths_B, tok_B = carry
-                sub = dataclasses.replace(sub, lengths=lengths_B)
-                logits_BTV, sub = model.decode(tok_B[:, None], sub, active_i_B, shift_B)
-                out = sample(logits_BTV[:, 0], temp_B, top_p_B, top_k_B, seed_B, index_B,
-                             counter_B + j, num_top, valid_vocab)  # fmt: skip
-                return (sub, lengths_B + active_i_B, out[0]), out
+                k_new, v_new, tok_B = carry
+                positions_B1 = (lengths_B + j * active_i_B + shift_B)[:, None]
+                mask_B1U = jnp.broadcast_to(u_U <= j, (b, 1, steps))
+                h_B1D, k_new, v_new = model.extend_kv(tok_B[:, None], past, lengths_B,
+                                                      (k_new, v_new), j[None], mask_B1U,
+                                                      positions_B1)  # fmt: skip
+                out = sample(model.logits(h_B1D)[:, 0], temp_B, top_p_B, top_k_B, seed_B,
+                             index_B, counter_B + j, num_top, valid_vocab)  # fmt: skip
+                return (k_new, v_new, out[0]), out
 
-            sub = KVCache(k=cache.k[:, :, :view], v=cache.v[:, :, :view], lengths=lengths_B)
-            (sub, _, _), outs = jax.lax.scan(one, (sub, lengths_B, tokens_B),
-                                             jnp.arange(steps, dtype=jnp.int32))  # fmt: skip
-            return KVCache(
-                k=cache.k.at[:, :, :view].set(sub.k),
-                v=cache.v.at[:, :, :view].set(sub.v),
-                lengths=cache.lengths,
-            ), outs
+            (k_new, v_new, _), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
+            at_BU = jnp.where(active_B[:, None], lengths_B[:, None] + u_U[None, :],
+                              cache.max_len)  # fmt: skip
+            return write_kv(cache, jnp.arange(b, dtype=jnp.int32), at_BU, k_new, v_new), outs
 
         def rows(cache, lengths_B, slots_P, view=None):
             return KVCache(
@@ -242,18 +246,23 @@ class Engine(SessionsMixin):
             )
 
         def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P, *, view):
-            """Writes the chunks' keys; reads and writes only the first `view` positions of
-            the listed slots (every chunk ends within them)."""
+            """Writes the chunks' keys; reads only the first `view` positions of the listed
+            slots (every one's held keys are within them)."""
             self.traces["prefill"] += 1
             model = nnx.merge(graphdef, state)
             sub = rows(cache, lengths_B, slots_P, view)
             shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
-            sub = model.prefill(tokens_PT, sub, num_new_P, shift_P)
-            return KVCache(
-                k=cache.k.at[:, slots_P, :view].set(sub.k, mode="drop"),
-                v=cache.v.at[:, slots_P, :view].set(sub.v, mode="drop"),
-                lengths=lengths_B,
-            )
+            p, t = tokens_PT.shape
+            offsets_T = jnp.arange(t, dtype=jnp.int32)
+            at_PT = sub.lengths[:, None] + offsets_T[None, :]
+            valid_PT = offsets_T[None, :] < num_new_P[:, None]
+            empty = jnp.zeros((cache.k.shape[0], p, t, *cache.k.shape[3:]), cache.k.dtype)
+            _, k_new, v_new = model.extend_kv(tokens_PT, (sub.k, sub.v), sub.lengths,
+                                              (empty, empty), offsets_T,
+                                              causal_new_mask(valid_PT),
+                                              at_PT + shift_P[:, None])  # fmt: skip
+            at_PT = jnp.where(valid_PT, at_PT, cache.max_len)
+            return write_kv(cache, slots_P, at_PT, k_new, v_new)
 
         def copy(cache, src_P, dst_P):
             self.traces["copy"] += 1
@@ -536,12 +545,18 @@ class Engine(SessionsMixin):
         self._aborts.clear()
 
     def _admit(self) -> None:
-        """Give waiting sequences slots (FIFO; a sibling waits for its leader's prefill)."""
+        """Give waiting sequences slots (FIFO). A sibling waits for its leader's prefill, and
+        so does a sequence whose prompt starts like one being prefilled (the samples of an RL
+        group, arriving together as separate requests): its prefix is then copied."""
         skipped: deque[_Seq] = deque()
+        prefilling = self._prefilling_by_head() if self.cfg.prefix_reuse else None
         while self._waiting:
             seq = self._waiting.popleft()
             leader = seq.request.seqs[0]
             if seq is not leader and (leader.slot is None or leader.pending):
+                skipped.append(seq)
+                continue
+            if prefilling is not None and seq is leader and self._gains_by_waiting(seq, prefilling):
                 skipped.append(seq)
                 continue
             if not self._place(seq):
@@ -549,7 +564,38 @@ class Engine(SessionsMixin):
                 skipped.extend(self._waiting)
                 self._waiting.clear()
                 break
+            if prefilling is not None and seq.pending and len(seq.prompt) > MIN_COPY_PREFIX:
+                prefilling.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
         self._waiting = skipped
+
+    def _prefilling_by_head(self) -> dict[tuple[int, ...], list[_Seq]]:
+        """Seated sequences with prompt still to prefill, by their first `MIN_COPY_PREFIX`
+        tokens (sessions excluded: their KV is their own)."""
+        out: dict[tuple[int, ...], list[_Seq]] = {}
+        for seq in self._slot_owner:
+            if seq is None or not seq.pending or seq.request.session is not None:
+                continue
+            if len(seq.prompt) > MIN_COPY_PREFIX:
+                out.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
+        return out
+
+    def _gains_by_waiting(self, seq: _Seq, prefilling: dict[tuple[int, ...], list[_Seq]]) -> bool:
+        """Whether a seated sequence's prefill will soon hold more of `seq`'s prompt than any
+        slot holds now (then `seq` waits a step or two and copies it instead of prefilling)."""
+        if seq.request.session is not None or len(seq.prompt) <= MIN_COPY_PREFIX:
+            return False
+        want = seq.prompt[:-1]
+        soon = 0
+        for other in prefilling.get(tuple(want[:MIN_COPY_PREFIX]), ()):
+            if other.slot is None or not other.pending or other.finish_reason is not None:
+                continue
+            soon = max(soon, common_prefix_len(other.prompt[:-1], want))
+        if soon < MIN_COPY_PREFIX:
+            return False
+        held = max((common_prefix_len(t, want[:soon]) for t, v in
+                    zip(self._slot_tokens, self._slot_version, strict=True)
+                    if v == self.version), default=0)  # fmt: skip
+        return soon > held
 
     def _place(self, seq: _Seq) -> bool:
         want = seq.prompt[:-1]
@@ -641,8 +687,8 @@ class Engine(SessionsMixin):
                 slots[i], num_new[i] = seq.slot, len(part)
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
-            end = max(self._lengths[seq.slot] + len(part) for seq, part in chunks)
-            view = _view_for(self.cfg.prefill_views, end)
+            held = max(self._lengths[seq.slot] for seq, _ in chunks)  # read; the rest written
+            view = _view_for(self.cfg.prefill_views, held)
             prefill_args = (view, self._lengths.copy(), self._shift.copy(), slots, tokens,
                             num_new)  # fmt: skip
             for seq, part in chunks:  # lengths after the prefill, before the decode

@@ -148,7 +148,7 @@ async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
     long = Engine(BASE, TOK, EngineConfig(num_slots=8, max_seq_len=4 * SEQ, prefill_chunk=32,
                                           prefill_batch=2))  # fmt: skip
     assert long.cfg.kv_views == (256, 512, 1024) and engine.cfg.kv_views == (256,)
-    assert long.cfg.prefill_views == (512, 1024) and engine.cfg.prefill_views == (256,)
+    assert long.cfg.prefill_views == (0, 512, 1024) and engine.cfg.prefill_views == (0, 256)
     await long.start()
     try:
         prompts = [prompt(n, seed=900 + n) for n in (20, 100, 230)]
@@ -159,7 +159,8 @@ async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
             assert a.token_ids == b.token_ids
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
         assert {v for kind, v in long.view_calls if kind == "decode"} == {256}
-        assert {v for kind, v in long.view_calls if kind == "prefill"} == {512}
+        # first chunks read no held keys (view 0); later ones at most 230 of them
+        assert {v for kind, v in long.view_calls if kind == "prefill"} == {0, 512}
         (out,) = await gen(long, prompt(600, seed=9), greedy(12))
         assert len(out.token_ids) == 12
         assert long.view_calls["decode", 1024] > 0 and long.view_calls["prefill", 1024] > 0
@@ -374,6 +375,23 @@ async def test_prefix_reuse_from_a_busy_slot(engine, engine_b):
     (first,) = await long.result()
     (solo,) = await gen(engine_b, p1, greedy(CAP))
     assert first.token_ids[:CAP] == solo.token_ids  # the source slot was not disturbed
+
+
+async def test_a_group_arriving_together_prefills_its_prompt_once(engine, engine_b):
+    """An RL group's samples are separate requests with one prompt, sent at once: the first
+    is prefilled, the others wait for it and copy its KV, and all match a cold run."""
+    engine.reset_prefix_cache()
+    group = prompt(70, seed=65)  # three prefill chunks of 32
+    others = [prompt(50, seed=66 + i) for i in range(2)]
+    chunks = sum(engine.view_calls[k] for k in engine.view_calls if k[0] == "prefill")
+    handles = [engine.submit(p, greedy(6)) for p in [group, *others, group, group, group]]
+    outs = [out for (out,) in await asyncio.gather(*(h.result() for h in handles))]
+    prefills = sum(engine.view_calls[k] for k in engine.view_calls if k[0] == "prefill") - chunks
+    assert [o.cached_tokens for o in outs] == [0, 0, 0, 69, 69, 69]
+    # prefill_batch 2: the group's 3 chunks and the others' 2 each, paired up (copies aside)
+    assert prefills <= 4, prefills
+    (cold,) = await gen(engine_b, group, greedy(6))
+    assert all(o.token_ids == cold.token_ids for o in (outs[0], *outs[3:]))
 
 
 # ----- compilation ------------------------------------------------------------------------------
