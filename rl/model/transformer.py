@@ -115,6 +115,28 @@ def attend(
     return out_BTNH, mass_BS
 
 
+CAUSAL_BLOCK = 128
+"""Query block of `attend_causal`: block i computes scores for the keys up to its end only."""
+
+
+def attend_causal(
+    q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, mask_BTT: jax.Array
+) -> jax.Array:
+    """`attend` for a row's own tokens under a mask that is causal by index (training):
+    queries in blocks of `CAUSAL_BLOCK`, each block scoring only the keys up to its end, which
+    skips the masked upper triangle (3/8 of the scores at 512 tokens) and gives the same
+    attention, to float rounding."""
+    t = q_BTNH.shape[1]
+    if t <= CAUSAL_BLOCK:
+        return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTT)
+    outs = []
+    for start in range(0, t, CAUSAL_BLOCK):
+        end = min(start + CAUSAL_BLOCK, t)
+        outs.append(attend(q_BTNH[:, start:end], k_BTKH[:, :end], v_BTKH[:, :end],
+                           mask_BTT[:, start:end, :end]))  # fmt: skip
+    return jnp.concatenate(outs, axis=1)
+
+
 def attend_split(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
@@ -213,28 +235,19 @@ class Block(nnx.Module):
         positions_BT: jax.Array,
         mask_BTS: jax.Array,
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
-        write_idx_BT: jax.Array | None = None,
         mass_valid_BT: jax.Array | None = None,
     ):
-        """Without `kv_cache`, attend over this call's own keys; with it, scatter the new keys
-        to `write_idx_BT` (out-of-range indices are dropped) and attend over the cache. With
-        `mass_valid_BT`, also returns the attention mass per key position (`attend`)."""
+        """Without `kv_cache`, a row's own tokens, causally (training): attend over this
+        call's keys. With it, tokens whose keys the cache already holds: attend over the
+        cache, and with `mass_valid_BT` also return the attention mass per key (`attend`)."""
         q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(self.attn_norm(x_BTD), positions_BT)
         if kv_cache is None:
+            attn = attend_causal(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
-            k_cache, v_cache = kv_cache
-            rows_BT = jnp.broadcast_to(jnp.arange(k_cache.shape[0])[:, None], write_idx_BT.shape)
-            k_BSKH = k_cache.at[rows_BT, write_idx_BT].set(
-                k_BTKH.astype(k_cache.dtype), mode="drop"
-            )
-            v_BSKH = v_cache.at[rows_BT, write_idx_BT].set(
-                v_BTKH.astype(v_cache.dtype), mode="drop"
-            )
-            k_BSKH = constrain(k_BSKH, CACHE_AXES[1:])
-            v_BSKH = constrain(v_BSKH, CACHE_AXES[1:])
-        attn = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-                      mask_BTS, mass_valid_BT)  # fmt: skip
+            k_BSKH, v_BSKH = kv_cache
+            attn = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                          mask_BTS, mass_valid_BT)  # fmt: skip
         attn_BTNH, mass_BS = attn if mass_valid_BT is not None else (attn, None)
         x_BTD = x_BTD + self.attn.out(attn_BTNH)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
@@ -320,19 +333,19 @@ class Qwen3(nnx.Module):
             logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
-    def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, write_idx_BT=None,
-                     mass_valid_BT=None):  # fmt: skip
+    def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, mass_valid_BT=None):
+        """The blocks in turn: training (no cache), or with `cache` and `mass_valid_BT` the
+        attention mass per layer of tokens the cache holds."""
         graphdef, stacked = nnx.split(self.layers)
 
         def body(x_BTD, xs):
             layer_state, kv = xs
             block = nnx.merge(graphdef, layer_state)
-            if mass_valid_BT is not None:  # attention mass per layer instead of the new KV
-                x_BTD, _, mass_BS = block(x_BTD, positions_BT, mask_BTS, kv, write_idx_BT,
-                                          mass_valid_BT)  # fmt: skip
+            if mass_valid_BT is not None:
+                x_BTD, _, mass_BS = block(x_BTD, positions_BT, mask_BTS, kv, mass_valid_BT)
                 return x_BTD, mass_BS
-            x_BTD, kv_new = block(x_BTD, positions_BT, mask_BTS, kv, write_idx_BT)
-            return x_BTD, (kv_new if kv is not None else None)
+            x_BTD, _ = block(x_BTD, positions_BT, mask_BTS)
+            return x_BTD, None
 
         kv_xs = None if cache is None else (cache.k, cache.v)
         return jax.lax.scan(body, x_BTD, (stacked, kv_xs))
@@ -491,8 +504,7 @@ class Qwen3(nnx.Module):
             s_idx[None, None, :] < end_B[:, None, None]
         )
         x_BTD = self.embed_tokens(tokens_BT)
-        no_write_BT = jnp.full_like(index_BT, cache.max_len)
-        return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, no_write_BT, valid_BT)
+        return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, valid_BT)
 
 
 def causal_new_mask(valid_BT: jax.Array) -> jax.Array:

@@ -150,3 +150,31 @@ def test_param_count_matches_config_formula():
         model = _model(cfg)
         total = sum(v.get_value().size for _, v in nnx.to_flat_state(nnx.state(model)))
         assert total == cfg.num_params()
+
+
+def test_blocked_causal_attention_and_split_attention_equal_plain_attention():
+    """Training attention skips the scores above the causal diagonal block by block, and the
+    engine attends over a read-only cache plus its own keys held apart: both equal `attend`
+    over the same keys. Bound: an output is a weighted mean of values in [-1, 1] whose f32
+    sums over n <= 300 terms may round in another order, each within n * 2**-24 (x2: the
+    normaliser and the weighted sum)."""
+    from rl.model.transformer import CAUSAL_BLOCK, attend, attend_causal, attend_split
+
+    b, t, n, kv, h = 2, 2 * CAUSAL_BLOCK + 44, 4, 2, 16
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.uniform(-1, 1, (b, t, heads, h)), jnp.float32)
+               for heads in (n, kv, kv))  # fmt: skip
+    idx = np.arange(t)
+    segments = (idx >= 100).astype(int)[None, :] + np.array([[0], [1]]) * (idx >= 250)
+    mask = jnp.asarray(
+        (idx[:, None] >= idx[None, :]) & (segments[:, :, None] == segments[:, None, :])
+    )
+    tol = 2 * t * 2.0**-24
+    want = attend(q, k, v, mask)
+    np.testing.assert_allclose(attend_causal(q, k, v, mask), want, atol=tol, rtol=0)
+    held = 200  # the first 200 keys in a cache, the rest this call's own
+    got = attend_split(q[:, held:], k[:, :held], v[:, :held], mask[:, held:, :held],
+                       k[:, held:], v[:, held:], mask[:, held:, held:])  # fmt: skip
+    np.testing.assert_allclose(got, want[:, held:], atol=tol, rtol=0)
+    none_held = attend_split(q, k[:, :0], v[:, :0], mask[:, :, :0], k, v, mask)
+    np.testing.assert_allclose(none_held, want, atol=tol, rtol=0)
