@@ -592,10 +592,9 @@ class Engine(SessionsMixin):
             soon = max(soon, common_prefix_len(other.prompt[:-1], want))
         if soon < MIN_COPY_PREFIX:
             return False
-        held = max((common_prefix_len(t, want[:soon]) for t, v in
-                    zip(self._slot_tokens, self._slot_version, strict=True)
-                    if v == self.version), default=0)  # fmt: skip
-        return soon > held
+        shared = want[:soon]  # does some slot hold it all already? then no need to wait
+        slots = zip(self._slot_tokens, self._slot_version, strict=True)
+        return not any(v == self.version and t[:soon] == shared for t, v in slots)
 
     def _place(self, seq: _Seq) -> bool:
         want = seq.prompt[:-1]

@@ -1,12 +1,13 @@
 """Tokenizers: the byte tokenizer round-trips anything; HF tokenizer.json loads locally."""
 
 import json
+import random
 
 import pytest
 from transformers import AutoTokenizer
 
 from rl.data import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, load_tokenizer
-from rl.data.tokenizer import IM_END, IM_START
+from rl.data.tokenizer import IM_END, IM_START, common_prefix_len
 from tests.fakes import CORPUS, build_hf_tokenizer
 
 
@@ -69,3 +70,20 @@ def test_tokenizer_config_selects_and_validates(tmp_path):
         TokenizerConfig(kind="hf")
     with pytest.raises(ValueError, match="'byte' or 'hf'"):
         TokenizerConfig(kind="sentencepiece")
+
+
+def test_common_prefix_len_agrees_with_a_plain_scan():
+    """The engine's slice-at-a-time search, against the obvious loop, on lists and tuples."""
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(9))]
+        for x, y in ((a, b), (b, a), (tuple(a), b)):
+            assert common_prefix_len(x, y) == scan(x, y), (x, y)
