@@ -564,8 +564,9 @@ class Engine(SessionsMixin):
                 skipped.extend(self._waiting)
                 self._waiting.clear()
                 break
-            if prefilling is not None and seq.pending and len(seq.prompt) > MIN_COPY_PREFIX:
-                prefilling.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
+            if prefilling is not None and seq.pending and seq.request.session is None:
+                if len(seq.prompt) > MIN_COPY_PREFIX:  # others may now wait for this one
+                    prefilling.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
         self._waiting = skipped
 
     def _prefilling_by_head(self) -> dict[tuple[int, ...], list[_Seq]]:
