@@ -437,22 +437,35 @@ class Qwen3(nnx.Module):
         b, t = tokens_BT.shape
         if num_new_B is None:
             num_new_B = jnp.full((b,), t, jnp.int32)
-        num_new_B = num_new_B.astype(jnp.int32)
-        start_B = cache.lengths
-        offsets_T = jnp.arange(t, dtype=jnp.int32)
-        index_BT = start_B[:, None] + offsets_T[None, :]  # where each token's key goes
-        positions_BT = index_BT if shift_B is None else index_BT + shift_B[:, None]
-        valid_BT = offsets_T[None, :] < num_new_B[:, None]
-        shape = (self.cfg.num_layers, b, t, self.cfg.num_kv_heads, self.cfg.head_dim)
-        empty = jnp.zeros(shape, cache.k.dtype)
-        h_BTD, k_new, v_new = self.extend_kv(
-            tokens_BT, (cache.k, cache.v), start_B, (empty, empty), offsets_T,
-            causal_new_mask(valid_BT), positions_BT,
-        )  # fmt: skip
-        write_idx_BT = jnp.where(valid_BT, index_BT, cache.max_len)  # max_len: dropped
-        new_cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), write_idx_BT, k_new, v_new)
-        new_len_B = jnp.minimum(start_B + num_new_B, cache.max_len)
+        h_BTD, k_new, v_new, index_BT, valid_BT = self.extend_chunk(
+            tokens_BT, (cache.k, cache.v), cache.lengths, num_new_B, shift_B
+        )
+        new_cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), index_BT, k_new, v_new,
+                             valid_BT)  # fmt: skip
+        new_len_B = jnp.minimum(cache.lengths + num_new_B.astype(jnp.int32), cache.max_len)
         return h_BTD, dataclasses.replace(new_cache, lengths=new_len_B)
+
+    def extend_chunk(self, tokens_BT, past, start_B, num_new_B, shift_B=None):
+        """A chunk of `num_new_B[b]` new tokens per row (a left-aligned prefix of row b) after
+        the first `start_B[b]` keys of `past` -> (hidden, keys, values [L, B, T, K, H], the
+        cache index of each token `start + offset` [B, T], which of them are real [B, T]).
+        Each token sees the held keys and the chunk's real tokens up to itself; its position
+        is its index plus `shift_B[b]`. Nothing is written: see `write_kv`."""
+        b, t = tokens_BT.shape
+        start_B = start_B.astype(jnp.int32)
+        offsets_T = jnp.arange(t, dtype=jnp.int32)
+        index_BT = start_B[:, None] + offsets_T[None, :]
+        positions_BT = index_BT if shift_B is None else index_BT + shift_B[:, None]
+        valid_BT = offsets_T[None, :] < num_new_B.astype(jnp.int32)[:, None]
+        # token i sees the chunk's real tokens j <= i
+        mask_BTT = (offsets_T[None, None, :] <= offsets_T[None, :, None]) & valid_BT[:, None, :]
+        shape = (self.cfg.num_layers, b, t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        empty = jnp.zeros(shape, past[0].dtype)
+        h_BTD, k_new, v_new = self.extend_kv(
+            tokens_BT, past, start_B, (empty, empty), offsets_T, mask_BTT,
+            positions_BT,
+        )  # fmt: skip
+        return h_BTD, k_new, v_new, index_BT, valid_BT
 
     def extend_kv(
         self,
@@ -507,19 +520,13 @@ class Qwen3(nnx.Module):
         return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, valid_BT)
 
 
-def causal_new_mask(valid_BT: jax.Array) -> jax.Array:
-    """[B, T, T]: token i of a call sees the call's keys j <= i that are valid (a row's first
-    `num_new` tokens)."""
-    t = valid_BT.shape[1]
-    idx = jnp.arange(t)
-    return (idx[None, None, :] <= idx[None, :, None]) & valid_BT[:, None, :]
-
-
 def write_kv(cache: KVCache, rows_B: jax.Array, index_BU: jax.Array, k_LBUKH: jax.Array,
-             v_LBUKH: jax.Array) -> KVCache:  # fmt: skip
-    """Keys and values of a call written into `cache` rows `rows_B` at `index_BU` (indices
-    past the cache, and rows past its batch, are dropped): one scatter, in place when the
-    cache is donated."""
+             v_LBUKH: jax.Array, valid_BU: jax.Array | None = None) -> KVCache:  # fmt: skip
+    """Keys and values of a call written into `cache` rows `rows_B` at `index_BU`, those
+    `valid_BU` allows (default all; indices past the cache and rows past its batch are
+    dropped too): one scatter, in place when the cache is donated."""
+    if valid_BU is not None:
+        index_BU = jnp.where(valid_BU, index_BU, cache.max_len)
     rows_BU = jnp.broadcast_to(rows_B[:, None], index_BU.shape)
     k = cache.k.at[:, rows_BU, index_BU].set(k_LBUKH.astype(cache.k.dtype), mode="drop")
     v = cache.v.at[:, rows_BU, index_BU].set(v_LBUKH.astype(cache.v.dtype), mode="drop")

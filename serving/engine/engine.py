@@ -43,7 +43,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer, common_prefix_len
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
-from rl.model.transformer import KVCache, Qwen3, causal_new_mask, write_kv
+from rl.model.transformer import KVCache, Qwen3, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -234,9 +234,10 @@ class Engine(SessionsMixin):
                 return (k_new, v_new, out[0]), out
 
             (k_new, v_new, _), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
-            at_BU = jnp.where(active_B[:, None], lengths_B[:, None] + u_U[None, :],
-                              cache.max_len)  # fmt: skip
-            return write_kv(cache, jnp.arange(b, dtype=jnp.int32), at_BU, k_new, v_new), outs
+            at_BU = lengths_B[:, None] + u_U[None, :]
+            cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), at_BU, k_new, v_new,
+                             jnp.broadcast_to(active_B[:, None], at_BU.shape))  # fmt: skip
+            return cache, outs
 
         def rows(cache, lengths_B, slots_P, view=None):
             return KVCache(
@@ -252,17 +253,10 @@ class Engine(SessionsMixin):
             model = nnx.merge(graphdef, state)
             sub = rows(cache, lengths_B, slots_P, view)
             shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
-            p, t = tokens_PT.shape
-            offsets_T = jnp.arange(t, dtype=jnp.int32)
-            at_PT = sub.lengths[:, None] + offsets_T[None, :]
-            valid_PT = offsets_T[None, :] < num_new_P[:, None]
-            empty = jnp.zeros((cache.k.shape[0], p, t, *cache.k.shape[3:]), cache.k.dtype)
-            _, k_new, v_new = model.extend_kv(tokens_PT, (sub.k, sub.v), sub.lengths,
-                                              (empty, empty), offsets_T,
-                                              causal_new_mask(valid_PT),
-                                              at_PT + shift_P[:, None])  # fmt: skip
-            at_PT = jnp.where(valid_PT, at_PT, cache.max_len)
-            return write_kv(cache, slots_P, at_PT, k_new, v_new)
+            _, k_new, v_new, index_PT, valid_PT = model.extend_chunk(
+                tokens_PT, (sub.k, sub.v), sub.lengths, num_new_P, shift_P
+            )
+            return write_kv(cache, slots_P, index_PT, k_new, v_new, valid_PT)
 
         def copy(cache, src_P, dst_P):
             self.traces["copy"] += 1
