@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.data.tokenizer import Tokenizer, common_prefix_len
+from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
 from rl.model.transformer import KVCache, Qwen3, write_kv
@@ -48,12 +48,9 @@ from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
 from serving.engine.sessions import Session, SessionsMixin
+from serving.engine.slots import SlotsMixin
 
 log = logging.getLogger(__name__)
-
-MIN_COPY_PREFIX = 16
-"""A busy slot's prefix is copied for a new sequence only when this long (or the whole
-prompt, as for `n` samples); shorter shared prefixes are cheaper to prefill again."""
 
 
 @dataclass
@@ -154,7 +151,7 @@ class RequestHandle:
                 self._engine.abort(self.id)
 
 
-class Engine(SessionsMixin):
+class Engine(SlotsMixin, SessionsMixin):
     """`engine = Engine(model, tokenizer, EngineConfig()); await engine.start()`, then
     `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
 
@@ -537,117 +534,6 @@ class Engine(SessionsMixin):
                         self._finish(seq, "abort")
                 self.stats["aborted"] += 1
         self._aborts.clear()
-
-    def _admit(self) -> None:
-        """Give waiting sequences slots (FIFO). A sibling waits for its leader's prefill, and
-        so does a sequence whose prompt starts like one being prefilled (the samples of an RL
-        group, arriving together as separate requests): its prefix is then copied."""
-        skipped: deque[_Seq] = deque()
-        prefilling = self._prefilling_by_head() if self.cfg.prefix_reuse else None
-        while self._waiting:
-            seq = self._waiting.popleft()
-            leader = seq.request.seqs[0]
-            if seq is not leader and (leader.slot is None or leader.pending):
-                skipped.append(seq)
-                continue
-            if prefilling is not None and seq is leader and self._gains_by_waiting(seq, prefilling):
-                skipped.append(seq)
-                continue
-            if not self._place(seq):
-                skipped.append(seq)
-                skipped.extend(self._waiting)
-                self._waiting.clear()
-                break
-            if prefilling is not None and seq.pending and seq.request.session is None:
-                if len(seq.prompt) > MIN_COPY_PREFIX:  # others may now wait for this one
-                    prefilling.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
-        self._waiting = skipped
-
-    def _prefilling_by_head(self) -> dict[tuple[int, ...], list[_Seq]]:
-        """Seated sequences with prompt still to prefill, by their first `MIN_COPY_PREFIX`
-        tokens (sessions excluded: their KV is their own)."""
-        out: dict[tuple[int, ...], list[_Seq]] = {}
-        for seq in self._slot_owner:
-            if seq is None or not seq.pending or seq.request.session is not None:
-                continue
-            if len(seq.prompt) > MIN_COPY_PREFIX:
-                out.setdefault(tuple(seq.prompt[:MIN_COPY_PREFIX]), []).append(seq)
-        return out
-
-    def _gains_by_waiting(self, seq: _Seq, prefilling: dict[tuple[int, ...], list[_Seq]]) -> bool:
-        """Whether a seated sequence's prefill will soon hold more of `seq`'s prompt than any
-        slot holds now (then `seq` waits a step or two and copies it instead of prefilling)."""
-        if seq.request.session is not None or len(seq.prompt) <= MIN_COPY_PREFIX:
-            return False
-        want = seq.prompt[:-1]
-        soon = 0
-        for other in prefilling.get(tuple(want[:MIN_COPY_PREFIX]), ()):
-            if other.slot is None or not other.pending or other.finish_reason is not None:
-                continue
-            soon = max(soon, common_prefix_len(other.prompt[:-1], want))
-        if soon < MIN_COPY_PREFIX:
-            return False
-        shared = want[:soon]  # does some slot hold it all already? then no need to wait
-        slots = zip(self._slot_tokens, self._slot_version, strict=True)
-        return not any(v == self.version and t[:soon] == shared for t, v in slots)
-
-    def _place(self, seq: _Seq) -> bool:
-        want = seq.prompt[:-1]
-        session = seq.request.session
-        if session is not None and session.slot is not None:
-            return self._place_session(seq, session)  # its own slot: pinned, idle
-        self._expire_sessions()
-        pinned = self._slot_session
-        best, best_len = None, 0
-        if self.cfg.prefix_reuse and want:
-            for slot, tokens in enumerate(self._slot_tokens):
-                if self._slot_version[slot] != self.version or pinned[slot] is not None:
-                    continue  # KV of older weights, or a session's own
-                m = common_prefix_len(tokens, want)
-                if m > best_len:
-                    best, best_len = slot, m
-        idle = [s for s in range(self.cfg.num_slots) if self._slot_owner[s] is None]
-        free = [s for s in idle if pinned[s] is None]
-        if not free:
-            slot = self._evict_for(idle)
-            if slot is None:
-                return False
-            free = [slot]
-        if best is not None and self._slot_owner[best] is None:
-            slot = best  # take the cached slot over in place: no copy
-        else:
-            # An empty slot if any, else the least recently used cached one.
-            slot = min(free, key=lambda s: (len(self._slot_tokens[s]) > 0, self._slot_used[s]))
-            if best is not None and best_len < min(MIN_COPY_PREFIX, len(want)):
-                best, best_len = None, 0  # too short to be worth a copy
-            if best is not None:
-                # A copy's destination holds nothing until the copy runs: copy from its source.
-                pending = dict((d, s) for s, d in self._pending_copies)
-                self._pending_copies.append((pending.get(best, best), slot))
-        if session is not None:
-            session.slot, pinned[slot] = slot, session
-        return self._place_in(seq, slot, want, cached=best_len if best is not None else 0)
-
-    def _place_in(self, seq: _Seq, slot: int, want: list[int], cached: int | None = None) -> bool:
-        """Seat `seq` in `slot`, reusing the first `cached` tokens of its KV (None: as many
-        as the slot holds of `want`, if its KV is of the current weights)."""
-        held = self._slot_tokens[slot]
-        if cached is None:
-            fresh = self._slot_version[slot] == self.version
-            cached = common_prefix_len(held, want) if fresh else 0
-        self._slot_tokens[slot] = want[:cached]
-        self._lengths[slot] = cached
-        self._shift[slot] = 0
-        self._slot_owner[slot] = seq
-        self._slot_used[slot] = time.perf_counter()
-        self._slot_version[slot] = self.version
-        seq.slot, seq.cached = slot, cached
-        seq.pending = want[cached:]
-        seq.next_input = seq.prompt[-1]
-        seq.admitted_at = time.perf_counter()
-        self.stats["prompt_tokens"] += len(seq.prompt)
-        self.stats["cached_tokens"] += cached
-        return True
 
     def _plan(self):
         """Host-side inputs of the next device step, or None when there is nothing to do."""
