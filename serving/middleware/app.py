@@ -66,8 +66,9 @@ class Middleware:
         self.tokenizer_name = tokenizer_name
         self.rollouts: dict[str, Rollout] = {}
         self._routes: dict[str, Any] = {}
-        self._context: int | None | bool = False
+        self._context: int | None = None
         """The agent server's context (`max_model_len` of its /v1/models); None: unknown."""
+        self._context_asked = False
         self.finished = 0
         self.unfinished = 0
         """Rollouts written `aborted` at shutdown (`flush_all`)."""
@@ -218,8 +219,8 @@ class Middleware:
     async def _context_limit(self) -> int | None:
         """`max_model_len` the agent server reports (simloop's engine and vLLM both do), asked
         once; None when it says nothing."""
-        if self._context is False:
-            self._context = None
+        if not self._context_asked:
+            self._context_asked = True
             try:
                 raw, _ = await self.client.request("GET", "/v1/models", timeout_s=30.0)
                 lengths = [m.get("max_model_len") for m in raw.get("data", [])]
@@ -227,7 +228,7 @@ class Middleware:
                 self._context = min(known) if known else None
             except Exception as e:  # noqa: BLE001 - without it the server's own check decides
                 log.info("the agent server's context is unknown (%s): max_tokens unclamped", e)
-        return self._context  # type: ignore[return-value]
+        return self._context
 
     async def _stream(self, request: web.Request, conv: Conversation, msg_id: str,
                       input_tokens: int, work) -> web.StreamResponse:  # fmt: skip
