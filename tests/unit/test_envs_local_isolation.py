@@ -6,6 +6,7 @@ what is missing, where this kernel or account cannot provide the isolation it ch
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -137,6 +138,22 @@ async def test_root_is_read_only():
     assert "Read-only file system" in obs.output and obs.output.endswith("wrote\n")
 
 
+def _procs_of_uid(uid: int) -> list[str]:
+    """Command lines of the live processes whose real uid is `uid` (what its cap counts)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(entry.path, "status").read_text()
+                real = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Uid:"))
+                if int(real) == uid:
+                    cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ")
+                    found.append(cmd.decode(errors="replace").strip())
+            except (OSError, StopIteration):
+                pass
+    return found
+
+
 async def test_fork_bomb_in_one_episode_does_not_disturb_another():
     if not IS_ROOT:
         pytest.skip("a uid per shell needs root (as a normal user all shells share its uid)")
@@ -145,18 +162,32 @@ async def test_fork_bomb_in_one_episode_does_not_disturb_another():
     cfg = LocalShellConfig(max_processes=cap)
     sleeper = ["sleep", "765.5"]
     async with LocalShell(cfg) as a, LocalShell(cfg) as b:
-        # A exhausts its uid's process cap (its bash and cap - 1 sleepers; bash then retries
-        # its failing forks until the timeout kills it); B must still fork freely meanwhile.
-        flood = asyncio.create_task(a.run("while :; do sleep 765.5 & done", 3), name="bomb")
+        uid, log = a.isolation["uid"], a.workspace / "fork.log"
+        # A exhausts its uid's process cap (bash and its sleepers; bash then retries its failing
+        # forks, saying so in fork.log). The bomb runs until the test cancels it, so a slow
+        # machine cannot end it before it is measured; B must still fork freely meanwhile.
+        bomb = "while :; do sleep 765.5 & done 2>fork.log"
+        flood = asyncio.create_task(a.run(bomb, 300), name="bomb")
         try:
-            assert await wait_until(lambda: len(procs_running(sleeper)) >= cap - 1, 10)
-            obs = await b.run("for i in $(seq 20); do /bin/true || exit 1; done; echo fine", 10)
+            full = await wait_until(lambda: len(_procs_of_uid(uid)) >= cap, 60)
+            assert full, f"uid {uid} never reached its cap {cap}: {_procs_of_uid(uid)}"
+            assert await wait_until(lambda: "Resource temporarily unavailable" in _read(log), 60)
+            obs = await b.run("for i in $(seq 20); do /bin/true || exit 1; done; echo fine", 30)
             assert (obs.exit_code, obs.output) == (0, "fine\n")
-            assert len(procs_running(sleeper)) == cap - 1  # still saturated: a real test
+            assert len(_procs_of_uid(uid)) == cap  # still saturated: a real test
+            assert procs_running(sleeper)
         finally:
-            done = await flood
-    assert "Resource temporarily unavailable" in done.output
+            flood.cancel()  # cancelling a command kills its whole process group
+            with contextlib.suppress(asyncio.CancelledError):
+                await flood
     assert await wait_until(lambda: procs_running(sleeper) == [], 10)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 async def test_each_shell_holds_its_own_uid_and_releases_it():
