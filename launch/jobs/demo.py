@@ -300,6 +300,9 @@ def _train_sim(args, path: Path, wiring: list[str]) -> dict:
     return record
 
 
+_PRETRAIN_KEYS = ("examples", "steps", "wall_s", "command", "exact", "textops")
+
+
 def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
     """What the report says the simulator is: its size, where it started, what it saw."""
     from rl.model.params_io import read_model_config
@@ -316,8 +319,10 @@ def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
         "heads": model.num_heads,
         "started_from": start or "random initialisation",
         "pretrained_on": None if not pretrained else {
-            k: pretrained.get(k) for k in ("examples", "steps", "wall_s", "command", "exact",
-                                           "textops")
+            **{k: pretrained.get(k) for k in _PRETRAIN_KEYS},
+            "total_steps": pretrained.get("total_steps", pretrained.get("steps")),
+            "lineage": [{k: r.get(k) for k in _PRETRAIN_KEYS}
+                        for r in pretrained.get("lineage") or []],
         },
         "fine_tuned_on": examples[-1] if examples else None,
         "fine_tune_steps": cfg.train_sim.steps,

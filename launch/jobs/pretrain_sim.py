@@ -108,6 +108,19 @@ def induction_examples(seed: int) -> list[dict]:
     return rows
 
 
+def lineage(weights: str | None) -> list[dict]:
+    """The pretraining runs behind `weights`, oldest first: each one's record (its command,
+    steps, wall, data, grammar, last evaluation and learning curve) from the
+    `pretrain_sim.json` the weights carry. Empty when they carry none (random or foreign
+    weights)."""
+    record = rundir.read_json(Path(weights) / RESULT) if weights else None
+    if not isinstance(record, dict):
+        return []
+    older = record.get("lineage") or []
+    own = {k: v for k, v in record.items() if k not in ("lineage", "total_steps")}
+    return [*older, own]
+
+
 class StagedBatches:
     """Batches from one dataset per curriculum stage: `stages[k] = (pulls, dataset)`, the
     last stage open-ended. Saves and restores its position (stage, pulls, the stage's
@@ -145,6 +158,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from launch.deploy.chips import trainer_device_ids
     from rl.data import load_tokenizer
     from rl.data.datasets import labelled_sim_examples, packed_dataset, sim_sft_examples
+    from rl.model.integrity import write_manifest
     from rl.train.build import build_trainer, export_weights
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import greedy_exact_by_group, resume, sft_loop
@@ -241,9 +255,14 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
              for r in rundir.read_metrics(out / rundir.METRICS)
              if r.get("stage") == "pretrain_sim_eval"}  # fmt: skip
     result["curve"] = [curve[k] for k in sorted(curve)]
+    earlier = lineage(cfg.simulator.weights)
+    if earlier:  # it continued another pretraining: the record says which, and what it cost
+        result["lineage"] = earlier
+        result["total_steps"] = summary["steps"] + sum(int(r.get("steps") or 0) for r in earlier)
     text = json.dumps(result, indent=1)
     (out / RESULT).write_text(text)
     (path / RESULT).write_text(text)  # travels with the weights (the report reads it there)
+    write_manifest(path)  # sealed again with the record in it, or no server would load them
     print(
         f"simloop pretrain-sim: {summary['steps']} steps in {summary['wall_s']:.0f}s; "
         f"held-out exact {result['exact']:.3f}, textops {result['textops']:.3f} -> {path}"

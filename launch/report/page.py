@@ -161,6 +161,27 @@ def _ci(v: Any) -> str:
     return f"[{v[0]:.3f}, {v[1]:.3f}]" if isinstance(v, list | tuple) and len(v) == 2 else "–"
 
 
+def pretrain_curve(record: dict) -> list[dict]:
+    """The learning curves of every pretraining run behind a simulator (`pretrain_sim.json`'s
+    `lineage`, then its own), steps counted from the first run's start."""
+    points, offset = [], 0
+    for run in [*(record.get("lineage") or []), record]:
+        points += [{**r, "step": offset + r["step"]} for r in run.get("curve") or []]
+        offset += int(run.get("steps") or 0)
+    return points
+
+
+def _pretraining(pre: dict) -> str:
+    """'by <command>: N examples, S steps, W s' for each pretraining run, oldest first."""
+    runs = [*(pre.get("lineage") or []), pre]
+    return "; then ".join(
+        f"by <code>{html.escape(str(r.get('command')))}</code>: {_f(r.get('examples'))} "
+        f"real-bash examples of a utility grammar, {_f(r.get('steps'))} steps, "
+        f"{_f(r.get('wall_s'), 0)} s"
+        for r in runs
+    )
+
+
 def _section_simulator(summary: dict | None, sim_metrics: list[dict],
                        pretrain: dict | None) -> str:  # fmt: skip
     """What the simulator is, and its fidelity learning curves by operation."""
@@ -174,18 +195,20 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
             f"({_f(sim.get('layers'))} layers, width {_f(sim.get('hidden'))}, "
             f"{_f(sim.get('heads'))} heads, byte tokens), started from "
             f"<code>{html.escape(str(sim.get('started_from')))}</code>"
-            + (f" (pretrained by <code>{html.escape(str(pre.get('command')))}</code>: "
-               f"{_f(pre.get('examples'))} real-bash examples of a utility grammar, "
-               f"{_f(pre.get('steps'))} steps, {_f(pre.get('wall_s'), 0)} s)" if pre else "")
+            + (f" (pretrained {_pretraining(pre)})" if pre else "")
             + f", then fine-tuned {_f(sim.get('fine_tune_steps'))} steps on "
             f"{_f(ft.get('examples'))} examples from the collected real trajectories. Every "
             "simulated observation is written by this model from its context.</p>"
         )  # fmt: skip
     charts = []
-    curve = (pretrain or {}).get("curve") or []
+    curve = pretrain_curve(pretrain or {})
     if curve:
         keys = sorted({k for r in curve for k in r if k.startswith("exact_")})
-        charts.append(line_chart("Pretraining: held-out greedy exact by kind",
+        runs = len((pretrain or {}).get("lineage") or []) + 1
+        title = "Pretraining: held-out greedy exact by kind" + (
+            f" ({runs} runs, each scored on its own held-out set)" if runs > 1 else ""
+        )
+        charts.append(line_chart(title,
                                  {k[6:]: _series(curve, k) for k in keys}
                                  | {"induction": _series(curve, "induction")}))  # fmt: skip
     ev = [m for m in sim_metrics if m.get("stage") == "sim_sft_eval"]

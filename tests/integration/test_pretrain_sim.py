@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rl.data.trajectory import load_trajectories
+from rl.model.integrity import verify_checkpoint
 from rl.model.params_io import read_model_config
 from tests.fakes import user_env
 
@@ -49,8 +50,13 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert read_model_config(weights).num_layers == 3  # demo_cpu.yaml's simulator.model
     record = json.loads((weights / "pretrain_sim.json").read_text())
     assert record == json.loads((out / "pretrain_sim.json").read_text())
+    verify_checkpoint(weights)  # sealed with its record: train-sim and servers load it as is
     assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
     assert "--pretrain_sim.cases 24" in record["command"]  # how to make it again
+    # demo_cpu.yaml's simulator starts from the shipped one: the record names what it continued.
+    shipped = json.loads((ROOT / "configs/pretrained/sim-textops/pretrain_sim.json").read_text())
+    assert record["lineage"][-1]["command"] == shipped["command"]
+    assert record["total_steps"] == 6 + sum(r["steps"] for r in record["lineage"])
 
     again = pretrain(out, 9)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]

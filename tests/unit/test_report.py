@@ -98,3 +98,24 @@ def test_charts_handle_missing_and_flat_data():
     assert "<path" in flat and "nan" not in flat
     bars = bar_chart("s", {"real": {"before": 0.25, "after": None}})
     assert "0.25" in bars and bars.count("<rect") == 4  # frame, one bar, two legend keys
+
+
+def test_a_continued_pretraining_carries_its_lineage_and_one_curve(tmp_path):
+    from launch.jobs.pretrain_sim import RESULT, lineage
+    from launch.report.page import pretrain_curve
+
+    curve = [{"step": 20, "exact_sort": 0.1}, {"step": 40, "exact_sort": 0.2}]
+    first = {"command": "simloop pretrain-sim --out a", "steps": 40, "curve": curve}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / RESULT).write_text(json.dumps(first))
+    assert lineage(str(tmp_path / "a")) == [first]
+    assert lineage(str(tmp_path / "none")) == [] and lineage(None) == []
+    second = {"command": "simloop pretrain-sim --out b", "steps": 30, "lineage": [first],
+              "total_steps": 70, "curve": [{"step": 30, "exact_sort": 0.5}]}  # fmt: skip
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / RESULT).write_text(json.dumps(second))
+    own = {k: v for k, v in second.items() if k not in ("lineage", "total_steps")}
+    assert lineage(str(tmp_path / "b")) == [first, own]  # oldest first, each once
+    # The second run's steps count on from the first's 40.
+    assert [(r["step"], r["exact_sort"]) for r in pretrain_curve(second)] == [
+        (20, 0.1), (40, 0.2), (70, 0.5)]  # fmt: skip
