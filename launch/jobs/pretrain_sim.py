@@ -224,8 +224,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         seen["step"] = step
 
     with Checkpointer(out / rundir.CHECKPOINTS, p.checkpoint) as ckpt:
+        earlier_wall = 0.0
         if resume(trainer, ckpt, batches) is not None:
             print(f"simloop pretrain-sim: resuming at step {trainer.step_count}", flush=True)
+            # The training wall of the invocations before this one (as their last record says).
+            earlier_wall = float((rundir.read_json(out / RESULT) or {}).get("wall_s") or 0.0)
         seen["step"] = trainer.step_count
         summary = sft_loop(trainer, batches, steps=p.steps, log=log, stage="pretrain_sim",
                            log_every=p.log_every, ckpt=ckpt, ckpt_every=p.checkpoint.every_steps,
@@ -236,7 +239,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     result.update(
         weights=str(path),
         steps=summary["steps"],
-        wall_s=summary["wall_s"],
+        wall_s=round(earlier_wall + summary["wall_s"], 1),  # training, every invocation
         examples=stats.examples,
         params=trainer.model_cfg.num_params(),
         command=" ".join(

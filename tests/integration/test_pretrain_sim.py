@@ -62,8 +62,10 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resuming at step 6" in again.stdout
     assert "workspaces in real bash" not in again.stdout  # the transcripts were reused
+    first_wall = record["wall_s"]
     record = json.loads((out / "pretrain_sim.json").read_text())
     assert [r["step"] for r in record["curve"]] == [3, 6, 9]  # the whole curve, resumed
+    assert record["wall_s"] > first_wall  # and the training time of both invocations
 
 
 @pytest.mark.parametrize(
