@@ -320,7 +320,6 @@ def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
         "started_from": start or "random initialisation",
         "pretrained_on": None if not pretrained else {
             **{k: pretrained.get(k) for k in _PRETRAIN_KEYS},
-            "total_steps": pretrained.get("total_steps", pretrained.get("steps")),
             "lineage": [{k: r.get(k) for k in _PRETRAIN_KEYS}
                         for r in pretrained.get("lineage") or []],
         },

@@ -161,11 +161,17 @@ def _ci(v: Any) -> str:
     return f"[{v[0]:.3f}, {v[1]:.3f}]" if isinstance(v, list | tuple) and len(v) == 2 else "–"
 
 
+def _runs(record: dict) -> list[dict]:
+    """Every pretraining run behind a simulator, oldest first: `pretrain_sim.json`'s
+    `lineage`, then the record itself."""
+    return [*(record.get("lineage") or []), record]
+
+
 def pretrain_curve(record: dict) -> list[dict]:
-    """The learning curves of every pretraining run behind a simulator (`pretrain_sim.json`'s
-    `lineage`, then its own), steps counted from the first run's start."""
+    """The learning curves of every pretraining run behind a simulator, steps counted from
+    the first run's start."""
     points, offset = [], 0
-    for run in [*(record.get("lineage") or []), record]:
+    for run in _runs(record):
         points += [{**r, "step": offset + r["step"]} for r in run.get("curve") or []]
         offset += int(run.get("steps") or 0)
     return points
@@ -173,12 +179,11 @@ def pretrain_curve(record: dict) -> list[dict]:
 
 def _pretraining(pre: dict) -> str:
     """'by <command>: N examples, S steps, W s' for each pretraining run, oldest first."""
-    runs = [*(pre.get("lineage") or []), pre]
     return "; then ".join(
         f"by <code>{html.escape(str(r.get('command')))}</code>: {_f(r.get('examples'))} "
         f"real-bash examples of a utility grammar, {_f(r.get('steps'))} steps, "
         f"{_f(r.get('wall_s'), 0)} s"
-        for r in runs
+        for r in _runs(pre)
     )
 
 
@@ -204,7 +209,7 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
     curve = pretrain_curve(pretrain or {})
     if curve:
         keys = sorted({k for r in curve for k in r if k.startswith("exact_")})
-        runs = len((pretrain or {}).get("lineage") or []) + 1
+        runs = len(_runs(pretrain or {}))
         title = "Pretraining: held-out greedy exact by kind" + (
             f" ({runs} runs, each scored on its own held-out set)" if runs > 1 else ""
         )
