@@ -164,6 +164,9 @@ def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
     rl = [r for r in records if r.get("stage") == "rl" and "step" in r]
     assert [r["step"] for r in rl] == [1, 2] and all("publish_first_token_s" in r for r in rl)
     for r in rl:
-        if r["zero_variance_groups"] < 2:  # a group with mixed rewards: a real gradient
-            assert r["loss"] != 0.0 and r["grad_norm"] > 0.0
+        # A group with mixed rewards gives a real gradient. Not a nonzero loss: on-policy the
+        # surrogate's value is minus the sum of the group-centred advantages (x IS weights ~1),
+        # which is zero by construction, and CI's run printed exactly 0.0.
+        if r["zero_variance_groups"] < 2:
+            assert r["grad_norm"] > 0.0, r
     assert (out / "weights" / "final").is_dir()
