@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TEXTOPS_OPS = ("reverse", "upper", "sort", "count", "write_read")
+STRING_OPS = ("reverse", "upper", "sort", "count")
+"""The textops operations on a word that the utility grammar writes commands for."""
 SHELL_BACKENDS = ("local", "e2b", "simulated")
 
 DEFAULT_OBSERVATION_TEMPLATE = "<returncode>{exit_code}</returncode>\n<output>\n{output}\n</output>"
@@ -466,14 +468,38 @@ class GrammarConfig:
     """Share of cases with no files: the words are in the commands (`printf`/`echo`), so the
     rows are short and the word is a few dozen bytes before the output: the distance at which
     copying is learned first (a curriculum starts with these)."""
+    op_weights: dict[str, float] | None = None
+    """Relative weights of the textops operations (`reverse`, `upper`, `sort`, `count`) in the
+    commands of the agent's shape, e.g. `{sort: 2, count: 2}` (an operation not named weighs
+    1); None: all equal."""
+    typo_prob: float = 0.1
+    """Share of the agent-shaped commands with one character dropped anywhere (the textops
+    noise's typo: a misspelt marker, program, option or file name)."""
 
     def __post_init__(self) -> None:
+        if self.op_weights is not None:
+            w = self.op_weights
+            ok = (
+                isinstance(w, dict)
+                and all(k in STRING_OPS for k in w)
+                and all(
+                    isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+                    for v in w.values()
+                )
+            )
+            if not ok or not any(w.get(op, 1.0) > 0 for op in STRING_OPS):
+                raise ValueError(
+                    f"GrammarConfig.op_weights={w!r} is invalid: a mapping from operations in "
+                    f"{list(STRING_OPS)} to weights >= 0, not all of them 0"
+                )
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(
                 f"GrammarConfig: min_len={self.min_len}, max_len={self.max_len} is invalid: "
                 "1 <= min_len <= max_len"
             )
-        for name in ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob"):
+        probs = ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob",
+                 "typo_prob")  # fmt: skip
+        for name in probs:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"GrammarConfig.{name}={value!r} is invalid: within [0, 1]")

@@ -22,14 +22,12 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from envs.config import GrammarConfig, LocalShellConfig
+from envs.config import STRING_OPS, GrammarConfig, LocalShellConfig
 from envs.shell import TaskSetup
 from envs.terminal import SUBMIT_MARKER
 
 LETTERS = string.ascii_lowercase
 TEXTOPS_FILE = "input.txt"
-# The textops agent's pipelines, by operation (`envs.textops.TRANSFORMS` plus count).
-STRING_OPS = ("reverse", "upper", "sort", "count")
 
 
 @dataclass(frozen=True)
@@ -90,6 +88,13 @@ def _letter(rng: random.Random, word: str) -> str:
 
 # One pipeline stage: (stage text, kind), given the word that flows into it (for letters).
 Stage = Callable[[random.Random, str], tuple[str, str]]
+
+
+def _op(rng: random.Random, cfg: GrammarConfig) -> str:
+    """A textops operation, weighted as `cfg.op_weights` says."""
+    if cfg.op_weights is None:  # the draw of the seeded streams made before the weights
+        return rng.choice(STRING_OPS)
+    return rng.choices(STRING_OPS, [cfg.op_weights.get(op, 1.0) for op in STRING_OPS])[0]
 
 
 def _textops_stage(op: str, rng: random.Random, word: str) -> str:
@@ -168,7 +173,7 @@ def sample_bare_command(rng: random.Random, cfg: GrammarConfig) -> Command:
     """A command over a word it carries itself (no files)."""
     word = random_word(rng, cfg)
     if rng.random() < cfg.textops_prob:
-        op = rng.choice(STRING_OPS)
+        op = _op(rng, cfg)
         src = rng.choice([f"printf '%s' '{word}'", f"printf '%s' {word}", f"echo -n {word}"])
         text, kind = f"{src} | {_textops_stage(op, rng, word)}", f"bare:{op}"
     else:
@@ -189,12 +194,12 @@ def sample_command(rng: random.Random, cfg: GrammarConfig, files: dict[str, str]
     if rng.random() < cfg.error_prob:
         return _error(rng, files, word)
     if rng.random() < cfg.textops_prob:
-        op = rng.choice(STRING_OPS)
+        op = _op(rng, cfg)
         text = f"tr -d '\\n' < {TEXTOPS_FILE} | {_textops_stage(op, rng, word)}"
         kind = op
         if rng.random() < 0.75:
             text = f"echo {_marker(rng)}\n{text}"
-        if rng.random() < 0.1:  # the textops noise's typo, anywhere in the command
+        if rng.random() < cfg.typo_prob:  # the textops noise's typo, anywhere in the command
             text, kind = misspell(text, rng), f"{op}:typo"
         return Command(text, kind)
     src, flowing = _source(rng, files, random_word(rng, cfg))

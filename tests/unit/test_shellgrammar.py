@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from envs.config import GrammarConfig
+from envs.config import STRING_OPS, GrammarConfig
 from envs.shellgrammar import Case, Command, run_cases, sample_cases
 from envs.terminal import SUBMIT_MARKER
 from envs.textops import TRANSFORMS
@@ -35,10 +35,25 @@ def test_the_grammar_covers_operations_errors_and_bare_commands():
                 assert "| wc -c" in c.text and "input.txt" in c.text
 
 
+def test_operation_weights_and_typo_rate_shape_the_agents_commands():
+    only_count = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
+                               textops_prob=1.0, bare_prob=0.0)  # fmt: skip
+    kinds = [c.kind for case in sample_cases(only_count, 100) for c in case.commands]
+    assert {k.split(":")[0] for k in kinds} == {"count"}
+    heavy = GrammarConfig(op_weights={"sort": 3}, textops_prob=1.0, error_prob=0.0,
+                          bare_prob=0.0, typo_prob=0.0)  # fmt: skip
+    kinds = [c.kind for case in sample_cases(heavy, 400) for c in case.commands]
+    # sort weighs 3 of 6: 1,200 of 2,400 expected (sd 24.5); the others 400 each (sd ~18)
+    assert 1050 < kinds.count("sort") < 1350 and 300 < kinds.count("upper") < 500
+    typos = GrammarConfig(textops_prob=1.0, error_prob=0.0, bare_prob=0.0, typo_prob=1.0)
+    assert all(c.kind.endswith(":typo") for case in sample_cases(typos, 50) for c in case.commands)
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("min_len", 0), ("max_len", 0), ("repeat_prob", 1.5), ("bare_prob", -0.1),
-     ("commands_per_case", 0)],
+     ("commands_per_case", 0), ("typo_prob", 2.0), ("op_weights", {"rev": 1.0}),
+     ("op_weights", {"sort": -1.0}), ("op_weights", dict.fromkeys(STRING_OPS, 0))],
 )  # fmt: skip
 def test_bad_grammar_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
