@@ -155,7 +155,9 @@ class SimulatedShell(ShellLifecycle):
         if same < len(held):
             await self.client.rewind_session(self._session, same)
         kw = {k: v for k, v in kw.items() if k != "stop"}
-        out = await self.client.session_generate(self._session, list(prompt[same:]), **kw)
+        # a lost answer is retried from `same` (the client rewinds there first)
+        out = await self.client.session_generate(self._session, list(prompt[same:]),
+                                                  rewind_to=same, **kw)  # fmt: skip
         self._session_ids = list(prompt) + list(out.token_ids)
         self._appended = len(prompt) - same
         return out

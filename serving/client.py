@@ -141,15 +141,7 @@ class InferenceClient:
         if bearer:
             headers["Authorization"] = f"Bearer {bearer}"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.cfg.timeout_s)
-        retries = self.cfg.max_retries if retries is None else retries
-        async for attempt in AsyncRetrying(
-            stop=stop_after_attempt(retries + 1),
-            # full jitter: uniform(0, min(max_backoff_s, backoff_s * 2 ** (attempt - 1)))
-            wait=wait_random_exponential(multiplier=self.cfg.backoff_s, max=self.cfg.max_backoff_s),
-            retry=retry_if_exception(lambda e: isinstance(e, ClientError) and e.retryable),
-            sleep=self._sleep,
-            reraise=True,
-        ):
+        async for attempt in self._retrying(retries):
             with attempt:
                 n = attempt.retry_state.attempt_number
                 try:
@@ -169,6 +161,19 @@ class InferenceClient:
                         f"{method} {path}: {type(e).__name__}: {e}", attempts=n
                     ) from e
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _retrying(self, retries: int | None) -> AsyncRetrying:
+        """The retry policy: connection errors, 5xx and 429, `retries` times (None: the
+        config's), with full-jitter exponential backoff."""
+        retries = self.cfg.max_retries if retries is None else retries
+        return AsyncRetrying(
+            stop=stop_after_attempt(retries + 1),
+            # full jitter: uniform(0, min(max_backoff_s, backoff_s * 2 ** (attempt - 1)))
+            wait=wait_random_exponential(multiplier=self.cfg.backoff_s, max=self.cfg.max_backoff_s),
+            retry=retry_if_exception(lambda e: isinstance(e, ClientError) and e.retryable),
+            sleep=self._sleep,
+            reraise=True,
+        )
 
     # ----- API -------------------------------------------------------------------------------
 
@@ -314,17 +319,30 @@ class InferenceClient:
                                max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                                seed: int | None = None, logprobs: int | None = None,
                                stop_token_ids: list[int] | None = None,
-                               timeout_s: float | None = None) -> Completion:  # fmt: skip
-        """Append ids to the session and generate (never retried: a retry could append twice;
-        rewind to a turn boundary and call again instead)."""
+                               timeout_s: float | None = None,
+                               rewind_to: int | None = None) -> Completion:  # fmt: skip
+        """Append ids to the session and generate.
+
+        A failed call may have appended (and generated) before its answer was lost, so it is
+        retried only from a known turn boundary: `rewind_to`, the session's logical length
+        before this call. Each retry (connection errors, 5xx, 429, with the client's backoff)
+        first rewinds the session there, then appends again, so the session never holds a turn
+        twice. Without `rewind_to` nothing is retried. A session the server forgot meanwhile
+        (404 / 409 on the rewind) is the caller's to reopen, as on any call."""
         body = {"append_token_ids": list(append_token_ids), "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p, "seed": seed,
                 "logprobs": logprobs}  # fmt: skip
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
         started = time.perf_counter()
-        raw, n = await self.request("POST", f"/v1/sessions/{session_id}/generate",
-                                    json_body=body, timeout_s=timeout_s, retries=0)  # fmt: skip
+        path = f"/v1/sessions/{session_id}/generate"
+        async for attempt in self._retrying(None if rewind_to is not None else 0):
+            with attempt:
+                n = attempt.retry_state.attempt_number
+                if n > 1:
+                    await self.rewind_session(session_id, rewind_to)
+                raw, _ = await self.request("POST", path, json_body=body, timeout_s=timeout_s,
+                                            retries=0)  # fmt: skip
         if not isinstance(raw, dict) or not isinstance(raw.get("token_ids"), list):
             raise ClientError(f"session response has no token_ids: {str(raw)[:200]}", body=raw)
         logprobs_, tops = _parse_logprobs(raw.get("logprobs"))

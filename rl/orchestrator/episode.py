@@ -165,7 +165,9 @@ def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
 
 class _SessionTurns:
     """The agent's turns through one server session (`orchestrator.sessions`): each call
-    appends what the episode's token stream gained since the session last saw it.
+    appends what the episode's token stream gained since the session last saw it. A call whose
+    answer was lost (connection error, 5xx, 429) is retried from the turn boundary: the client
+    rewinds the session to what it held before the call and appends again.
 
     A session the server forgot (its TTL, memory pressure, a restart: 404 / 409; an episode's
     calls are sequential, so 409 is never "busy") is opened again and sent the whole episode so
@@ -191,7 +193,8 @@ class _SessionTurns:
     async def complete(self, ids: list[int], **kw) -> Any:
         kw.pop("logprobs", None)
         try:
-            out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0, **kw)
+            out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0,
+                                                     rewind_to=self.held, **kw)  # fmt: skip
         except Exception as e:
             if getattr(e, "status", None) not in (404, 409):
                 raise
@@ -203,7 +206,8 @@ class _SessionTurns:
                 self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
                 self.recomputed_compacted = True
             self._floor = len(ids)
-            out = await self.client.session_generate(self.id, list(ids), logprobs=0, **kw)
+            out = await self.client.session_generate(self.id, list(ids), logprobs=0,
+                                                     rewind_to=0, **kw)  # fmt: skip
         self.held = len(ids) + len(out.token_ids)
         epoch = out.raw.get("kv_epoch")
         if isinstance(epoch, dict) and self._floor and epoch.get("start", 0) < self._floor:

@@ -26,7 +26,7 @@ from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.train.build import build_trainer
 from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
 from rl.train.rollouts import build_rl_batch
-from serving.client import ClientConfig, InferenceClient
+from serving.client import ClientConfig, ClientError, InferenceClient
 from tests.fakes import tiny_agent_serve_args
 
 CONTEXT, TURNS = 1024, 6
@@ -45,6 +45,10 @@ MODES = {
     # replay, so those episodes are marked dropped (and do differ: the check has teeth).
     "none, forgotten": {},
     "turn, forgotten": {"mode": "turn", "n_protect_turns": 1, "keep_ratio": 0.5},
+    # The answer of each session's fourth call is lost after the server appended, generated
+    # and compacted: the client rewinds to the turn boundary and sends it again. The retried
+    # turn sees what the rewind left (a new epoch), and training replays exactly that.
+    "turn, answer lost": {"mode": "turn", "n_protect_turns": 1, "keep_ratio": 0.5},
 }
 FORGET_AT = 4  # after the first compaction shows (from the third call on)
 
@@ -65,6 +69,26 @@ class ForgetfulClient(InferenceClient):
         return await super().session_generate(session_id, append_token_ids, **kw)
 
 
+class LossyClient(InferenceClient):
+    """Loses the answer of a session's `FORGET_AT`-th generate call after the server did it
+    (a connection reset on the way back); the client's retry rewinds and appends again."""
+
+    def __init__(self, cfg: ClientConfig):
+        super().__init__(cfg)
+        self.calls: dict[str, int] = {}
+        self.lost = 0
+
+    async def request(self, method, path, **kw):
+        answer = await super().request(method, path, **kw)
+        if path.endswith("/generate"):
+            sid = path.split("/")[3]
+            self.calls[sid] = self.calls.get(sid, 0) + 1
+            if self.calls[sid] == FORGET_AT:
+                self.lost += 1
+                raise ClientError(f"{method} {path}: ServerDisconnectedError")
+        return answer
+
+
 @pytest.mark.slow
 async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_path):
     cfg, hf, run, args = tiny_agent_serve_args(tmp_path, seed=5, context=CONTEXT)
@@ -75,10 +99,12 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
     backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
     episodes = {}
     with LocalServer.start("agent", run, extra_args=args) as server:
-        async with InferenceClient(ClientConfig(server.url, model="agent")) as plain, \
-                ForgetfulClient(ClientConfig(server.url, model="agent")) as forgetful:  # fmt: skip
+        ccfg = ClientConfig(server.url, model="agent", backoff_s=0.01)
+        async with InferenceClient(ccfg) as plain, ForgetfulClient(ccfg) as forgetful, \
+                LossyClient(ccfg) as lossy:  # fmt: skip
+            by_kind = {"forgotten": forgetful, "answer lost": lossy}
             for mode, compaction in MODES.items():
-                client = forgetful if "forgotten" in mode else plain
+                client = by_kind.get(mode.partition(", ")[2], plain)
                 ocfg = OrchestratorConfig(arm="real", max_context_tokens=CONTEXT,
                                           max_tokens_per_turn=24, group_size=2,
                                           max_staleness=None, seed=7, sessions=True,
@@ -89,12 +115,15 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
                             optim=OptimConfig(), steps=1, loss="policy",
                             rules=SimloopConfig().sharding.rules, seed=0)  # fmt: skip
     assert forgetful.forgotten >= 8  # every episode's session was forgotten at least once
+    assert lossy.lost >= 4  # and in the last mode every episode lost one answer
     loss = PolicyLossConfig(truncated_reward=0.0)
     for mode, trajs in episodes.items():
         assert len(trajs) == 4, mode
         for t in trajs:  # an untrained model never submits: every episode runs all its turns
             validate(t)
             assert len(t.turns) == TURNS + 1 or t.status != "ok", (mode, t.status, t.reason)
+            if mode == "turn, answer lost":  # retried, not failed, and not reopened
+                assert t.status == "ok" and "session_reopened" not in t.meta, (t.status, t.meta)
             if "forgotten" in mode:
                 assert t.meta.get("session_reopened", 0) >= 1, t.meta
                 assert ("dropped" in t.meta) == (mode == "turn, forgotten"), t.meta

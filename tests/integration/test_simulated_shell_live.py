@@ -20,7 +20,7 @@ from envs.config import SimulatedShellConfig
 from envs.shell import Observation, TaskSetup
 from envs.simulated import SimulatedShell
 from rl.data import ByteTokenizer, ChatRenderer
-from serving.client import ClientConfig, InferenceClient
+from serving.client import ClientConfig, ClientError, InferenceClient
 from tests.fakes import user_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,3 +159,47 @@ async def test_a_forgotten_simulator_session_is_opened_again(client):
                               renderer=renderer) as plain:  # fmt: skip
         await plain.run("pwd", timeout_s=5)
         assert (await plain.run("ls", timeout_s=5)).output == again.output
+
+
+class LossyClient(InferenceClient):
+    """Loses the answer of chosen session calls *after* the real server appended and
+    generated (a connection reset on the way back): the server's session is one turn ahead."""
+
+    def __init__(self, cfg: ClientConfig, lose: set[int]):
+        super().__init__(cfg)
+        self.lose, self.generates, self.rewinds = lose, 0, []
+
+    async def request(self, method, path, **kw):
+        if path.endswith("/rewind"):
+            self.rewinds.append(kw["json_body"]["to"])
+        answer = await super().request(method, path, **kw)
+        if path.endswith("/generate"):
+            self.generates += 1
+            if self.generates in self.lose:
+                raise ClientError(f"POST {path}: ServerDisconnectedError")  # retryable
+        return answer
+
+
+@pytest.mark.slow
+async def test_a_lost_answer_is_retried_from_the_turn_boundary(client, server_url):
+    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
+                               system_prompt="", show_task=False, sessions=True)  # fmt: skip
+    plain, _ = await _episode(client, cfg)
+    async with LossyClient(ClientConfig(server_url, timeout_s=60, backoff_s=0.01),
+                           lose={2, 5}) as lossy:  # fmt: skip
+        renderer = ChatRenderer(ByteTokenizer())
+        shell = SimulatedShell(lossy, task_instruction="t", config=cfg, renderer=renderer,
+                               setup=TaskSetup(files={"input.txt": "hello\n"}))  # fmt: skip
+        async with shell:
+            via = []
+            for command in COMMANDS:
+                via.append(await shell.run(command, timeout_s=5))
+                if len(via) == 2:  # right after the retried call: the session holds the
+                    listed, _ = await client.request("GET", "/v1/sessions")  # turn once
+                    (held,) = [s for s in listed["data"] if s["id"] == shell._session]
+                    assert held["session_tokens"] == len(shell._session_ids)
+    # Each lost call was sent again after a rewind to what the session held before it, and
+    # the episode is the one without losses: no turn appended twice, none dropped.
+    assert lossy.generates == len(COMMANDS) + 2 and len(lossy.rewinds) >= 2
+    assert [o.output for o in via] == [o.output for o in plain]
+    assert [o.info["prompt_tokens"] for o in via] == [o.info["prompt_tokens"] for o in plain]
