@@ -71,24 +71,32 @@ class Scripted:
 
 
 @pytest_asyncio.fixture
-async def scripted_server():
+async def serve_app():
+    """Serves an aiohttp app on 127.0.0.1 for the test; -> its root URL."""
     runners = []
 
-    async def start(script, delay_s=0.0):
-        peer = Scripted(script, delay_s)
-        app = web.Application()
-        app.router.add_post("/v1/completions", peer.handle)
+    async def start(app: web.Application) -> str:
         runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         runners.append(runner)
-        port = site._server.sockets[0].getsockname()[1]
-        return peer, f"http://127.0.0.1:{port}"
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
     yield start
     for r in runners:
         await r.cleanup()
+
+
+@pytest_asyncio.fixture
+async def scripted_server(serve_app):
+    async def start(script, delay_s=0.0):
+        peer = Scripted(script, delay_s)
+        app = web.Application()
+        app.router.add_post("/v1/completions", peer.handle)
+        return peer, await serve_app(app)
+
+    return start
 
 
 OK_BODY = json.loads((FIXTURES / "vllm_completion.json").read_text())
@@ -168,7 +176,7 @@ async def test_cancelling_a_call_cancels_the_server_handler(scripted_server):
     assert peer.cancelled == 1
 
 
-async def test_a_session_call_is_retried_only_from_its_turn_boundary():
+async def test_a_session_call_is_retried_only_from_its_turn_boundary(serve_app):
     # A session peer whose generate answers 502 while `failures` lasts (as when an answer was
     # lost after the server appended), then 200; the client must rewind before every retry.
     calls, failures, rewind_answers = [], [0], []
@@ -188,34 +196,27 @@ async def test_a_session_call_is_retried_only_from_its_turn_boundary():
     app = web.Application()
     app.router.add_post("/v1/sessions/s/generate", generate)
     app.router.add_post("/v1/sessions/s/rewind", rewind)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
-        async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
-            failures[0] = 1
-            with pytest.raises(ClientError, match="502"):  # no boundary given: never retried
-                await client.session_generate("s", [1, 2], max_tokens=4)
-            assert calls == [("generate", [1, 2])]
-            calls.clear()
-            failures[0] = 2
-            out = await client.session_generate("s", [3], max_tokens=4, rewind_to=40)
-            assert out.token_ids == [7, 8] and out.attempts == 3
-            assert calls == [("generate", [3]), ("rewind", 40), ("generate", [3]),
-                             ("rewind", 40), ("generate", [3])]  # fmt: skip
-            # The server forgot the session meanwhile: the rewind's 404 is the caller's (it
-            # reopens), and nothing is appended to a session that is not there.
-            calls.clear()
-            failures[0] = 1
-            rewind_answers.append((404, {"error": {"message": "session 's' does not exist"}}))
-            with pytest.raises(ClientError, match="404") as info:
-                await client.session_generate("s", [4], max_tokens=4, rewind_to=43)
-            assert info.value.status == 404
-            assert calls == [("generate", [4]), ("rewind", 43)]
-    finally:
-        await runner.cleanup()
+    url = await serve_app(app)
+    async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
+        failures[0] = 1
+        with pytest.raises(ClientError, match="502"):  # no boundary given: never retried
+            await client.session_generate("s", [1, 2], max_tokens=4)
+        assert calls == [("generate", [1, 2])]
+        calls.clear()
+        failures[0] = 2
+        out = await client.session_generate("s", [3], max_tokens=4, rewind_to=40)
+        assert out.token_ids == [7, 8] and out.attempts == 3
+        assert calls == [("generate", [3]), ("rewind", 40), ("generate", [3]),
+                         ("rewind", 40), ("generate", [3])]  # fmt: skip
+        # The server forgot the session meanwhile: the rewind's 404 is the caller's (it
+        # reopens), and nothing is appended to a session that is not there.
+        calls.clear()
+        failures[0] = 1
+        rewind_answers.append((404, {"error": {"message": "session 's' does not exist"}}))
+        with pytest.raises(ClientError, match="404") as info:
+            await client.session_generate("s", [4], max_tokens=4, rewind_to=43)
+        assert info.value.status == 404
+        assert calls == [("generate", [4]), ("rewind", 43)]
 
 
 # ----- against a real simloop server ------------------------------------------------------
