@@ -123,7 +123,8 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
             validate(t)
             assert len(t.turns) == TURNS + 1 or t.status != "ok", (mode, t.status, t.reason)
             if mode == "turn, answer lost":  # retried, not failed, and not reopened
-                assert t.status == "ok" and "session_reopened" not in t.meta, (t.status, t.meta)
+                assert t.status in ("ok", "truncated"), (t.status, t.reason)
+                assert not {"session_reopened", "dropped"} & set(t.meta), t.meta
             if "forgotten" in mode:
                 assert t.meta.get("session_reopened", 0) >= 1, t.meta
                 assert ("dropped" in t.meta) == (mode == "turn, forgotten"), t.meta
