@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.data.tokenizer import BYTE_SPECIALS, ENDOFTEXT, IM_END
-from serving.client import InferenceClient
+from serving.client import ClientConfig, ClientError, InferenceClient
 
 CORPUS = [
     "ls -la /tmp && cat notes.txt | sort | uniq -c",
@@ -232,6 +232,31 @@ class RecordingClient(InferenceClient):
         out = await super().complete(prompt, **kw)
         self.calls.append((list(prompt), out))
         return out
+
+
+class LossyClient(InferenceClient):
+    """Loses the answer of a session's n-th generate call for each n in `lose` (counted per
+    session) *after* the real server appended and generated: a connection reset on the way
+    back, so the server's session is one turn ahead. Counts what it sent (`generates`,
+    `rewinds`: each rewind's target) and what it lost (`lost`)."""
+
+    def __init__(self, cfg: ClientConfig, lose: set[int]):
+        super().__init__(cfg)
+        self.lose, self.per_session = lose, {}
+        self.generates, self.lost, self.rewinds = 0, 0, []
+
+    async def request(self, method, path, **kw):
+        if path.endswith("/rewind"):
+            self.rewinds.append(kw["json_body"]["to"])
+        answer = await super().request(method, path, **kw)
+        if path.endswith("/generate"):
+            sid = path.split("/")[3]  # /v1/sessions/{id}/generate
+            self.generates += 1
+            self.per_session[sid] = self.per_session.get(sid, 0) + 1
+            if self.per_session[sid] in self.lose:
+                self.lost += 1
+                raise ClientError(f"{method} {path}: ServerDisconnectedError")  # retryable
+        return answer
 
 
 def assert_token_exact(calls, trajectory) -> None:

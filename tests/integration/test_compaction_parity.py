@@ -26,8 +26,8 @@ from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.train.build import build_trainer
 from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
 from rl.train.rollouts import build_rl_batch
-from serving.client import ClientConfig, ClientError, InferenceClient
-from tests.fakes import tiny_agent_serve_args
+from serving.client import ClientConfig, InferenceClient
+from tests.fakes import LossyClient, tiny_agent_serve_args
 
 CONTEXT, TURNS = 1024, 6
 TOL = 1e-4
@@ -69,26 +69,6 @@ class ForgetfulClient(InferenceClient):
         return await super().session_generate(session_id, append_token_ids, **kw)
 
 
-class LossyClient(InferenceClient):
-    """Loses the answer of a session's `FORGET_AT`-th generate call after the server did it
-    (a connection reset on the way back); the client's retry rewinds and appends again."""
-
-    def __init__(self, cfg: ClientConfig):
-        super().__init__(cfg)
-        self.calls: dict[str, int] = {}
-        self.lost = 0
-
-    async def request(self, method, path, **kw):
-        answer = await super().request(method, path, **kw)
-        if path.endswith("/generate"):
-            sid = path.split("/")[3]
-            self.calls[sid] = self.calls.get(sid, 0) + 1
-            if self.calls[sid] == FORGET_AT:
-                self.lost += 1
-                raise ClientError(f"{method} {path}: ServerDisconnectedError")
-        return answer
-
-
 @pytest.mark.slow
 async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_path):
     cfg, hf, run, args = tiny_agent_serve_args(tmp_path, seed=5, context=CONTEXT)
@@ -101,7 +81,7 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
     with LocalServer.start("agent", run, extra_args=args) as server:
         ccfg = ClientConfig(server.url, model="agent", backoff_s=0.01)
         async with InferenceClient(ccfg) as plain, ForgetfulClient(ccfg) as forgetful, \
-                LossyClient(ccfg) as lossy:  # fmt: skip
+                LossyClient(ccfg, lose={FORGET_AT}) as lossy:  # fmt: skip
             by_kind = {"forgotten": forgetful, "answer lost": lossy}
             for mode, compaction in MODES.items():
                 client = by_kind.get(mode.partition(", ")[2], plain)

@@ -20,8 +20,8 @@ from envs.config import SimulatedShellConfig
 from envs.shell import Observation, TaskSetup
 from envs.simulated import SimulatedShell
 from rl.data import ByteTokenizer, ChatRenderer
-from serving.client import ClientConfig, ClientError, InferenceClient
-from tests.fakes import user_env
+from serving.client import ClientConfig, InferenceClient
+from tests.fakes import LossyClient, user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
@@ -159,25 +159,6 @@ async def test_a_forgotten_simulator_session_is_opened_again(client):
                               renderer=renderer) as plain:  # fmt: skip
         await plain.run("pwd", timeout_s=5)
         assert (await plain.run("ls", timeout_s=5)).output == again.output
-
-
-class LossyClient(InferenceClient):
-    """Loses the answer of chosen session calls *after* the real server appended and
-    generated (a connection reset on the way back): the server's session is one turn ahead."""
-
-    def __init__(self, cfg: ClientConfig, lose: set[int]):
-        super().__init__(cfg)
-        self.lose, self.generates, self.rewinds = lose, 0, []
-
-    async def request(self, method, path, **kw):
-        if path.endswith("/rewind"):
-            self.rewinds.append(kw["json_body"]["to"])
-        answer = await super().request(method, path, **kw)
-        if path.endswith("/generate"):
-            self.generates += 1
-            if self.generates in self.lose:
-                raise ClientError(f"POST {path}: ServerDisconnectedError")  # retryable
-        return answer
 
 
 @pytest.mark.slow
