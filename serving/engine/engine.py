@@ -206,7 +206,7 @@ class Engine(SlotsMixin, SessionsMixin):
         valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
 
         def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
-                   top_k_B, seed_B, index_B, counter_B, *, steps, view):  # fmt: skip
+                   top_k_B, seed_B, index_B, counter_B, want_top, *, steps, view):  # fmt: skip
             """`steps` tokens for every active slot, each step feeding back its own sample.
             Only the first `view` cache positions are read: every active slot's keys fit in
             them (`_view_for`). The steps' own keys gather in small buffers, written into
@@ -227,7 +227,7 @@ class Engine(SlotsMixin, SessionsMixin):
                                                       (k_new, v_new), j[None], mask_B1U,
                                                       positions_B1)  # fmt: skip
                 out = sample(model.logits(h_B1D)[:, 0], temp_B, top_p_B, top_k_B, seed_B,
-                             index_B, counter_B + j, num_top, valid_vocab)  # fmt: skip
+                             index_B, counter_B + j, num_top, valid_vocab, want_top)  # fmt: skip
                 return (k_new, v_new, out[0]), out
 
             (k_new, v_new, _), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
@@ -314,7 +314,7 @@ class Engine(SlotsMixin, SessionsMixin):
             self._cache, _ = decode(
                 self._state, self._cache, zeros_b, zeros_b, zeros_b, np.zeros(b, bool),
                 np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
-                zeros_b,
+                zeros_b, np.bool_(False),
             )  # fmt: skip
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
@@ -588,8 +588,9 @@ class Engine(SlotsMixin, SessionsMixin):
             view = _view_for(
                 self.cfg.kv_views, max(self._lengths[s.slot] for s in decoding) + steps
             )
+            want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
             decode_args = (view, self._lengths.copy(), self._shift.copy(), tokens, active, temp,
-                           top_p, top_k, seed, index, counter)  # fmt: skip
+                           top_p, top_k, seed, index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:

@@ -50,34 +50,53 @@ def sample(
     counter_B: jax.Array,
     num_top: int,
     valid_vocab: int | None = None,
+    want_top: jax.Array | bool = True,
 ):
     """-> (token_B, logprob_B, top_ids_BK, top_logprobs_BK) with K = max(num_top, 1).
 
     Ids at or past `valid_vocab` (embedding rows the tokenizer has no token for) are never
-    drawn and carry no probability mass."""
+    drawn and carry no probability mass. With `want_top` false (no row asked for
+    alternatives) the top-K is not computed: its ids are 0 and its logprobs -inf."""
     logits_BV = logits_BV.astype(jnp.float32)
     if valid_vocab is not None and valid_vocab < logits_BV.shape[-1]:
         in_vocab_V = jnp.arange(logits_BV.shape[-1]) < valid_vocab
         logits_BV = jnp.where(in_vocab_V[None, :], logits_BV, NEG_INF)
     greedy_B = temperature_B <= 0
-    raw_logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-    temp_B = jnp.where(greedy_B, 1.0, temperature_B)
-    tempered_BV = jax.nn.log_softmax(logits_BV / temp_B[:, None], axis=-1)
-    needs_trunc = jnp.any(((top_p_B < 1.0) | (top_k_B > 0)) & ~greedy_B)
-    dist_BV = jax.lax.cond(
-        needs_trunc,
-        lambda x: _truncate(x, top_p_B, top_k_B),
-        lambda x: x,
-        tempered_BV,
-    )
 
-    def draw(seed, index, counter, logp_V):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), counter)
-        return jax.random.categorical(key, logp_V)
+    def greedy(logits_BV):
+        # An all-greedy batch (the simulator's, every evaluation's): no tempering, truncation or
+        # draws. The same ops as the mixed path's greedy rows: tokens and logprobs are equal.
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), jax.nn.log_softmax(logits_BV)
 
-    drawn_B = jax.vmap(draw)(seed_B, sample_index_B, counter_B, dist_BV)
-    token_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
-    used_BV = jnp.where(greedy_B[:, None], raw_logp_BV, dist_BV)
+    def mixed(logits_BV):
+        raw_logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+        temp_B = jnp.where(greedy_B, 1.0, temperature_B)
+        tempered_BV = jax.nn.log_softmax(logits_BV / temp_B[:, None], axis=-1)
+        needs_trunc = jnp.any(((top_p_B < 1.0) | (top_k_B > 0)) & ~greedy_B)
+        dist_BV = jax.lax.cond(
+            needs_trunc,
+            lambda x: _truncate(x, top_p_B, top_k_B),
+            lambda x: x,
+            tempered_BV,
+        )
+
+        def draw(seed, index, counter, logp_V):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), index), counter)
+            return jax.random.categorical(key, logp_V)
+
+        drawn_B = jax.vmap(draw)(seed_B, sample_index_B, counter_B, dist_BV)
+        token_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1), drawn_B).astype(jnp.int32)
+        return token_B, jnp.where(greedy_B[:, None], raw_logp_BV, dist_BV)
+
+    token_B, used_BV = jax.lax.cond(jnp.all(greedy_B), greedy, mixed, logits_BV)
     logprob_B = jnp.take_along_axis(used_BV, token_B[:, None], axis=-1)[:, 0]
-    top_logp_BK, top_ids_BK = jax.lax.top_k(used_BV, max(num_top, 1))
+    k = max(num_top, 1)
+
+    def no_top(used_BV):
+        rows = used_BV.shape[0]
+        return jnp.full((rows, k), NEG_INF, jnp.float32), jnp.zeros((rows, k), jnp.int32)
+
+    top_logp_BK, top_ids_BK = jax.lax.cond(
+        want_top, lambda x: tuple(jax.lax.top_k(x, k)), no_top, used_BV
+    )
     return token_B, logprob_B, top_ids_BK.astype(jnp.int32), top_logp_BK

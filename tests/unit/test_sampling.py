@@ -189,3 +189,32 @@ def test_draws_follow_the_reference_distribution(t, p, k):
     freq = counts[:valid] / n
     sigma = np.sqrt(ref * (1 - ref) / n)
     assert np.all(np.abs(freq - ref) <= 5 * sigma + 1e-9), (freq, ref)
+
+
+def test_an_all_greedy_batch_takes_the_fast_path_with_the_same_answers():
+    """Every row greedy skips tempering and draws; each row's token, logprob and alternatives
+    equal what the same row gets beside a sampled row (the mixed path)."""
+    logits = make_logits(ROWS, seed=5)
+    greedy_rows = [(0.0, 1.0, 0, r, 0, r) for r in range(ROWS)]
+    fast = run(logits, greedy_rows)
+    for r in range(ROWS):
+        mixed = run(np.stack([logits[r], logits[(r + 1) % ROWS]]),
+                    [greedy_rows[r], (1.0, 1.0, 0, 3, 0, 0)])  # fmt: skip
+        assert int(fast[0][r]) == int(mixed[0][0]) == int(np.argmax(logits[r, :VALID]))
+        assert fast[1][r] == pytest.approx(float(mixed[1][0]), abs=1e-6)
+        assert list(fast[2][r]) == list(mixed[2][0])
+        np.testing.assert_allclose(fast[3][r], mixed[3][0], atol=1e-6)
+
+
+def test_alternatives_are_skipped_when_no_row_wants_them():
+    logits = make_logits(2, seed=6)
+    rows = [(0.0, 1.0, 0, 0, 0, 0), (0.8, 0.9, 0, 1, 0, 0)]
+    t, p, k, s, i, c = (np.array(col) for col in zip(*rows, strict=True))
+    args = (logits, t.astype(np.float32), p.astype(np.float32), k.astype(np.int32),
+            s.astype(np.int32), i.astype(np.int32), c.astype(np.int32))  # fmt: skip
+    with_top = jit_sample(*args, num_top=K, valid_vocab=VALID, want_top=True)
+    without = jit_sample(*args, num_top=K, valid_vocab=VALID, want_top=False)
+    for a, b in zip(with_top[:2], without[:2], strict=True):  # the same tokens and logprobs
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.all(np.asarray(without[2]) == 0) and np.all(np.isneginf(np.asarray(without[3])))
+    assert np.all(np.isfinite(np.asarray(with_top[3])[0]))  # the greedy row: every id valid
