@@ -22,6 +22,7 @@ the workspace it started from. A single-trial episode has none (as before trials
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -150,7 +151,7 @@ class Trajectory:
     the episode is its own rollout."""
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = plain(self)
         for turn in data["turns"]:
             if turn["token_span"] is not None:
                 turn["token_span"] = list(turn["token_span"])
@@ -475,6 +476,28 @@ def render_token_view(
             mask += [0] * len(more)
     traj.token_ids, traj.loss_mask = ids, mask
     traj.source, traj.behavior_logprobs, traj.policy_version = "rendered", None, None
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def plain(obj: Any) -> Any:
+    """`dataclasses.asdict` for what trajectories hold, ~10x faster on their long id lists:
+    a list of scalars is copied in one step instead of element by element (the orchestrator
+    serialises every episode on its event loop). Dataclasses become dicts, lists, tuples and
+    dicts new containers, anything else a deep copy, as `asdict` makes them."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
+    if kind is list or kind is tuple:
+        if all(type(x) in _SCALARS for x in obj):
+            return kind(obj)
+        return kind(plain(x) for x in obj)
+    if kind is dict:
+        return {plain(k): plain(v) for k, v in obj.items()}
+    if hasattr(kind, "__dataclass_fields__"):
+        return {f.name: plain(getattr(obj, f.name)) for f in fields(obj)}
+    return copy.deepcopy(obj)
 
 
 def to_json_line(traj: Trajectory) -> str:

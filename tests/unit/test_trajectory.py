@@ -2,6 +2,7 @@
 trips (atomic writes), and append-only rendering of a text-only token view."""
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -9,7 +10,9 @@ import pytest
 
 from rl.data import ByteTokenizer, ChatRenderer, render_text
 from rl.data.trajectory import (
+    SCHEMA_VERSION,
     Trajectory,
+    Trial,
     Turn,
     read_jsonl,
     render_token_view,
@@ -181,6 +184,26 @@ def test_json_round_trip_uses_null_never_nan():
     again = Trajectory.from_dict(json.loads(line))
     assert again == traj
     assert again.turns[0].token_span == traj.turns[0].token_span
+
+
+def test_to_dict_is_asdict_and_shares_nothing_with_the_trajectory():
+    """The fast converter gives what `dataclasses.asdict` gives (with a trial, nested meta and
+    info), and a caller that edits the dict leaves the trajectory as it was."""
+    traj = sampled()
+    traj.trials = [Trial(index=0, start_turn=0, end_turn=1, reward=1.0)]
+    traj.meta = {"env_status": "ok", "nested": {"a": [1, {"b": (2, 3)}]}}
+    traj.turns[0].info = {"finish_reason": "stop", "trial_end": 0}
+    expected = dataclasses.asdict(traj)
+    for turn in expected["turns"]:
+        turn["token_span"] = list(turn["token_span"])
+    data = traj.to_dict()
+    assert data == {"schema": SCHEMA_VERSION, **expected}
+    before = copy.deepcopy(traj)
+    data["token_ids"].append(7)
+    data["turns"][0]["timings"]["agent_s"] = 9.0
+    data["meta"]["nested"]["a"][1]["b"] = None
+    data["prompt"][0]["content"] = "changed"
+    assert traj == before
 
 
 def test_from_dict_names_unknown_missing_and_schema():
