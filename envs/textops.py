@@ -141,7 +141,7 @@ def _bash(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
-SOLVER_STYLES = ("two_step", "marker")
+SOLVER_STYLES = ("two_step", "marker", "explore")
 
 
 class TextopsSolver:
@@ -151,22 +151,44 @@ class TextopsSolver:
       printed (the answer is copied from the observation).
     - `marker`: one block that starts with `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` and
       computes the answer, which the env takes from the output: a one-turn episode whose reply
-      depends only on the task's operation (and path), the easiest demonstrations to learn."""
+      depends only on the task's operation (and path), the easiest demonstrations to learn.
+    - `explore`: `two_step` after `commands` commands in all: the others run the other
+      operations (a random letter's count, `cat`) on the same word first, in an order seeded
+      by the task. Long sessions of short, checkable observations: what a simulator must
+      keep simulating as its context grows (issue 19's fidelity by context length)."""
 
-    def __init__(self, task: Task, style: str = "two_step"):
+    def __init__(self, task: Task, style: str = "two_step", commands: int = 8):
         if task.reward.name != "textops":
             raise ValueError(f"TextopsSolver solves textops tasks, not {task.reward.name!r}")
         if style not in SOLVER_STYLES:
             raise ValueError(f"TextopsSolver style={style!r} is invalid: one of {SOLVER_STYLES}")
+        if isinstance(commands, bool) or not isinstance(commands, int) or commands < 1:
+            raise ValueError(f"TextopsSolver commands={commands!r} is invalid: an integer >= 1")
         self.params, self.style = dict(task.reward.params), style
         self.plan = self._commands()  # the commands run before submitting
         if style == "marker":
             self.plan = ["\n".join([f"echo {SUBMIT_MARKER}", " && ".join(self.plan)])]
+        if style == "explore":
+            rng = random.Random(task.id)
+            self.plan = [self._other(rng) for _ in range(commands - len(self.plan))] + self.plan
         self._step = 0
+
+    def _source(self) -> str:
+        p = self.params
+        return f"tr -d '\\n' < {INPUT_FILE}" if p["from_file"] else f"printf '%s' '{p['text']}'"
+
+    def _other(self, rng: random.Random) -> str:
+        """One exploring command on the task's word: an operation's pipeline or `cat`."""
+        op = rng.choice([*TRANSFORMS, "count", "cat"])
+        if op in TRANSFORMS:
+            return f"{self._source()} | {TRANSFORMS[op]}"
+        if op == "count":
+            return f"{self._source()} | tr -cd '{rng.choice(_ALPHABET)}' | wc -c"
+        return f"cat {INPUT_FILE}" if self.params["from_file"] else f"echo {self.params['text']}"
 
     def _commands(self) -> list[str]:
         p = self.params
-        src = f"tr -d '\\n' < {INPUT_FILE}" if p["from_file"] else f"printf '%s' '{p['text']}'"
+        src = self._source()
         op = p["op"]
         if op in TRANSFORMS:
             return [f"{src} | {TRANSFORMS[op]}"]

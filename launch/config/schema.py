@@ -211,7 +211,11 @@ class CollectConfig:
     episodes: int = 128
     """Episodes to run (tasks are taken in order, repeating)."""
     style: str = "two_step"
-    """`two_step` (compute, then submit what the shell printed) or `marker` (one turn)."""
+    """`two_step` (compute, then submit what the shell printed), `marker` (one turn) or
+    `explore` (`commands` commands on the word, most of them other operations, then submit:
+    long sessions; `env.terminal.max_turns` must exceed `commands`)."""
+    commands: int = 8
+    """`explore`: commands per episode before the submission."""
     noise: float = 0.2
     """Probability that a turn's reply carries a mistake (another operation's command, a typo,
     a wrong answer), so the data also shows failing commands."""
@@ -248,6 +252,8 @@ class CollectConfig:
                 f"CollectConfig.noise_kinds={self.noise_kinds!r} is invalid: a non-empty list "
                 f"drawn from {list(NOISE_KINDS)}"
             )
+        if isinstance(self.commands, bool) or not isinstance(self.commands, int) or self.commands < 1:
+            raise ValueError(f"CollectConfig.commands={self.commands!r} is invalid: an integer >= 1")
         for name in ("task_seed", "num_tasks"):
             v = getattr(self, name)
             low = 0 if name == "task_seed" else 1

@@ -2,6 +2,8 @@
 
     simloop collect --config configs/demo_cpu.yaml --out runs/collect
     simloop collect --config configs/demo_cpu.yaml --out runs/collect --collect.noise 0.3
+    simloop collect --config configs/demo_cpu.yaml --out runs/long --collect.style explore \\
+        --collect.commands 24 --env.terminal.max_turns 25     # long sessions
 
 Runs `collect.episodes` episodes of the config's textops tasks in the real shell
 (`env.shell.backend`: local or e2b) through the orchestrator, with `ScriptedAgentClient` in the
@@ -25,6 +27,12 @@ from rl.data import rundir
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not args.out:
         raise UsageError("--out DIR is required")
+    c, turns = cfg.collect, cfg.env.terminal.max_turns
+    if c.style == "explore" and turns <= c.commands:
+        raise UsageError(
+            f"collect.style=explore runs collect.commands={c.commands} commands and then "
+            f"submits: env.terminal.max_turns={turns} must be at least {c.commands + 1}"
+        )
     out = Path(args.out)
     write_config(cfg, out)
     summary = asyncio.run(collect(cfg, out))
@@ -66,7 +74,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     marker = feedback_marker(cfg.env.terminal.trial_feedback_template)
     client = ScriptedAgentClient(tasks, renderer.tokenizer, style=c.style, noise=c.noise,
                                  noise_kinds=c.noise_kinds, seed=cfg.run.seed,
-                                 trial_marker=marker)  # fmt: skip
+                                 trial_marker=marker, commands=c.commands)  # fmt: skip
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")
     episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]

@@ -50,6 +50,7 @@ class ScriptedAgentClient:
         seed: int = 0,
         trial_marker: str | None = None,
         adapt: bool = True,
+        commands: int = 8,
     ):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
@@ -64,6 +65,7 @@ class ScriptedAgentClient:
         self.tasks = {t.instruction: t for t in tasks}
         self.tok, self.style, self.noise, self.seed = tokenizer, style, noise, seed
         self.trial_marker, self.adapt = trial_marker or None, adapt
+        self.commands = commands  # the `explore` style's commands per episode
         self.calls = 0
 
     def _task(self, text: str) -> Task:
@@ -91,7 +93,7 @@ class ScriptedAgentClient:
         trial = text.rsplit(self.trial_marker, 1)[-1] if self.trial_marker else text
         if task.reward.params.get("hidden"):
             task = self._guess(task, text)
-        solver = TextopsSolver(task, style=self.style)
+        solver = TextopsSolver(task, style=self.style, commands=self.commands)
         solver._step = min(trial.count(f"{IM_START}assistant") - 1, len(solver.plan))
         last_user = text.rsplit(f"{IM_START}user\n", 1)[-1]
         reply = solver.act(last_user)

@@ -170,6 +170,9 @@ def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
         ["report", str(tmp_path / "nowhere")],
         ["eval-agent", "--out", str(tmp_path / "c")],  # no agent weights
         ["collect"],  # no --out
+        ["collect", "--out", str(tmp_path / "d"), "--collect.style", "explore",
+         "--collect.commands", "500"],  # more commands than max_turns allows  # fmt: skip
+        ["collect", "--out", str(tmp_path / "e"), "--collect.commands", "0"],
         ["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"],
     ]
     for argv in cases:

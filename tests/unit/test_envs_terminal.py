@@ -73,6 +73,23 @@ async def test_scripted_agent_solves_textops_in_local_shell():
         assert env.submission.strip() == textops_truth(dict(task.reward.params))
 
 
+async def test_an_exploring_agent_runs_its_commands_then_solves_the_task():
+    """`explore`: `commands` commands in all (the others' operations on the same word first,
+    the same ones for the same task), then the submission of what the last one printed."""
+    tasks = generate_textops(TextopsConfig(num_tasks=4, seed=5, from_file_prob=0.5))
+    for task in tasks:
+        plan = TextopsSolver(task, style="explore", commands=6).plan
+        assert len(plan) == 6 and plan == TextopsSolver(task, style="explore", commands=6).plan
+        assert plan[-len(TextopsSolver(task).plan) :] == TextopsSolver(task).plan
+        async with LocalShell(setup=task.setup) as sh:
+            env = TerminalEnv(task, sh, TerminalConfig(max_turns=7))
+            results = await run_episode(env, TextopsSolver(task, style="explore", commands=6).act)
+        assert len(results) == 7 and results[-1].reward == 1.0, (task.instruction, results[-1])
+    assert len({tuple(TextopsSolver(t, style="explore").plan) for t in tasks}) == len(tasks)
+    with pytest.raises(ValueError, match="commands=0 is invalid"):
+        TextopsSolver(tasks[0], style="explore", commands=0)
+
+
 async def test_wrong_answer_gets_zero():
     task = generate_textops(TextopsConfig(num_tasks=1, seed=0, ops=["reverse"]))[0]
     async with LocalShell(setup=task.setup) as sh:
