@@ -142,13 +142,14 @@ def summarize_by(
     """`summarize_pairs` per bucket of an integer key (e.g. prompt tokens): buckets are
     [0, e0), [e0, e1), ..., [e_last, inf)."""
     bounds = [0, *edges, None]
+    names = [f"{lo}-{'inf' if hi is None else hi}" for lo, hi in zip(bounds[:-1], bounds[1:])]
     buckets: dict[str, list[PairMetrics]] = {}
     for key, m in keyed:
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for name, lo, hi in zip(names, bounds[:-1], bounds[1:], strict=True):
             if key >= lo and (hi is None or key < hi):
-                buckets.setdefault(f"{lo}-{'inf' if hi is None else hi}", []).append(m)
+                buckets.setdefault(name, []).append(m)
                 break
-    return {name: summarize_pairs(ms) for name, ms in buckets.items()}
+    return {name: summarize_pairs(buckets[name]) for name in names if name in buckets}
 
 
 def line_share(text: str) -> tuple[float, int]:

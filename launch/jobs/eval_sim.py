@@ -160,11 +160,12 @@ def print_fidelity(result: dict[str, Any]) -> None:
     t.add_row("real", *(f"{r.get(n, 0.0):.3f}" if n in r else "-" for n in names))
     console.print(t)
     for key, title, label in (("by_context", "By prompt length (tokens)", "prompt tokens"),
+                              ("by_depth", "By depth (turns before the command)", "turns"),
                               ("by_command", "By command", "command")):  # fmt: skip
         t = Table(title=title)
         for col in (label, "n", "exact (masked)", "return code", "similarity"):
             t.add_column(col, justify="right" if col != label else "left")
-        for name, s in result[key].items():
+        for name, s in result.get(key, {}).items():
             t.add_row(name, str(s["count"]), num(s, "exact_masked"),
                       num(s, "exit_code_agreement"), num(s, "similarity"))  # fmt: skip
         console.print(t)

@@ -256,6 +256,7 @@ def _section_fidelity(fid: dict | None) -> str:
                        ["real"] + [r.get(n) for n in names]]))  # fmt: skip
     for key, title, first in (("by_kind", "By operation (the replayed task's)", "operation"),
                               ("by_context", "By context length (prompt tokens)", "prompt tokens"),
+                              ("by_depth", "By depth (turns before the command)", "turns"),
                               ("by_command", "By command", "command")):  # fmt: skip
         out.append(f"<h3>{title}</h3>")
         rows = [[k, v.get("count"), v.get("exact_masked"), v.get("exit_code_agreement"),

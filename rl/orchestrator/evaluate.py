@@ -160,14 +160,17 @@ def replay_fidelity(
     trajectories: Sequence[Trajectory],
     *,
     context_edges: Sequence[int] = (256, 512, 1024, 2048),
+    depth_edges: Sequence[int] = (1, 4, 8, 16),
     top_commands: int = 8,
 ) -> dict[str, Any]:
     """Fidelity of the simulator from arm (c) replays: every turn with both a real and a
     simulated observation is one pair. Returns pair metrics (exact match, masked exact match,
     return-code agreement, similarity, length ratio), the simulated observations' hygiene
     rates (cap hit, think leak, repetition, empty, malformed) next to the same rates of the
-    real observations, and pair metrics by prompt length, by command and by the replayed
-    task's kind (`meta.task_kind`, e.g. the textops operation)."""
+    real observations, and pair metrics by prompt length, by depth (the turns of the session
+    before the command: the same axis whether or not the simulator's context was compacted or
+    cut), by command and by the replayed task's kind (`meta.task_kind`, e.g. the textops
+    operation)."""
     from envs.fidelity import (
         Hygiene,
         compare_observations,
@@ -177,18 +180,19 @@ def replay_fidelity(
         summarize_pairs,
     )
 
-    pairs, keyed, sim_hygiene, real_hygiene = [], [], [], []
+    pairs, keyed, deep, sim_hygiene, real_hygiene = [], [], [], [], []
     by_command: dict[str, list] = defaultdict(list)
     by_kind: dict[str, list] = defaultdict(list)
     malformed = 0
     statuses = Counter(t.status for t in trajectories)
     for traj in trajectories:
-        for turn in traj.turns:
+        for depth, turn in enumerate(traj.turns):
             if turn.sim_observation is None or turn.observation is None:
                 continue
             m = compare_observations(turn.sim_observation, turn.observation,
                                      turn.sim_exit_code, turn.exit_code)  # fmt: skip
             pairs.append(m)
+            deep.append((depth, m))
             flags = set(turn.flags)
             sim_hygiene.append(Hygiene(cap_hit="cap_hit" in flags,
                                        think_leak="think_leak" in flags,
@@ -217,6 +221,7 @@ def replay_fidelity(
         "hygiene": hygiene,
         "real_hygiene": summarize_hygiene(real_hygiene),
         "by_context": summarize_by(keyed, list(context_edges)),
+        "by_depth": summarize_by(deep, list(depth_edges)),
         "by_command": commands,
         "by_kind": {k: summarize_pairs(v) for k, v in sorted(by_kind.items())},
     }

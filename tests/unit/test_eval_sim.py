@@ -67,6 +67,19 @@ def test_replay_fidelity_counts_every_pair():
     assert fid["trajectories"] == 2 and fid["statuses"] == {"ok": 2}
 
 
+def test_replay_fidelity_by_depth_whatever_the_prompt_held():
+    """Depth counts the session's turns before a command (a format error's turn too), not the
+    prompt's tokens: a cut or compacted context is scored on the same axis as a whole one."""
+    long = [_turn("rev", "a", "a" if i < 5 else "b", prompt_tokens=400) for i in range(10)]
+    long.insert(2, Turn(agent_text="no command"))
+    trajs = [_replay("a", long), _replay("b", [_turn("rev", "x", "x")])]
+    fid = replay_fidelity(trajs, depth_edges=[1, 4, 8])
+    assert list(fid["by_depth"]) == ["0-1", "1-4", "4-8", "8-inf"]  # in bucket order
+    got = {k: (v["count"], v["exact"]) for k, v in fid["by_depth"].items()}
+    # depths 0 (x2); 1, 3; 4..7; 8..10 (the reply without a command is depth 2)
+    assert got == {"0-1": (2, 1.0), "1-4": (2, 1.0), "4-8": (4, 0.5), "8-inf": (3, 0.0)}
+
+
 def test_replay_fidelity_by_the_replayed_tasks_operation():
     a = _replay("a", [_turn("tr | rev", "cba", "cba"), _turn("tr | rev", "ab", "ba")])
     b = _replay("b", [_turn("tr | tr", "ABC", "ABC")])
