@@ -17,6 +17,7 @@ run from `tail_start` (`Engine.session_epoch`; the trainer replays it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -129,6 +130,13 @@ class SessionsMixin:
                                f"{s - 1} (the context, less one token to generate): rewind, "
                                "compact or open a new session", "append_token_ids")  # fmt: skip
         room = s - keys
+        if params.max_tokens is not None and params.max_tokens > room and (
+            session.compaction.mode != "none"
+        ):
+            # The client of a compacting session cannot know what the compaction left (it
+            # happens here, on arrival): its max_tokens is a cap, clamped to the slot's room;
+            # an answer that reaches it ends with finish_reason "length".
+            params = dataclasses.replace(params, max_tokens=room)
         if params.max_tokens is not None and params.max_tokens > room:
             raise EngineError(f"max_tokens={params.max_tokens} is beyond the context: the "
                               f"session's slot would hold {keys} keys of {s}, so at most "

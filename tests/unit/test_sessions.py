@@ -158,6 +158,22 @@ async def test_misuse_gets_a_status_and_a_reason(served, http):
         assert r.status == 200  # none of it hurt the server
 
 
+async def test_max_tokens_past_the_slot_is_a_400_unless_the_session_compacts(http):
+    """A plain session's client knows what its slot holds: asking past it is an error naming
+    the most it may ask. A compacting session's client cannot know what the compaction on
+    arrival left, so its max_tokens is a cap clamped to the room (and may end on `length`)."""
+    prompt = "x" * (SEQ - 40)
+    plain = await open_session(http)
+    err = await call(http, "POST", f"/v1/sessions/{plain}/generate",
+                     step(prompt, 100, ignore_eos=True), status=400)  # fmt: skip
+    assert err["error"]["param"] == "max_tokens" and "so at most 40" in err["error"]["message"]
+    packed = await open_session(http, compaction={"mode": "markovian", "n_protect_turns": 1})
+    out = await call(http, "POST", f"/v1/sessions/{packed}/generate",
+                     step(prompt, 100, ignore_eos=True))  # fmt: skip
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 40
+    assert out["kv_tokens"] == SEQ - 1  # every key but the last sampled token's
+
+
 async def test_a_session_past_its_ttl_is_told_why_then_forgotten(http):
     sid = await open_session(http, ttl_s=0.05)
     await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a\n", 2))
