@@ -252,8 +252,9 @@ class CollectConfig:
                 f"CollectConfig.noise_kinds={self.noise_kinds!r} is invalid: a non-empty list "
                 f"drawn from {list(NOISE_KINDS)}"
             )
-        if isinstance(self.commands, bool) or not isinstance(self.commands, int) or self.commands < 1:
-            raise ValueError(f"CollectConfig.commands={self.commands!r} is invalid: an integer >= 1")
+        k = self.commands
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"CollectConfig.commands={k!r} is invalid: an integer >= 1")
         for name in ("task_seed", "num_tasks"):
             v = getattr(self, name)
             low = 0 if name == "task_seed" else 1

@@ -29,7 +29,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 

@@ -130,9 +130,8 @@ class SessionsMixin:
                                f"{s - 1} (the context, less one token to generate): rewind, "
                                "compact or open a new session", "append_token_ids")  # fmt: skip
         room = s - keys
-        if params.max_tokens is not None and params.max_tokens > room and (
-            session.compaction.mode != "none"
-        ):
+        compacting = session.compaction.mode != "none"
+        if compacting and params.max_tokens is not None and params.max_tokens > room:
             # The client of a compacting session cannot know what the compaction left (it
             # happens here, on arrival): its max_tokens is a cap, clamped to the slot's room;
             # an answer that reaches it ends with finish_reason "length".

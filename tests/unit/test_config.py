@@ -156,6 +156,9 @@ def test_every_subcommand_has_a_module_with_run():
             assert callable(mod.add_arguments), name
 
 
+EXPLORE = ["--collect.style", "explore"]
+
+
 def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
     """A missing file, a bad value, a missing flag: one line `simloop CMD: ...`, exit 2."""
     cases = [
@@ -170,8 +173,8 @@ def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
         ["report", str(tmp_path / "nowhere")],
         ["eval-agent", "--out", str(tmp_path / "c")],  # no agent weights
         ["collect"],  # no --out
-        ["collect", "--out", str(tmp_path / "d"), "--collect.style", "explore",
-         "--collect.commands", "500"],  # more commands than max_turns allows  # fmt: skip
+        # more commands than max_turns allows, and no command at all
+        ["collect", "--out", str(tmp_path / "d"), *EXPLORE, "--collect.commands", "500"],
         ["collect", "--out", str(tmp_path / "e"), "--collect.commands", "0"],
         ["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"],
     ]
