@@ -463,7 +463,10 @@ class GrammarConfig:
     commands_per_case: int = 6
     """Commands run against one workspace (each is its own example)."""
     session_prob: float = 0.1
-    """Share of cases whose first two commands are also kept as one two-turn session."""
+    """Share of cases whose first `session_turns` commands are also kept as one session."""
+    session_turns: int = 2
+    """Commands in a session (2 to `commands_per_case`): each of its commands is an example
+    with the turns before it in its context, as a simulator sees them in a real episode."""
     bare_prob: float = 0.3
     """Share of cases with no files: the words are in the commands (`printf`/`echo`), so the
     rows are short and the word is a few dozen bytes before the output: the distance at which
@@ -506,4 +509,9 @@ class GrammarConfig:
         if self.commands_per_case < 1:
             raise ValueError(
                 f"GrammarConfig.commands_per_case={self.commands_per_case!r} is invalid: >= 1"
+            )
+        if not 2 <= self.session_turns <= max(2, self.commands_per_case):
+            raise ValueError(
+                f"GrammarConfig.session_turns={self.session_turns!r} is invalid: from 2 to "
+                f"commands_per_case ({self.commands_per_case})"
             )

@@ -45,7 +45,7 @@ class Case:
     files: dict[str, str]
     commands: list[Command]
     session: bool = False
-    """Also keep the first two commands as one two-turn session."""
+    """Also keep the first `GrammarConfig.session_turns` commands as one session."""
 
 
 @dataclass

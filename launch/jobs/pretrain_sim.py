@@ -44,7 +44,8 @@ INDUCTION_ROWS, INDUCTION_LEN = 64, 16
 
 def transcripts(path: Path, cfg: Any, n: int, *, offset: int, concurrency: int) -> list:
     """The grammar's cases `offset..offset+n-1` run in real bash, one trajectory per command
-    (and one per two-turn session), read back from `path` when an earlier run wrote it."""
+    (and one per session of `cfg.session_turns` commands), read back from `path` when an
+    earlier run wrote it."""
     from envs.shellgrammar import run_cases, sample_cases
     from rl.data.trajectory import Trajectory, Turn, load_trajectories, write_jsonl
 
@@ -75,7 +76,8 @@ def transcripts(path: Path, cfg: Any, n: int, *, offset: int, concurrency: int) 
             trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-{j}", turns=[turn],
                                     meta={"kind": cmd.kind}, **common))  # fmt: skip
         if res.case.session and len(turns) > 1:
-            trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-s", turns=turns[:2],
+            trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-s",
+                                    turns=turns[: cfg.session_turns],
                                     meta={"kind": "session"}, **common))  # fmt: skip
     write_jsonl(path, trajs)
     return trajs
@@ -178,6 +180,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         [t for t in held if t.meta.get("kind") != "session"], lambda t: t.meta["kind"], tok,
         max_len=p.data.seq_len + 1, **prompt,
     )  # fmt: skip
+    # A session's later commands, each after the turns before it: the "session" row.
+    later, _ = labelled_sim_examples(
+        [t for t in held if t.meta.get("kind") == "session"], lambda t: "session", tok,
+        min_turn=1, max_len=p.data.seq_len + 1, **prompt,
+    )  # fmt: skip
+    evals, kinds = evals + later, kinds + ["session"] * len(later)
     print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples "
           f"({len(short)} short), {stats.target_tokens} target tokens; {len(evals)} held out",
           flush=True)  # fmt: skip

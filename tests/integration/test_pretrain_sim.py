@@ -28,7 +28,9 @@ def pretrain(out: Path, steps: int) -> subprocess.CompletedProcess:
            "--pretrain_sim.cases", "24", "--pretrain_sim.eval_cases", "6",
            "--pretrain_sim.steps", str(steps), "--pretrain_sim.short_steps", "3",
            "--pretrain_sim.short_data.batch_size", "4", "--pretrain_sim.data.batch_size", "2",
-           "--pretrain_sim.eval_every", "3", "--pretrain_sim.log_every", "3"]  # fmt: skip
+           "--pretrain_sim.eval_every", "3", "--pretrain_sim.log_every", "3",
+           "--pretrain_sim.grammar.session_prob", "1", "--pretrain_sim.grammar.session_turns",
+           "3"]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -42,14 +44,20 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert {t.env_backend for t in train + held} == {"local"}
     assert not {t.task_id for t in train} & {t.task_id for t in held}
     assert all(t.turns[0].exit_code is not None for t in train)
+    sessions = [t for t in held if t.meta["kind"] == "session"]
+    assert len(sessions) == 6 and all(len(t.turns) == 3 for t in sessions)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r.get("stage") == "pretrain_sim_eval"]
     assert [r["step"] for r in evals] == [3, 6]
     assert all(0.0 <= r["exact"] <= 1.0 and 0.0 <= r["induction"] <= 1.0 for r in evals)
+    assert all(0.0 <= r["exact_session"] <= 1.0 for r in evals)  # sessions' later commands
     weights = out / "weights" / "final"
     assert read_model_config(weights).num_layers == 3  # demo_cpu.yaml's simulator.model
     record = json.loads((weights / "pretrain_sim.json").read_text())
     assert record == json.loads((out / "pretrain_sim.json").read_text())
+    # each session's 2nd and 3rd commands after the turns before them (12, unless a context
+    # ran past the row)
+    assert 0 < record["counts"]["session"] <= 12
     verify_checkpoint(weights)  # sealed with its record: train-sim and servers load it as is
     assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
     assert "--pretrain_sim.cases 24" in record["command"]  # how to make it again

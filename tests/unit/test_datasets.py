@@ -15,6 +15,7 @@ from rl.data.chat import generation_prompt
 from rl.data.datasets import (
     DatasetConfig,
     agent_sft_examples,
+    labelled_sim_examples,
     packed_dataset,
     shift,
     sim_sft_dataset,
@@ -197,6 +198,21 @@ def test_sim_examples_skip_simulated_and_unknown_return_codes():
     assert stats.skipped == Counter(simulated_observations=1, missing_exit_code=1)
     examples, _ = sim_sft_examples([unknown], BYTES, max_len=4096, missing_exit_code=0)
     assert len(examples) == 5
+
+
+def test_labelled_examples_from_a_later_turn_keep_the_turns_before_it():
+    one, two = real_trajectory(3), real_trajectory(2)
+    every, _ = sim_sft_examples([one, two], BYTES, max_len=4096)
+    name = {id(one): "one", id(two): "two"}
+    later, labels = labelled_sim_examples([one, two], lambda t: name[id(t)], BYTES, min_turn=1,
+                                          max_len=4096)  # fmt: skip
+    assert labels == ["one", "one", "two"]
+    expected = [every[1], every[2], every[4]]  # each trajectory's examples but its first
+    assert all(np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["loss_mask"],
+               b["loss_mask"]) for a, b in zip(later, expected, strict=True))  # fmt: skip
+    assert "cat f0.txt" in BYTES.decode(later[0]["tokens"].tolist())  # its history
+    everything, labels = labelled_sim_examples([one, two], lambda t: "all", BYTES, max_len=4096)
+    assert len(everything) == len(labels) == 5
 
 
 @pytest.fixture(scope="module")
