@@ -52,8 +52,9 @@ def test_operation_weights_and_typo_rate_shape_the_agents_commands():
 @pytest.mark.parametrize(
     "field,value",
     [("min_len", 0), ("max_len", 0), ("repeat_prob", 1.5), ("bare_prob", -0.1),
-     ("commands_per_case", 0), ("session_turns", 1), ("session_turns", 7), ("typo_prob", 2.0), ("op_weights", {"rev": 1.0}),
-     ("op_weights", {"sort": -1.0}), ("op_weights", dict.fromkeys(STRING_OPS, 0))],
+     ("commands_per_case", 0), ("session_turns", 1), ("session_turns", 7), ("typo_prob", 2.0),
+     ("op_weights", {"rev": 1.0}), ("op_weights", {"sort": -1.0}),
+     ("op_weights", dict.fromkeys(STRING_OPS, 0))],
 )  # fmt: skip
 def test_bad_grammar_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
