@@ -52,6 +52,12 @@ class EngineConfig:
     """Tokens per device call while the batch is stable (no prefill pending, nobody waiting
     for a free slot); amortises per-call overhead. Tokens past a stop are computed and
     dropped. 1 disables it."""
+    overlap: bool = True
+    """Dispatch the next decode call before the current one's tokens reach the host, when the
+    batch stays as it is (decode only, nobody waiting, no session work): the host's
+    bookkeeping of one call runs while the device computes the next, and the device does not
+    wait for it. Its tokens are the ones the call would have made anyway; a sequence that
+    stopped meanwhile has its extra tokens dropped, as past a stop within a call."""
     max_tokens_cap: int | None = None
     """Server-wide clamp on every request's max_tokens (the simulator's runaway guard)."""
     default_max_tokens: int = 256

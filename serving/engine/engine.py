@@ -190,7 +190,7 @@ class Engine(SlotsMixin, SessionsMixin):
         self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0, "compact": 0,
                                        "probe": 0}  # fmt: skip
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
-                          steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
+                          steps=0, ahead_steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
                           session_compactions=0)  # fmt: skip
         self.view_calls: collections.Counter[tuple[str, int]] = collections.Counter()
         """Device calls per (step kind, KV view): how much of the cache the steps touched."""
@@ -311,11 +311,14 @@ class Engine(SlotsMixin, SessionsMixin):
                                       np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
         for decode in self._decode.values():
-            self._cache, _ = decode(
-                self._state, self._cache, zeros_b, zeros_b, zeros_b, np.zeros(b, bool),
-                np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
-                zeros_b, np.bool_(False),
-            )  # fmt: skip
+            tokens = zeros_b
+            for _ in range(2 if self.cfg.overlap else 1):  # then fed its own device tokens
+                self._cache, out = decode(
+                    self._state, self._cache, zeros_b, zeros_b, tokens, np.zeros(b, bool),
+                    np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
+                    zeros_b, np.bool_(False),
+                )  # fmt: skip
+                tokens = out[0][-1]
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
         served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
@@ -510,19 +513,30 @@ class Engine(SlotsMixin, SessionsMixin):
             raise
 
     async def _loop(self) -> None:
+        ahead = None  # a decode call dispatched before its predecessor's tokens were delivered
         while True:
             self._apply_aborts()
-            if self._closing and not self._requests:
-                return
-            self._admit()
-            plan = self._plan()
-            if plan is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            version = self.version
-            result = await asyncio.to_thread(self._device_step, self._state, *plan)
-            self._deliver(plan, result, version)
+            if ahead is not None:
+                plan, version, out, mass = ahead
+            else:
+                if self._closing and not self._requests:
+                    return
+                self._admit()
+                plan = self._plan()
+                if plan is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                version = self.version
+                out, mass = await asyncio.to_thread(self._device_step, self._state, *plan)
+            ahead = self._plan_ahead(plan, out) if self.cfg.overlap else None
+            if ahead is not None:  # dispatched before `out` is fetched: the device never waits
+                self.stats["ahead_steps"] += 1
+                ahead = (ahead, self.version,
+                         *await asyncio.to_thread(self._device_step, self._state, *ahead))
+            if out is not None:
+                out = await asyncio.to_thread(jax.device_get, out)
+            self._deliver(plan, (out, mass), version)
             self.stats["steps"] += 1
 
     def _apply_aborts(self) -> None:
@@ -627,9 +641,41 @@ class Engine(SlotsMixin, SessionsMixin):
             view, *args = decode_args
             self.view_calls["decode", view] += 1
             cache, out = self._decode[steps, view](state, cache, *args)
-            out = jax.device_get(out)
         self._cache = cache
-        return out, mass
+        return out, mass  # `out` still on the device: the caller fetches it
+
+    def _plan_ahead(self, plan, out):
+        """The plan of the next decode call, to dispatch before `out` reaches the host, when
+        the batch will be the same: `plan` was decode only, nothing else is pending and every
+        sequence of it still runs. Its inputs are what `plan`'s tokens will make of the host
+        state: lengths and sample counters `steps` further on, and the last sampled tokens,
+        still on the device. None when the next call has to be planned after the delivery."""
+        copy_args, side, prefill_args, _, decode_args, decoding, steps = plan
+        if out is None or copy_args or prefill_args is not None or side[0] or side[1]:
+            return None
+        if self._pending_copies or self._pending_compactions or self._pending_probes:
+            return None
+        if self._waiting or self._aborts or self._closing:
+            return None
+        owners = [o for o in self._slot_owner if o is not None]
+        if len(owners) != len(decoding) or any(o.finish_reason is not None or o.pending
+                                               for o in owners):  # fmt: skip
+            return None
+        if not any(len(s.generated) + steps < s.max_tokens for s in decoding):
+            return None  # every one of them ends within `plan`: nothing to compute ahead
+        _, lengths, shift, _, active, temp, top_p, top_k, seed, index, counter, want_top = (
+            decode_args
+        )
+        moved = steps * active.astype(np.int32)
+        lengths, counter = lengths + moved, counter + moved
+        k = self._steps(decoding, False)
+        if k != steps or any(lengths[s.slot] + k > self.cfg.max_seq_len for s in decoding):
+            return None
+        view = _view_for(self.cfg.kv_views, int(max(lengths[s.slot] for s in decoding)) + k)
+        tokens = out[0][steps - 1]  # every slot's last sampled token, on the device
+        args = (view, lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
+                want_top)  # fmt: skip
+        return [], ([], [], None), None, [], args, decoding, k
 
     def _deliver(self, plan, result, version: int) -> None:
         _, (_, probes, _), _, chunks, _, decoding, steps = plan

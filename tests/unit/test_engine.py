@@ -8,6 +8,7 @@ make every equality below hold vacuously.
 """
 
 import asyncio
+import dataclasses
 
 import jax
 import numpy as np
@@ -188,6 +189,33 @@ async def test_64_queued_requests_complete_and_match_their_solo_runs(engine, eng
         (solo,) = await gen(engine_b, p, greedy(m))  # alone in its engine
         assert out.token_ids == solo.token_ids, f"prompt of {len(p)} tokens"
     assert any(out.cached_tokens >= 40 for (out,) in batched[8::8])
+
+
+async def test_decode_calls_dispatched_ahead_change_no_token(engine):
+    prompts = [prompt(5 + 7 * i, seed=300 + i) for i in range(6)]
+    kinds = (greedy(40), SamplingParams(temperature=1.0, max_tokens=37, seed=77, logprobs=2,
+                                        ignore_eos=True))  # fmt: skip
+
+    async def run() -> list[SequenceOutput]:
+        outs = await asyncio.gather(*(gen(engine, p, q) for p in prompts for q in kinds))
+        return [out for (out,) in outs]
+
+    before = engine.stats["ahead_steps"]
+    ahead = await run()
+    assert engine.stats["ahead_steps"] > before  # calls really went ahead of their delivery
+    engine.cfg = dataclasses.replace(engine.cfg, overlap=False)
+    try:
+        before = engine.stats["ahead_steps"]
+        in_turn = await run()
+        assert engine.stats["ahead_steps"] == before
+    finally:
+        engine.cfg = dataclasses.replace(engine.cfg, overlap=True)
+    for a, b in zip(ahead, in_turn, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert [[i for i, _ in t] for t in a.top_logprobs] == [
+            [i for i, _ in t] for t in b.top_logprobs]  # fmt: skip
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert [o.token_ids for o in ahead[::2]] == ref_greedy(BASE, prompts, 40)
 
 
 async def test_n_greedy_samples_are_identical(engine):
@@ -432,7 +460,9 @@ async def test_cancelling_the_task_aborts_and_frees_the_slot(engine):
         await task
     steps = engine.stats["steps"]
     assert await wait_until(lambda: engine.active_slots == 0, timeout_s=2.0)
-    assert engine.stats["steps"] <= steps + 1  # freed before the step after the one running
+    # Freed before the step after the ones in flight: the call running and the one the loop
+    # dispatched ahead of its delivery (`EngineConfig.overlap`); nothing goes ahead of an abort.
+    assert engine.stats["steps"] <= steps + 2
     (out,) = await handle.result()
     assert out.finish_reason == "abort"
     assert 2 <= len(out.token_ids) < 200
@@ -453,7 +483,7 @@ async def test_engine_abort_ends_a_stream(engine):
     assert sorted(o.index for o in finished) == [0, 1]
     assert all(o.finish_reason == "abort" and len(o.token_ids) < 200 for o in finished)
     assert await wait_until(lambda: engine.active_slots == 0, timeout_s=2.0)
-    assert engine.stats["steps"] <= steps + 1
+    assert engine.stats["steps"] <= steps + 2  # the calls in flight, as above
 
 
 async def test_abort_while_waiting_for_a_slot(engine):
