@@ -6,7 +6,9 @@
 3. a 10-turn session (each prompt = the last prompt + its completion + a new observation):
    prefix reuse vs re-prefilling the whole context every turn;
 4. decode cost follows the live tokens: the same requests (~300 live tokens per slot) on a
-   slot pool of 8,192 positions vs one of 512.
+   slot pool of 8,192 positions vs one of 512;
+5. the next decode call dispatched before the current one's tokens reach the host
+   (`EngineConfig.overlap`) vs every call planned after the last one's delivery.
 
     .venv/bin/python bench/engine_throughput.py
     .venv/bin/python bench/engine_throughput.py --quick      # smaller, for a smoke test
@@ -60,9 +62,7 @@ async def _engine(model, cfg: EngineConfig) -> Engine:
 
 async def engine_decode(model, prompts, new_tokens, max_seq_len) -> float:
     """Seconds for the engine to generate `new_tokens` for every prompt, all at once."""
-    cfg = engine_config(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
-                        prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
-    engine = await _engine(model, cfg)
+    engine = await _engine(model, decode_config(len(prompts), max_seq_len))
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     await asyncio.gather(*(engine.generate(p, params) for p in prompts))  # warm the path
     times = []
@@ -75,25 +75,28 @@ async def engine_decode(model, prompts, new_tokens, max_seq_len) -> float:
     return min(times)
 
 
-async def live_pools(model, prompts, new_tokens, pools, rounds) -> list[float]:
-    """Per slot-pool length in `pools`, the engine's fastest seconds for the same greedy
-    requests: the engines take turns, round after round, so the machine's drift falls on
-    both alike."""
-    engines = []
-    for max_seq_len in pools:
-        cfg = engine_config(num_slots=len(prompts), max_seq_len=max_seq_len, prefill_chunk=64,
-                            prefill_batch=len(prompts), prefix_reuse=False)  # fmt: skip
-        engines.append(await _engine(model, cfg))
+def decode_config(n: int, max_seq_len: int, **kw) -> EngineConfig:
+    return engine_config(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=n,
+                         prefix_reuse=False, **kw)  # fmt: skip
+
+
+async def alternating(model, prompts, new_tokens, cfgs, rounds) -> list[float]:
+    """Per engine config in `cfgs`, the engine's fastest seconds for the same greedy requests:
+    the engines take turns, round after round, so the machine's drift falls on all alike."""
+    engines = [await _engine(model, cfg) for cfg in cfgs]
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     best = [float("inf")] * len(engines)
+    outs = []
     for r in range(rounds + 1):  # round 0 warms the path
         for i, engine in enumerate(engines):
             start = time.perf_counter()
-            await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            outs.append(await asyncio.gather(*(engine.generate(p, params) for p in prompts)))
             if r:
                 best[i] = min(best[i], time.perf_counter() - start)
     for engine in engines:
         await engine.stop()
+    tokens = {tuple(tuple(o[0].token_ids) for o in out) for out in outs}
+    assert len(tokens) == 1, "the engines' greedy outputs differ"
     return best
 
 
@@ -230,13 +233,21 @@ def main() -> None:
     short_pool, long_pool = (256, 1024) if q else (512, 8192)
     live = _prompts(batch, live_prompt, seed=3)
     with console.status(f"decode at equal live lengths: {long_pool} vs {short_pool} positions"):
-        t_short, t_long = asyncio.run(
-            live_pools(model, live, live_new, (short_pool, long_pool), 3 if q else 9)
-        )
+        pools = [decode_config(batch, n) for n in (short_pool, long_pool)]
+        t_short, t_long = asyncio.run(alternating(model, live, live_new, pools, 3 if q else 9))
     live_toks = batch * live_new
     results["live"] = dict(short_pool=short_pool, long_pool=long_pool, short_tok_s=live_toks /
                            t_short, long_tok_s=live_toks / t_long, live_tokens=live_prompt +
                            live_new)  # fmt: skip
+
+    ahead_new = 16 if q else 256
+    with console.status("decode: the next device call dispatched ahead vs in turn"):
+        modes = [decode_config(batch, 256 if q else 512, overlap=o) for o in (True, False)]
+        t_ahead, t_turn = asyncio.run(
+            alternating(model, prompts, ahead_new, modes, 3 if q else 5)
+        )
+    results["overlap"] = dict(ahead_tok_s=batch * ahead_new / t_ahead,
+                              in_turn_tok_s=batch * ahead_new / t_turn)  # fmt: skip
 
     d = results["decode"]
     rows = [
@@ -244,6 +255,8 @@ def main() -> None:
             d["hf_tok_s"], "tokens/s", ">= 3x"),
         Row("decode vs our model without KV cache", d["engine_tok_s"], d["no_cache_tok_s"],
             "tokens/s"),
+        Row(f"decode B={batch} +{ahead_new}: next call dispatched ahead vs in turn",
+            results["overlap"]["ahead_tok_s"], results["overlap"]["in_turn_tok_s"], "tokens/s"),
         Row(f"{n_conc} requests: concurrent vs one at a time", t_conc, t_seq, "s", ">= 10x",
             ratio_of="peer/ours"),
         Row(f"{turns}-turn session: prefix reuse vs re-prefill", t_reuse, t_full, "s", ">= 2x",
