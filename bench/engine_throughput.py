@@ -243,9 +243,7 @@ def main() -> None:
     ahead_new = 16 if q else 256
     with console.status("decode: the next device call dispatched ahead vs in turn"):
         modes = [decode_config(batch, 256 if q else 512, overlap=o) for o in (True, False)]
-        t_ahead, t_turn = asyncio.run(
-            alternating(model, prompts, ahead_new, modes, 3 if q else 5)
-        )
+        t_ahead, t_turn = asyncio.run(alternating(model, prompts, ahead_new, modes, 3 if q else 5))
     results["overlap"] = dict(ahead_tok_s=batch * ahead_new / t_ahead,
                               in_turn_tok_s=batch * ahead_new / t_turn)  # fmt: skip
 

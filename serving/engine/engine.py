@@ -532,8 +532,11 @@ class Engine(SlotsMixin, SessionsMixin):
             ahead = self._plan_ahead(plan, out) if self.cfg.overlap else None
             if ahead is not None:  # dispatched before `out` is fetched: the device never waits
                 self.stats["ahead_steps"] += 1
-                ahead = (ahead, self.version,
-                         *await asyncio.to_thread(self._device_step, self._state, *ahead))
+                ahead = (
+                    ahead,
+                    self.version,
+                    *await asyncio.to_thread(self._device_step, self._state, *ahead),
+                )
             if out is not None:
                 out = await asyncio.to_thread(jax.device_get, out)
             self._deliver(plan, (out, mass), version)
