@@ -19,9 +19,11 @@ episode's previous turn in a finished slot (what it really prefilled is reported
 markovian, turn, budget, each protecting the last turn; turn keeps half of an older turn,
 budget holds at most a quarter of the episode) and reports the KV each holds.
 
-On 2 CPU cores the default run's time is prefill: the engine's prefill attends over a slot's
-whole context (16,384 positions here), so each 256-token chunk costs the same at turn 1 as at
-turn 50 (~4.5 s per turn of 8 episodes, 2,056 tokens prefilled), and reply length hardly counts.
+On 2 CPU cores the default run's time is attention over the held keys: prefill and decode read
+only the smallest KV view that holds a slot's live tokens, so a turn costs what its context
+holds (measured, 8 x 50 turns: ~0.96 s per turn of 8 episodes over turns 2-11, ~4.4-4.8 s over
+the last 10, in both modes alike: a drift of ~4.6-5x that is attention's, not re-prefill's;
+when every step attended over all 16,384 positions, every turn cost ~4.5 s).
 
 Per turn: client wall latency and tokens prefilled (the context at the call minus the tokens
 whose KV the server already held). Target (issue 19): with sessions the last 10 turns' mean
