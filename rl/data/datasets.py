@@ -24,7 +24,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -137,73 +137,69 @@ def sim_sft_examples(
     the target. An example that cannot keep the prefix and command, or whose target alone is
     too long, is skipped: a target cut before its end-of-turn token would teach the simulator
     to run away."""
-    examples: list[Example] = []
     stats = SFTStats()
-    renderer = ChatRenderer(tokenizer)
-    for traj in trajectories:
-        for _, example in _sim_turn_examples(traj, tokenizer, renderer, stats, max_len=max_len,
-                                             missing_exit_code=missing_exit_code,
-                                             system_prompt=system_prompt, show_task=show_task,
-                                             context_budget=context_budget):  # fmt: skip
-            examples.append(example)
+    examples = [e for _, _, e in _sim_examples(trajectories, tokenizer, stats, max_len=max_len,
+                                               missing_exit_code=missing_exit_code,
+                                               system_prompt=system_prompt, show_task=show_task,
+                                               context_budget=context_budget)]  # fmt: skip
     return examples, stats
 
 
-def _sim_turn_examples(
-    traj: Trajectory,
+def _sim_examples(
+    trajectories: Iterable[Trajectory],
     tokenizer: Tokenizer,
-    renderer: ChatRenderer,
     stats: SFTStats,
     *,
     max_len: int,
-    missing_exit_code: int | None,
-    system_prompt: str | None,
-    show_task: bool,
-    context_budget: int | None,
-) -> Iterator[tuple[int, Example]]:
-    """`sim_sft_examples` of one trajectory: (index of the command among its commands, example),
-    counting into `stats`."""
-    text = tokenizer.encode_text
+    missing_exit_code: int | None = 0,
+    system_prompt: str | None = None,
+    show_task: bool = True,
+    context_budget: int | None = None,
+) -> Iterator[tuple[Trajectory, int, Example]]:
+    """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
+    trajectory's commands, the example), counting into `stats`."""
+    renderer, text = ChatRenderer(tokenizer), tokenizer.encode_text
     end_of_turn = tokenizer.token_id(IM_END)
     gen_prompt = renderer.render([], add_generation_prompt=True, enable_thinking=False)
-    if traj.env_backend == "simulated":  # observations the simulator wrote itself
-        stats.skipped["simulated_observations"] += 1
-        return
-    pairs = _sim_pairs(traj, missing_exit_code)
-    if not pairs:
-        stats.skipped["missing_exit_code" if pairs is None else "no_commands"] += 1
-        return
-    messages = render_sim_messages(
-        traj.instruction,
-        pairs[:-1],
-        pairs[-1][0],
-        setup_files=traj.setup_files,
-        system_prompt=system_prompt,
-        show_task=show_task,
-    )
-    # ChatML messages start and end at special tokens, so rendering them one by one gives
-    # the ids of the whole rendering (the tests check this against ChatRenderer.render).
-    ids = [renderer.render([m]) for m in messages]
-    system, commands, answers = ids[0], ids[1::2], ids[2::2]
-    for k, (_, obs) in enumerate(pairs):
-        # An observation is content: special-token strings in it stay text.
-        target = text(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
-        suffix = commands[k] + gen_prompt
-        budget = max_len - len(target)
-        if context_budget is not None:
-            budget = min(budget, context_budget)
-        if len(system) + len(suffix) > budget:
-            stats.skipped["too_long"] += 1
+    for traj in trajectories:
+        if traj.env_backend == "simulated":  # observations the simulator wrote itself
+            stats.skipped["simulated_observations"] += 1
             continue
-        turns = [commands[j] + answers[j] for j in range(k)]
-        n = kept_history(len(system), [len(t) for t in turns], len(suffix), budget)
-        if n < k:
-            stats.truncated += 1
-        context = system + [t for turn in turns[k - n :] for t in turn] + suffix
-        stats.examples += 1
-        stats.target_tokens += len(target)
-        stats.context_tokens += len(context)
-        yield k, _example(context, target)
+        pairs = _sim_pairs(traj, missing_exit_code)
+        if not pairs:
+            stats.skipped["missing_exit_code" if pairs is None else "no_commands"] += 1
+            continue
+        messages = render_sim_messages(
+            traj.instruction,
+            pairs[:-1],
+            pairs[-1][0],
+            setup_files=traj.setup_files,
+            system_prompt=system_prompt,
+            show_task=show_task,
+        )
+        # ChatML messages start and end at special tokens, so rendering them one by one gives
+        # the ids of the whole rendering (the tests check this against ChatRenderer.render).
+        ids = [renderer.render([m]) for m in messages]
+        system, commands, answers = ids[0], ids[1::2], ids[2::2]
+        for k, (_, obs) in enumerate(pairs):
+            # An observation is content: special-token strings in it stay text.
+            target = text(format_observation(obs.output, obs.exit_code)) + [end_of_turn]
+            suffix = commands[k] + gen_prompt
+            budget = max_len - len(target)
+            if context_budget is not None:
+                budget = min(budget, context_budget)
+            if len(system) + len(suffix) > budget:
+                stats.skipped["too_long"] += 1
+                continue
+            turns = [commands[j] + answers[j] for j in range(k)]
+            n = kept_history(len(system), [len(t) for t in turns], len(suffix), budget)
+            if n < k:
+                stats.truncated += 1
+            context = system + [t for turn in turns[k - n :] for t in turn] + suffix
+            stats.examples += 1
+            stats.target_tokens += len(target)
+            stats.context_tokens += len(context)
+            yield traj, k, _example(context, target)
 
 
 def labelled_sim_examples(
@@ -212,28 +208,16 @@ def labelled_sim_examples(
     tokenizer: Tokenizer,
     *,
     min_turn: int = 0,
-    max_len: int,
-    missing_exit_code: int | None = 0,
-    system_prompt: str | None = None,
-    show_task: bool = True,
-    context_budget: int | None = None,
+    **kwargs: Any,
 ) -> tuple[list[Example], list[str]]:
     """`sim_sft_examples` (same keyword arguments) with each example's label: `label(traj)`
     of the trajectory it came from (e.g. its task kind, for a held-out curve by kind). Only
     the commands from the `min_turn`-th on (0-based) give examples: `min_turn=1` scores a
     session's later commands, each with the turns before it in its context."""
-    examples: list[Example] = []
-    labels: list[str] = []
-    renderer, stats = ChatRenderer(tokenizer), SFTStats()
-    for traj in trajectories:
-        for k, example in _sim_turn_examples(traj, tokenizer, renderer, stats, max_len=max_len,
-                                             missing_exit_code=missing_exit_code,
-                                             system_prompt=system_prompt, show_task=show_task,
-                                             context_budget=context_budget):  # fmt: skip
-            if k >= min_turn:
-                examples.append(example)
-                labels.append(label(traj))
-    return examples, labels
+    kept = [(traj, example)
+            for traj, k, example in _sim_examples(trajectories, tokenizer, SFTStats(), **kwargs)
+            if k >= min_turn]  # fmt: skip
+    return [e for _, e in kept], [label(t) for t, _ in kept]
 
 
 def agent_sft_examples(
