@@ -152,13 +152,12 @@ def test_param_count_matches_config_formula():
         assert total == cfg.num_params()
 
 
-def test_blocked_causal_attention_and_split_attention_equal_plain_attention():
-    """Training attention skips the scores above the causal diagonal block by block, and the
-    engine attends over a read-only cache plus its own keys held apart: both equal `attend`
-    over the same keys. Bound: an output is a weighted mean of values in [-1, 1] whose f32
-    sums over n <= 300 terms may round in another order, each within n * 2**-24 (x2: the
-    normaliser and the weighted sum)."""
-    from rl.model.transformer import CAUSAL_BLOCK, attend, attend_causal, attend_split
+def test_blocked_causal_attention_equals_plain_attention():
+    """Training attention skips the scores above the causal diagonal block by block: the same
+    as `attend` over the same keys. Bound: an output is a weighted mean of values in [-1, 1]
+    whose f32 sums over n <= 300 terms may round in another order, each within n * 2**-24
+    (x2: the normaliser and the weighted sum)."""
+    from rl.model.transformer import CAUSAL_BLOCK, attend, attend_causal
 
     b, t, n, kv, h = 2, 2 * CAUSAL_BLOCK + 44, 4, 2, 16
     rng = np.random.default_rng(0)
@@ -170,11 +169,48 @@ def test_blocked_causal_attention_and_split_attention_equal_plain_attention():
         (idx[:, None] >= idx[None, :]) & (segments[:, :, None] == segments[:, None, :])
     )
     tol = 2 * t * 2.0**-24
-    want = attend(q, k, v, mask)
-    np.testing.assert_allclose(attend_causal(q, k, v, mask), want, atol=tol, rtol=0)
-    held = 200  # the first 200 keys in a cache, the rest this call's own
-    got = attend_split(q[:, held:], k[:, :held], v[:, :held], mask[:, held:, :held],
-                       k[:, held:], v[:, held:], mask[:, held:, held:])  # fmt: skip
-    np.testing.assert_allclose(got, want[:, held:], atol=tol, rtol=0)
-    none_held = attend_split(q, k[:, :0], v[:, :0], mask[:, :, :0], k, v, mask)
-    np.testing.assert_allclose(none_held, want, atol=tol, rtol=0)
+    np.testing.assert_allclose(attend_causal(q, k, v, mask), attend(q, k, v, mask), atol=tol,
+                               rtol=0)  # fmt: skip
+
+
+def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_other_rows():
+    """The engine attends over a read-only cache (row b sees its first `held[b]` keys, read a
+    block at a time under a running softmax) plus its own keys held apart: the same as
+    `attend` over the keys concatenated. Rows hold different lengths, one nothing; the cache
+    is two whole blocks and a partial one. Bound: f32 sums over n terms (held + own <= 1,128)
+    may round in another order, each within n * 2**-24 (x2: the normaliser and the weighted
+    sum), and each of the <= 4 rescalings of the running sums adds a few ulps (4 * 2**-24
+    each, counted as 16 more terms). A row's result is bit for bit the same whatever the
+    other rows hold: the blocks past its own keys add exactly nothing to it."""
+    from rl.model.transformer import HELD_BLOCK, attend, attend_split
+
+    b, n, kv, h, own = 3, 4, 2, 16, 40
+    s = 2 * HELD_BLOCK + 37
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.uniform(-1, 1, (b, own, n, h)), jnp.float32)
+    k, v = (jnp.asarray(rng.uniform(-1, 1, (b, s + own, kv, h)), jnp.float32) for _ in "kv")
+    held = np.array([s, HELD_BLOCK + 3, 0], np.int32)
+    valid = np.arange(own) < np.array([[own], [own], [7]])  # row 2: 7 real tokens, then padding
+    own_mask = np.tril(np.ones((own, own), bool))[None] & valid[:, None, :] & valid[:, :, None]
+    got = attend_split(q, k[:, :s], v[:, :s], jnp.asarray(held), k[:, s:], v[:, s:],
+                       jnp.asarray(own_mask))  # fmt: skip
+    seen = np.concatenate([np.broadcast_to((np.arange(s)[None, :] < held[:, None])[:, None],
+                                           (b, own, s)), own_mask], axis=2)  # fmt: skip
+    want = attend(q, k, v, jnp.asarray(seen))
+    tol = 2 * (s + own + 16) * 2.0**-24
+    real = valid[:, :, None, None]  # a padding query sees nothing: zeros (attend: any mean)
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=tol, rtol=0)
+    assert not np.any(np.asarray(got)[~valid]), "a query that sees no key gets zeros"
+
+    others = held.copy()
+    others[0], others[2] = 5, s  # row 1 alone, then with every block read for another row
+    split = jax.jit(attend_split)
+    one = split(q, k[:, :s], v[:, :s], jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
+    others[0] = 0
+    two = split(q, k[:, :s], v[:, :s], jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
+    np.testing.assert_array_equal(np.asarray(one)[1], np.asarray(two)[1])
+    nothing = attend_split(q, k[:, :0], v[:, :0], jnp.zeros(b, jnp.int32), k[:, s:], v[:, s:],
+                           jnp.asarray(own_mask))  # fmt: skip
+    np.testing.assert_allclose(np.where(real, nothing, 0),
+                               np.where(real, attend(q, k[:, s:], v[:, s:], own_mask), 0),
+                               atol=2 * (own + 16) * 2.0**-24, rtol=0)  # fmt: skip
