@@ -21,18 +21,6 @@ likely token, so the server raises smaller ones to this without changing what is
 
 MAX_TTL_S = 86_400.0
 """The longest a session may stay idle (a day)."""
-MIN_KV_VIEW = 256
-"""The shortest KV view a decode step attends over (below it the step's fixed cost rules)."""
-MIN_PREFILL_VIEW = 512
-"""The shortest KV view a prefill step attends over."""
-
-
-def _views(start: int, factor: int, max_len: int) -> tuple[int, ...]:
-    out, t = [], start
-    while t < max_len:
-        out.append(t)
-        t *= factor
-    return (*out, max_len)
 
 
 @dataclass(frozen=True)
@@ -106,23 +94,6 @@ class EngineConfig:
             out.append(t)
             t *= 2
         return tuple(out)
-
-    @property
-    def kv_views(self) -> tuple[int, ...]:
-        """KV lengths the decode step is compiled for: each device call attends over (and
-        copies) only the smallest view that holds every live key of its slots, so its cost
-        follows the live tokens, not `max_seq_len`. Powers of two from `MIN_KV_VIEW`, then
-        `max_seq_len` itself."""
-        return _views(MIN_KV_VIEW, 2, self.max_seq_len)
-
-    @property
-    def prefill_views(self) -> tuple[int, ...]:
-        """Lengths of the held KV a prefill step is compiled to read (a chunk's own keys are
-        apart from it): 0 for first chunks, which read nothing, then 4x apart from
-        `MIN_PREFILL_VIEW`. Each view is compiled for every prefill bucket, so a coarser
-        ladder keeps the start-up compile short, and a prompt chunk is cheap next to the
-        tokens decoded after it."""
-        return (0, *_views(MIN_PREFILL_VIEW, 4, self.max_seq_len))
 
 
 @dataclass(frozen=True)

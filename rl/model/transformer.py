@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,24 +141,52 @@ def attend_causal(
 HELD_BLOCK = 512
 """Held keys per step of `attend_split`'s running softmax. Measured on 2 CPU cores, tiny model,
 8 slots x 16,384 positions, every slot holding ~16,300 keys: one prefill call of 4 x 256 tokens
-took 1,376 ms as one softmax over the whole view, 370 / 381 / 461 / 630 ms in blocks of
+took 1,376 ms as one softmax over the whole cache, 370 / 381 / 461 / 630 ms in blocks of
 256 / 512 / 1,024 / 2,048 (a block's scores stay in cache); 4 decode steps 76 ms, 58-73 ms in
 blocks."""
 
 
+class HeldKeys(NamedTuple):
+    """Keys and values a step only reads, for `attend_split`: either one layer's own arrays
+    ([B, S, K, H], `layer` None), or a whole KV cache ([L, C, S, K, H]) read at `layer`, row b
+    of the batch at cache row `rows[b]` (None: row b; an out-of-range row reads zeros). Only
+    the blocks a step reads are gathered: the cache itself is never copied."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array | None = None
+    rows: jax.Array | None = None
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[-3]
+
+    def block(self, start: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+        """Positions `start...start + size` of every batch row: ([B, size, K, H],) * 2."""
+        if self.layer is None:
+            return tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+                         for x in (self.k, self.v))  # fmt: skip
+        if self.rows is None:
+            _, c, _, k, h = self.k.shape
+            at, shape = (self.layer, 0, start, 0, 0), (1, c, size, k, h)
+            return tuple(jax.lax.dynamic_slice(x, at, shape)[0] for x in (self.k, self.v))
+        index_1S = (start + jnp.arange(size, dtype=jnp.int32))[None, :]
+        return tuple(x.at[self.layer, self.rows[:, None], index_1S].get(mode="fill", fill_value=0)
+                     for x in (self.k, self.v))  # fmt: skip
+
+
 def attend_split(
     q_BTNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
+    held: HeldKeys,
     held_B: jax.Array,
     knew_BUKH: jax.Array,
     vnew_BUKH: jax.Array,
     mask_BTU: jax.Array,
 ) -> jax.Array:
-    """`attend` over two key sets held apart: a cache that is only read (S keys; row b's
-    queries see its first `held_B[b]`) and the few keys of this call (U, under `mask_BTU`), so
-    no step copies the cache to append to it. The same attention as over the keys
-    concatenated, to float rounding; a query that sees no key gets zeros.
+    """`attend` over two key sets held apart: keys that are only read (`held`: S positions;
+    row b's queries see its first `held_B[b]`) and the few keys of this call (U, under
+    `mask_BTU`), so no step copies a cache to append to it. The same attention as over the
+    keys concatenated, to float rounding; a query that sees no key gets zeros.
 
     The held keys are read `HELD_BLOCK` at a time under a running softmax (the max and the
     denominator carried from block to block, the weighted sum rescaled when the max grows),
@@ -165,16 +194,16 @@ def attend_split(
     the cache's length. A block past a row's own keys adds exactly nothing to it (weight 1,
     terms 0), so a row's result does not depend on the other rows or on S."""
     b, t, n, h = q_BTNH.shape
-    s, kv = k_BSKH.shape[1], k_BSKH.shape[2]
+    kv = knew_BUKH.shape[2]
     q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
     scale = 1.0 / jnp.sqrt(jnp.float32(h))
-    dt = v_BSKH.dtype
+    dt = q_BTNH.dtype
     held_B = held_B.astype(jnp.int32)
 
     def fold(carry, keys_BSKH, values_BSKH, mask_BTS):
         top_BKGT1, total_BKGT1, acc_BKGTH = carry
         mask_B11TS = mask_BTS[:, None, None]
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, keys_BSKH,
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, keys_BSKH.astype(q_BTKGH.dtype),
                             preferred_element_type=jnp.float32) * scale  # fmt: skip
         scores = jnp.where(mask_B11TS, scores, NEG_INF)
         new_top = jnp.maximum(top_BKGT1, jnp.max(scores, axis=-1, keepdims=True))
@@ -185,29 +214,25 @@ def attend_split(
         return (new_top, total_BKGT1 * weight + jnp.sum(e_BKGTS, axis=-1, keepdims=True),
                 acc_BKGTH * weight + part)  # fmt: skip
 
-    def held_mask(first: jax.Array, size: int) -> jax.Array:
-        index_S = first + jnp.arange(size, dtype=jnp.int32)
-        return jnp.broadcast_to((index_S[None, :] < held_B[:, None])[:, None, :], (b, t, size))
-
     carry = (jnp.full((b, kv, n // kv, t, 1), NEG_INF, jnp.float32),
              jnp.zeros((b, kv, n // kv, t, 1), jnp.float32),
              jnp.zeros((b, kv, n // kv, t, h), jnp.float32))  # fmt: skip
-    block = min(HELD_BLOCK, s)
-    full = s // block if s else 0
-    if full:
+    s = held.length
+    if s:
+        size = min(HELD_BLOCK, s)
 
         def step(i, carry):
-            first = i * block
-            keys = jax.lax.dynamic_slice_in_dim(k_BSKH, first, block, axis=1)
-            values = jax.lax.dynamic_slice_in_dim(v_BSKH, first, block, axis=1)
-            return fold(carry, keys, values, held_mask(first, block))
+            # The last block of a cache that is not a whole number of blocks starts early:
+            # its positions before `first` were read by the block before, and are masked.
+            first = i * size
+            start = jnp.minimum(first, s - size)
+            index_S = start + jnp.arange(size, dtype=jnp.int32)
+            seen_BS = (index_S[None, :] >= first) & (index_S[None, :] < held_B[:, None])
+            keys, values = held.block(start, size)
+            return fold(carry, keys, values, jnp.broadcast_to(seen_BS[:, None], (b, t, size)))
 
-        longest = jnp.max(held_B)
-        blocks = jnp.minimum((longest + block - 1) // block, full)
+        blocks = jnp.minimum((jnp.max(held_B) + size - 1) // size, -(-s // size))
         carry = jax.lax.fori_loop(0, blocks, step, carry)
-    if s > full * block:  # the keys past the last whole block
-        first = full * block
-        carry = fold(carry, k_BSKH[:, first:], v_BSKH[:, first:], held_mask(first, s - first))
     carry = fold(carry, knew_BUKH, vnew_BUKH, mask_BTU)
     _, total_BKGT1, acc_BKGTH = carry
     out_BKGTH = acc_BKGTH * jnp.where(total_BKGT1 > 0, 1.0 / total_BKGT1, 0.0)
@@ -297,22 +322,23 @@ class Block(nnx.Module):
         self,
         x_BTD: jax.Array,
         positions_BT: jax.Array,
-        past: tuple[jax.Array, jax.Array],
+        past: HeldKeys,
         held_B: jax.Array,
         new: tuple[jax.Array, jax.Array],
         new_at_T: jax.Array,
         new_mask_BTU: jax.Array,
     ):
         """The block on tokens whose keys go to slots `new_at_T` of the small buffers `new`
-        ([B, U, K, H]: this call's keys), attending to the read-only `past` keys and the
-        buffers' -> (x, new buffers). `past` is never written, so it is never copied."""
+        ([B, U, K, H]: this call's keys), attending to the first `held_B` read-only `past`
+        keys and the buffers' -> (x, new buffers). `past` is never written, so it is never
+        copied."""
         q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(self.attn_norm(x_BTD), positions_BT)
         k_BUKH, v_BUKH = new
         k_BUKH = k_BUKH.at[:, new_at_T].set(k_BTKH.astype(k_BUKH.dtype))
         v_BUKH = v_BUKH.at[:, new_at_T].set(v_BTKH.astype(v_BUKH.dtype))
         dt = q_BTNH.dtype
-        attn_BTNH = attend_split(q_BTNH, past[0].astype(dt), past[1].astype(dt), held_B,
-                                 k_BUKH.astype(dt), v_BUKH, new_mask_BTU)  # fmt: skip
+        attn_BTNH = attend_split(q_BTNH, past, held_B, k_BUKH.astype(dt), v_BUKH.astype(dt),
+                                 new_mask_BTU)  # fmt: skip
         x_BTD = x_BTD + self.attn.out(attn_BTNH)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
         x_BTD = constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
@@ -482,12 +508,13 @@ class Qwen3(nnx.Module):
         new_len_B = jnp.minimum(cache.lengths + num_new_B.astype(jnp.int32), cache.max_len)
         return h_BTD, dataclasses.replace(new_cache, lengths=new_len_B)
 
-    def extend_chunk(self, tokens_BT, past, start_B, num_new_B, shift_B=None):
+    def extend_chunk(self, tokens_BT, past, start_B, num_new_B, shift_B=None, rows_B=None):
         """A chunk of `num_new_B[b]` new tokens per row (a left-aligned prefix of row b) after
-        the first `start_B[b]` keys of `past` -> (hidden, keys, values [L, B, T, K, H], the
-        cache index of each token `start + offset` [B, T], which of them are real [B, T]).
-        Each token sees the held keys and the chunk's real tokens up to itself; its position
-        is its index plus `shift_B[b]`. Nothing is written: see `write_kv`."""
+        the first `start_B[b]` keys of `past` (a KV cache's (k, v), row b at cache row
+        `rows_B[b]`, default b) -> (hidden, keys, values [L, B, T, K, H], the cache index of
+        each token `start + offset` [B, T], which of them are real [B, T]). Each token sees
+        the held keys and the chunk's real tokens up to itself; its position is its index
+        plus `shift_B[b]`. Nothing is written: see `write_kv`."""
         b, t = tokens_BT.shape
         start_B = start_B.astype(jnp.int32)
         offsets_T = jnp.arange(t, dtype=jnp.int32)
@@ -500,7 +527,7 @@ class Qwen3(nnx.Module):
         empty = jnp.zeros(shape, past[0].dtype)
         h_BTD, k_new, v_new = self.extend_kv(
             tokens_BT, past, start_B, (empty, empty), offsets_T, mask_BTT,
-            positions_BT,
+            positions_BT, rows_B,
         )  # fmt: skip
         return h_BTD, k_new, v_new, index_BT, valid_BT
 
@@ -513,24 +540,28 @@ class Qwen3(nnx.Module):
         new_at_T: jax.Array,
         new_mask_BTU: jax.Array,
         positions_BT: jax.Array,
+        rows_B: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Run `tokens_BT` on top of keys held elsewhere -> (hidden [B, T, D], the buffers
         `new` with these tokens' keys and values at `new_at_T`: [L, B, U, K, H] each).
 
-        Each token attends to the first `past_len_B[b]` keys of `past` ([L, B, S, K, H], only
-        read: a cache, or the view of one) and to the buffers' keys `new_mask_BTU` allows
-        (its own included). The caller writes the buffers wherever the keys live; nothing
-        here copies `past`."""
+        Each token attends to the first `past_len_B[b]` keys of cache row `rows_B[b]`
+        (default b) of `past` ((k, v) [L, C, S, K, H], only read: a KV cache) and to the
+        buffers' keys `new_mask_BTU` allows (its own included). Only the blocks of held keys
+        that some row needs are read; the caller writes the buffers wherever the keys live;
+        nothing here copies `past`."""
         graphdef, stacked = nnx.split(self.layers)
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
         def body(x_BTD, xs):
-            layer_state, pk, pv, nk, nv = xs
+            layer_state, layer, nk, nv = xs
             block = nnx.merge(graphdef, layer_state)
-            return block.extend(x_BTD, positions_BT, (pk, pv), past_len_B, (nk, nv),
-                                new_at_T, new_mask_BTU)  # fmt: skip
+            held = HeldKeys(past[0], past[1], layer, rows_B)
+            return block.extend(x_BTD, positions_BT, held, past_len_B, (nk, nv), new_at_T,
+                                new_mask_BTU)  # fmt: skip
 
         h_BTD, (k_new, v_new) = jax.lax.scan(
-            body, self.embed_tokens(tokens_BT), (stacked, past[0], past[1], new[0], new[1])
+            body, self.embed_tokens(tokens_BT), (stacked, layers, new[0], new[1])
         )
         return h_BTD, k_new, v_new
 

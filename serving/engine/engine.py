@@ -43,7 +43,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
-from rl.model.transformer import KVCache, Qwen3, write_kv
+from rl.model.transformer import HELD_BLOCK, KVCache, Qwen3, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -192,8 +192,9 @@ class Engine(SlotsMixin, SessionsMixin):
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
                           steps=0, ahead_steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
                           session_compactions=0)  # fmt: skip
-        self.view_calls: collections.Counter[tuple[str, int]] = collections.Counter()
-        """Device calls per (step kind, KV view): how much of the cache the steps touched."""
+        self.block_reads: collections.Counter[tuple[str, int]] = collections.Counter()
+        """Device calls per (step kind, blocks of held keys read): how much of the cache the
+        steps touched (`HELD_BLOCK` positions a block; 0: none, e.g. a prompt's first chunk)."""
         self._slot_session: list[Session | None] = [None] * b
         """The session a slot is pinned to (between its calls too)."""
         self.sessions: dict[str, Session] = {}
@@ -206,16 +207,16 @@ class Engine(SlotsMixin, SessionsMixin):
         valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
 
         def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
-                   top_k_B, seed_B, index_B, counter_B, want_top, *, steps, view):  # fmt: skip
+                   top_k_B, seed_B, index_B, counter_B, want_top, *, steps):  # fmt: skip
             """`steps` tokens for every active slot, each step feeding back its own sample.
-            Only the first `view` cache positions are read: every active slot's keys fit in
-            them (`_view_for`). The steps' own keys gather in small buffers, written into
-            the cache once at the end (the cache itself is never copied)."""
+            Only the blocks of the cache that hold some slot's keys are read. The steps' own
+            keys gather in small buffers, written into the cache once at the end (the cache
+            itself is never copied)."""
             self.traces["decode"] += 1
             model = nnx.merge(graphdef, state)
             active_i_B = active_B.astype(jnp.int32)
             b = lengths_B.shape[0]
-            past = (cache.k[:, :, :view], cache.v[:, :, :view])
+            past = (cache.k, cache.v)
             empty = jnp.zeros((cache.k.shape[0], b, steps, *cache.k.shape[3:]), cache.k.dtype)
             u_U = jnp.arange(steps, dtype=jnp.int32)
 
@@ -236,22 +237,22 @@ class Engine(SlotsMixin, SessionsMixin):
                              jnp.broadcast_to(active_B[:, None], at_BU.shape))  # fmt: skip
             return cache, outs
 
-        def rows(cache, lengths_B, slots_P, view=None):
+        def rows(cache, lengths_B, slots_P):
             return KVCache(
-                k=jnp.take(cache.k[:, :, :view], slots_P, axis=1, mode="fill", fill_value=0),
-                v=jnp.take(cache.v[:, :, :view], slots_P, axis=1, mode="fill", fill_value=0),
+                k=jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0),
+                v=jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0),
                 lengths=jnp.take(lengths_B, slots_P, mode="fill", fill_value=0),
             )
 
-        def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P, *, view):
-            """Writes the chunks' keys; reads only the first `view` positions of the listed
-            slots (every one's held keys are within them)."""
+        def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P):
+            """Writes the chunks' keys; reads only the blocks of the listed slots' rows that
+            hold their keys (a padding entry, slot B, holds none)."""
             self.traces["prefill"] += 1
             model = nnx.merge(graphdef, state)
-            sub = rows(cache, lengths_B, slots_P, view)
+            held_P = jnp.take(lengths_B, slots_P, mode="fill", fill_value=0)
             shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
             _, k_new, v_new, index_PT, valid_PT = model.extend_chunk(
-                tokens_PT, (sub.k, sub.v), sub.lengths, num_new_P, shift_P
+                tokens_PT, (cache.k, cache.v), held_P, num_new_P, shift_P, rows_B=slots_P
             )
             return write_kv(cache, slots_P, index_PT, k_new, v_new, valid_PT)
 
@@ -288,14 +289,10 @@ class Engine(SlotsMixin, SessionsMixin):
         self._compact_fn = jax.jit(compact, donate_argnums=(0,))
         self._probe_fn = jax.jit(probe)
         self._decode = {
-            (k, v): jax.jit(functools.partial(decode, steps=k, view=v), donate_argnums=(1,))
+            k: jax.jit(functools.partial(decode, steps=k), donate_argnums=(1,))
             for k in sorted({1, self.cfg.decode_steps})
-            for v in self.cfg.kv_views
         }
-        self._prefill = {
-            v: jax.jit(functools.partial(prefill, view=v), donate_argnums=(1,))
-            for v in self.cfg.prefill_views
-        }
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._copy = jax.jit(copy, donate_argnums=(0,))
 
     def warmup(self) -> None:
@@ -304,11 +301,10 @@ class Engine(SlotsMixin, SessionsMixin):
         compact: their start-up does not pay for it)."""
         b, p = self.cfg.num_slots, self.cfg.prefill_batch
         zeros_b = np.zeros(b, np.int32)
-        for prefill in self._prefill.values():
-            for t in self.cfg.prefill_buckets:
-                self._cache = prefill(self._state, self._cache, zeros_b, zeros_b,
-                                      np.full(p, b, np.int32), np.zeros((p, t), np.int32),
-                                      np.zeros(p, np.int32))  # fmt: skip
+        for t in self.cfg.prefill_buckets:
+            self._cache = self._prefill(self._state, self._cache, zeros_b, zeros_b,
+                                        np.full(p, b, np.int32), np.zeros((p, t), np.int32),
+                                        np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
         for decode in self._decode.values():
             tokens = zeros_b
@@ -585,9 +581,8 @@ class Engine(SlotsMixin, SessionsMixin):
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
             held = max(self._lengths[seq.slot] for seq, _ in chunks)  # read; the rest written
-            view = _view_for(self.cfg.prefill_views, held)
-            prefill_args = (view, self._lengths.copy(), self._shift.copy(), slots, tokens,
-                            num_new)  # fmt: skip
+            prefill_args = (self._held_blocks(held), self._lengths.copy(), self._shift.copy(),
+                            slots, tokens, num_new)  # fmt: skip
             for seq, part in chunks:  # lengths after the prefill, before the decode
                 self._lengths[seq.slot] += len(part)
 
@@ -602,13 +597,16 @@ class Engine(SlotsMixin, SessionsMixin):
                 tokens[i], active[i] = seq.next_input, True
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
-            view = _view_for(
-                self.cfg.kv_views, max(self._lengths[s.slot] for s in decoding) + steps
-            )
+            blocks = self._held_blocks(max(self._lengths[s.slot] for s in decoding))
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
-            decode_args = (view, self._lengths.copy(), self._shift.copy(), tokens, active, temp,
+            decode_args = (blocks, self._lengths.copy(), self._shift.copy(), tokens, active, temp,
                            top_p, top_k, seed, index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
+
+    def _held_blocks(self, keys: int) -> int:
+        """Blocks of held keys a step reads when its longest row holds `keys` (`attend_split`)."""
+        size = min(HELD_BLOCK, self.cfg.max_seq_len)
+        return -(-int(keys) // size)
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:
         """Decode several tokens per device call while the batch is stable: nothing to
@@ -636,14 +634,14 @@ class Engine(SlotsMixin, SessionsMixin):
         if probe_args is not None:
             mass = jax.device_get(self._probe_fn(state, cache, *probe_args))
         if prefill_args is not None:
-            view, *args = prefill_args
-            self.view_calls["prefill", view] += 1
-            cache = self._prefill[view](state, cache, *args)
+            blocks, *args = prefill_args
+            self.block_reads["prefill", blocks] += 1
+            cache = self._prefill(state, cache, *args)
         out = None
         if decode_args is not None:
-            view, *args = decode_args
-            self.view_calls["decode", view] += 1
-            cache, out = self._decode[steps, view](state, cache, *args)
+            blocks, *args = decode_args
+            self.block_reads["decode", blocks] += 1
+            cache, out = self._decode[steps](state, cache, *args)
         self._cache = cache
         return out, mass  # `out` still on the device: the caller fetches it
 
@@ -674,9 +672,9 @@ class Engine(SlotsMixin, SessionsMixin):
         k = self._steps(decoding, False)
         if k != steps or any(lengths[s.slot] + k > self.cfg.max_seq_len for s in decoding):
             return None
-        view = _view_for(self.cfg.kv_views, int(max(lengths[s.slot] for s in decoding)) + k)
+        blocks = self._held_blocks(int(max(lengths[s.slot] for s in decoding)))
         tokens = out[0][steps - 1]  # every slot's last sampled token, on the device
-        args = (view, lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
+        args = (blocks, lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
                 want_top)  # fmt: skip
         return [], ([], [], None), None, [], args, decoding, k
 
@@ -761,8 +759,3 @@ class Engine(SlotsMixin, SessionsMixin):
             self._requests.pop(request.id, None)
             if not request.done.done():
                 request.done.set_result([s.output for s in request.seqs])
-
-
-def _view_for(views: tuple[int, ...], keys: int) -> int:
-    """The shortest of the compiled KV `views` that holds `keys` positions."""
-    return next((v for v in views if v >= keys), views[-1])

@@ -142,16 +142,19 @@ async def test_greedy_matches_a_plain_loop_over_the_model(engine):
 
 
 async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
-    """A slot pool four times longer decodes over the same KV view for the same live lengths:
-    the same tokens, and logprobs equal up to float32 rounding of sums over a few hundred
-    terms (its prefill view is longer, and slots may sit at other batch rows). Only a
-    sequence that needs the long view gets it."""
+    """A slot pool four times longer reads the same blocks of held keys for the same live
+    lengths: the same tokens, and logprobs equal up to float32 rounding of sums over a few
+    hundred terms (its blocks are 512 keys, the short pool's one block is 256, and slots may
+    sit at other batch rows). Only a step whose longest row needs more blocks reads them,
+    and the long pool compiles no more programs than the short one."""
+    from rl.model.transformer import HELD_BLOCK
+
     long = Engine(BASE, TOK, EngineConfig(num_slots=8, max_seq_len=4 * SEQ, prefill_chunk=32,
                                           prefill_batch=2))  # fmt: skip
-    assert long.cfg.kv_views == (256, 512, 1024) and engine.cfg.kv_views == (256,)
-    assert long.cfg.prefill_views == (0, 512, 1024) and engine.cfg.prefill_views == (0, 256)
+    assert 4 * SEQ == 2 * HELD_BLOCK  # two blocks of held keys in the long pool
     await long.start()
     try:
+        assert long.traces["decode"] == engine.traces["decode"] == 2  # 1 and 4 steps
         prompts = [prompt(n, seed=900 + n) for n in (20, 100, 230)]
         params = greedy(12, logprobs=2)
         short_outs = await asyncio.gather(*(gen(engine, p, params) for p in prompts))
@@ -159,12 +162,13 @@ async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
         for (a,), (b,) in zip(short_outs, long_outs, strict=True):
             assert a.token_ids == b.token_ids
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
-        assert {v for kind, v in long.view_calls if kind == "decode"} == {256}
-        # first chunks read no held keys (view 0); later ones at most 230 of them
-        assert {v for kind, v in long.view_calls if kind == "prefill"} == {0, 512}
+        assert {n for kind, n in long.block_reads if kind == "decode"} == {1}
+        # first chunks read no held keys; later ones at most 230 of them: one block
+        assert {n for kind, n in long.block_reads if kind == "prefill"} == {0, 1}
         (out,) = await gen(long, prompt(600, seed=9), greedy(12))
         assert len(out.token_ids) == 12
-        assert long.view_calls["decode", 1024] > 0 and long.view_calls["prefill", 1024] > 0
+        assert long.block_reads["decode", 2] > 0 and long.block_reads["prefill", 2] > 0
+        assert long.traces["decode"] == 2, "a longer context compiled nothing new"
     finally:
         await long.stop()
 
@@ -411,10 +415,10 @@ async def test_a_group_arriving_together_prefills_its_prompt_once(engine, engine
     engine.reset_prefix_cache()
     group = prompt(70, seed=65)  # three prefill chunks of 32
     others = [prompt(50, seed=66 + i) for i in range(2)]
-    chunks = sum(engine.view_calls[k] for k in engine.view_calls if k[0] == "prefill")
+    chunks = sum(engine.block_reads[k] for k in engine.block_reads if k[0] == "prefill")
     handles = [engine.submit(p, greedy(6)) for p in [group, *others, group, group, group]]
     outs = [out for (out,) in await asyncio.gather(*(h.result() for h in handles))]
-    prefills = sum(engine.view_calls[k] for k in engine.view_calls if k[0] == "prefill") - chunks
+    prefills = sum(engine.block_reads[k] for k in engine.block_reads if k[0] == "prefill") - chunks
     assert [o.cached_tokens for o in outs] == [0, 0, 0, 69, 69, 69]
     # prefill_batch 2: the group's 3 chunks and the others' 2 each, paired up (copies aside)
     assert prefills <= 4, prefills

@@ -182,7 +182,7 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     sum), and each of the <= 4 rescalings of the running sums adds a few ulps (4 * 2**-24
     each, counted as 16 more terms). A row's result is bit for bit the same whatever the
     other rows hold: the blocks past its own keys add exactly nothing to it."""
-    from rl.model.transformer import HELD_BLOCK, attend, attend_split
+    from rl.model.transformer import HELD_BLOCK, HeldKeys, attend, attend_split
 
     b, n, kv, h, own = 3, 4, 2, 16, 40
     s = 2 * HELD_BLOCK + 37
@@ -192,7 +192,7 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     held = np.array([s, HELD_BLOCK + 3, 0], np.int32)
     valid = np.arange(own) < np.array([[own], [own], [7]])  # row 2: 7 real tokens, then padding
     own_mask = np.tril(np.ones((own, own), bool))[None] & valid[:, None, :] & valid[:, :, None]
-    got = attend_split(q, k[:, :s], v[:, :s], jnp.asarray(held), k[:, s:], v[:, s:],
+    got = attend_split(q, HeldKeys(k[:, :s], v[:, :s]), jnp.asarray(held), k[:, s:], v[:, s:],
                        jnp.asarray(own_mask))  # fmt: skip
     seen = np.concatenate([np.broadcast_to((np.arange(s)[None, :] < held[:, None])[:, None],
                                            (b, own, s)), own_mask], axis=2)  # fmt: skip
@@ -205,12 +205,13 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     others = held.copy()
     others[0], others[2] = 5, s  # row 1 alone, then with every block read for another row
     split = jax.jit(attend_split)
-    one = split(q, k[:, :s], v[:, :s], jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
+    cached = HeldKeys(k[:, :s], v[:, :s])
+    one = split(q, cached, jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
     others[0] = 0
-    two = split(q, k[:, :s], v[:, :s], jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
+    two = split(q, cached, jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
     np.testing.assert_array_equal(np.asarray(one)[1], np.asarray(two)[1])
-    nothing = attend_split(q, k[:, :0], v[:, :0], jnp.zeros(b, jnp.int32), k[:, s:], v[:, s:],
-                           jnp.asarray(own_mask))  # fmt: skip
+    nothing = attend_split(q, HeldKeys(k[:, :0], v[:, :0]), jnp.zeros(b, jnp.int32), k[:, s:],
+                           v[:, s:], jnp.asarray(own_mask))  # fmt: skip
     np.testing.assert_allclose(np.where(real, nothing, 0),
                                np.where(real, attend(q, k[:, s:], v[:, s:], own_mask), 0),
                                atol=2 * (own + 16) * 2.0**-24, rtol=0)  # fmt: skip
