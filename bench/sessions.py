@@ -21,8 +21,8 @@ budget holds at most a quarter of the episode) and reports the KV each holds.
 
 On 2 CPU cores the default run's time is attention over the held keys: prefill and decode read
 only the keys a slot holds (a block of 512 at a time, up to the longest row's), so a turn costs
-what its context holds (measured, 8 x 50 turns: ~0.26 s per turn of 8 episodes over turns
-2-11, ~1.3 s over the last 10 with sessions, ~0.4 / ~1.6 s stateless: a drift of ~4-5x that is
+what its context holds (measured, 8 x 50 turns: ~0.2 s per turn of 8 episodes over turns 2-11,
+~1.0 s over the last 10, with sessions and stateless alike: a drift of ~4-5x that is
 attention's, not re-prefill's; when every step attended over all 16,384 positions at once,
 every turn cost ~4.5 s, and the drift was ~1.04x).
 
