@@ -31,10 +31,16 @@ def test_quick_run_writes_rows_against_both_peers(quick):
         mine = [r for r in rows if r["measure"].endswith(vs)]
         assert [(m["measure"].split(" (")[0].split(",")[0], m["unit"]) for m in mine] == [
             ("per-turn latency", "ms"), ("per-turn latency", "ms"),
-            (f"latency drift: last turns / turns 2-8 {vs}", "x"), ("tokens prefilled", "tokens"),
-            ("tokens prefilled beyond those appended", "tokens"), ("wall time", "s"),
+            (f"latency drift: last turns / turns 2-8 {vs}", "x"),
+            ("latency drift added by sessions: ours / the peer's", "x"),
+            ("tokens prefilled", "tokens"), ("tokens prefilled beyond those appended", "tokens"),
+            ("wall time", "s"),
         ]  # fmt: skip
-        assert all(m["peer"] > 0 and m["ratio_of"] == "peer/ours" for m in mine)
+        added = mine[3]
+        assert added["ratio_of"] == "ours/peer" and added["target"] == "ratio <= 1.2"
+        assert added["ratio"] == added["ours"] / added["peer"]
+        assert all(m["peer"] > 0 for m in mine)
+        assert all(m["ratio_of"] == "peer/ours" for m in mine if m is not added)
     by = {r["measure"]: r for r in rows}
     drift = by[f"latency drift: last turns / turns 2-8 {PEERS[0]}"]
     assert drift["target"] == "<= 1.2" and drift["ours"] > 0
