@@ -217,6 +217,9 @@ class Engine(SlotsMixin, SessionsMixin):
             active_i_B = active_B.astype(jnp.int32)
             b = lengths_B.shape[0]
             past = (cache.k, cache.v)
+            # An idle slot (a finished sequence kept for reuse, a session between calls) is
+            # computed and dropped: it reads no held keys, so it costs no blocks.
+            held_B = jnp.where(active_B, lengths_B, 0)
             empty = jnp.zeros((cache.k.shape[0], b, steps, *cache.k.shape[3:]), cache.k.dtype)
             u_U = jnp.arange(steps, dtype=jnp.int32)
 
@@ -224,7 +227,7 @@ class Engine(SlotsMixin, SessionsMixin):
                 k_new, v_new, tok_B = carry
                 positions_B1 = (lengths_B + j * active_i_B + shift_B)[:, None]
                 mask_B1U = jnp.broadcast_to(u_U <= j, (b, 1, steps))
-                h_B1D, k_new, v_new = model.extend_kv(tok_B[:, None], past, lengths_B,
+                h_B1D, k_new, v_new = model.extend_kv(tok_B[:, None], past, held_B,
                                                       (k_new, v_new), j[None], mask_B1U,
                                                       positions_B1)  # fmt: skip
                 out = sample(model.logits(h_B1D)[:, 0], temp_B, top_p_B, top_k_B, seed_B,
