@@ -83,6 +83,11 @@ async def decode_vs_hf(model, prompts, new_tokens, max_seq_len, rounds) -> tuple
     return best[0], best[1]
 
 
+def decode_key(size: str) -> str:
+    """The key of a size's decode-vs-HF numbers in the JSON detail ("decode" for tiny)."""
+    return "decode" if size == "tiny" else f"decode_{size}"
+
+
 def decode_config(n: int, max_seq_len: int, **kw) -> EngineConfig:
     return engine_config(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=n,
                          prefix_reuse=False, **kw)  # fmt: skip
@@ -229,7 +234,7 @@ def main() -> None:
         with console.status(f"decode {size}: engine and transformers generate, in turn"):
             t_engine, t_hf = asyncio.run(decode_vs_hf(sized, prompts, new_tokens, decode_len,
                                                       REPEATS if q else 7))  # fmt: skip
-        results["decode" if size == "tiny" else f"decode_{size}"] = dict(
+        results[decode_key(size)] = dict(
             engine_tok_s=toks / t_engine, hf_tok_s=toks / t_hf,
             params_m=sized.cfg.num_params() / 1e6,
         )  # fmt: skip
@@ -267,7 +272,7 @@ def main() -> None:
 
     rows = []
     for size in args.sizes:
-        d = results["decode" if size == "tiny" else f"decode_{size}"]
+        d = results[decode_key(size)]
         rows.append(Row(f"decode vs HF generate, {size} ({d['params_m']:.1f}M) B={batch} "
                         f"+{new_tokens}", d["engine_tok_s"], d["hf_tok_s"], "tokens/s",
                         ">= 5x" if size == "tiny" else ">= 2x"))  # fmt: skip

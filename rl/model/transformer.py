@@ -146,6 +146,11 @@ took 1,376 ms as one softmax over the whole cache, 370 / 381 / 461 / 630 ms in b
 blocks."""
 
 
+def held_block_size(length: int) -> int:
+    """Keys per block of `attend_split`'s running softmax over `length` held positions."""
+    return min(HELD_BLOCK, length)
+
+
 class HeldKeys(NamedTuple):
     """Keys and values a step only reads, for `attend_split`: either one layer's own arrays
     ([B, S, K, H], `layer` None), or a whole KV cache ([L, C, S, K, H]) read at `layer`, row b
@@ -219,7 +224,7 @@ def attend_split(
              jnp.zeros((b, kv, n // kv, t, h), jnp.float32))  # fmt: skip
     s = held.length
     if s:
-        size = min(HELD_BLOCK, s)
+        size = held_block_size(s)
 
         def step(i, carry):
             # The last block of a cache that is not a whole number of blocks starts early:

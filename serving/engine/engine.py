@@ -43,7 +43,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params
-from rl.model.transformer import HELD_BLOCK, KVCache, Qwen3, write_kv
+from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -583,9 +583,7 @@ class Engine(SlotsMixin, SessionsMixin):
                 slots[i], num_new[i] = seq.slot, len(part)
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
-            held = max(self._lengths[seq.slot] for seq, _ in chunks)  # read; the rest written
-            prefill_args = (self._held_blocks(held), self._lengths.copy(), self._shift.copy(),
-                            slots, tokens, num_new)  # fmt: skip
+            prefill_args = (self._lengths.copy(), self._shift.copy(), slots, tokens, num_new)
             for seq, part in chunks:  # lengths after the prefill, before the decode
                 self._lengths[seq.slot] += len(part)
 
@@ -600,16 +598,16 @@ class Engine(SlotsMixin, SessionsMixin):
                 tokens[i], active[i] = seq.next_input, True
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
-            blocks = self._held_blocks(max(self._lengths[s.slot] for s in decoding))
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
-            decode_args = (blocks, self._lengths.copy(), self._shift.copy(), tokens, active, temp,
-                           top_p, top_k, seed, index, counter, want_top)  # fmt: skip
+            decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
+                           top_k, seed, index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
 
-    def _held_blocks(self, keys: int) -> int:
-        """Blocks of held keys a step reads when its longest row holds `keys` (`attend_split`)."""
-        size = min(HELD_BLOCK, self.cfg.max_seq_len)
-        return -(-int(keys) // size)
+    def _count_reads(self, kind: str, held: np.ndarray) -> None:
+        """Counts a `kind` step whose rows hold `held` keys in `block_reads`: it reads the
+        blocks up to its longest row's keys (`attend_split`)."""
+        size = held_block_size(self.cfg.max_seq_len)
+        self.block_reads[kind, -(-int(held.max(initial=0)) // size)] += 1
 
     def _steps(self, decoding: list[_Seq], busy: bool) -> int:
         """Decode several tokens per device call while the batch is stable: nothing to
@@ -637,14 +635,14 @@ class Engine(SlotsMixin, SessionsMixin):
         if probe_args is not None:
             mass = jax.device_get(self._probe_fn(state, cache, *probe_args))
         if prefill_args is not None:
-            blocks, *args = prefill_args
-            self.block_reads["prefill", blocks] += 1
-            cache = self._prefill(state, cache, *args)
+            lengths, _, slots, *_ = prefill_args
+            self._count_reads("prefill", lengths[slots[slots < len(lengths)]])
+            cache = self._prefill(state, cache, *prefill_args)
         out = None
         if decode_args is not None:
-            blocks, *args = decode_args
-            self.block_reads["decode", blocks] += 1
-            cache, out = self._decode[steps](state, cache, *args)
+            lengths, _, _, active, *_ = decode_args
+            self._count_reads("decode", lengths[active])
+            cache, out = self._decode[steps](state, cache, *decode_args)
         self._cache = cache
         return out, mass  # `out` still on the device: the caller fetches it
 
@@ -667,17 +665,14 @@ class Engine(SlotsMixin, SessionsMixin):
             return None
         if not any(len(s.generated) + steps < s.max_tokens for s in decoding):
             return None  # every one of them ends within `plan`: nothing to compute ahead
-        _, lengths, shift, _, active, temp, top_p, top_k, seed, index, counter, want_top = (
-            decode_args
-        )
+        lengths, shift, _, active, temp, top_p, top_k, seed, index, counter, want_top = decode_args
         moved = steps * active.astype(np.int32)
         lengths, counter = lengths + moved, counter + moved
         k = self._steps(decoding, False)
         if k != steps or any(lengths[s.slot] + k > self.cfg.max_seq_len for s in decoding):
             return None
-        blocks = self._held_blocks(int(max(lengths[s.slot] for s in decoding)))
         tokens = out[0][steps - 1]  # every slot's last sampled token, on the device
-        args = (blocks, lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
+        args = (lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
                 want_top)  # fmt: skip
         return [], ([], [], None), None, [], args, decoding, k
 
