@@ -359,6 +359,9 @@ class _UidSlots:
         return folder
 
     def acquire(self, base: int, count: int) -> int:
+        """A free uid, with no process of it alive: what a closed shell left behind (its
+        PID namespace still being torn down, say) is killed first, so a new episode's process
+        cap counts only its own processes. A uid whose processes will not die is skipped."""
         folder = self._folder()
         for uid in range(base, base + count):
             if uid in self._held or _has_account(uid):
@@ -367,6 +370,11 @@ class _UidSlots:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
+                continue
+            left = _kill_uid(uid)
+            if left:
+                log.warning("LocalShell: uid %d still runs %s after SIGKILL; skipped", uid, left)
                 os.close(fd)
                 continue
             self._held[uid] = fd
@@ -465,6 +473,37 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Processes whose real uid is `uid` (what its RLIMIT_NPROC counts), zombies included."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as f:
+                    for line in f:
+                        if line.startswith(b"Uid:"):
+                            if int(line.split()[1]) == uid:
+                                pids.append(int(entry.name))
+                            break
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+    return pids
+
+
+def _kill_uid(uid: int, wait_s: float = _REAP_TIMEOUT_S) -> list[int]:
+    """SIGKILL every process of a shell's own uid (no account has it: nothing else runs as it)
+    and wait until they are gone; returns those still there after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while pids := _pids_of_uid(uid):
+        if time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+    return []
 
 
 def _kill_stragglers(base: str) -> int:
@@ -584,7 +623,7 @@ class LocalShell(ShellLifecycle):
         if self._closed:  # closed while it probed: create nothing
             raise RuntimeError("LocalShell is closed")
         if os.geteuid() == 0 and iso.per_shell_uid and cfg.uid_base > 0:
-            self._uid = _UIDS.acquire(cfg.uid_base, cfg.uid_count)
+            self._uid = await asyncio.to_thread(_UIDS.acquire, cfg.uid_base, cfg.uid_count)
         try:
             base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-", dir=root)
         except BaseException:
@@ -766,6 +805,9 @@ class LocalShell(ShellLifecycle):
                     await asyncio.to_thread(_stop_holder, self._holder)
                 await asyncio.to_thread(_rmtree, base)
             if self._uid is not None:  # only once nothing of it is left
+                left = await asyncio.to_thread(_kill_uid, self._uid)
+                if left:  # acquire sweeps again before anyone reuses it
+                    log.warning("LocalShell: uid %d still runs %s at close", self._uid, left)
                 _UIDS.release(self._uid)
 
 

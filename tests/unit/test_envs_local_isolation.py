@@ -163,6 +163,7 @@ async def test_fork_bomb_in_one_episode_does_not_disturb_another():
     sleeper = ["sleep", "765.5"]
     async with LocalShell(cfg) as a, LocalShell(cfg) as b:
         uid, log = a.isolation["uid"], a.workspace / "fork.log"
+        assert _procs_of_uid(uid) == []  # the cap below is the bomb's alone
         # A exhausts its uid's process cap (bash and its sleepers; bash then retries its failing
         # forks, saying so in fork.log). The bomb runs until the test cancels it, so a slow
         # machine cannot end it before it is measured; B must still fork freely meanwhile.
@@ -181,6 +182,30 @@ async def test_fork_bomb_in_one_episode_does_not_disturb_another():
             with contextlib.suppress(asyncio.CancelledError):
                 await flood
     assert await wait_until(lambda: procs_running(sleeper) == [], 10)
+
+
+async def test_a_uid_is_handed_out_only_once_nothing_of_it_runs():
+    """A process left running as a shell's uid (a PID namespace still being torn down after
+    its shell closed) would count against the next shell's process cap: it is killed first."""
+    if not IS_ROOT:
+        pytest.skip("a uid per shell needs root")
+    _need("distinct_uid", "a uid per shell")
+    cfg = LocalShellConfig(uid_base=3_100_000 + os.getpid() % 64, uid_count=1)
+    uid = cfg.uid_base
+    # A root parent that reaps it, as unshare does (our own child would stay a zombie).
+    reaps = f"import subprocess as s; print(s.run(['sleep', '300'], user={uid}, group={uid}))"
+    stray = subprocess.Popen([sys.executable, "-c", reaps], stdout=subprocess.PIPE, text=True)
+    try:
+        assert await wait_until(lambda: len(_procs_of_uid(uid)) == 1, 10)
+        async with LocalShell(cfg) as sh:
+            assert sh.isolation["uid"] == uid
+            assert f"returncode=-{int(signal.SIGKILL)}" in stray.communicate(timeout=5)[0]
+            assert _procs_of_uid(uid) == []
+            await sh.run("sleep 300 &", 5)  # left behind in the shell's own namespace
+    finally:
+        stray.kill()
+        stray.wait()
+    assert _procs_of_uid(uid) == []  # close waited for its processes to be gone
 
 
 def _read(path: Path) -> str:
