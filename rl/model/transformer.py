@@ -138,12 +138,18 @@ def attend_causal(
     return jnp.concatenate(outs, axis=1)
 
 
-HELD_BLOCK = 512
-"""Held keys per step of `attend_split`'s running softmax. Measured on 2 CPU cores, tiny model,
-8 slots x 16,384 positions, every slot holding ~16,300 keys: one prefill call of 4 x 256 tokens
-took 1,376 ms as one softmax over the whole cache, 370 / 381 / 461 / 630 ms in blocks of
-256 / 512 / 1,024 / 2,048 (a block's scores stay in cache); 4 decode steps 76 ms, 58-73 ms in
-blocks."""
+HELD_BLOCK = 128
+"""Held keys per step of `attend_split`'s running softmax: a step reads every row's keys up to
+the longest row's, rounded up to whole blocks, so a block much longer than the live keys is
+memory traffic for nothing (on CPU, reading K and V is most of a decode step). Measured on 2
+CPU cores with the demo's simulator (3 layers, 96 wide), blocks of 64 / 128 / 256 / 512:
+- 64 slots x 512 positions, 280-token prompts, 80 greedy tokens each (the demo's simulator
+  server in one RL step): 1.43 / 1.37 / 2.09 / 2.17 s; with 8-token prompts 0.40 / 0.44 / - /
+  1.31 s;
+- 8 slots x 4,096 positions, 3,000-token prompts, 80 tokens: 3.61 / 2.81 / 3.25 / 3.44 s;
+- 4 slots x 16,384, 12,000-token prompts (prefill in 256-token chunks): - / 13.3 / - / 17.6 s.
+(An earlier check at 16,384 positions, one prefill call over ~16,300 held keys: 370 / 381 /
+461 / 630 ms in blocks of 256 / 512 / 1,024 / 2,048; 1,376 ms as one softmax.)"""
 
 
 def held_block_size(length: int) -> int:

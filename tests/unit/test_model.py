@@ -177,7 +177,7 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     """The engine attends over a read-only cache (row b sees its first `held[b]` keys, read a
     block at a time under a running softmax) plus its own keys held apart: the same as
     `attend` over the keys concatenated. Rows hold different lengths, one nothing; the cache
-    is two whole blocks and a partial one. Bound: f32 sums over n terms (held + own <= 1,128)
+    is two whole blocks and a partial one. Bound: f32 sums over n terms (held + own <= s + 40)
     may round in another order, each within n * 2**-24 (x2: the normaliser and the weighted
     sum), and each of the <= 4 rescalings of the running sums adds a few ulps (4 * 2**-24
     each, counted as 16 more terms). A row's result is bit for bit the same whatever the
