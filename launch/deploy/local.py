@@ -313,6 +313,20 @@ async def role_clients(
     external = json.loads(os.environ.get(SERVER_URLS_ENV) or "{}")
     async with contextlib.AsyncExitStack() as stack:
         clients = RoleServers()
+        # The roles' own `simloop serve` processes start together (each start is mostly one
+        # process's imports and compile-cache loads: the agent's and the simulator's overlap
+        # on two cores). Every start runs to its end before a failure is raised, so no server
+        # starts after the stack that stops it has closed.
+        ours = [r for r in roles if getattr(cfg, r).server_url is None and r not in external
+                and cfg.serve.backend_of(r) != "vllm"]  # fmt: skip
+        begun = await asyncio.gather(
+            *(_start_jax(cfg, run_dir, r, who, stack, admin_token, health_timeout_s) for r in ours),
+            return_exceptions=True,
+        )
+        for result in begun:
+            if isinstance(result, BaseException):
+                raise result
+        local = dict(zip(ours, begun, strict=True))
         for role in roles:
             url = getattr(cfg, role).server_url
             vllm = cfg.serve.backend_of(role) == "vllm"
@@ -326,8 +340,7 @@ async def role_clients(
                 servers, start = await _start_vllm(cfg, run_dir, role, who, stack)
                 urls, timeout = [s.url for s in servers], cfg.vllm.health_timeout_s
             else:
-                servers, start = await _start_jax(cfg, run_dir, role, who, stack, admin_token,
-                                                  health_timeout_s)  # fmt: skip
+                servers, start = local[role]
                 urls = [s.url for s in servers]
             model = role if vllm and url is None else None  # its --served-model-name
             clients.urls[role], clients.replicas[role], clients.servers[role] = urls, [], servers

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from envs.textops import generate_textops
 from launch.config import write_config
 from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig, role_model
-from launch.deploy.local import role_clients
+from launch.deploy.local import LocalServer, role_clients
 from launch.jobs.episodes import job_backends
 from rl.data import ChatRenderer, load_tokenizer
 from rl.data.trajectory import load_trajectories
@@ -168,3 +169,37 @@ async def test_a_killed_jax_replica_is_restarted_on_its_port_at_the_current_vers
         assert (out / "logs" / "agent-1-restart1-server.log").is_file()
         assert "listening on" in (out / "logs" / "agent-1-server.log").read_text()
     assert new.proc.poll() is not None
+
+
+async def test_roles_start_together_and_one_failing_stops_the_others(tmp_path):
+    """`role_clients` starts the roles' servers at once; when one cannot start (here the
+    simulator's weights do not exist), the error names it and the agent's server, which did
+    start, is stopped before the error reaches the caller."""
+    small = ["--serve.engine.num_slots", "2", "--serve.engine.max_seq_len", "128",
+             "--orchestrator.max_context_tokens", "128",
+             "--chips.replicas", "{agent_serve: 1}", "--chips.roles",
+             "{policy_train: 4, sim_train: 2, agent_serve: 1, sim_serve: 1}",
+             "--simulator.weights", str(tmp_path / "no-such-weights")]  # fmt: skip
+    cfg = _config(free_port(span=2), 1, "--serve.backend", "jax", *small)
+    out = tmp_path / "run"
+    write_config(cfg, out)
+    agents, began, ended = [], {}, {}
+    real_start = LocalServer.start
+
+    def start(cls, role, *a, **kw):
+        began[role] = time.monotonic()
+        try:
+            server = real_start(role, *a, **kw)
+        finally:
+            ended[role] = time.monotonic()
+        agents.append(server)
+        return server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LocalServer, "start", classmethod(start))
+        with pytest.raises(RuntimeError, match="the simulator server did not start"):
+            async with role_clients(cfg, out, ["agent", "simulator"], who="test"):
+                pytest.fail("the block ran without a simulator server")
+    assert [s.role for s in agents] == ["agent"]
+    assert began["simulator"] < ended["agent"], "the simulator's start waited for the agent's"
+    assert agents[0].proc.poll() is not None, "the agent's server outlived the failed start"
