@@ -19,12 +19,12 @@ episode's previous turn in a finished slot (what it really prefilled is reported
 markovian, turn, budget, each protecting the last turn; turn keeps half of an older turn,
 budget holds at most a quarter of the episode) and reports the KV each holds.
 
-On 2 CPU cores the default run's time is attention over the held keys: prefill and decode read
-only the keys a slot holds (a block of 512 at a time, up to the longest row's), so a turn costs
-what its context holds (measured, 8 x 50 turns: ~0.2 s per turn of 8 episodes over turns 2-11,
-~1.0 s over the last 10, with sessions and stateless alike: a drift of ~4-5x that is
-attention's, not re-prefill's; when every step attended over all 16,384 positions at once,
-every turn cost ~4.5 s, and the drift was ~1.04x).
+On 2 CPU cores the default run's time is attention over the held keys: prefill and decode
+read only the keys a slot holds (a block of them at a time, up to the longest row's), so a turn
+costs what its context holds (measured in blocks of 512, 8 x 50 turns: ~0.2 s per turn of 8
+episodes over turns 2-11, ~1.0 s over the last 10, with sessions and stateless alike: a drift
+of ~4-5x that is attention's, not re-prefill's; when every step attended over all 16,384
+positions at once, every turn cost ~4.5 s, and the drift was ~1.04x).
 
 Per turn: client wall latency and tokens prefilled (the context at the call minus the tokens
 whose KV the server already held). Target (issue 19): with sessions the last 10 turns' mean

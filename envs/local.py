@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import logging
 import os
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.config import LocalShellConfig
+from envs.local_uids import UIDS, kill_uid
 from envs.shell import (
     TIMEOUT_EXIT_CODE,
     HeadTailBuffer,
@@ -344,64 +344,6 @@ def sweep_stale_workspaces(root: str) -> int:
     return removed
 
 
-class _UidSlots:
-    """Distinct uids for concurrent shells, across processes: a uid is held by an exclusive
-    `flock` on its lock file, released when the shell closes or its process dies."""
-
-    def __init__(self) -> None:
-        self._held: dict[int, int] = {}  # uid -> lock fd
-
-    @staticmethod
-    def _folder() -> str:
-        parent = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
-        folder = os.path.join(parent, "simloop-uids")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        return folder
-
-    def acquire(self, base: int, count: int) -> int:
-        """A free uid, with no process of it alive: what a closed shell left behind (its
-        PID namespace still being torn down, say) is killed first, so a new episode's process
-        cap counts only its own processes. A uid whose processes will not die is skipped."""
-        folder = self._folder()
-        for uid in range(base, base + count):
-            if uid in self._held or _has_account(uid):
-                continue
-            fd = os.open(os.path.join(folder, f"{uid}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            left = _kill_uid(uid)
-            if left:
-                log.warning("LocalShell: uid %d still runs %s after SIGKILL; skipped", uid, left)
-                os.close(fd)
-                continue
-            self._held[uid] = fd
-            return uid
-        raise ShellError(
-            f"LocalShell: all {count} uids from LocalShellConfig.uid_base={base} are in use by "
-            "other shells; raise uid_count or run fewer concurrent local shells"
-        )
-
-    def release(self, uid: int) -> None:
-        fd = self._held.pop(uid, None)
-        if fd is not None:
-            os.close(fd)
-
-
-@functools.cache
-def _has_account(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    return True
-
-
-_UIDS = _UidSlots()
-
-
 def limits_wrapper(cfg: LocalShellConfig) -> tuple[str, ...]:
     """argv that sets the rlimits (bash's `ulimit`, i.e. setrlimit, soft and hard) and then
     execs `bash -c COMMAND` (COMMAND appended by the caller).
@@ -449,7 +391,7 @@ def _cleanup(base: str, uid: int | None = None, holder: subprocess.Popen | None 
         _stop_holder(holder)
     _rmtree(base)
     if uid is not None:
-        _UIDS.release(uid)
+        UIDS.release(uid)
 
 
 def _check_reachable(path: str, uid: int) -> None:
@@ -473,37 +415,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _pids_of_uid(uid: int) -> list[int]:
-    """Processes whose real uid is `uid` (what its RLIMIT_NPROC counts), zombies included."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/status", "rb") as f:
-                    for line in f:
-                        if line.startswith(b"Uid:"):
-                            if int(line.split()[1]) == uid:
-                                pids.append(int(entry.name))
-                            break
-            except (OSError, ValueError):  # gone meanwhile
-                continue
-    return pids
-
-
-def _kill_uid(uid: int, wait_s: float = _REAP_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process of a shell's own uid (no account has it: nothing else runs as it)
-    and wait until they are gone; returns those still there after `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while pids := _pids_of_uid(uid):
-        if time.monotonic() > deadline:
-            return pids
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-    return []
 
 
 def _kill_stragglers(base: str) -> int:
@@ -623,12 +534,12 @@ class LocalShell(ShellLifecycle):
         if self._closed:  # closed while it probed: create nothing
             raise RuntimeError("LocalShell is closed")
         if os.geteuid() == 0 and iso.per_shell_uid and cfg.uid_base > 0:
-            self._uid = await asyncio.to_thread(_UIDS.acquire, cfg.uid_base, cfg.uid_count)
+            self._uid = await asyncio.to_thread(UIDS.acquire, cfg.uid_base, cfg.uid_count)
         try:
             base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-", dir=root)
         except BaseException:
             if self._uid is not None:
-                _UIDS.release(self._uid)
+                UIDS.release(self._uid)
             raise
         self._base = base
         # Backstop for a shell that is never closed: removed at garbage collection or exit.
@@ -805,10 +716,10 @@ class LocalShell(ShellLifecycle):
                     await asyncio.to_thread(_stop_holder, self._holder)
                 await asyncio.to_thread(_rmtree, base)
             if self._uid is not None:  # only once nothing of it is left
-                left = await asyncio.to_thread(_kill_uid, self._uid)
+                left = await asyncio.to_thread(kill_uid, self._uid)
                 if left:  # acquire sweeps again before anyone reuses it
                     log.warning("LocalShell: uid %d still runs %s at close", self._uid, left)
-                _UIDS.release(self._uid)
+                UIDS.release(self._uid)
 
 
 if __name__ == "__main__":  # python -m envs.local: what containment this machine gives a shell

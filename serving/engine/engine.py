@@ -240,12 +240,10 @@ class Engine(SlotsMixin, SessionsMixin):
                              jnp.broadcast_to(active_B[:, None], at_BU.shape))  # fmt: skip
             return cache, outs
 
-        def rows(cache, lengths_B, slots_P):
-            return KVCache(
-                k=jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0),
-                v=jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0),
-                lengths=jnp.take(lengths_B, slots_P, mode="fill", fill_value=0),
-            )
+        def rows(cache, slots_P):
+            """The listed slots' keys and values (a padding entry, slot B, reads zeros)."""
+            return tuple(jnp.take(x, slots_P, axis=1, mode="fill", fill_value=0)
+                         for x in (cache.k, cache.v))  # fmt: skip
 
         def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P):
             """Writes the chunks' keys; reads only the blocks of the listed slots' rows that
@@ -261,8 +259,7 @@ class Engine(SlotsMixin, SessionsMixin):
 
         def copy(cache, src_P, dst_P):
             self.traces["copy"] += 1
-            k = jnp.take(cache.k, src_P, axis=1, mode="fill", fill_value=0)
-            v = jnp.take(cache.v, src_P, axis=1, mode="fill", fill_value=0)
+            k, v = rows(cache, src_P)
             return dataclasses.replace(
                 cache,
                 k=cache.k.at[:, dst_P].set(k, mode="drop"),
@@ -272,10 +269,8 @@ class Engine(SlotsMixin, SessionsMixin):
         def compact(cache, slots_P, index_PS):
             """Each listed slot keeps the keys at `index_PS` (in that order) at its front."""
             self.traces["compact"] += 1
-            take = jnp.take(cache.k, slots_P, axis=1, mode="fill", fill_value=0)
-            k = jnp.take_along_axis(take, index_PS[None, :, :, None, None], axis=2)
-            take = jnp.take(cache.v, slots_P, axis=1, mode="fill", fill_value=0)
-            v = jnp.take_along_axis(take, index_PS[None, :, :, None, None], axis=2)
+            k, v = (jnp.take_along_axis(x, index_PS[None, :, :, None, None], axis=2)
+                    for x in rows(cache, slots_P))  # fmt: skip
             return dataclasses.replace(
                 cache,
                 k=cache.k.at[:, slots_P].set(k, mode="drop"),
@@ -286,7 +281,8 @@ class Engine(SlotsMixin, SessionsMixin):
             """Attention mass per key of the slots' tokens at `start_P` (already written)."""
             self.traces["probe"] += 1
             model = nnx.merge(graphdef, state)
-            sub = rows(cache, jnp.zeros((cache.batch,), jnp.int32), slots_P)
+            k, v = rows(cache, slots_P)
+            sub = KVCache(k=k, v=v, lengths=jnp.zeros(slots_P.shape, jnp.int32))
             return model.attention_mass(tokens_PT, sub, start_P, num_P, shift_P)
 
         self._compact_fn = jax.jit(compact, donate_argnums=(0,))
