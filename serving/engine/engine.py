@@ -52,6 +52,10 @@ from serving.engine.slots import SlotsMixin
 
 log = logging.getLogger(__name__)
 
+LAST = 4
+"""Index, in a decode call's outputs (tokens, logprobs, top ids, top logprobs, last), of every
+slot's last sampled token: the next call's input when it is dispatched ahead."""
+
 
 @dataclass
 class SequenceOutput:
@@ -234,11 +238,13 @@ class Engine(SlotsMixin, SessionsMixin):
                              index_B, counter_B + j, num_top, valid_vocab, want_top)  # fmt: skip
                 return (k_new, v_new, out[0]), out
 
-            (k_new, v_new, _), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
+            (k_new, v_new, last_B), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
             at_BU = lengths_B[:, None] + u_U[None, :]
             cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), at_BU, k_new, v_new,
                              jnp.broadcast_to(active_B[:, None], at_BU.shape))  # fmt: skip
-            return cache, outs
+            # The last sampled tokens apart: the next call's inputs when it is dispatched
+            # ahead, without an indexing op on the host.
+            return cache, (*outs, last_B)
 
         def rows(cache, slots_P):
             """The listed slots' keys and values (a padding entry, slot B, reads zeros)."""
@@ -313,7 +319,7 @@ class Engine(SlotsMixin, SessionsMixin):
                     np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
                     zeros_b, np.bool_(False),
                 )  # fmt: skip
-                tokens = out[0][-1]
+                tokens = out[LAST]
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
         served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
@@ -527,15 +533,28 @@ class Engine(SlotsMixin, SessionsMixin):
             ahead = self._plan_ahead(plan, out) if self.cfg.overlap else None
             if ahead is not None:  # dispatched before `out` is fetched: the device never waits
                 self.stats["ahead_steps"] += 1
-                ahead = (
-                    ahead,
-                    self.version,
-                    *await asyncio.to_thread(self._device_step, self._state, *ahead),
+                ahead_version = self.version
+                # One hop to the worker thread: dispatch the next call, then wait for this one.
+                (ahead_out, ahead_mass), out = await asyncio.to_thread(
+                    self._step_then_fetch, self._state, ahead, plan, out
                 )
-            if out is not None:
-                out = await asyncio.to_thread(jax.device_get, out)
+                ahead = (ahead, ahead_version, ahead_out, ahead_mass)
+            elif out is not None:
+                out = await asyncio.to_thread(self._fetch, plan, out)
             self._deliver(plan, (out, mass), version)
             self.stats["steps"] += 1
+
+    def _fetch(self, plan, out) -> tuple[list, list, list | None, list | None]:
+        """A decode call's tokens and logprobs as host lists [steps][slots] (blocks until the
+        device has them), and its top alternatives only when some sequence asked for them."""
+        want_top = plan[4][-1]
+        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, _ = out
+        wanted = (token_SB, logprob_SB, *((top_ids_SBK, top_logp_SBK) if want_top else ()))
+        host = [np.asarray(x).tolist() for x in wanted]
+        return (*host, None, None) if not want_top else tuple(host)
+
+    def _step_then_fetch(self, state, ahead, plan, out):
+        return self._device_step(state, *ahead), self._fetch(plan, out)
 
     def _apply_aborts(self) -> None:
         for rid in list(self._aborts):
@@ -667,7 +686,7 @@ class Engine(SlotsMixin, SessionsMixin):
         k = self._steps(decoding, False)
         if k != steps or any(lengths[s.slot] + k > self.cfg.max_seq_len for s in decoding):
             return None
-        tokens = out[0][steps - 1]  # every slot's last sampled token, on the device
+        tokens = out[LAST]  # every slot's last sampled token, on the device
         args = (lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
                 want_top)  # fmt: skip
         return [], ([], [], None), None, [], args, decoding, k
@@ -682,20 +701,19 @@ class Engine(SlotsMixin, SessionsMixin):
             del seq.pending[: len(part)]
         if out is None:
             return
-        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK = out
+        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK = out  # host lists (`_fetch`)
         for seq in decoding:
             i = seq.slot
+            k = seq.request.params.logprobs
             for j in range(steps):  # tokens past a stop were computed, and are dropped here
                 if seq.finish_reason is not None:  # finished, or aborted while the step ran
                     break
                 self._lengths[i] += 1
                 self._slot_tokens[i].append(seq.next_input)
-                tok = int(token_SB[j, i])
-                k = seq.request.params.logprobs
-                pairs = zip(top_ids_SBK[j, i, :k], top_logp_SBK[j, i, :k], strict=True)
-                top = [(int(a), float(b)) for a, b in pairs]
+                tok = token_SB[j][i]
+                top = list(zip(top_ids_SBK[j][i][:k], top_logp_SBK[j][i][:k])) if k else []
                 seq.generated.append(tok)
-                seq.logprobs.append(float(logprob_SB[j, i]))
+                seq.logprobs.append(logprob_SB[j][i])
                 seq.tops.append(top)
                 seq.versions.append(version)
                 seq.next_input = tok
