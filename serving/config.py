@@ -50,13 +50,6 @@ class EngineConfig:
     """Server-wide clamp on every request's max_tokens (the simulator's runaway guard)."""
     default_max_tokens: int = 256
     """max_tokens when a request does not say."""
-    unroll_max_layers: int = 4
-    """A model with at most this many layers is served with its blocks held apart and run
-    one after another (`rl.model.transformer.unstack_layers`); a deeper one scans its stacked
-    blocks. Apart, a step reads each layer's weights where they lie instead of slicing them
-    out of the stacked arrays: the tiny model's B=8 decode ran 12-20% faster. Unrolled, every
-    program compiles each layer: a 12-layer 50M engine took 37.5 s to start instead of 17.5 s,
-    for a decode gain lost in the noise (2 CPU cores). 0: always stacked."""
     max_top_logprobs: int = 20
     """Largest `logprobs` / `top_logprobs` a request may ask for (a static shape)."""
     prefix_reuse: bool = True
@@ -78,8 +71,6 @@ class EngineConfig:
                      "max_waiting", "decode_steps", "max_sessions"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "a positive integer")
-        if not isinstance(self.unroll_max_layers, int) or self.unroll_max_layers < 0:
-            raise bad("unroll_max_layers", "a non-negative integer")
         chunk = self.prefill_chunk
         if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
             raise bad("prefill_chunk", "a power of two >= 16")

@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from rl.model.config import ModelConfig
 from rl.model.integrity import (
@@ -78,43 +77,14 @@ def read_verified(path: Path, read: Callable[[], Any], layout: dict | None) -> A
             hashed.result()
 
 
-def restore_target(model: nnx.Module) -> dict:
-    """The checkpoint's tree (layers stacked) as ShapeDtypeStructs placed like `model`'s
-    parameters; for a model in the serving layout (`unstack_layers`), each stacked array is
-    placed like its layers, whole along the layers axis."""
-
-    def struct(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    if not isinstance(model.layers, nnx.List):
-        return jax.tree.map(struct, params)
-    layers = params.pop("layers")
-
-    def stacked(*xs):
-        sharding = xs[0].sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
-        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=sharding)
-
-    per_layer = [layers[i] for i in range(len(layers))]
-    return {**jax.tree.map(struct, params), "layers": jax.tree.map(stacked, *per_layer)}
-
-
 def load_params(
-    path: str | os.PathLike,
-    model: nnx.Module,
-    *,
-    require_manifest: bool = False,
-    check_values: bool = True,
+    path: str | os.PathLike, model: nnx.Module, *, require_manifest: bool = False
 ) -> dict:
-    """The parameters stored under `path` as a pure dict (`nnx.to_pure_dict` layout, layers
-    stacked), placed and typed like `model`'s current ones (`restore_target`); `model` itself
-    is not modified.
+    """The parameters stored under `path` as a pure dict (`nnx.to_pure_dict` layout), placed
+    and typed like `model`'s current ones; `model` itself is not modified.
 
     The checkpoint is verified against its manifest (`rl.model.integrity`) first, when it has
-    one or `require_manifest` says it must, and its values must be finite (unless
-    `check_values` is false: the caller checks them itself, e.g. in another layout). Raises
+    one or `require_manifest` says it must, and its values must be finite. Raises
     FileNotFoundError when `path` is not a params checkpoint, CheckpointError (a ValueError)
     when it is incomplete, altered, escapes its directory or holds NaN/inf, and ValueError
     when its architecture or shapes do not match `model` (so a server can refuse it and keep
@@ -145,7 +115,10 @@ def load_params(
         )
     if not (path / PARAMS_DIR).is_dir():
         raise FileNotFoundError(f"{path / PARAMS_DIR} not found: not a simloop params checkpoint")
-    target = restore_target(model)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
 
     def restore():
         try:
@@ -154,6 +127,5 @@ def load_params(
             raise ValueError(f"{path}: parameters do not fit the served model: {e}") from e
 
     params = read_verified(path, restore, layout)
-    if check_values:
-        check_finite(params, f"weights {path}")
+    check_finite(params, f"weights {path}")
     return params

@@ -375,36 +375,6 @@ def stack_blocks(blocks: list[Block]) -> Block:
     return nnx.merge(graphdef, stacked)
 
 
-def unstack_layers(model: Qwen3) -> Qwen3:
-    """The same model (sharing its other arrays) with its blocks held apart: `layers` an
-    `nnx.List` of Blocks, run one after another instead of scanned. The serving layout: a
-    scanned step slices every layer's weights out of the stacked arrays, which on CPU costs
-    copies (50M model, one decode step at batch 8: 24-30 ms scanned, 21-25 ms apart). Its
-    parameters' pure dict has `layers: {0: ..., 1: ...}`; `unstack_params` turns a stacked
-    (checkpoint, trainer) tree into it."""
-    graphdef, stacked = nnx.split(model.layers)
-
-    def layer(i: int) -> Block:
-        state = jax.tree.map(
-            lambda v: v.replace(v.get_value()[i], logical_axes=v.logical_axes[1:]),
-            stacked,
-            is_leaf=_is_var,
-        )
-        return nnx.merge(graphdef, state)
-
-    served = nnx.merge(*nnx.split(model))  # new module objects over the same arrays
-    served.layers = nnx.List([layer(i) for i in range(model.cfg.num_layers)])
-    return served
-
-
-def unstack_params(params: dict, num_layers: int) -> dict:
-    """A stacked parameters pure dict (`nnx.to_pure_dict` of a `Qwen3`) in `unstack_layers`'
-    layout: each layer's slice of the `layers` arrays under its index."""
-    layers = params["layers"]
-    return {**params, "layers": {i: jax.tree.map(lambda a, i=i: a[i], layers)
-                                 for i in range(num_layers)}}  # fmt: skip
-
-
 class Qwen3(nnx.Module):
     """Decoder-only LM of the Qwen3 family (Qwen2/2.5 with `qk_norm=False, qkv_bias=True`)."""
 
@@ -437,30 +407,14 @@ class Qwen3(nnx.Module):
             logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BTV, ("act_batch", "act_length", "act_vocab"))
 
-    def _each_layer(self, fn, x, xs):
-        """`fn(block, layer, x, xs_l) -> (x, ys_l)` for the blocks in order, `xs` and the
-        returned `ys` with a leading layers axis: a scan over stacked blocks (training and
-        checkpoints), a loop over blocks held apart (`unstack_layers`: serving)."""
-        if isinstance(self.layers, nnx.List):
-            ys = []
-            for i, block in enumerate(self.layers):
-                x, y = fn(block, i, x, jax.tree.map(lambda a, i=i: a[i], xs))
-                ys.append(y)
-            return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
-        graphdef, stacked = nnx.split(self.layers)
-        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-
-        def body(x, inputs):
-            layer_state, layer, xs_l = inputs
-            return fn(nnx.merge(graphdef, layer_state), layer, x, xs_l)
-
-        return jax.lax.scan(body, x, (stacked, layers, xs))
-
     def _scan_blocks(self, x_BTD, positions_BT, mask_BTS, cache=None, mass_valid_BT=None):
         """The blocks in turn: training (no cache), or with `cache` and `mass_valid_BT` the
         attention mass per layer of tokens the cache holds."""
+        graphdef, stacked = nnx.split(self.layers)
 
-        def body(block, _, x_BTD, kv):
+        def body(x_BTD, xs):
+            layer_state, kv = xs
+            block = nnx.merge(graphdef, layer_state)
             if mass_valid_BT is not None:
                 x_BTD, _, mass_BS = block(x_BTD, positions_BT, mask_BTS, kv, mass_valid_BT)
                 return x_BTD, mass_BS
@@ -468,7 +422,7 @@ class Qwen3(nnx.Module):
             return x_BTD, None
 
         kv_xs = None if cache is None else (cache.k, cache.v)
-        return self._each_layer(body, x_BTD, kv_xs)
+        return jax.lax.scan(body, x_BTD, (stacked, kv_xs))
 
     # ----- training forward ----------------------------------------------------------------
 
@@ -607,13 +561,19 @@ class Qwen3(nnx.Module):
         buffers' keys `new_mask_BTU` allows (its own included). Only the blocks of held keys
         that some row needs are read; the caller writes the buffers wherever the keys live;
         nothing here copies `past`."""
+        graphdef, stacked = nnx.split(self.layers)
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
 
-        def body(block, layer, x_BTD, buffers):
+        def body(x_BTD, xs):
+            layer_state, layer, nk, nv = xs
+            block = nnx.merge(graphdef, layer_state)
             held = HeldKeys(past[0], past[1], layer, rows_B)
-            return block.extend(x_BTD, positions_BT, held, past_len_B, buffers, new_at_T,
+            return block.extend(x_BTD, positions_BT, held, past_len_B, (nk, nv), new_at_T,
                                 new_mask_BTU)  # fmt: skip
 
-        h_BTD, (k_new, v_new) = self._each_layer(body, self.embed_tokens(tokens_BT), new)
+        h_BTD, (k_new, v_new) = jax.lax.scan(
+            body, self.embed_tokens(tokens_BT), (stacked, layers, new[0], new[1])
+        )
         return h_BTD, k_new, v_new
 
     def _run(self, tokens_BT, cache, num_B, shift_B, *, start_B):

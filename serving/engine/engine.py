@@ -42,15 +42,8 @@ from flax import nnx
 
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
-from rl.model.params_io import load_params, restore_target
-from rl.model.transformer import (
-    KVCache,
-    Qwen3,
-    held_block_size,
-    unstack_layers,
-    unstack_params,
-    write_kv,
-)
+from rl.model.params_io import load_params
+from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -167,14 +160,10 @@ class Engine(SlotsMixin, SessionsMixin):
     `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
 
     def __init__(self, model: Qwen3, tokenizer: Tokenizer, cfg: EngineConfig, *, version: int = 0):
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.model = cfg, tokenizer, model
         self.model_cfg = model.cfg
         self.version = version
-        # A shallow model's blocks held apart (`EngineConfig.unroll_max_layers`): the steps
-        # run them one after another, reading each layer's weights where they lie.
-        self._apart = model.cfg.num_layers <= cfg.unroll_max_layers
-        self.model = unstack_layers(model) if self._apart else model
-        self._graphdef, state = nnx.split(self.model)
+        self._graphdef, state = nnx.split(model)
         # Committed where they live, as `load_weights` restores parameters and as the steps
         # return the cache: otherwise differently placed arguments compile the steps again.
         commit = functools.partial(jax.tree.map, lambda x: jax.device_put(x, x.sharding))
@@ -310,11 +299,6 @@ class Engine(SlotsMixin, SessionsMixin):
         }
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._copy = jax.jit(copy, donate_argnums=(0,))
-        # A checkpoint's (stacked) parameters in the served layout, on the device.
-        self._unstack = jax.jit(
-            functools.partial(unstack_params, num_layers=self.model_cfg.num_layers)
-        )
-        self._unstack_compiled = self._unstack  # until warm-up compiles it ahead of time
 
     def warmup(self) -> None:
         """Compile every shape a request uses, so no request triggers a compile. A compacting
@@ -340,8 +324,6 @@ class Engine(SlotsMixin, SessionsMixin):
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
         served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
         check_finite(served, "the served weights")
-        if self._apart:
-            self._unstack_compiled = self._unstack.lower(restore_target(self.model)).compile()
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -474,41 +456,15 @@ class Engine(SlotsMixin, SessionsMixin):
                               f"current version {self.version}, at most {INT64_MAX}",
                               "version")  # fmt: skip
         model = nnx.merge(self._graphdef, self._state)
-
-        def read():
-            # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
-            # non-finite checkpoint is refused and the served weights stay as they are. The
-            # values are checked in the served layout, whose check warm-up compiled.
-            stacked = load_params(path, model, require_manifest=True, check_values=False)
-            params = self._served_layout(stacked)
-            check_finite(params, f"weights {path}")
-            return params
-
-        return self._install(await asyncio.to_thread(read), version)
+        # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
+        # non-finite checkpoint is refused and the served weights stay as they are.
+        params = await asyncio.to_thread(load_params, path, model, require_manifest=True)
+        return self.install_params(params, version)
 
     def install_params(self, params: dict, version: int) -> int:
-        """Serve `params` (the `nnx.to_pure_dict` tree of a `Qwen3`'s parameters, layers
-        stacked as trainers and checkpoints hold them; host or device arrays) as `version`,
-        placed and typed like the served ones. Call from the event loop; `load_weights` reads
-        a checkpoint and ends here, the fake vLLM server's workers too."""
-        return self._install(self._served_layout(params), version)
-
-    def _served_layout(self, params: dict) -> dict:
-        """Stacked parameters in the served layout (blocks apart: `unstack_layers`)."""
-        if not self._apart:
-            return params
-        try:  # compiled at warm-up for a checkpoint's tree: a reload compiles nothing
-            return self._unstack_compiled(params)
-        except (TypeError, ValueError):  # placed or typed otherwise (or not warmed up)
-            try:
-                return self._unstack(params)
-            except (KeyError, IndexError, TypeError, ValueError) as e:
-                raise EngineError(f"the parameters do not hold the served model's "
-                                  f"{self.model_cfg.num_layers} stacked layers "
-                                  f"({type(e).__name__}: {e})", "params") from e  # fmt: skip
-
-    def _install(self, params: dict, version: int) -> int:
-        """Serve `params`, already in the served layout, as `version`."""
+        """Serve `params` (the `nnx.to_pure_dict` tree of the parameters, host or device
+        arrays) as `version`, placed and typed like the served ones. Call from the event loop;
+        `load_weights` reads a checkpoint and ends here, the fake vLLM server's workers too."""
         if version <= self.version:  # another load won the race while this one read
             raise EngineError(f"version {version} is no longer newer than {self.version}",
                               "version")  # fmt: skip
@@ -520,13 +476,7 @@ class Engine(SlotsMixin, SessionsMixin):
                                   f"served one's {tuple(old.shape)}", "params")  # fmt: skip
             return jax.device_put(new, old.sharding).astype(old.dtype)
 
-        try:
-            params = jax.tree.map(place, params, served)
-        except ValueError as e:  # another tree of parameters
-            if isinstance(e, EngineError):
-                raise
-            raise EngineError(f"the parameters do not fit the served model's: {e}",
-                              "params") from e  # fmt: skip
+        params = jax.tree.map(place, params, served)
         # A fresh State (new Variable objects): a step running right now keeps the old one.
         state = jax.tree.map(lambda x: x, self._state)
         nnx.replace_by_pure_dict(state, params)

@@ -157,7 +157,7 @@ class FakeModelRunner:
         return self.state_leaves is not self.served_leaves
 
     def params(self) -> dict:
-        """The runner's parameters as the tree `Engine.install_params` takes (layers stacked)."""
+        """The runner's parameters as the engine's `nnx.to_pure_dict` tree (layers stacked)."""
         import jax.numpy as jnp
         from flax import nnx
 

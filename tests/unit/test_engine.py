@@ -521,51 +521,6 @@ async def test_abort_while_waiting_for_a_slot(engine):
 # ----- weights ----------------------------------------------------------------------------------
 
 
-async def test_stacked_and_apart_blocks_serve_the_same_tokens_before_and_after_a_reload(
-    engine, tmp_path
-):
-    """A model of at most `unroll_max_layers` layers is served with its blocks apart (the
-    module fixture's), a deeper one stacked (forced here with 0): the same greedy and seeded
-    tokens, logprobs equal up to float32 rounding, and a checkpoint reload serves the same new
-    weights in both layouts."""
-    stacked = Engine(make_model(0), TOK, dataclasses.replace(CFG, unroll_max_layers=0))
-    await stacked.start()
-    try:
-        assert isinstance(engine.model.layers, nnx.List)
-        assert not isinstance(stacked.model.layers, nnx.List)
-        prompts = [prompt(n, seed=300 + n) for n in (3, 40, 90)]
-        sampled = SamplingParams(temperature=1.0, max_tokens=12, seed=7, logprobs=2)
-
-        async def outputs(eng: Engine) -> list[SequenceOutput]:
-            outs = []
-            for p in prompts:
-                outs += await gen(eng, p, greedy(12)) + await gen(eng, p, sampled)
-            return outs
-
-        async def same() -> None:
-            a, s = await outputs(engine), await outputs(stacked)
-            assert [o.token_ids for o in a] == [o.token_ids for o in s]
-            for x, y in zip(a, s, strict=True):  # log-softmax over 261 O(10) logits, float32
-                np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-4)
-
-        await same()
-        save_params(OTHER, tmp_path / "other")
-        for eng in (engine, stacked):
-            await eng.load_weights(tmp_path / "other", eng.version + 1)
-        await same()
-        (ref,) = ref_greedy(OTHER, [prompts[1]], 12)
-        assert (await gen(engine, prompts[1], greedy(12)))[0].token_ids == ref
-        # The fake vLLM server's path: a stacked tree in memory, in either layout.
-        params = nnx.to_pure_dict(nnx.state(BASE, nnx.Param))
-        for eng in (engine, stacked):
-            eng.install_params(params, eng.version + 1)
-        await same()
-        with pytest.raises(EngineError, match="do not fit the served model"):
-            engine.install_params({**params, "layers": {}}, engine.version + 1)
-    finally:
-        await stacked.stop()
-
-
 async def test_hot_weight_reload(engine, tmp_path):
     p = prompt(15, seed=91)
     (before,) = await gen(engine, p, greedy(16))

@@ -51,39 +51,6 @@ def test_prefill_then_decode_matches_training_forward(cfg):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [n + steps for n in lengths])
 
 
-def test_blocks_held_apart_compute_what_the_stacked_blocks_do():
-    """`unstack_layers` (the engine's layout for shallow models): the same logits for the
-    training forward and for cached decoding, the stacked model untouched, and a stacked
-    parameters tree turned into exactly the apart model's (`unstack_params`)."""
-    from rl.model.params_io import restore_target
-    from rl.model.transformer import unstack_layers, unstack_params
-
-    cfg = tiny(num_layers=3, initializer_range=0.3)
-    model = _model(cfg)
-    before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    apart = unstack_layers(model)
-    assert isinstance(apart.layers, nnx.List) and len(apart.layers) == 3
-    assert not isinstance(model.layers, nnx.List)
-    tokens = _tokens((2, 12), cfg.vocab_size)
-    # The same float ops in another program: equal up to float32 rounding of sums over a few
-    # dozen terms per layer; logits here are O(10).
-    np.testing.assert_allclose(jit_forward(apart)(tokens), jit_forward(model)(tokens),
-                               rtol=1e-5, atol=1e-4)  # fmt: skip
-    cache_a, cache_s = apart.init_cache(2, 16), model.init_cache(2, 16)
-    logits_a, cache_a = jit_decode(apart)(tokens, cache_a)
-    logits_s, cache_s = jit_decode(model)(tokens, cache_s)
-    np.testing.assert_allclose(logits_a, logits_s, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(cache_a.k, cache_s.k, rtol=1e-5, atol=1e-5)
-
-    stacked = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    jax.tree.map(np.testing.assert_array_equal, stacked, before)  # untouched
-    jax.tree.map(np.testing.assert_array_equal, unstack_params(stacked, 3),
-                 nnx.to_pure_dict(nnx.state(apart, nnx.Param)))  # fmt: skip
-    # A checkpoint of either restores into the stacked tree's shapes.
-    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), restore_target(apart))
-    assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), stacked)
-
-
 def test_chunked_prefill_equals_one_shot_and_idle_rows_are_untouched():
     cfg = tiny()
     model = _model(cfg)
