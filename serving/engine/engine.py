@@ -547,11 +547,12 @@ class Engine(SlotsMixin, SessionsMixin):
     def _fetch(self, plan, out) -> tuple[list, list, list | None, list | None]:
         """A decode call's tokens and logprobs as host lists [steps][slots] (blocks until the
         device has them), and its top alternatives only when some sequence asked for them."""
-        want_top = plan[4][-1]
+        decode_args = plan[4]
+        want_top = decode_args[-1]
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, _ = out
-        wanted = (token_SB, logprob_SB, *((top_ids_SBK, top_logp_SBK) if want_top else ()))
-        host = [np.asarray(x).tolist() for x in wanted]
-        return (*host, None, None) if not want_top else tuple(host)
+        tops = (top_ids_SBK, top_logp_SBK) if want_top else (None, None)
+        return tuple(None if x is None else np.asarray(x).tolist()
+                     for x in (token_SB, logprob_SB, *tops))  # fmt: skip
 
     def _step_then_fetch(self, state, ahead, plan, out):
         return self._device_step(state, *ahead), self._fetch(plan, out)
