@@ -547,7 +547,7 @@ class Engine(SlotsMixin, SessionsMixin):
     def _fetch(self, plan, out) -> tuple[list, list, list | None, list | None]:
         """A decode call's tokens and logprobs as host lists [steps][slots] (blocks until the
         device has them), and its top alternatives only when some sequence asked for them."""
-        decode_args = plan[4]
+        _, _, _, _, decode_args, _, _ = plan
         want_top = decode_args[-1]
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, _ = out
         tops = (top_ids_SBK, top_logp_SBK) if want_top else (None, None)
