@@ -95,7 +95,9 @@ class LocalServer:
             proc.wait(timeout=10)
             log.close()
             tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
-            raise RuntimeError(f"the {role} server did not start (log {log_path}):\n{tail}")
+            from launch.jobs.errors import JobError  # the job ends in this message, exit 1
+
+            raise JobError(f"the {role} server did not start (log {log_path}):\n{tail}")
         log.close()
         return cls(role, proc, url, log_path)
 

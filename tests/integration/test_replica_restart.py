@@ -27,6 +27,7 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig, role_model
 from launch.deploy.local import LocalServer, role_clients
 from launch.jobs.episodes import job_backends
+from launch.jobs.errors import JobError
 from rl.data import ChatRenderer, load_tokenizer
 from rl.data.trajectory import load_trajectories
 from rl.model import Qwen3
@@ -197,7 +198,7 @@ async def test_roles_start_together_and_one_failing_stops_the_others(tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LocalServer, "start", classmethod(start))
-        with pytest.raises(RuntimeError, match="the simulator server did not start"):
+        with pytest.raises(JobError, match="the simulator server did not start"):
             async with role_clients(cfg, out, ["agent", "simulator"], who="test"):
                 pytest.fail("the block ran without a simulator server")
     assert [s.role for s in agents] == ["agent"]

@@ -103,6 +103,27 @@ def test_train_agent_cli_refuses_impossible_settings_before_starting(tmp_path, o
     assert not out.exists()
 
 
+def test_a_server_that_does_not_start_ends_the_job_in_one_message(tmp_path):
+    """The simulator's server exits at start (its weights are not there): eval-sim ends with
+    exit 1 and says which server, where its log is and what it said, with no traceback."""
+    from rl.data.trajectory import Trajectory, Turn, write_jsonl
+
+    turn = Turn(agent_text="echo hi", command="echo hi", observation="hi\n", exit_code=0)
+    write_jsonl(tmp_path / "real" / "shard.jsonl",
+                [Trajectory(task_id="t0", turns=[turn], arm="real", env_backend="local",
+                            status="ok", reward=0.0)])  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "launch", "eval-sim", "--config", str(DEMO), "--out",
+         str(tmp_path / "run"), "--simulator.weights", str(tmp_path / "no-such-weights"),
+         "--eval_sim.trajectories", f"[{tmp_path / 'real'}]"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "the simulator server did not start (log " in r.stderr
+    assert "no-such-weights" in r.stderr  # the server's own reason, from its log
+    assert "Traceback" not in r.stderr
+
+
 # ----- one live job per run directory ----------------------------------------------------------
 
 HOLD = """
