@@ -184,6 +184,14 @@ class PretrainSimConfig:
     data: DatasetConfig = field(
         default_factory=lambda: DatasetConfig(seq_len=384, batch_size=16, num_epochs=None)
     )
+    drill: GrammarConfig = field(default_factory=lambda: GrammarConfig(seed=1))
+    """A second grammar whose rows are trained on alongside the main one's, in every batch: a
+    skill's own data kept in the mix while the rest of the grammar trains, e.g. count commands
+    alone (`op_weights: {count: 1, reverse: 0, upper: 0, sort: 0}`, `typo_prob: 0`) so a
+    counting circuit formed in an earlier count-only run is not unlearned."""
+    drill_cases: int = 0
+    """Workspaces of `drill` run in real bash (0: no drill); their examples join the training
+    rows (the held-out evaluation stays the main grammar's)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=100))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval_every: int = 250
@@ -191,7 +199,8 @@ class PretrainSimConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("cases", 1), ("eval_cases", 1), ("concurrency", 1), ("steps", 1),
-                          ("short_steps", 0), ("eval_every", 1), ("log_every", 1)):  # fmt: skip
+                          ("short_steps", 0), ("eval_every", 1), ("log_every", 1),
+                          ("drill_cases", 0)):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(

@@ -5,7 +5,8 @@
 1. Collects real-bash transcripts of a utility grammar (`envs.shellgrammar`: fresh random words
    and files, `rev`/`tr`/`sort`/`fold`/`cut`/`head`/`wc`/`grep`/`sed`/`printf`/`cat`/`echo`,
    pipes, typos, missing files) into `trajectories/grammar-{train,eval}.jsonl`, each workspace
-   run by `LocalShell` exactly as an episode's commands are.
+   run by `LocalShell` exactly as an episode's commands are; with `drill_cases`, also a second
+   grammar's (`drill`, e.g. counts alone) into `grammar-drill.jsonl`, trained on alongside.
 2. Trains `simulator.model` on them with the simulated shell's own prompts
    (`env.shell.simulated`), loss on observation tokens only: first `short_steps` on short rows
    (the word a few dozen bytes before the output, where copying forms soonest), then on all.
@@ -37,6 +38,7 @@ from launch.jobs.errors import UsageError
 from rl.data import rundir
 
 TRAIN_FILE, EVAL_FILE = "grammar-train.jsonl", "grammar-eval.jsonl"
+DRILL_FILE = "grammar-drill.jsonl"
 RESULT = "pretrain_sim.json"
 TEXTOPS_KINDS = ("reverse", "upper", "sort", "count")
 INDUCTION_ROWS, INDUCTION_LEN = 64, 16
@@ -170,11 +172,19 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
                         concurrency=p.concurrency)  # fmt: skip
     held = transcripts(tdir / EVAL_FILE, p.grammar, p.eval_cases, offset=p.cases,
                        concurrency=p.concurrency)  # fmt: skip
+    drill = (transcripts(tdir / DRILL_FILE, p.drill, p.drill_cases, offset=0,
+                         concurrency=p.concurrency) if p.drill_cases else [])  # fmt: skip
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim = cfg.env.shell.simulated
     budget = None if sim.max_context_tokens is None else sim.max_context_tokens - sim.max_tokens
     prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=budget)
     examples, stats = sim_sft_examples(train, tok, max_len=p.data.seq_len + 1, **prompt)
+    drilled = ""
+    if drill:
+        extra, extra_stats = sim_sft_examples(drill, tok, max_len=p.data.seq_len + 1, **prompt)
+        share = extra_stats.target_tokens / (stats.target_tokens + extra_stats.target_tokens)
+        drilled = f" + {extra_stats.examples} drill examples ({share:.0%} of target tokens)"
+        examples = examples + extra
     short = [e for e in examples if len(e["tokens"]) <= p.short_data.seq_len + 1]
     evals, kinds = labelled_sim_examples(
         [t for t in held if t.meta.get("kind") != "session"], lambda t: t.meta["kind"], tok,
@@ -186,9 +196,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         min_turn=1, max_len=p.data.seq_len + 1, **prompt,
     )  # fmt: skip
     evals, kinds = evals + later, kinds + ["session"] * len(later)
-    print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples "
-          f"({len(short)} short), {stats.target_tokens} target tokens; {len(evals)} held out",
-          flush=True)  # fmt: skip
+    print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples"
+          f"{drilled} ({len(short)} short), {stats.target_tokens} target tokens; {len(evals)} "
+          "held out", flush=True)  # fmt: skip
 
     trainer = build_trainer(cfg.simulator, tok, optim=p.optim, steps=p.steps, loss="sft",
                             rules=cfg.sharding.rules, seed=cfg.run.seed,
@@ -261,6 +271,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         ),
         grammar=dataclasses.asdict(p.grammar),
     )
+    if p.drill_cases:
+        result.update(drill=dataclasses.asdict(p.drill), drill_cases=p.drill_cases)
     # The whole learning curve (a resumed run's earlier evaluations included), by step.
     curve = {r["step"]: {k: v for k, v in r.items() if k != "stage"}
              for r in rundir.read_metrics(out / rundir.METRICS)

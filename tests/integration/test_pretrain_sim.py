@@ -30,7 +30,13 @@ def pretrain(out: Path, steps: int) -> subprocess.CompletedProcess:
            "--pretrain_sim.short_data.batch_size", "4", "--pretrain_sim.data.batch_size", "2",
            "--pretrain_sim.eval_every", "3", "--pretrain_sim.log_every", "3",
            "--pretrain_sim.grammar.session_prob", "1", "--pretrain_sim.grammar.session_turns",
-           "3"]  # fmt: skip
+           "3",
+           # a drill of counts alone, trained on alongside
+           "--pretrain_sim.drill_cases", "4", "--pretrain_sim.drill.seed", "5",
+           "--pretrain_sim.drill.op_weights", "{count: 1, reverse: 0, upper: 0, sort: 0}",
+           "--pretrain_sim.drill.bare_prob", "0", "--pretrain_sim.drill.textops_prob", "1",
+           "--pretrain_sim.drill.error_prob", "0", "--pretrain_sim.drill.typo_prob", "0",
+           "--pretrain_sim.drill.session_prob", "0"]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -39,6 +45,10 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     done = pretrain(out, 6)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "24/24 workspaces in real bash" in done.stdout
+    drill = load_trajectories([out / "trajectories" / "grammar-drill.jsonl"])
+    assert len(drill) == 4 * 6 and {t.meta["kind"] for t in drill} == {"count"}
+    assert all("| tr -cd '" in t.turns[0].command for t in drill)
+    assert "+ 24 drill examples" in done.stdout  # they fit the rows: all of them train
     train = load_trajectories([out / "trajectories" / "grammar-train.jsonl"])
     held = load_trajectories([out / "trajectories" / "grammar-eval.jsonl"])
     assert {t.env_backend for t in train + held} == {"local"}
@@ -61,6 +71,7 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     verify_checkpoint(weights)  # sealed with its record: train-sim and servers load it as is
     assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
     assert "--pretrain_sim.cases 24" in record["command"]  # how to make it again
+    assert record["drill_cases"] == 4 and record["drill"]["op_weights"]["reverse"] == 0
     # demo_cpu.yaml's simulator starts from the shipped one: the record names what it continued.
     shipped = json.loads((ROOT / "configs/pretrained/sim-textops/pretrain_sim.json").read_text())
     assert record["lineage"][-1]["command"] == shipped["command"]
@@ -81,6 +92,8 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     [(["--out", "x", "--pretrain_sim.steps", "0"], "PretrainSimConfig.steps=0 is invalid"),
      (["--out", "x", "--pretrain_sim.short_steps", "5", "--pretrain_sim.steps", "4"],
       "short_steps=5 is invalid: at most steps (4)"),
+     (["--out", "x", "--pretrain_sim.drill_cases", "-1"],
+      "PretrainSimConfig.drill_cases=-1 is invalid"),
      ([], "--out DIR is required")],
 )  # fmt: skip
 def test_pretrain_sim_mistakes_exit_2_with_one_line(args, message):
