@@ -179,12 +179,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     budget = None if sim.max_context_tokens is None else sim.max_context_tokens - sim.max_tokens
     prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=budget)
     examples, stats = sim_sft_examples(train, tok, max_len=p.data.seq_len + 1, **prompt)
-    drilled = ""
+    drilled, n_drill = "", 0
     if drill:
         extra, extra_stats = sim_sft_examples(drill, tok, max_len=p.data.seq_len + 1, **prompt)
         share = extra_stats.target_tokens / (stats.target_tokens + extra_stats.target_tokens)
         drilled = f" + {extra_stats.examples} drill examples ({share:.0%} of target tokens)"
-        examples = examples + extra
+        examples, n_drill = examples + extra, extra_stats.examples
     short = [e for e in examples if len(e["tokens"]) <= p.short_data.seq_len + 1]
     evals, kinds = labelled_sim_examples(
         [t for t in held if t.meta.get("kind") != "session"], lambda t: t.meta["kind"], tok,
@@ -272,7 +272,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         grammar=dataclasses.asdict(p.grammar),
     )
     if p.drill_cases:
-        result.update(drill=dataclasses.asdict(p.drill), drill_cases=p.drill_cases)
+        result.update(drill=dataclasses.asdict(p.drill), drill_cases=p.drill_cases,
+                      drill_examples=n_drill)  # fmt: skip
     # The whole learning curve (a resumed run's earlier evaluations included), by step.
     curve = {r["step"]: {k: v for k, v in r.items() if k != "stage"}
              for r in rundir.read_metrics(out / rundir.METRICS)

@@ -72,6 +72,7 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert [r["step"] for r in record["curve"]] == [3, 6] and record["steps"] == 6
     assert "--pretrain_sim.cases 24" in record["command"]  # how to make it again
     assert record["drill_cases"] == 4 and record["drill"]["op_weights"]["reverse"] == 0
+    assert record["drill_examples"] == 24  # beside `examples`, the main grammar's
     # demo_cpu.yaml's simulator starts from the shipped one: the record names what it continued.
     shipped = json.loads((ROOT / "configs/pretrained/sim-textops/pretrain_sim.json").read_text())
     assert record["lineage"][-1]["command"] == shipped["command"]
