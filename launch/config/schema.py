@@ -206,6 +206,12 @@ class PretrainSimConfig:
                 raise ValueError(
                     f"PretrainSimConfig.{name}={value!r} is invalid: an integer >= {low}"
                 )
+        if self.drill_cases and self.drill.seed == self.grammar.seed:
+            raise ValueError(
+                f"PretrainSimConfig.drill.seed={self.drill.seed} is invalid: it must differ "
+                f"from grammar.seed ({self.grammar.seed}), or the drill repeats the grammar's "
+                "workspaces, and those past `cases` are the held-out ones"
+            )
         if self.short_steps > self.steps:
             raise ValueError(
                 f"PretrainSimConfig.short_steps={self.short_steps} is invalid: at most steps "

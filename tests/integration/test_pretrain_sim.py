@@ -95,6 +95,8 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
       "short_steps=5 is invalid: at most steps (4)"),
      (["--out", "x", "--pretrain_sim.drill_cases", "-1"],
       "PretrainSimConfig.drill_cases=-1 is invalid"),
+     (["--out", "x", "--pretrain_sim.drill_cases", "9", "--pretrain_sim.drill.seed", "0"],
+      "drill.seed=0 is invalid: it must differ from grammar.seed (0)"),
      ([], "--out DIR is required")],
 )  # fmt: skip
 def test_pretrain_sim_mistakes_exit_2_with_one_line(args, message):
