@@ -300,7 +300,7 @@ def _train_sim(args, path: Path, wiring: list[str]) -> dict:
     return record
 
 
-_PRETRAIN_KEYS = ("examples", "steps", "wall_s", "command", "exact", "textops")
+_PRETRAIN_KEYS = ("examples", "drill_examples", "steps", "wall_s", "command", "exact", "textops")
 
 
 def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:

@@ -178,11 +178,13 @@ def pretrain_curve(record: dict) -> list[dict]:
 
 
 def _pretraining(pre: dict) -> str:
-    """'by <command>: N examples, S steps, W s' for each pretraining run, oldest first."""
+    """'by <command>: N examples (+ D of its drill), S steps, W s' for each pretraining run,
+    oldest first."""
     return "; then ".join(
         f"by <code>{html.escape(str(r.get('command')))}</code>: {_f(r.get('examples'))} "
-        f"real-bash examples of a utility grammar, {_f(r.get('steps'))} steps, "
-        f"{_f(r.get('wall_s'), 0)} s"
+        f"real-bash examples of a utility grammar"
+        + (f" and {_f(r['drill_examples'])} of its drill" if r.get("drill_examples") else "")
+        + f", {_f(r.get('steps'))} steps, {_f(r.get('wall_s'), 0)} s"
         for r in _runs(pre)
     )
 

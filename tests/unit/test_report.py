@@ -119,3 +119,17 @@ def test_a_continued_pretraining_carries_its_lineage_and_one_curve(tmp_path):
     # The second run's steps count on from the first's 40.
     assert [(r["step"], r["exact_sort"]) for r in pretrain_curve(second)] == [
         (20, 0.1), (40, 0.2), (70, 0.5)]  # fmt: skip
+
+
+def test_the_page_names_each_pretraining_runs_data_and_a_drill_beside_it():
+    from launch.report.page import _pretraining
+
+    first = {"command": "simloop pretrain-sim --out a", "examples": 100, "steps": 40,
+             "wall_s": 12.0}  # fmt: skip
+    second = {"command": "simloop pretrain-sim --out b", "examples": 50, "drill_examples": 20,
+              "steps": 30, "wall_s": 9.0, "lineage": [first]}  # fmt: skip
+    text = _pretraining(second)
+    a, b = text.split("; then ")
+    assert "--out a" in a and "100 real-bash examples of a utility grammar, 40 steps" in a
+    assert "drill" not in a
+    assert "50 real-bash examples of a utility grammar and 20 of its drill, 30 steps" in b
