@@ -178,8 +178,8 @@ def pretrain_curve(record: dict) -> list[dict]:
 
 
 def _pretraining(pre: dict) -> str:
-    """'by <command>: N examples (+ D of its drill), S steps, W s' for each pretraining run,
-    oldest first."""
+    """'by <command>: N examples [and D of its drill], S steps, W s' for each pretraining
+    run, oldest first."""
     return "; then ".join(
         f"by <code>{html.escape(str(r.get('command')))}</code>: {_f(r.get('examples'))} "
         f"real-bash examples of a utility grammar"
