@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from launch.jobs.errors import JobError  # no imports of its own: free at start-up
 from rl.data.rundir import CONFIG, LOGS
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,6 @@ class LocalServer:
             proc.wait(timeout=10)
             log.close()
             tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
-            from launch.jobs.errors import JobError  # the job ends in this message, exit 1
-
             raise JobError(f"the {role} server did not start (log {log_path}):\n{tail}")
         log.close()
         return cls(role, proc, url, log_path)
@@ -414,7 +413,6 @@ async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack):
     (servers, `start(index, closing)`: that replica's process again, on its chips and port)."""
     from launch.deploy.chips import SERVE_ROLE, config_plan
     from launch.deploy.processes import vllm_model_dir
-    from launch.jobs.errors import JobError
     from serving.vllm.launcher import ServedModel, VllmLaunchError, launch_servers, stop_servers
 
     procs = config_plan(cfg).role(SERVE_ROLE[role])
