@@ -478,6 +478,14 @@ class GrammarConfig:
     typo_prob: float = 0.1
     """Share of the agent-shaped commands with one character dropped anywhere (the textops
     noise's typo: a misspelt marker, program, option or file name)."""
+    program_typo_prob: float = 0.0
+    """Share of those typos that drop a character of a program's name instead (`wc -c` ->
+    `w -c`, `tr` -> `t`): in the pipeline's last stage they decide its exit code, which the
+    simulator writes before any output."""
+    count_present_prob: float = 0.8
+    """Share of the agent-shaped count commands (`tr -cd 'c' | wc -c`) whose letter is drawn
+    from the word; the others draw any letter, so most of them count 0 (the demo's tasks
+    draw 80% / 20% too)."""
 
     def __post_init__(self) -> None:
         if self.op_weights is not None:
@@ -501,7 +509,7 @@ class GrammarConfig:
                 "1 <= min_len <= max_len"
             )
         probs = ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob",
-                 "typo_prob")  # fmt: skip
+                 "typo_prob", "program_typo_prob", "count_present_prob")  # fmt: skip
         for name in probs:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

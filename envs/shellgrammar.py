@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,28 @@ def misspell(text: str, rng: random.Random) -> str:
     return text[:i] + text[i + 1 :]
 
 
+# A program's name: the first word of a line or of a pipeline / `&&` stage.
+_PROGRAM = re.compile(r"(?:^|\n|\|\s*|&&\s*)([A-Za-z][\w-]*)")
+
+
+def misspell_program(text: str, rng: random.Random) -> str:
+    """Drop one character of one program's name (`wc` -> `w`, `rev` -> `rv`): bash's `command
+    not found`, or another program's answer; in the last stage, the pipeline's exit code."""
+    spans = [m.span(1) for m in _PROGRAM.finditer(text)]
+    if not spans:
+        return misspell(text, rng)
+    a, b = rng.choice(spans)
+    i = rng.randrange(a, b)
+    return text[:i] + text[i + 1 :]
+
+
+def _typo(text: str, rng: random.Random, cfg: GrammarConfig) -> str:
+    """The textops noise's typo; `cfg.program_typo_prob` of them in a program's name."""
+    if cfg.program_typo_prob > 0 and rng.random() < cfg.program_typo_prob:
+        return misspell_program(text, rng)
+    return misspell(text, rng)  # (no draw above at 0: the seeded streams stay as they were)
+
+
 def _marker(rng: random.Random) -> str:
     r = rng.random()
     if r < 0.6:
@@ -97,14 +120,15 @@ def _op(rng: random.Random, cfg: GrammarConfig) -> str:
     return rng.choices(STRING_OPS, [cfg.op_weights.get(op, 1.0) for op in STRING_OPS])[0]
 
 
-def _textops_stage(op: str, rng: random.Random, word: str) -> str:
+def _textops_stage(op: str, rng: random.Random, word: str, cfg: GrammarConfig) -> str:
     if op == "reverse":
         return "rev"
     if op == "upper":
         return "tr a-z A-Z"
     if op == "sort":
         return "fold -w1 | sort | tr -d '\\n'"
-    return f"tr -cd '{_letter(rng, word)}' | wc -c"
+    present = word and rng.random() < cfg.count_present_prob
+    return f"tr -cd '{rng.choice(word) if present else rng.choice(LETTERS)}' | wc -c"
 
 
 def _filter(rng: random.Random, word: str) -> tuple[str, str]:
@@ -175,7 +199,7 @@ def sample_bare_command(rng: random.Random, cfg: GrammarConfig) -> Command:
     if rng.random() < cfg.textops_prob:
         op = _op(rng, cfg)
         src = rng.choice([f"printf '%s' '{word}'", f"printf '%s' {word}", f"echo -n {word}"])
-        text, kind = f"{src} | {_textops_stage(op, rng, word)}", f"bare:{op}"
+        text, kind = f"{src} | {_textops_stage(op, rng, word, cfg)}", f"bare:{op}"
     else:
         src = rng.choice([f"printf '%s' {word}", f"printf '%s\\n' {word}", f"echo {word}"])
         stage, kind = _filter(rng, word)
@@ -195,12 +219,12 @@ def sample_command(rng: random.Random, cfg: GrammarConfig, files: dict[str, str]
         return _error(rng, files, word)
     if rng.random() < cfg.textops_prob:
         op = _op(rng, cfg)
-        text = f"tr -d '\\n' < {TEXTOPS_FILE} | {_textops_stage(op, rng, word)}"
+        text = f"tr -d '\\n' < {TEXTOPS_FILE} | {_textops_stage(op, rng, word, cfg)}"
         kind = op
         if rng.random() < 0.75:
             text = f"echo {_marker(rng)}\n{text}"
         if rng.random() < cfg.typo_prob:  # the textops noise's typo, anywhere in the command
-            text, kind = misspell(text, rng), f"{op}:typo"
+            text, kind = _typo(text, rng, cfg), f"{op}:typo"
         return Command(text, kind)
     src, flowing = _source(rng, files, random_word(rng, cfg))
     parts, kind = [src], "grammar:source"

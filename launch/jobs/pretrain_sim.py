@@ -178,10 +178,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     sim = cfg.env.shell.simulated
     budget = None if sim.max_context_tokens is None else sim.max_context_tokens - sim.max_tokens
     prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=budget)
-    examples, stats = sim_sft_examples(train, tok, max_len=p.data.seq_len + 1, **prompt)
+    built = dict(max_len=p.data.seq_len + 1, cut_targets=p.data.cut_targets)
+    examples, stats = sim_sft_examples(train, tok, **built, **prompt)
     drilled, n_drill = "", 0
     if drill:
-        extra, extra_stats = sim_sft_examples(drill, tok, max_len=p.data.seq_len + 1, **prompt)
+        extra, extra_stats = sim_sft_examples(drill, tok, **built, **prompt)
         share = extra_stats.target_tokens / (stats.target_tokens + extra_stats.target_tokens)
         drilled = f" + {extra_stats.examples} drill examples ({share:.0%} of target tokens)"
         examples, n_drill = examples + extra, extra_stats.examples

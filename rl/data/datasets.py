@@ -57,6 +57,13 @@ class DatasetConfig:
     missing_exit_code: int | None = 0
     """Simulator examples: the return code written for turns whose source recorded none
     (SWE-agent does not); None skips trajectories with such turns instead."""
+    cut_targets: bool = False
+    """Simulator examples: an observation too long to fit a row whole even beside the
+    shortest context (the files and the command, no earlier turns) is trained on its first
+    tokens that fit there, without the end-of-turn token, instead of skipped. Its return code
+    and first lines are what the simulator most needs of it (a long usage text after a
+    misspelt program); the simulator is stopped at its token cap on such outputs anyway, and
+    no end-of-turn is taught where the real output does not end."""
 
     def __post_init__(self) -> None:
         for name, low in (("seq_len", 2), ("batch_size", 1), ("seed", 0)):
@@ -84,6 +91,8 @@ class SFTStats:
     context_tokens: int = 0
     truncated: int = 0
     """Examples whose context (simulator) or tail (agent) was cut to fit."""
+    cut_targets: int = 0
+    """Simulator examples whose observation was cut to fit (`DatasetConfig.cut_targets`)."""
     skipped: Counter = field(default_factory=Counter)
     """Reason -> count of skipped examples (or trajectories)."""
 
@@ -95,6 +104,11 @@ class SFTStats:
 class _Obs:
     output: str
     exit_code: int
+
+
+def _header(exit_code: int) -> str:
+    """The observation's first lines, up to where its output starts."""
+    return format_observation("", exit_code).split("\n</output>")[0]
 
 
 def _example(context: Sequence[int], target: Sequence[int]) -> Example:
@@ -127,6 +141,7 @@ def sim_sft_examples(
     system_prompt: str | None = None,
     show_task: bool = True,
     context_budget: int | None = None,
+    cut_targets: bool = False,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -134,14 +149,17 @@ def sim_sft_examples(
     shell asks with); the system/task prefix and the current command are always kept. The
     budget is `context_budget` when given (the shell's `max_context_tokens - max_tokens`, so
     training sees exactly the prompts serving will send) and never more than `max_len` minus
-    the target. An example that cannot keep the prefix and command, or whose target alone is
-    too long, is skipped: a target cut before its end-of-turn token would teach the simulator
-    to run away."""
+    the target. An example that cannot keep the prefix and command is skipped; so is one whose
+    target is too long to fit beside them, unless `cut_targets` (`DatasetConfig.cut_targets`):
+    then it keeps the target's first tokens that fit, without the end-of-turn token (nothing
+    teaches the simulator to stop where the real output goes on), if they hold at least the
+    return-code header."""
     stats = SFTStats()
     examples = [e for _, _, e in _sim_examples(trajectories, tokenizer, stats, max_len=max_len,
                                                missing_exit_code=missing_exit_code,
                                                system_prompt=system_prompt, show_task=show_task,
-                                               context_budget=context_budget)]  # fmt: skip
+                                               context_budget=context_budget,
+                                               cut_targets=cut_targets)]  # fmt: skip
     return examples, stats
 
 
@@ -155,6 +173,7 @@ def _sim_examples(
     system_prompt: str | None = None,
     show_task: bool = True,
     context_budget: int | None = None,
+    cut_targets: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -188,7 +207,14 @@ def _sim_examples(
             budget = max_len - len(target)
             if context_budget is not None:
                 budget = min(budget, context_budget)
-            if len(system) + len(suffix) > budget:
+            shortest = len(system) + len(suffix)
+            limit = max_len if context_budget is None else min(max_len, context_budget)
+            cut = (cut_targets and budget < shortest <= limit
+                   and max_len - shortest > len(text(_header(obs.exit_code))))  # fmt: skip
+            if cut:  # the shortest context, and the target's first tokens beside it
+                budget, target = shortest, target[: max_len - shortest]
+                stats.cut_targets += 1
+            if shortest > budget:
                 stats.skipped["too_long"] += 1
                 continue
             turns = [commands[j] + answers[j] for j in range(k)]
@@ -362,6 +388,7 @@ def sim_sft_dataset(
         system_prompt=system_prompt,
         show_task=show_task,
         context_budget=context_budget,
+        cut_targets=cfg.cut_targets,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

@@ -113,6 +113,41 @@ def test_long_contexts_drop_whole_oldest_turns():
     assert stats.examples == 0 and stats.skipped["too_long"] == 6
 
 
+def test_a_long_observation_is_cut_to_what_fits_only_when_asked():
+    usage = "w: invalid option -- 'c'\n" + "".join(f" -{c}  an option\n" for c in "abcdefghij")
+    traj = real_trajectory(2)
+    traj.turns[1].observation, traj.turns[1].exit_code = usage, 1  # the second command's
+    alone = real_trajectory(2)
+    alone.turns = traj.turns[1:2]  # the same command with no turn before it
+    (whole,), _ = sim_sft_examples([alone], BYTES, max_len=4096)
+    shortest = int((whole["loss_mask"] == 0).sum())
+    max_len = shortest + 120  # the whole target does not fit beside even the shortest context
+    assert int(whole["loss_mask"].sum()) > 120
+    kept, stats = sim_sft_examples([traj], BYTES, max_len=max_len)
+    assert len(kept) == 1 and stats.skipped["too_long"] == 1 and stats.cut_targets == 0
+    kept, stats = sim_sft_examples([traj], BYTES, max_len=max_len, cut_targets=True)
+    assert len(kept) == 2 and stats.cut_targets == 1 and not stats.skipped
+    cut = kept[1]
+    assert len(cut["tokens"]) == max_len
+    context = BYTES.decode(cut["tokens"][cut["loss_mask"] == 0].tolist())
+    # The shortest context: the files and the command, no earlier turn.
+    system = render_sim_messages(traj.instruction, [], "x", setup_files=traj.setup_files)[0]
+    assert context == (f"<|im_start|>system\n{system['content']}<|im_end|>\n"
+                       f"<|im_start|>user\ncat f1.txt<|im_end|>\n{GEN}")  # fmt: skip
+    target = BYTES.decode(cut["tokens"][cut["loss_mask"] == 1].tolist())
+    full = format_observation(usage, 1) + "<|im_end|>"
+    assert full.startswith(target) and len(target) < len(full)  # its first tokens, no end
+    assert target.startswith("<returncode>1</returncode>\n<output>\nw: invalid option")
+    # Where not even the return-code header fits beside the command, it is still skipped.
+    assert len(cut["tokens"]) - len(target) == shortest
+    _, stats = sim_sft_examples([traj], BYTES, max_len=shortest + 10, cut_targets=True)
+    assert stats.skipped["too_long"] == 2 and stats.cut_targets == 0
+    # An observation that fits is never cut, and the context rule is the one serving uses.
+    _, stats = sim_sft_examples([traj], BYTES, max_len=max_len, cut_targets=True,
+                                context_budget=shortest - 1)  # fmt: skip
+    assert stats.cut_targets == 0 and stats.skipped["too_long"] == 2
+
+
 class RecordingSimulator:
     """A simulator client that records each prompt and answers with the recorded real
     observation (so the shell's history is the trajectory's)."""

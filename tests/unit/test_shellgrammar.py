@@ -4,11 +4,12 @@ agent's own dialect where it claims to be, and every observation from real bash.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 from envs.config import STRING_OPS, GrammarConfig
-from envs.shellgrammar import Case, Command, run_cases, sample_cases
+from envs.shellgrammar import _PROGRAM, Case, Command, misspell_program, run_cases, sample_cases
 from envs.terminal import SUBMIT_MARKER
 from envs.textops import TRANSFORMS
 
@@ -49,10 +50,54 @@ def test_operation_weights_and_typo_rate_shape_the_agents_commands():
     assert all(c.kind.endswith(":typo") for case in sample_cases(typos, 50) for c in case.commands)
 
 
+def test_program_typos_drop_a_character_of_a_program_name():
+    typo = GrammarConfig(textops_prob=1.0, error_prob=0.0, bare_prob=0.0, typo_prob=1.0,
+                         program_typo_prob=1.0)  # fmt: skip
+    programs = {"echo", "tr", "fold", "sort", "rev", "wc"}
+    for case in sample_cases(typo, 60):
+        for c in case.commands:
+            assert c.kind.endswith(":typo")
+            # Of the words where programs stand (line starts, after `|`), exactly one is no
+            # longer a program: one of its characters went, and only there.
+            named = [c.text[a:b] for a, b in (m.span(1) for m in _PROGRAM.finditer(c.text))]
+            assert sum(w not in programs for w in named) == 1, c.text
+            assert "input.txt" in c.text and ("'\\n'" in c.text)
+    rng = random.Random(0)
+    line = "tr -d '\\n' < input.txt | tr -cd 'q' | wc -c"
+    seen = {misspell_program(line, rng) for _ in range(200)}
+    assert "tr -d '\\n' < input.txt | tr -cd 'q' | w -c" in seen
+    assert "tr -d '\\n' < input.txt | tr -cd 'q' | c -c" in seen
+    assert all(s.endswith("'q' | wc -c") or "'q' |" in s for s in seen) and len(seen) == 6
+    # At the default 0 no extra draw is made: the streams made before the knob are unchanged.
+    base = GrammarConfig(seed=5, typo_prob=0.6, textops_prob=0.9)
+    assert sample_cases(base, 40) == sample_cases(GrammarConfig(seed=5, typo_prob=0.6,
+                                                                textops_prob=0.9), 40)
+
+
+def test_count_present_prob_sets_how_often_the_letter_is_in_the_word():
+    def letters_in_word(prob: float) -> list[bool]:
+        cfg = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
+                            textops_prob=1.0, bare_prob=0.0, typo_prob=0.0, repeat_prob=0.0,
+                            min_len=4, max_len=8, count_present_prob=prob)  # fmt: skip
+        out = []
+        for case in sample_cases(cfg, 100):
+            word = case.files["input.txt"].strip()
+            for c in case.commands:
+                out.append(c.text.split("tr -cd '")[1][0] in word)
+        return out
+
+    assert all(letters_in_word(1.0))
+    # At 0, a letter drawn from the alphabet is in a 4-8-letter word at most 8/26 of the time
+    # (~0.2 on average): 600 draws put the share far below 0.5.
+    absent = letters_in_word(0.0)
+    assert sum(absent) / len(absent) < 0.4
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("min_len", 0), ("max_len", 0), ("repeat_prob", 1.5), ("bare_prob", -0.1),
      ("commands_per_case", 0), ("session_turns", 1), ("session_turns", 7), ("typo_prob", 2.0),
+     ("program_typo_prob", -0.5), ("count_present_prob", 1.1),
      ("op_weights", {"rev": 1.0}), ("op_weights", {"sort": -1.0}),
      ("op_weights", dict.fromkeys(STRING_OPS, 0))],
 )  # fmt: skip
