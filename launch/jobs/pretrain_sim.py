@@ -197,9 +197,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         min_turn=1, max_len=p.data.seq_len + 1, **prompt,
     )  # fmt: skip
     evals, kinds = evals + later, kinds + ["session"] * len(later)
+    cut = stats.cut_targets + (extra_stats.cut_targets if drill else 0)
     print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples"
-          f"{drilled} ({len(short)} short), {stats.target_tokens} target tokens; {len(evals)} "
-          "held out", flush=True)  # fmt: skip
+          f"{drilled} ({len(short)} short{f', {cut} cut to fit' if cut else ''}), "
+          f"{stats.target_tokens} target tokens; {len(evals)} held out", flush=True)  # fmt: skip
 
     trainer = build_trainer(cfg.simulator, tok, optim=p.optim, steps=p.steps, loss="sft",
                             rules=cfg.sharding.rules, seed=cfg.run.seed,

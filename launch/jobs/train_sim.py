@@ -66,13 +66,17 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         budget = sim_shell.max_context_tokens - sim_shell.max_tokens
     prompt = dict(system_prompt=sim_shell.system_prompt, show_task=sim_shell.show_task,
                   context_budget=budget)  # fmt: skip
-    ds, stats = sim_sft_dataset(train, tok, tcfg.data, **prompt)
+    ds, stats = sim_sft_dataset(weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data,
+                                **prompt)  # fmt: skip
     log = rundir.MetricsLog(out)
     log.write({"stage": "train_sim_data", "trajectories": len(train),
                "heldout_tasks": len(heldout), **stats.to_dict()})  # fmt: skip
+    notes = f" ({stats.cut_targets} observations cut to fit)" if stats.cut_targets else ""
+    if tcfg.kind_weights:
+        notes += " with " + ", ".join(f"{k} x{v}" for k, v in sorted(tcfg.kind_weights.items()))
     print(
         f"simloop train-sim: {len(train)} trajectories ({len(heldout)} tasks held out) -> "
-        f"{stats.examples} examples, {stats.target_tokens} target tokens",
+        f"{stats.examples} examples{notes}, {stats.target_tokens} target tokens",
         flush=True,
     )
     device_ids = trainer_device_ids(cfg, "simulator")
@@ -119,6 +123,14 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         f"({summary['tokens_per_s']:.0f} target tok/s, {summary['wall_s']:.0f}s) -> {path}"
     )
     return 0
+
+
+def weighted_by_kind(trajs: list, weights: dict[str, int] | None) -> list:
+    """Each trajectory as many times as `weights` gives its `meta.task_kind` (once when not
+    named), in place: the canonical order stays, the dataset's shuffle mixes the copies."""
+    if not weights:
+        return trajs
+    return [t for t in trajs for _ in range(weights.get(str(t.meta.get("task_kind")), 1))]
 
 
 def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):

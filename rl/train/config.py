@@ -173,6 +173,11 @@ class TrainSimConfig:
     """JSONL files or folders of real trajectories (`simloop collect` / `import` output)."""
     heldout_fraction: float = 0.1
     """Share of trajectories (by task id hash) held out of training for `eval-sim`."""
+    kind_weights: dict[str, int] | None = None
+    """How many times each training trajectory of a task kind (`meta.task_kind`, e.g. a
+    textops operation) is in the data, e.g. `{count: 2}`: more rows of the kind the simulator
+    finds hardest. Kinds not named (and trajectories without a kind) count once; None: all
+    once. The held-out trajectories are never repeated."""
     steps: int = 200
     """Optimizer steps."""
     data: DatasetConfig = field(default_factory=lambda: DatasetConfig(num_epochs=None))
@@ -197,6 +202,13 @@ class TrainSimConfig:
             )
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise _bad(c, "heldout_fraction", self.heldout_fraction, "a number in [0, 1)")
+        w = self.kind_weights
+        if w is not None and not (
+            isinstance(w, dict)
+            and all(isinstance(k, str) and k for k in w)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in w.values())
+        ):
+            raise _bad(c, "kind_weights", w, "a mapping from task kinds to integers >= 1")
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def test_preset_then_field_overrides():
         ({"agent": {"tokenizer": {"kind": "spm"}}}, r"'agent.tokenizer.kind'.*byte, hf"),
         ({"agent": 3}, r"'agent' must be a mapping of RoleConfig fields"),
         ({"agent": {"mesh": {"fsdp": -1}}}, r"MeshConfig.fsdp=-1"),
+        ({"train_sim": {"kind_weights": {"count": 0}}}, r"kind_weights.*integers >= 1"),
+        ({"train_sim": {"kind_weights": {"count": 1.5}}}, r"kind_weights.*dict\[str, int\]"),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(tree, message):
@@ -226,3 +228,18 @@ def test_model_paths_in_a_config_file_are_relative_to_the_file(tmp_path, monkeyp
     demo = load_config(SimloopConfig, REPO / "configs" / "demo_cpu.yaml")
     assert Path(demo.simulator.weights).is_dir()
     assert demo.simulator.weights == str(REPO / "configs" / "pretrained" / "sim-textops")
+
+
+def test_train_sim_kind_weights_repeat_a_kinds_trajectories_in_place():
+    from launch.jobs.train_sim import weighted_by_kind
+    from rl.data.trajectory import Trajectory
+
+    def traj(i, kind):
+        meta = {"task_kind": kind} if kind else {}
+        return Trajectory(task_id=f"t{i}", arm="real", env_backend="local", status="ok",
+                          reward=0.0, meta=meta)  # fmt: skip
+
+    trajs = [traj(0, "count"), traj(1, "sort"), traj(2, None), traj(3, "count")]
+    assert weighted_by_kind(trajs, None) is trajs
+    out = weighted_by_kind(trajs, {"count": 3, "upper": 2})
+    assert [t.task_id for t in out] == ["t0"] * 3 + ["t1", "t2"] + ["t3"] * 3
