@@ -486,6 +486,13 @@ class GrammarConfig:
     """Share of the agent-shaped count commands (`tr -cd 'c' | wc -c`) whose letter is drawn
     from the word; the others draw any letter, so most of them count 0 (the demo's tasks
     draw 80% / 20% too)."""
+    count_near_miss_prob: float = 0.0
+    """Share of the other count commands whose letter is one the prompt holds around the word
+    but the word does not (the files header's and the command's own letters: `t`, `c`, `e`,
+    `n`, `s`, `u`, `w`, ...), as often as it occurs there: a zero the simulator must not
+    count from the command. Probed on every letter, the fine-tuned simulator of 2026-12-01
+    answered `1` for such absent letters (`c`, `e`, `n`, `s`, `t`, `u`, `w`), mostly `0`
+    for the others."""
 
     def __post_init__(self) -> None:
         if self.op_weights is not None:
@@ -509,7 +516,8 @@ class GrammarConfig:
                 "1 <= min_len <= max_len"
             )
         probs = ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob",
-                 "typo_prob", "program_typo_prob", "count_present_prob")  # fmt: skip
+                 "typo_prob", "program_typo_prob", "count_present_prob",
+                 "count_near_miss_prob")  # fmt: skip
         for name in probs:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

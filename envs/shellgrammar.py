@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from envs.config import STRING_OPS, GrammarConfig, LocalShellConfig
 from envs.shell import TaskSetup
 from envs.terminal import SUBMIT_MARKER
+from rl.data.sim_format import setup_description
 
 LETTERS = string.ascii_lowercase
 TEXTOPS_FILE = "input.txt"
@@ -120,6 +121,17 @@ def _op(rng: random.Random, cfg: GrammarConfig) -> str:
     return rng.choices(STRING_OPS, [cfg.op_weights.get(op, 1.0) for op in STRING_OPS])[0]
 
 
+# The lowercase letters of the simulator's prompt around the word of a count (the files header
+# and the agent's count command), as often as they occur there: a count of one of them sees
+# it in the prompt but must count only the word's.
+_AROUND_THE_WORD = [
+    c
+    for c in setup_description({TEXTOPS_FILE: ""})
+    + f"echo tr -d '\\n' < {TEXTOPS_FILE} | tr -cd '' | wc -c"
+    if c in LETTERS
+]
+
+
 def _textops_stage(op: str, rng: random.Random, word: str, cfg: GrammarConfig) -> str:
     if op == "reverse":
         return "rev"
@@ -127,8 +139,14 @@ def _textops_stage(op: str, rng: random.Random, word: str, cfg: GrammarConfig) -
         return "tr a-z A-Z"
     if op == "sort":
         return "fold -w1 | sort | tr -d '\\n'"
-    present = word and rng.random() < cfg.count_present_prob
-    return f"tr -cd '{rng.choice(word) if present else rng.choice(LETTERS)}' | wc -c"
+    if word and rng.random() < cfg.count_present_prob:
+        letter = rng.choice(word)
+    elif cfg.count_near_miss_prob > 0 and rng.random() < cfg.count_near_miss_prob:
+        near = [c for c in _AROUND_THE_WORD if c not in word]
+        letter = rng.choice(near or LETTERS)
+    else:
+        letter = rng.choice(LETTERS)
+    return f"tr -cd '{letter}' | wc -c"
 
 
 def _filter(rng: random.Random, word: str) -> tuple[str, str]:

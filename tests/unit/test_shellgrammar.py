@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import random
+from collections import Counter
 
 import pytest
 
@@ -98,6 +99,20 @@ def test_count_present_prob_sets_how_often_the_letter_is_in_the_word():
         return out
 
     assert all(letters_in_word(1.0))
+    # Near misses: letters of the prompt around the word (its header, the command), not in it.
+    cfg = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
+                        textops_prob=1.0, bare_prob=0.0, typo_prob=0.0, min_len=4, max_len=8,
+                        count_present_prob=0.0, count_near_miss_prob=1.0)  # fmt: skip
+    drawn = Counter()
+    for case in sample_cases(cfg, 100):
+        word = case.files["input.txt"].strip()
+        for c in case.commands:
+            letter = c.text.split("tr -cd '")[1][0]
+            assert letter not in word and letter in "tidrecnhoswpuxa" + "lkgy"
+            drawn[letter] += 1
+    # `t` is in the prompt 14 times of 66 letters (`start`, `the`, `input.txt` twice, `tr`...)
+    # and `y` once: 600 draws put `t` well ahead (expected ~110+ against ~10).
+    assert drawn["t"] > 3 * drawn["y"]
     # At 0, a letter drawn from the alphabet is in a 4-8-letter word at most 8/26 of the time
     # (~0.2 on average): 600 draws put the share far below 0.5.
     absent = letters_in_word(0.0)
