@@ -106,8 +106,26 @@ def _marker(rng: random.Random) -> str:
     return "_".join(parts)
 
 
-def _letter(rng: random.Random, word: str) -> str:
-    return rng.choice(word) if word and rng.random() < 0.8 else rng.choice(LETTERS)
+# The lowercase letters of the simulator's prompt around the word of a count (the files header
+# and the agent's count command), as often as they occur there: a count of one of them sees
+# it in the prompt but must count only the word's.
+_AROUND_THE_WORD = [
+    c
+    for c in setup_description({TEXTOPS_FILE: ""})
+    + f"echo tr -d '\\n' < {TEXTOPS_FILE} | tr -cd '' | wc -c"
+    if c in LETTERS
+]
+
+
+def _letter(rng: random.Random, word: str, present: float = 0.8, near_miss: float = 0.0) -> str:
+    """A letter of `word` (`present` of the time), else one the prompt holds around the word
+    but the word does not (`near_miss` of the rest), else any letter. No draw is made for a
+    share of 0, so the seeded streams made before these shares existed stay as they were."""
+    if word and rng.random() < present:
+        return rng.choice(word)
+    if near_miss > 0 and rng.random() < near_miss:
+        return rng.choice([c for c in _AROUND_THE_WORD if c not in word] or LETTERS)
+    return rng.choice(LETTERS)
 
 
 # One pipeline stage: (stage text, kind), given the word that flows into it (for letters).
@@ -121,17 +139,6 @@ def _op(rng: random.Random, cfg: GrammarConfig) -> str:
     return rng.choices(STRING_OPS, [cfg.op_weights.get(op, 1.0) for op in STRING_OPS])[0]
 
 
-# The lowercase letters of the simulator's prompt around the word of a count (the files header
-# and the agent's count command), as often as they occur there: a count of one of them sees
-# it in the prompt but must count only the word's.
-_AROUND_THE_WORD = [
-    c
-    for c in setup_description({TEXTOPS_FILE: ""})
-    + f"echo tr -d '\\n' < {TEXTOPS_FILE} | tr -cd '' | wc -c"
-    if c in LETTERS
-]
-
-
 def _textops_stage(op: str, rng: random.Random, word: str, cfg: GrammarConfig) -> str:
     if op == "reverse":
         return "rev"
@@ -139,13 +146,7 @@ def _textops_stage(op: str, rng: random.Random, word: str, cfg: GrammarConfig) -
         return "tr a-z A-Z"
     if op == "sort":
         return "fold -w1 | sort | tr -d '\\n'"
-    if word and rng.random() < cfg.count_present_prob:
-        letter = rng.choice(word)
-    elif cfg.count_near_miss_prob > 0 and rng.random() < cfg.count_near_miss_prob:
-        near = [c for c in _AROUND_THE_WORD if c not in word]
-        letter = rng.choice(near or LETTERS)
-    else:
-        letter = rng.choice(LETTERS)
+    letter = _letter(rng, word, cfg.count_present_prob, cfg.count_near_miss_prob)
     return f"tr -cd '{letter}' | wc -c"
 
 
