@@ -226,6 +226,11 @@ class SimulatedShellConfig:
     max_context_tokens: int | None = None
     """Simulator context length (prompt + observation); oldest turns are dropped to fit.
     Needs a tokenizer; None: no limit."""
+    max_prompt_tokens: int | None = None
+    """The prompt's share of `max_context_tokens` (system, kept turns, the command): oldest
+    turns go until the prompt fits it. None: all the context but `max_tokens`. Set it to let
+    a rare long observation (a usage text) be written whole without changing which turns the
+    simulator sees; `simloop train-sim` builds its examples with the same budget."""
     max_history_turns: int | None = None
     """Keep at most this many earlier (command, observation) pairs in the prompt; None: all."""
     seed: int | None = None
@@ -275,6 +280,13 @@ class SimulatedShellConfig:
                 self.max_context_tokens > self.max_tokens,
                 f"greater than max_tokens ({self.max_tokens})",
             )
+        if self.max_prompt_tokens is not None:
+            _positive_int(cls, self, "max_prompt_tokens")
+            context = self.max_context_tokens
+            _check(cls, "max_prompt_tokens", self.max_prompt_tokens,
+                   context is not None and self.max_prompt_tokens + self.max_tokens <= context,
+                   "set only with max_context_tokens, and at most max_context_tokens - "
+                   f"max_tokens ({context} - {self.max_tokens})")  # fmt: skip
         s = self.seed
         _check(cls, "seed", s, s is None or (isinstance(s, int) and s >= 0), "None or int >= 0")
         share = self.repetition_max_line_share
@@ -288,6 +300,16 @@ class SimulatedShellConfig:
                "a mapping of compaction settings")  # fmt: skip
         _check(cls, "session_compaction", self.session_compaction,
                mode == "none" or self.sessions, "only with sessions: true")  # fmt: skip
+
+    @property
+    def prompt_budget(self) -> int | None:
+        """The most tokens the simulator's prompt may have (whole oldest turns go to fit):
+        `max_prompt_tokens`, else `max_context_tokens - max_tokens`; None without a context."""
+        if self.max_context_tokens is None:
+            return None
+        if self.max_prompt_tokens is not None:
+            return self.max_prompt_tokens
+        return self.max_context_tokens - self.max_tokens
 
     @property
     def compacting(self) -> bool:

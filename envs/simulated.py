@@ -180,14 +180,13 @@ class SimulatedShell(ShellLifecycle):
             text = render_text(messages, add_generation_prompt=True, enable_thinking=False)
             return text, cfg.max_tokens, len(self.history) - len(history)
         if cfg.max_context_tokens is not None and not cfg.compacting:
-            # Whole oldest turns go until the prompt leaves room for max_tokens: the rule
+            # Whole oldest turns go until the prompt fits `prompt_budget`: the rule
             # `simloop train-sim` builds its examples with (ChatML messages tokenize alone).
             render = self.renderer.render
             lens = [len(render([m])) for m in messages]
             turns = [lens[i] + lens[i + 1] for i in range(1, len(lens) - 1, 2)]
             suffix = lens[-1] + len(render([], add_generation_prompt=True, enable_thinking=False))
-            budget = cfg.max_context_tokens - cfg.max_tokens
-            kept = kept_history(lens[0], turns, suffix, budget)
+            kept = kept_history(lens[0], turns, suffix, cfg.prompt_budget)
             if kept < len(history):
                 history = history[len(history) - kept :]
                 messages = messages_with(history)

@@ -325,6 +325,10 @@ class DemoConfig:
     sim_max_tokens_from_data: bool = True
     """Set the simulator's token cap (`env.shell.simulated.max_tokens`) from the collected
     real observations (`envs.fidelity.suggest_max_tokens`), so a runaway costs little."""
+    sim_max_tokens_quantile: float = 0.99
+    """Which of the collected observation lengths that cap covers (with 25% slack): 0.99
+    lets the longest 1% be cut; 1.0 lets the simulator write every observation it was shown
+    whole (the context must hold it beside the prompt: `max_prompt_tokens`)."""
     trials: int = 0
     """With K >= 2, an optional last stage (`trials/`): the agent on textops tasks whose
     instruction hides the operation, K trials per episode (a failed attempt's feedback says
@@ -371,6 +375,11 @@ class DemoConfig:
             raise ValueError(
                 f"DemoConfig.trials={self.trials!r} is invalid: 0 (no multi-trial stage) or an "
                 "integer >= 2"
+            )
+        q = self.sim_max_tokens_quantile
+        if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1:
+            raise ValueError(
+                f"DemoConfig.sim_max_tokens_quantile={q!r} is invalid: a number in (0, 1]"
             )
         if not self.eval_arms or any(a not in ("real", "closed_loop") for a in self.eval_arms):
             raise ValueError(

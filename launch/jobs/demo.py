@@ -255,8 +255,9 @@ def _collect(args, path: Path) -> dict:
 
 def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     """`env.shell.simulated.max_tokens` from the real observations' token lengths (in the
-    simulator's format, with its end-of-turn token), at most half the simulator's context
-    (`env.shell.simulated.max_context_tokens`) so that a prompt still fits beside it."""
+    simulator's format, with its end-of-turn token; `demo.sim_max_tokens_quantile` of them),
+    at most what the simulator's context (`env.shell.simulated.max_context_tokens`) leaves
+    beside a prompt: beside `max_prompt_tokens` when set, else half of it."""
     from envs.fidelity import suggest_max_tokens
     from rl.data import load_tokenizer
     from rl.data.sim_format import format_observation
@@ -269,14 +270,20 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
         for t in traj.turns
         if t.observation is not None
     ]
-    cap = suggest_max_tokens(lengths)
-    context = cfg.env.shell.simulated.max_context_tokens
-    if context is not None and cap > context // 2:
+    cap = suggest_max_tokens(lengths, quantile=cfg.demo.sim_max_tokens_quantile)
+    sim = cfg.env.shell.simulated
+    context = sim.max_context_tokens
+    if context is None:
+        return cap
+    prompt, room = ("its max_prompt_tokens", context - sim.max_prompt_tokens) if (
+        sim.max_prompt_tokens is not None) else ("half", context // 2)  # fmt: skip
+    if cap > room:
         print(
             f"simloop demo: the observations suggest a simulator token cap of {cap}; it is "
-            f"clamped to {context // 2}, half the simulator's {context}-token context"
+            f"clamped to {room}, what the simulator's {context}-token context leaves beside "
+            f"{prompt} for the prompt"
         )
-        cap = context // 2
+        cap = room
     return cap
 
 

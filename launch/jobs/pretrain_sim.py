@@ -176,8 +176,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
                          concurrency=p.concurrency) if p.drill_cases else [])  # fmt: skip
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim = cfg.env.shell.simulated
-    budget = None if sim.max_context_tokens is None else sim.max_context_tokens - sim.max_tokens
-    prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=budget)
+    prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task,
+                  context_budget=sim.prompt_budget)  # fmt: skip
     built = dict(max_len=p.data.seq_len + 1, cut_targets=p.data.cut_targets)
     examples, stats = sim_sft_examples(train, tok, **built, **prompt)
     drilled, n_drill = "", 0

@@ -61,11 +61,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
     # The prompts the simulated shell will send: over its context, whole oldest turns go.
-    budget = None
-    if sim_shell.max_context_tokens is not None:
-        budget = sim_shell.max_context_tokens - sim_shell.max_tokens
     prompt = dict(system_prompt=sim_shell.system_prompt, show_task=sim_shell.show_task,
-                  context_budget=budget)  # fmt: skip
+                  context_budget=sim_shell.prompt_budget)  # fmt: skip
     ds, stats = sim_sft_dataset(weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data,
                                 **prompt)  # fmt: skip
     log = rundir.MetricsLog(out)

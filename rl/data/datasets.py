@@ -147,7 +147,7 @@ def sim_sft_examples(
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
     budget loses whole turns, oldest first (`sim_format.kept_history`, the rule the simulated
     shell asks with); the system/task prefix and the current command are always kept. The
-    budget is `context_budget` when given (the shell's `max_context_tokens - max_tokens`, so
+    budget is `context_budget` when given (the shell's `prompt_budget`, so
     training sees exactly the prompts serving will send) and never more than `max_len` minus
     the target. An example that cannot keep the prefix and command is skipped; so is one whose
     target is too long to fit beside them, unless `cut_targets` (`DatasetConfig.cut_targets`):

@@ -165,17 +165,25 @@ class RecordingSimulator:
         return Completion(self.answers[len(self.prompts) - 1], [], "stop")
 
 
-@pytest.mark.parametrize("max_context_tokens", [800, 1000, 1300])
-async def test_serve_time_prompts_equal_training_prompts_past_the_context(max_context_tokens):
-    """A history longer than the simulator's context: every prompt `SimulatedShell` sends is
-    the context `simloop train-sim` trains on for that turn (same turns dropped, none cut)."""
+@pytest.mark.parametrize(
+    "max_context_tokens,max_prompt_tokens", [(800, None), (1000, None), (1300, None), (1300, 700)]
+)
+async def test_serve_time_prompts_equal_training_prompts_past_the_context(
+    max_context_tokens, max_prompt_tokens
+):
+    """A history longer than the simulator's context (or its prompt budget): every prompt
+    `SimulatedShell` sends is the context `simloop train-sim` trains on for that turn (same
+    turns dropped, none cut)."""
     from envs.config import SimulatedShellConfig
     from envs.shell import TaskSetup
     from envs.simulated import SimulatedShell
 
     traj = real_trajectory(8)
     max_tokens = 64
-    cfg = SimulatedShellConfig(max_context_tokens=max_context_tokens, max_tokens=max_tokens)
+    cfg = SimulatedShellConfig(max_context_tokens=max_context_tokens, max_tokens=max_tokens,
+                               max_prompt_tokens=max_prompt_tokens)  # fmt: skip
+    budget = max_context_tokens - max_tokens if max_prompt_tokens is None else max_prompt_tokens
+    assert cfg.prompt_budget == budget
     client = RecordingSimulator(traj)
     shell = SimulatedShell(client, task_instruction=traj.instruction,
                            setup=TaskSetup(files=traj.setup_files), config=cfg,
@@ -183,12 +191,11 @@ async def test_serve_time_prompts_equal_training_prompts_past_the_context(max_co
     async with shell:
         for turn in traj.turns[:8]:
             await shell.run(turn.command, timeout_s=5)
-    examples, stats = sim_sft_examples(
-        [traj], BYTES, max_len=100_000, context_budget=max_context_tokens - max_tokens
-    )
+    examples, stats = sim_sft_examples([traj], BYTES, max_len=100_000, context_budget=budget)
     assert len(examples) == len(client.prompts) == 8
     for ex, prompt in zip(examples, client.prompts, strict=True):
         assert ex["tokens"][ex["loss_mask"] == 0].tolist() == prompt
+        assert len(prompt) <= budget
     whole, _ = sim_sft_examples([traj], BYTES, max_len=100_000)
     assert len(whole[-1]["tokens"]) > max_context_tokens and stats.truncated > 0  # the case
 

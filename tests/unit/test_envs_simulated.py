@@ -221,6 +221,16 @@ async def test_transport_failures_raise_instead_of_inventing(reply, match):
 def test_config_validation():
     with pytest.raises(ValueError, match=r"max_context_tokens=50 is invalid: greater than"):
         SimulatedShellConfig(max_tokens=100, max_context_tokens=50)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=10 is invalid: set only with"):
+        SimulatedShellConfig(max_prompt_tokens=10)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=901 is invalid: .* \(1000 - 100\)"):
+        SimulatedShellConfig(max_tokens=100, max_context_tokens=1000, max_prompt_tokens=901)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=0 is invalid"):
+        SimulatedShellConfig(max_tokens=100, max_context_tokens=1000, max_prompt_tokens=0)
+    assert SimulatedShellConfig(max_tokens=100, max_context_tokens=1000).prompt_budget == 900
+    assert SimulatedShellConfig(max_tokens=100, max_context_tokens=1000,
+                                max_prompt_tokens=256).prompt_budget == 256  # fmt: skip
+    assert SimulatedShellConfig(max_tokens=100).prompt_budget is None
     with pytest.raises(ValueError, match="needs a renderer"):
         SimulatedShell(
             FakeSimulator([]),
