@@ -64,7 +64,10 @@ def iter_hf_weights(
     cfg: ModelConfig, params: Mapping[str, Any]
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, HF-layout array) for every tensor `save_hf` writes for `cfg`, in its order.
-    `params` is the nested parameter dict of `save_params` (layers stacked on axis 0)."""
+    `params` is the nested parameter dict of `save_params` (layers stacked on axis 0). The
+    arrays are views of `params` where the layout allows (a transpose is not copied): the
+    runner's layout transposes most of them back, so a load copies each tensor once, onto
+    its device; a consumer that needs contiguous memory makes it (`_as_torch`)."""
     for t in tensor_table(cfg):
         node: Any = params
         for key in t.path:
@@ -77,9 +80,9 @@ def iter_hf_weights(
         value = np.asarray(node)
         if t.per_layer:
             for i in range(cfg.num_layers):
-                yield t.hf_name.format(i=i), np.ascontiguousarray(t.to_hf(value[i], cfg))
+                yield t.hf_name.format(i=i), t.to_hf(value[i], cfg)
         else:
-            yield t.hf_name, np.ascontiguousarray(t.to_hf(value, cfg))
+            yield t.hf_name, t.to_hf(value, cfg)
 
 
 # ----- tpu-inference: the runner's parameter pytree ---------------------------------------------
@@ -167,7 +170,8 @@ def install_into_runner_state(
     for name, var in targets:
         current = var.get_value() if hasattr(var, "get_value") else var.value
         w = _to_runner_layout(name, weights[name], cfg, tuple(current.shape))
-        converted.append((var, np.asarray(w).astype(current.dtype), current.sharding))
+        converted.append((var, np.asarray(w).astype(current.dtype, copy=False),
+                          current.sharding))  # fmt: skip
     # Drop the runner's second reference to the old leaves so each one is freed as soon as
     # its replacement is placed: HBM holds one extra tensor at a time, not a second model.
     if hasattr(runner, "state_leaves"):
