@@ -275,13 +275,12 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     context = sim.max_context_tokens
     if context is None:
         return cap
-    prompt, room = ("its max_prompt_tokens", context - sim.max_prompt_tokens) if (
-        sim.max_prompt_tokens is not None) else ("half", context // 2)  # fmt: skip
+    room = context // 2 if sim.max_prompt_tokens is None else context - sim.max_prompt_tokens
     if cap > room:
         print(
             f"simloop demo: the observations suggest a simulator token cap of {cap}; it is "
             f"clamped to {room}, what the simulator's {context}-token context leaves beside "
-            f"{prompt} for the prompt"
+            "its prompt"
         )
         cap = room
     return cap
