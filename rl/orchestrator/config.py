@@ -5,8 +5,67 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ARMS = ("real", "replay", "closed_loop", "mixed")
+ARMS = ("real", "replay", "closed_loop", "mixed", "gated")
+GATE_UNITS = ("kind", "family")
 FAILED_SIBLING_POLICIES = ("mask_group", "drop_episode")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """`arm: gated`: which episodes the simulator may take, from its live fidelity
+    (`rl.orchestrator.gate`)."""
+
+    unit: str = "kind"
+    """What is routed as one: `kind` (a task's operation, e.g. a textops `count`, else its
+    family) or `family` (`textops`, `swe`, ...)."""
+    threshold: float = 0.9
+    """A unit's groups go to the simulator while the lower confidence bound of its fidelity
+    (masked exact match of shadow-replayed real observations) is at least this."""
+    confidence: float = 0.9
+    """One-sided level of that bound (Wilson score interval on the decayed counts)."""
+    real_min: float = 0.1
+    """Share of each unit's groups that still go to the real shell while its gate is open,
+    so its fidelity keeps being measured."""
+    half_life_steps: float = 8.0
+    """Age (in policy versions) at which a shadow measurement counts half: the agent's
+    commands drift as it learns, so old measurements say less about the next episode."""
+    shadow_concurrency: int = 8
+    """Shadow replays against the simulator at once (off the RL critical path)."""
+    remeasure: int = 16
+    """Real episodes per unit kept to replay against each new simulator version, whose
+    fidelity starts from those measurements alone."""
+    cotrain_every: int = 0
+    """Co-training: every this many RL steps the simulator takes `cotrain_steps` SFT steps on
+    the run's real episodes (mixed with its original data) and is published as a new version
+    to its servers; 0: the simulator stays as it is."""
+    cotrain_steps: int = 20
+    """SFT steps per co-training round."""
+    cotrain_replay: float = 0.5
+    """Share of each round's trajectories drawn from the simulator's original training data
+    (`train_sim.trajectories`), against forgetting; the rest are the run's real episodes."""
+    cotrain_lr: float = 1.0e-4
+    """Learning rate of the co-training rounds (a constant one: continual SFT)."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"GateConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        if self.unit not in GATE_UNITS:
+            raise bad("unit", f"one of {list(GATE_UNITS)}")
+        for name in ("threshold", "real_min", "cotrain_replay"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise bad(name, "a number in [0, 1]")
+        if not 0.5 <= self.confidence < 1:
+            raise bad("confidence", "a number in [0.5, 1)")
+        if not self.half_life_steps > 0:
+            raise bad("half_life_steps", "a number > 0")
+        if not self.cotrain_lr > 0:
+            raise bad("cotrain_lr", "a number > 0")
+        for name, low in (("shadow_concurrency", 1), ("remeasure", 0), ("cotrain_every", 0),
+                          ("cotrain_steps", 1)):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise bad(name, f"an integer >= {low}")
 
 
 @dataclass(frozen=True)
@@ -16,7 +75,8 @@ class OrchestratorConfig:
     arm: str = "real"
     """`real` (agent + real shell), `closed_loop` (agent + simulator), `replay` (arm c: recorded
     commands, simulated observations), `mixed` (a fraction of episodes real, the rest
-    closed loop)."""
+    closed loop), `gated` (each group real or closed loop, by its unit's live simulator
+    fidelity: `gate`)."""
     group_size: int = 1
     """Episodes per task (group-relative advantages)."""
     failed_sibling: str = "mask_group"
@@ -25,6 +85,8 @@ class OrchestratorConfig:
     marks only that episode. Nothing is ever deleted: masked trajectories are still written."""
     mixed_real_fraction: float = 0.25
     """`mixed` arm: share of groups run in the real shell."""
+    gate: GateConfig = field(default_factory=GateConfig)
+    """`gated` arm: the fidelity gate and the simulator's co-training."""
     max_concurrent_episodes: int = 64
     """Episodes in flight at once."""
     max_concurrent_simulated: int = 256

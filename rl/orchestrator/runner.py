@@ -7,6 +7,9 @@ and the `sink` callback (storage). The runner owns no servers or shells: it is h
 and shell factories, so tests can hand it in-memory ones. The client may be a
 `serving.pool.ReplicaPool` (each episode sticks to one replica; the pool's state lands in the
 metrics as `pools.agent`); an episode whose replica goes down ends `aborted` with the reason.
+The `gated` arm decides each group's shell when the group is admitted
+(`rl.orchestrator.gate.FidelityRouter`), and hands every real episode to the
+`ShadowReplayer`, which measures the simulator on it in the background.
 
 Failed siblings: when an episode of a group ends `error`/`aborted`/`timeout`, the configured
 policy marks either the whole group (`meta.masked = True`, the default: group-relative
@@ -34,6 +37,7 @@ from rl.orchestrator.episode import (
     run_agent_episode,
     run_replay_episode,
 )
+from rl.orchestrator.gate import FidelityRouter, ShadowReplayer, unit_of
 from rl.orchestrator.metrics import RolloutMetrics
 from serving.pool import ReplicaPool
 
@@ -53,9 +57,12 @@ class RolloutRunner:
         admission: AdmissionController | None = None,
         metrics: RolloutMetrics | None = None,
         sink: Callable[[Trajectory], None] | None = None,
+        router: FidelityRouter | None = None,
+        shadow: ShadowReplayer | None = None,
     ):
         self.cfg, self.terminal, self.renderer = cfg, terminal, renderer
         self.backends, self.client, self.sink = backends, client, sink
+        self.router, self.shadow = router, shadow
         self.admission = admission or AdmissionController(cfg.batch_size, cfg.max_staleness)
         self.metrics = metrics or RolloutMetrics()
         if isinstance(client, ReplicaPool):
@@ -68,8 +75,10 @@ class RolloutRunner:
 
     def _check(self) -> None:
         arm, b = self.cfg.arm, self.backends
-        need_real = arm in ("real", "mixed")
-        need_sim = arm in ("closed_loop", "replay", "mixed")
+        need_real = arm in ("real", "mixed", "gated")
+        need_sim = arm in ("closed_loop", "replay", "mixed", "gated")
+        if arm == "gated" and self.router is None:
+            raise ValueError("arm 'gated' needs a FidelityRouter (rl.orchestrator.gate)")
         if need_real and b.real is None:
             raise ValueError(f"arm {arm!r} needs a real shell backend")
         if need_sim and b.simulated is None:
@@ -115,8 +124,15 @@ class RolloutRunner:
         return "real" if self._rng.random() < self.cfg.mixed_real_fraction else "closed_loop"
 
     async def _group(self, task: Task, arm: str, group_id: str) -> list[Trajectory]:
+        admitted = None
+        if arm == "gated":  # decided when the group may start, from the fidelity of then
+            admitted = await self.admission.admit()
+            arm = self.router.route(task, admitted)
         episodes = [
-            asyncio.create_task(self._episode(task, arm, group_id, i), name=f"{group_id}-ep{i}")
+            asyncio.create_task(
+                self._episode(task, arm, group_id, i, admitted if i == 0 else None),
+                name=f"{group_id}-ep{i}",
+            )  # fmt: skip
             for i in range(self.cfg.group_size)
         ]
         try:
@@ -140,11 +156,17 @@ class RolloutRunner:
                 for t in failed:
                     t.meta["dropped"] = True
         for t in trajs:
+            if self.router is not None:
+                t.meta["gate_unit"] = unit_of(task, self.router.cfg.unit)
+                self.router.result(task, t.arm, t.reward if t.status not in FAILED else None)
+            if self.shadow is not None:
+                self.shadow.observe(t, task)
             self._deliver(t)
         return trajs
 
-    async def _episode(self, task: Task, arm: str, group_id: str, index: int) -> EpisodeResult:
-        version = await self.admission.admit()
+    async def _episode(self, task: Task, arm: str, group_id: str, index: int,
+                       admitted: int | None = None) -> EpisodeResult:  # fmt: skip
+        version = admitted if admitted is not None else await self.admission.admit()
         real = arm == "real"
         backend_sem = self._real if real else self._sim
         factory = self.backends.real if real else self.backends.simulated
