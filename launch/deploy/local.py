@@ -312,6 +312,7 @@ async def role_clients(
     *,
     who: str,
     admin_token: str | None = None,
+    admin_roles: Sequence[str] = ("agent",),
     health_timeout_s: float = 300.0,
 ) -> AsyncIterator[RoleServers]:
     """`{role: InferenceClient}` for every role in `roles`: the configured server
@@ -319,8 +320,9 @@ async def role_clients(
     pod entry), or the role's servers started here from the run directory's config, one per
     planned replica (`launch.deploy.processes.server_processes`, backend `jax` or `vllm`),
     each healthy before the block runs. Clients close and local servers stop when it exits,
-    on every path. `admin_token` goes to a local jax agent server (vLLM servers take weights
-    over `/collective_rpc` instead)."""
+    on every path. `admin_token` goes to the local jax servers of `admin_roles` (the agent's; the
+    simulator's too when a co-trainer publishes to it); vLLM servers take weights over
+    `/collective_rpc` instead."""
     from launch.deploy.processes import SERVER_URLS_ENV
     from serving.client import ClientConfig, InferenceClient
 
@@ -335,7 +337,18 @@ async def role_clients(
         ours = [r for r in roles if getattr(cfg, r).server_url is None and r not in external
                 and cfg.serve.backend_of(r) != "vllm"]  # fmt: skip
         begun = await asyncio.gather(
-            *(_start_jax(cfg, run_dir, r, who, stack, admin_token, health_timeout_s) for r in ours),
+            *(
+                _start_jax(
+                    cfg,
+                    run_dir,
+                    r,
+                    who,
+                    stack,
+                    admin_token if r in admin_roles else None,
+                    health_timeout_s,
+                )
+                for r in ours
+            ),  # fmt: skip
             return_exceptions=True,
         )
         for result in begun:
@@ -388,7 +401,7 @@ async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token
     (servers, `start(index, closing)`: that replica's process again, on its port)."""
     from launch.deploy.processes import server_processes
 
-    token = admin_token if role == "agent" else None
+    token = admin_token
     servers: list[LocalServer] = []
     stack.push_async_callback(asyncio.to_thread, lambda: [s.stop() for s in servers])
     launches = []

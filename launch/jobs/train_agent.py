@@ -75,7 +75,15 @@ class VersionTagged:
 
 
 def _needs_sim(arm: str) -> bool:
-    return arm in ("closed_loop", "mixed")
+    return arm in ("closed_loop", "mixed", "gated")
+
+
+def _publishes(cfg: SimloopConfig) -> list[str]:
+    """The roles that receive weights during the job: the agent, and the simulator when the
+    gated arm co-trains it."""
+    ocfg = cfg.orchestrator
+    cotrain = ocfg.arm == "gated" and ocfg.gate.cotrain_every > 0 and cfg.train_agent.steps > 0
+    return ["agent", "simulator"] if cotrain else ["agent"]
 
 
 def _roles(cfg: SimloopConfig) -> list[str]:
@@ -91,13 +99,13 @@ def _roles(cfg: SimloopConfig) -> list[str]:
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if getattr(args, "dry_run", False):
-        return print_dry_run(args, cfg, "train-agent", _roles(cfg), publishes=["agent"])
+        return print_dry_run(args, cfg, "train-agent", _roles(cfg), publishes=_publishes(cfg))
     if not args.out:
         raise UsageError("--out DIR is required")
     ocfg = cfg.orchestrator
     if ocfg.arm == "replay":
         raise UsageError(
-            "orchestrator.arm=replay has no agent to train; use real, closed_loop or mixed"
+            "orchestrator.arm=replay has no agent to train; use real, closed_loop, mixed or gated"
         )
     if ocfg.max_staleness is None:
         raise UsageError(
@@ -392,24 +400,28 @@ async def _rl(
     ):
         roles.append("simulator")
     vllm = cfg.serve.backend_of("agent") == "vllm"
+    publishes = [r for r in _publishes(cfg) if r in roles]
     async with contextlib.AsyncExitStack() as stack:
         clients = await stack.enter_async_context(
-            role_clients(cfg, out, roles, who="train-agent", admin_token=None if vllm else token)
+            role_clients(
+                cfg, out, roles, who="train-agent", admin_token=token, admin_roles=publishes
+            )  # fmt: skip
         )
         opened: list[VllmPublisher] = []
         stack.push_async_callback(lambda: asyncio.gather(*(p.close() for p in opened)))
 
-        def one(urls: list[str], replicas: list):
-            if not vllm:
-                return EnginePublisher(replicas, token=token)
-            opened.append(VllmPublisher(urls, model_name="agent"))
-            return opened[-1]
+        def role_publisher(role: str):
+            def one(urls: list[str], replicas: list):
+                if cfg.serve.backend_of(role) != "vllm":
+                    return EnginePublisher(replicas, token=token)
+                opened.append(VllmPublisher(urls, model_name=role))
+                return opened[-1]
 
-        if isinstance(clients["agent"], ReplicaPool):  # each replica, ejected if it fails
-            inner = PoolPublisher(clients["agent"], lambda r: one([r.url], [r.client]))
-        else:
-            inner = one(clients.urls["agent"], clients.replicas["agent"])
-        publisher = Published(inner)
+            if isinstance(clients[role], ReplicaPool):  # each replica, ejected if it fails
+                return PoolPublisher(clients[role], lambda r: one([r.url], [r.client]))
+            return one(clients.urls[role], clients.replicas[role])
+
+        publisher = Published(role_publisher("agent"))
         agent_client = VersionTagged(clients["agent"], publisher) if vllm else clients["agent"]
         report = await publisher.publish(str(start_path), start_version)
         print(
@@ -423,6 +435,7 @@ async def _rl(
                 cfg, out, "before", start_version, clients, renderer, eval_tasks, metrics
             )
         remaining = tcfg.steps - trainer.step_count
+        gated = None
         if tcfg.tasks == "swe":
             buffer = await stack.enter_async_context(
                 _harness_source(cfg, out, agent_client, tasks, remaining, start_version)
@@ -430,17 +443,26 @@ async def _rl(
             runner = writer = None
         else:
             backends = job_backends(cfg, clients.get("simulator"))
+            if ocfg.arm == "gated":
+                from launch.jobs.cotrain import GatedRun
+
+                sim_pub = role_publisher("simulator") if "simulator" in publishes else None
+                gated = GatedRun(cfg, out, renderer, backends, metrics, sim_publisher=sim_pub,
+                                 steps=remaining, start_version=start_version)  # fmt: skip
             runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends,
-                                   client=agent_client)  # fmt: skip
+                                   client=agent_client, router=gated and gated.router,
+                                   shadow=gated and gated.shadow)  # fmt: skip
             writer = TrajectoryWriter(out, prefix="rl")
             buffer = RolloutBuffer(
                 runner,
                 tasks,
                 steps=remaining,
                 seed=cfg.run.seed + start_version,
-                sink=writer.add,
+                sink=gated.sink(writer.add) if gated else writer.add,
                 batch_timeout_s=ocfg.episode_timeout_s * 2,
             )
+            if gated:
+                buffer = gated.buffer(buffer)
         if runner is not None:
             await buffer.start(start_version)
         else:
@@ -466,12 +488,20 @@ async def _rl(
             )
         finally:
             await buffer.close()
+            if gated is not None:
+                summary_gate = await gated.close()
             if runner is not None:
                 writer.close()
                 runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout", arm=ocfg.arm)
             else:
                 summary_harness = _harness_summary(buffer)
                 rundir.MetricsLog(out).write({"stage": "rl_harness", **summary_harness})
+        if runner is not None:
+            arms = runner.metrics.summary()["arms"]
+            summary["episodes_by_arm"] = arms
+            summary["real_episodes"] = arms.get("real", 0)
+        if gated is not None:
+            summary["gate"] = summary_gate
         if evaluating:
             after = await evaluate_agent(
                 cfg,

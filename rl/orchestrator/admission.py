@@ -29,11 +29,13 @@ class AdmissionController:
             return float("inf")
         return (self.version - self.base_version + self.max_staleness + 1) * self.batch_size
 
-    async def admit(self) -> int:
-        """Wait for room; returns the trainer version the episode starts under."""
+    async def admit(self, n: int = 1) -> int:
+        """Wait for room for `n` episodes at once (a group that must start together: taken one
+        by one, many groups' first episodes could fill a batch that none of them completes);
+        returns the trainer version they start under."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.started < self.capacity())
-            self.started += 1
+            await self._changed.wait_for(lambda: self.started + n <= self.capacity())
+            self.started += n
             return self.version
 
     def rebase(self, version: int) -> None:

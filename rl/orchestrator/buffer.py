@@ -63,8 +63,12 @@ class RolloutBuffer:
             raise ValueError("RL needs orchestrator.max_staleness (0 = synchronous)")
         self.runner, self.batch_size = runner, cfg.batch_size
         groups_per_batch = cfg.batch_size // cfg.group_size
-        # Enough groups for every step plus what the staleness bound lets start early.
-        self.tasks = task_stream(tasks, (steps + cfg.max_staleness + 1) * groups_per_batch, seed)
+        # Enough groups for every step plus, with S > 0, what the staleness bound lets start
+        # early and what replaces stale groups. Synchronous RL (S = 0) drops nothing: exactly
+        # one batch per step, and none started after the last (never trained, yet it cost
+        # real shells).
+        extra = cfg.max_staleness + 1 if cfg.max_staleness else 0
+        self.tasks = task_stream(tasks, (steps + extra) * groups_per_batch, seed)
         self.sink, self.batch_timeout_s = sink, batch_timeout_s
         self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
         self._task: asyncio.Task | None = None

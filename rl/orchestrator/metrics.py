@@ -24,6 +24,8 @@ class RolloutMetrics:
         self.generated_tokens = 0
         self.flags: Counter[str] = Counter()
         self.statuses: Counter[str] = Counter()
+        self.arms: Counter[str] = Counter()
+        """Episodes by the arm they ran in (`real`, `closed_loop`, ...): what reality cost."""
         self.rewards: list[float] = []
         self.masked = 0
         self.dropped_stale = 0
@@ -44,6 +46,7 @@ class RolloutMetrics:
         traj = result.trajectory
         self.episodes += 1
         self.statuses[traj.status] += 1
+        self.arms[traj.arm] += 1
         if traj.meta.get("replica_down"):
             self.replica_down[traj.meta["replica_down"]] += 1
         if traj.reward is not None and traj.status in ("ok", "truncated"):
@@ -64,6 +67,7 @@ class RolloutMetrics:
             "episodes": self.episodes,
             "wall_s": round(wall, 3),
             "status": dict(self.statuses),
+            "arms": dict(self.arms),
             "success_rate": (
                 sum(r > 0 for r in self.rewards) / self.episodes if self.episodes else 0.0
             ),  # fmt: skip

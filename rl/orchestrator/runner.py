@@ -125,12 +125,12 @@ class RolloutRunner:
 
     async def _group(self, task: Task, arm: str, group_id: str) -> list[Trajectory]:
         admitted = None
-        if arm == "gated":  # decided when the group may start, from the fidelity of then
-            admitted = await self.admission.admit()
+        if arm == "gated":  # decided when the whole group may start, from the fidelity of then
+            admitted = await self.admission.admit(self.cfg.group_size)
             arm = self.router.route(task, admitted)
         episodes = [
             asyncio.create_task(
-                self._episode(task, arm, group_id, i, admitted if i == 0 else None),
+                self._episode(task, arm, group_id, i, admitted),
                 name=f"{group_id}-ep{i}",
             )  # fmt: skip
             for i in range(self.cfg.group_size)

@@ -99,3 +99,27 @@ async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays
     summary = router.summary()["units"]
     assert summary["reverse"]["sim_share"] == 0.0 and summary["upper"]["routed_sim"] == n_upper
     await shadow.close()
+
+
+async def test_gated_groups_take_whole_batches_under_synchronous_rl():
+    # Every group is admitted whole: taken one episode at a time, many groups' first episodes
+    # could fill a version's batch that none of them completes (a deadlock, found this way).
+    from rl.orchestrator.buffer import RolloutBuffer
+
+    tasks = generate_textops(TextopsConfig(num_tasks=6, seed=4, ops=["upper", "reverse"]))
+    gate = GateConfig(threshold=0.75, real_min=0.25)
+    router = FidelityRouter(gate)
+    cfg = OrchestratorConfig(arm="gated", group_size=2, batch_size=4, max_staleness=0, gate=gate)
+    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=_local, simulated=_simulated),
+                           client=FakeAgentClient(tasks), router=router)  # fmt: skip
+    buffer = RolloutBuffer(runner, tasks, steps=3, seed=0, batch_timeout_s=60.0)
+    await buffer.start(1)
+    try:
+        for version in (1, 2, 3):
+            batch = await buffer.next_batch()
+            assert len(batch) == 4 and {t.meta["admitted_version"] for t in batch} == {version}
+            assert len({t.group_id for t in batch}) == 2  # two whole groups
+            await buffer.set_version(version + 1)
+    finally:
+        await buffer.close()
+    assert router.snapshot(3)["units"]  # the router saw every group it routed

@@ -82,7 +82,7 @@ async def test_synchronous_buffer_starts_exactly_one_batch_per_version():
     client = FakeAgentClient(tasks)
     runner = _runner(_cfg(max_staleness=0), client)
     seen = []
-    buf = RolloutBuffer(runner, tasks, steps=1, seed=0, sink=seen.append, batch_timeout_s=10)
+    buf = RolloutBuffer(runner, tasks, steps=2, seed=0, sink=seen.append, batch_timeout_s=10)
     await buf.start(0)
     try:
         assert await wait_until(lambda: len(seen) == 4)
@@ -105,7 +105,11 @@ async def test_synchronous_buffer_starts_exactly_one_batch_per_version():
         assert all(t.meta["admitted_version"] == 1 for t in second)
         assert [id(t) for t in seen] == [id(t) for t in first + second]  # the sink saw all
 
-        # steps=1 at S=0 plans two batches; a third request ends with an error, not a hang.
+        # steps=2 at S=0 plans exactly two batches: after the last step nothing more starts
+        # (it would never be trained on), and a third request ends with an error, not a hang.
+        await buf.set_version(2)
+        await asyncio.sleep(0.1)  # room for a ninth episode to start, if it were allowed
+        assert runner.admission.started == 8 and _first_turns(client) == 8
         with pytest.raises(RuntimeError, match="rollouts ended"):
             await asyncio.wait_for(buf.next_batch(), 5)
     finally:
@@ -307,3 +311,16 @@ async def test_starting_at_a_later_version_still_admits_one_batch_at_s0():
         assert runner.admission.started == 4 and _first_turns(client) == 4
     finally:
         await buf.close()
+
+
+async def test_admission_takes_a_whole_group_at_once_or_waits():
+    from rl.orchestrator.admission import AdmissionController
+
+    adm = AdmissionController(batch_size=4, max_staleness=0, version=1)
+    assert await adm.admit(3) == 1 and adm.started == 3
+    waiting = asyncio.create_task(adm.admit(2))  # 3 + 2 > 4: waits for the next version
+    await asyncio.sleep(0)
+    assert not waiting.done() and adm.started == 3
+    assert await adm.admit(1) == 1 and adm.started == 4
+    await adm.set_version(2)
+    assert await asyncio.wait_for(waiting, 5.0) == 2 and adm.started == 6
