@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "demo":
             p.add_argument("--quick", action="store_true",
                            help="a CI-sized run (minutes): demo.quick_overrides")  # fmt: skip
+            p.add_argument("--experiment", choices=["thesis", "gating"], default="thesis",
+                           help="thesis (default): RL in the simulator vs the real shell; "
+                           "gating: real-only vs ungated vs fidelity-gated RL from a weak "
+                           "simulator")  # fmt: skip
         if name == "report":
             p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (`simloop demo`)")
         if name in OWN_FLAGS:

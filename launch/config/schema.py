@@ -348,6 +348,19 @@ class DemoConfig:
     """What the `trials` stage sets besides `env.terminal.trials` (the byte-level agent needs
     the longer context for two attempts and a short feedback)."""
 
+    gating_sim_steps: int = 0
+    """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
+    (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""
+    gating_overrides: list[str] = field(
+        default_factory=lambda: [
+            "--orchestrator.gate.threshold", "0.8",
+            "--orchestrator.gate.real_min", "0.1",
+            "--orchestrator.gate.cotrain_every", "4",
+            "--orchestrator.gate.cotrain_steps", "20",
+        ]
+    )  # fmt: skip
+    """What the experiment's gated arm sets besides `--orchestrator.arm gated`."""
+
     quick_overrides: list[str] = field(
         default_factory=lambda: [
             "--collect.episodes", "96",
@@ -376,6 +389,9 @@ class DemoConfig:
                 f"DemoConfig.trials={self.trials!r} is invalid: 0 (no multi-trial stage) or an "
                 "integer >= 2"
             )
+        g = self.gating_sim_steps
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"DemoConfig.gating_sim_steps={g!r} is invalid: an integer >= 0")
         q = self.sim_max_tokens_quantile
         if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1:
             raise ValueError(

@@ -32,7 +32,9 @@ class SimCoTrainer:
     """Continual SFT of the simulator on the run's real episodes (`gate.cotrain_*`)."""
 
     def __init__(self, cfg, out: Path, publisher, metrics: rundir.MetricsLog, rounds: int):
-        self.cfg, self.out, self.publisher, self.metrics = cfg, out, publisher, metrics
+        # Absolute: the simulator servers resolve the published path from their own cwd.
+        self.cfg, self.out = cfg, Path(out).absolute()
+        self.publisher, self.metrics = publisher, metrics
         self.gate = cfg.orchestrator.gate
         self.rounds_planned = rounds
         self.real: list = []
@@ -137,8 +139,9 @@ class GatedRun:
         if every and sim_publisher is not None:
             self.cotrainer = SimCoTrainer(cfg, out, sim_publisher, metrics, steps // every)
         self._round: asyncio.Task | None = None
-        self._start = start_version
+        self._start, self.steps = start_version, steps
         self.records: list[dict] = []
+        self.errors: list[dict] = []
 
     def _log_step(self, record: dict) -> None:
         self.records.append(record)
@@ -159,13 +162,27 @@ class GatedRun:
 
     async def _on_version(self, version: int) -> None:
         if self.cotrainer is None or self._round is not None and not self._round.done():
-            return  # a round still training: the next one starts after it
+            return  # a round still training: this one is skipped, the next due one starts
         done = version - self._start
+        if done >= self.steps:
+            return  # RL is over: a new simulator version would serve nothing
         if done and done % self.gate.cotrain_every == 0:
             self._round = asyncio.create_task(self._cotrain(version), name=f"cotrain-{version}")
 
     async def _cotrain(self, version: int) -> None:
-        rec = await self.cotrainer.round(version)
+        try:
+            rec = await self.cotrainer.round(version)
+        except Exception as e:  # noqa: BLE001 - the simulator keeps its version; RL goes on
+            # A failed round (training, export or publish) leaves the served simulator and the
+            # router's estimates as they were: recorded and shown, retried at the next round.
+            why = f"{type(e).__name__}: {e}"
+            err = {"stage": "sim_cotrain_error", "step": version, "error": why}
+            self.errors.append(err)
+            self.metrics.write(err)
+            print(f"simloop train-agent: co-training round at policy version {version} failed, "
+                  f"the simulator stays at v{self.router.sim_version}: {err['error']}",
+                  flush=True)  # fmt: skip
+            return
         self.router.set_sim_version(rec["sim_version"], policy_version=version)
         n = self.shadow.remeasure()
         print(f"simloop train-agent: simulator v{rec['sim_version']} co-trained on "
@@ -185,6 +202,7 @@ class GatedRun:
         out = self.router.summary()
         out["shadow"] = self.shadow.stats()
         out["cotrain"] = list(self.cotrainer.history) if self.cotrainer is not None else []
+        out["cotrain_errors"] = list(self.errors)
         return out
 
 

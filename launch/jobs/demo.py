@@ -83,20 +83,36 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rl.train.loop import TrainingDiverged
     from serving.publisher import PublishError
 
+    gating = getattr(args, "experiment", "thesis") == "gating"
     try:
-        stages = _run_stages(args, out, console)
+        if gating:
+            from launch.jobs.demo_gating import run_gating
+
+            stages = run_gating(args, out, console)
+        else:
+            stages = _run_stages(args, out, console)
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from e
     except (TrainingDiverged, PublishError) as e:  # as train-agent says it: one line, exit 1
         raise JobError(f"{e}; the stage stopped (its last checkpoint is kept)") from e
-    summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
+    if gating:
+        from launch.jobs.demo_gating import gating_summary, print_gating, timed_stages
+
+        summary = {"experiment": "gating", "config": args.config, "quick": bool(args.quick),
+                   "gating": gating_summary(out), "stages_wall_s": timed_stages(stages),
+                   "stages": stages}  # fmt: skip
+    else:
+        summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
     summary["wall_s"] = round(time.perf_counter() - began, 1)
     (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))
     rundir.MetricsLog(out).write({"stage": "demo", **summary})  # its numbers in TensorBoard too
     from launch.report.page import write_report
 
     report = write_report(out)
-    print_summary(console, summary)
+    if gating:
+        print_gating(console, summary["gating"], summary["stages_wall_s"])
+    else:
+        print_summary(console, summary)
     console.print(f"simloop demo: summary -> {out / rundir.SUMMARY}, report -> {report}")
     return 0
 
@@ -107,7 +123,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
     trainer and the orchestrator, on the plan's devices). Stages that start nothing (collect,
     train-sim) list nothing."""
     from launch.deploy.processes import DRY_RUN_OUT, PlannedProcess, job_processes
-    from launch.jobs.train_agent import _roles
+    from launch.jobs.train_agent import _publishes, _roles
 
     out = Path(args.out or DRY_RUN_OUT)
     base = stage_config(args, [])
@@ -122,17 +138,25 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
     )
     stages = [("eval_sim", "eval-sim", base, ["simulator"]),
               ("agent", "train-agent", agent, _roles(agent))]  # fmt: skip
-    if base.demo.real_rl:
+    if getattr(args, "experiment", "thesis") == "gating":
+        from launch.jobs.demo_gating import ARMS, arm_flags
+
+        stages = [("eval_sim", "eval-sim", base, ["simulator"])]
+        for arm in ARMS:
+            c = stage_config(args, arm_flags(base)[arm][0] + ["--train_agent.eval.arms",
+                                                                json.dumps(["real"])])  # fmt: skip
+            stages.append((arm, "train-agent", c, _roles(c)))
+    elif base.demo.real_rl:
         real = stage_config(
             args, ["--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"])]
         )
         stages.append(("agent_real", "train-agent", real, _roles(real)))
-    if base.demo.trials:
+    if base.demo.trials and getattr(args, "experiment", "thesis") != "gating":
         trials = stage_config(args, trials_wiring(base))
         stages.append(("trials", "train-agent", trials, _roles(trials)))
     procs = []
     for stage, job, cfg_, roles in stages:
-        planned = job_processes(cfg_, job, roles, out / stage, publishes=["agent"])
+        planned = job_processes(cfg_, job, roles, out / stage, publishes=_publishes(cfg_))
         procs += [(stage, p) for p in planned if p.kind == "serve"]  # the rest: this process
     command = [
         sys.executable,
@@ -144,6 +168,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
         "--out",
         str(out),
         *(["--quick"] if args.quick else []),
+        *(["--experiment", "gating"] if getattr(args, "experiment", "") == "gating" else []),
         *args.overrides,
     ]
     env = {}

@@ -411,6 +411,12 @@ def write_report(run_dir: str | Path) -> Path:
     """Write `report.html` into `run_dir` from whatever the run left there; returns its path."""
     run_dir = Path(run_dir)
     summary = read_json(find(run_dir, rundir.SUMMARY, ()))
+    if summary and summary.get("experiment") == "gating":
+        from launch.report.gating import gating_page
+
+        path = run_dir / rundir.REPORT
+        path.write_text(gating_page(run_dir, summary, CSS), encoding="utf-8")
+        return path
     fid = read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))
     agent_dir = run_dir / "agent" if (run_dir / "agent").is_dir() else run_dir
     evals = read_evals(agent_dir)

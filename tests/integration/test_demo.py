@@ -243,3 +243,43 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     assert f"{fid:.3f}" in dom
     # Nothing was fetched: every resource is inline.
     assert "http://" not in dom.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, tmp_path):
+    """`simloop demo --experiment gating --quick`, as a user reruns it next to a finished demo:
+    its collection and warm start are the demo's (finished stages are skipped), the rest runs:
+    the pretrained simulator as the weak one, its arm (c), and RL real-only, ungated and gated
+    (co-training after every step, published to a real simulator server)."""
+    out, _ = demo
+    run = tmp_path / "gating"
+    shutil.copytree(out / "collect", run / "collect")
+    warm = run / "warm" / "weights" / "warm_start"
+    shutil.copytree(out / "agent" / "weights" / "warm_start", warm)
+    (run / "warm" / "stage.json").write_text(json.dumps({"wall_s": 1.0, "copied": True}))
+    cmd = [sys.executable, "-m", "launch", "demo", "--experiment", "gating", "--quick",
+           "--out", str(run), "--orchestrator.gate.cotrain_every", "1",
+           "--orchestrator.gate.cotrain_steps", "2",
+           "--orchestrator.gate.threshold", "0.5"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=900,
+                          cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("done: skipped") == 2 and "gating" in proc.stdout
+    g = json.loads((run / "summary.json").read_text())["gating"]
+    for arm in ("real_only", "ungated", "gated"):
+        assert 0 <= g[arm]["real"] <= 1 and g[arm]["episodes"] == 2 * 16, (arm, g[arm])
+    assert g["ungated"]["real_episodes"] == 0 and g["real_only"]["real_episodes"] == 32
+    assert 0 < g["gated"]["real_episodes"] <= 32  # the first version: nothing measured yet
+    kinds = set(g["gated"]["sim_share_by_family"])
+    assert kinds and kinds <= {"reverse", "upper", "sort", "count"}
+    # Each policy version left a router record; one co-training round published version 1 to
+    # the simulator server (its log says it loaded it), and the router moved to it.
+    gates = [r for r in g["gate_history"] if r["stage"] == "gate"]
+    rounds = [r for r in g["gate_history"] if r["stage"] == "sim_cotrain_round"]
+    assert [r["policy_version"] for r in gates] == [1, 2] and len(rounds) >= 1
+    assert rounds[0]["sim_version"] == 1 and rounds[0]["real"] > 0
+    log = (run / "gated" / "logs" / "simulator-server.log").read_text()
+    assert "weights/sim/v0001/params" in log, log[-2000:]
+    shadows = load_trajectories(list((run / "gated" / "trajectories").glob("shadow-*.jsonl")))
+    assert shadows and all(t.meta.get("shadow") for t in shadows)
+    assert {t.meta["sim_version"] for t in shadows} == {0, 1}  # re-measured on version 1
+    assert "the gating experiment" in (run / "report.html").read_text()

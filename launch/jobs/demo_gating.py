@@ -1,0 +1,203 @@
+"""`simloop demo --experiment gating`: does a fidelity gate make a weak simulator safe to train
+in? From one warm-started agent, three RL runs with the same steps and episodes:
+
+    simloop demo --experiment gating --out runs/gating      # ~10 min on 2 cores
+
+1. `collect/`   real trajectories (as the thesis demo: the simulator's data)
+2. `sim/`       the deliberately weak simulator: `demo.gating_sim_steps` train-sim steps (0: the
+                pretrained simulator as it is, never fine-tuned on the agent's dialect)
+3. `eval_sim/`  its arm (c) fidelity by operation, on held-out real commands
+4. `warm/`      the SFT warm start all three arms start from
+5. `real_only/` RL in the real shell
+6. `ungated/`   RL in closed loop with the weak simulator
+7. `gated/`     `orchestrator.arm: gated` (+ `demo.gating_overrides`): each group goes to the
+                simulator only while its operation's live fidelity clears the gate; the real
+                episodes are shadow-replayed against the simulator and co-train it
+
+Each arm is evaluated in the real shell on the same held-out tasks and sampling seeds; the
+summary's `gating` block (recomputed from the stored episodes) holds each arm's real-shell
+success after RL, its real-shell episodes, and the gated arm's simulator share by operation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from rl.data import rundir
+
+GATING_STAGES = ("collect", "sim", "eval_sim", "warm", "real_only", "ungated", "gated")
+ARMS = ("real_only", "ungated", "gated")
+MAX_GAP, MAX_REAL_SHARE = 0.03, 0.5
+
+
+def run_gating(args, out: Path, console) -> dict[str, dict]:
+    from launch.jobs import demo
+
+    stages: dict[str, dict] = {}
+    dirs = {name: out / name for name in GATING_STAGES}
+    n = len(GATING_STAGES)
+
+    def finished(k: int, name: str, text: str) -> dict | None:
+        console.rule(f"[bold]{k}/{n} {name}[/]: {text}")
+        record = demo._read_stage(dirs[name])
+        if record is not None:
+            console.print(f"simloop demo: {name} done: skipped (delete {dirs[name]} to redo it)")
+        return record
+
+    trajectories = str(dirs["collect"] / rundir.TRAJECTORIES)
+    stages["collect"] = finished(1, "collect", "scripted noisy agent in the real shell") or (
+        demo._collect(args, dirs["collect"]))  # fmt: skip
+    wiring = ["--train_sim.trajectories", json.dumps([trajectories])]
+    cap = stages["collect"].get("sim_max_tokens")
+    if cap is not None:
+        wiring += ["--env.shell.simulated.max_tokens", str(cap)]
+    base = demo.stage_config(args, wiring)
+    steps = base.demo.gating_sim_steps
+    stages["sim"] = finished(2, "sim", f"a weak simulator: {steps} train-sim steps") or _weak_sim(
+        args, dirs["sim"], wiring, steps)  # fmt: skip
+    wiring += ["--simulator.weights", stages["sim"]["weights"]]
+    stages["eval_sim"] = finished(3, "eval_sim", "arm (c): the weak simulator's fidelity") or (
+        demo._eval_sim(args, dirs["eval_sim"], wiring + [
+            "--eval_sim.trajectories", json.dumps([trajectories]),
+            "--eval_sim.heldout_tasks", str(dirs["sim"] / rundir.HELDOUT_TASKS)]))  # fmt: skip
+    stages["warm"] = finished(4, "warm", "SFT warm start (no RL)") or demo._train_agent(
+        args, dirs["warm"], wiring + ["--train_agent.steps", "0"])  # fmt: skip
+    warm = str(dirs["warm"] / rundir.WEIGHTS / "warm_start")
+    from_warm = wiring + ["--agent.weights", warm, "--train_agent.warm_start.steps", "0",
+                          "--train_agent.eval.arms", json.dumps(["real"])]  # fmt: skip
+    for k, (name, (flags, text)) in enumerate(arm_flags(base).items(), start=5):
+        stages[name] = finished(k, name, text) or demo._train_agent(
+            args, dirs[name], from_warm + flags)  # fmt: skip
+    return stages
+
+
+def arm_flags(base) -> dict[str, tuple[list[str], str]]:
+    """Each RL arm's overrides (beside the warm start's weights) and what it is."""
+    return {
+        "real_only": (["--orchestrator.arm", "real"], "RL in the real shell"),
+        "ungated": (["--orchestrator.arm", "closed_loop", "--train_agent.eval.before", "false"],
+                    "RL in the weak simulator, ungated"),
+        "gated": (["--orchestrator.arm", "gated", "--train_agent.eval.before", "false",
+                   *base.demo.gating_overrides], "RL gated by live fidelity, co-training"),
+    }  # fmt: skip
+
+
+def _weak_sim(args, path: Path, wiring: list[str], steps: int) -> dict:
+    """The weak simulator: `steps` train-sim steps, or (0) the configured simulator weights as
+    they are, with the same held-out split train-sim would have written."""
+    from launch.jobs import demo
+
+    if steps > 0:
+        return demo._train_sim(args, path, wiring + ["--train_sim.steps", str(steps)])
+    from envs.tasks import is_heldout
+    from launch.config import write_config
+    from rl.data.trajectory import load_trajectories
+
+    cfg = demo.stage_config(args, wiring)
+    if not cfg.simulator.weights:
+        from launch.jobs.errors import UsageError
+
+        raise UsageError("demo.gating_sim_steps=0 takes the simulator as it is: set "
+                         "simulator.weights (the demo config's pretrained one)")  # fmt: skip
+    write_config(cfg, path)
+    ids = {t.task_id for t in load_trajectories(cfg.train_sim.trajectories)}
+    held = sorted(i for i in ids if is_heldout(i, cfg.train_sim.heldout_fraction))
+    (path / rundir.HELDOUT_TASKS).write_text(json.dumps(held, indent=1))
+    record = {"wall_s": 0.0, "steps": 0, "weights": str(Path(cfg.simulator.weights).absolute()),
+              "heldout_tasks": len(held)}  # fmt: skip
+    demo._write_stage(path, record)
+    return record
+
+
+def _real_episodes(trajs) -> Counter:
+    """RL episodes by arm (an episode cut short by the run's shutdown was never trained on)."""
+    return Counter(t.arm for t in trajs if not (t.status == "aborted" and "shutting down" in
+                                                 (t.reason or "")))  # fmt: skip
+
+
+def gating_summary(out: Path) -> dict[str, Any]:
+    """`summary.json["gating"]`, from the stored episodes of each arm."""
+    from launch.report.thesis import episodes, mean_ci, paired, per_task
+
+    evals, got = {}, {}
+    for arm in ARMS:
+        after = episodes(out / arm, "eval-after-real")
+        if not after:
+            return {"missing": f"{arm}'s real-shell evaluation has no stored episodes"}
+        evals[arm] = per_task(after)
+        rl = episodes(out / arm, "rl")
+        by_arm = _real_episodes(rl)
+        got[arm] = {"real": round(sum(1.0 for t in after if (t.reward or 0) >= 1) / len(after), 4),
+                    "real_episodes": by_arm.get("real", 0),
+                    "episodes": sum(by_arm.values())}  # fmt: skip
+    units: dict[str, Counter] = defaultdict(Counter)
+    for t in episodes(out / "gated", "rl"):
+        units[str(t.meta.get("gate_unit", "?"))][t.arm] += 1
+    got["gated"]["sim_share_by_family"] = {
+        u: round(c["closed_loop"] / sum(c.values()), 4) for u, c in sorted(units.items())
+    }
+    warm = episodes(out / "real_only", "eval-before-real")
+    out_: dict[str, Any] = dict(got)
+    if warm:
+        out_["warm_start"] = {"real": round(sum(1.0 for t in warm if (t.reward or 0) >= 1)
+                                            / len(warm), 4)}  # fmt: skip
+    gap_gated, ci_gated = paired(evals["gated"], evals["real_only"])
+    gap_ungated, ci_ungated = paired(evals["ungated"], evals["real_only"])
+    share = got["gated"]["real_episodes"] / max(got["real_only"]["real_episodes"], 1)
+    out_.update(
+        gated_minus_real_only=round(gap_gated, 4), ungated_minus_real_only=round(gap_ungated, 4),
+        gated_real_share=round(share, 4),
+        ci95={"gated_minus_real_only": ci_gated, "ungated_minus_real_only": ci_ungated,
+              **{arm: mean_ci(list(evals[arm].values()))[1] for arm in ARMS}},
+        ci95_method="normal interval over held-out tasks (task success rates; differences "
+        "paired by task: same tasks, same seeds)",
+        acceptance={
+            f"gated_within_{MAX_GAP}_of_real_only": gap_gated >= -MAX_GAP,
+            f"gated_real_share_at_most_{MAX_REAL_SHARE}": share <= MAX_REAL_SHARE,
+            "ungated_below_real_only": gap_ungated < 0,
+        },
+    )  # fmt: skip
+    gate = _gate_history(out / "gated")
+    if gate:
+        out_["gate_history"] = gate
+    return out_
+
+
+def _gate_history(run_dir: Path) -> list[dict]:
+    """The gated arm's router records (one per policy version) and co-training rounds."""
+    if not (run_dir / rundir.METRICS).exists():
+        return []
+    keep = ("gate", "sim_cotrain_round")
+    return [r for r in rundir.read_metrics(run_dir / rundir.METRICS) if r.get("stage") in keep]
+
+
+def print_gating(console, g: dict, wall: dict) -> None:
+    from rich.table import Table
+
+    if "missing" in g:
+        console.print(f"simloop demo: the gating experiment is incomplete: {g['missing']}")
+        return
+    t = Table(title="simloop demo --experiment gating: real-shell success after RL")
+    for col in ("arm", "real-shell success (95% CI)", "minus real-only (95% CI)",
+                "real-shell episodes", "episodes"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "arm" else "right")
+    for arm in ARMS:
+        lo, hi = g["ci95"][arm]
+        diff = "-" if arm == "real_only" else (
+            f"{g[f'{arm}_minus_real_only']:+.3f} [{g['ci95'][f'{arm}_minus_real_only'][0]:+.3f}, "
+            f"{g['ci95'][f'{arm}_minus_real_only'][1]:+.3f}]")  # fmt: skip
+        t.add_row(arm, f"{g[arm]['real']:.3f} [{lo:.3f}, {hi:.3f}]", diff,
+                  str(g[arm]["real_episodes"]), str(g[arm]["episodes"]))  # fmt: skip
+    console.print(t)
+    share = ", ".join(f"{k} {v:.2f}" for k, v in g["gated"]["sim_share_by_family"].items())
+    console.print(f"gated: real-shell episodes {g['gated_real_share']:.2f} of real-only's; "
+                  f"simulator share by operation: {share}")  # fmt: skip
+    console.print("acceptance: " + ", ".join(f"{k} {v}" for k, v in g["acceptance"].items()))
+    console.print("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items() if v is not None))
+
+
+def timed_stages(stages: dict[str, dict]) -> dict[str, float | None]:
+    return {name: stages[name].get("wall_s") for name in GATING_STAGES if name in stages}
