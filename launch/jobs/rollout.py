@@ -40,6 +40,10 @@ def _needs(arm: str) -> tuple[bool, bool]:
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     arm = cfg.orchestrator.arm
+    if arm == "gated":
+        raise UsageError("orchestrator.arm=gated routes an RL run's episodes by the simulator's "
+                         "live fidelity: use `simloop train-agent`; rollout takes real, "
+                         "closed_loop, mixed or replay")  # fmt: skip
     need_agent, need_sim = _needs(arm)
     roles = [r for r, needed in (("agent", need_agent), ("simulator", need_sim)) if needed]
     if getattr(args, "dry_run", False):

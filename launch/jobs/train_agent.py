@@ -132,6 +132,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
             "new weights can be published to it"
         )
+    if cfg.train_agent.tasks == "swe" and ocfg.arm == "gated":
+        raise UsageError("train_agent.tasks=swe runs harnesses in real sandboxes: there is no "
+                         "simulator to gate; use orchestrator.arm real")  # fmt: skip
     if cfg.train_agent.tasks == "swe":
         cfg = _swe_config(cfg)
     check_servers(cfg, _roles(cfg))

@@ -138,3 +138,12 @@ def test_gate_config_rejects_bad_values_by_name(field, value):
 def test_gated_is_an_arm_and_the_gate_nests_in_the_orchestrator():
     cfg = OrchestratorConfig(arm="gated", gate=GateConfig(threshold=0.7))
     assert cfg.gate.threshold == 0.7 and math.isclose(cfg.gate.real_min, 0.1)
+
+
+def test_rollout_refuses_the_gated_arm_with_what_to_run_instead(tmp_path, capsys):
+    from launch.cli import main
+
+    rc = main(["rollout", "--out", str(tmp_path / "r"), "--orchestrator.arm", "gated"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "simloop train-agent" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
