@@ -247,15 +247,18 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
 
 def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, tmp_path):
     """`simloop demo --experiment gating --quick`, as a user reruns it next to a finished demo:
-    its collection and warm start are the demo's (finished stages are skipped), the rest runs:
-    the pretrained simulator as the weak one, its arm (c), and RL real-only, ungated and gated
-    (co-training after every step, published to a real simulator server)."""
+    its collection, warm start and real-only arm are the demo's (finished stages are skipped),
+    the rest runs: the pretrained simulator as the weak one, its arm (c), and RL ungated and
+    gated (co-training after every step, published to a real simulator server)."""
     out, _ = demo
     run = tmp_path / "gating"
     shutil.copytree(out / "collect", run / "collect")
     warm = run / "warm" / "weights" / "warm_start"
     shutil.copytree(out / "agent" / "weights" / "warm_start", warm)
     (run / "warm" / "stage.json").write_text(json.dumps({"wall_s": 1.0, "copied": True}))
+    # The demo's control arm is the experiment's real-only arm: RL in the real shell from the
+    # same warm start, with the same settings, evaluated in the real shell.
+    shutil.copytree(out / "agent_real", run / "real_only")
     cmd = [sys.executable, "-m", "launch", "demo", "--experiment", "gating", "--quick",
            "--out", str(run), "--orchestrator.gate.cotrain_every", "1",
            "--orchestrator.gate.cotrain_steps", "2",
@@ -263,7 +266,7 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=900,
                           cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("done: skipped") == 2 and "gating" in proc.stdout
+    assert proc.stdout.count("done: skipped") == 3 and "gating" in proc.stdout
     g = json.loads((run / "summary.json").read_text())["gating"]
     for arm in ("real_only", "ungated", "gated"):
         assert 0 <= g[arm]["real"] <= 1 and g[arm]["episodes"] == 2 * 16, (arm, g[arm])
