@@ -1,7 +1,8 @@
 """`simloop demo --experiment gating`: does a fidelity gate make a weak simulator safe to train
 in? From one warm-started agent, three RL runs with the same steps and episodes:
 
-    simloop demo --experiment gating --out runs/gating      # ~10 min on 2 cores
+    simloop demo --experiment gating --out runs/gating      # ~7 min on 2 cores
+    simloop demo --experiment gating --out runs/gating-q --quick   # CI-sized, ~2 min
 
 1. `collect/`   real trajectories (as the thesis demo: the simulator's data)
 2. `sim/`       the deliberately weak simulator: `demo.gating_sim_steps` train-sim steps (0: the

@@ -87,6 +87,11 @@ class FidelityRouter:
         self._step: int | None = None
         self._step_routed: dict[str, dict[str, int]] = defaultdict(lambda: {SIM: 0, REAL: 0})
 
+    @property
+    def policy_version(self) -> int | None:
+        """The policy version of the groups routed last (None before the first)."""
+        return self._step
+
     # ----- measurements ---------------------------------------------------------------------
 
     def record(self, unit: str, exact: int, pairs: int, *, sim_version: int, step: int) -> bool:
@@ -236,7 +241,7 @@ class ShadowReplayer:
             return
         unit = unit_of(task, self.router.cfg.unit)
         step = traj.meta.get("admitted_version")
-        step = int(step) if isinstance(step, int) else (self.router._step or 0)
+        step = int(step) if isinstance(step, int) else (self.router.policy_version or 0)
         self._recent[unit].append((traj, task, step))
         self._spawn(traj, task, unit, step)
 
