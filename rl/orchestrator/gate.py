@@ -232,7 +232,7 @@ class ShadowReplayer:
         self._recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=max(remeasure, 1)))
         self.remeasure_n = remeasure
         self._tasks: set[asyncio.Task] = set()
-        self.replayed = self.failed = self.dropped = 0
+        self.replayed = self.failed = self.dropped = self.empty = 0
         self._n = 0
 
     def observe(self, traj: Trajectory, task: Task) -> None:
@@ -284,7 +284,9 @@ class ShadowReplayer:
         else:
             exact, pairs = replay_exact(replayed)
             replayed.meta.update(exact=exact, pairs=pairs)
-            if self.router.record(unit, exact, pairs, sim_version=version, step=step):
+            if not pairs:
+                self.empty += 1  # no command with an observation to compare
+            elif self.router.record(unit, exact, pairs, sim_version=version, step=step):
                 self.replayed += 1
             else:
                 self.dropped += 1  # measured against a version that is no longer served
@@ -306,4 +308,4 @@ class ShadowReplayer:
 
     def stats(self) -> dict[str, int]:
         return {"replayed": self.replayed, "failed": self.failed, "dropped": self.dropped,
-                "in_flight": len(self._tasks)}  # fmt: skip
+                "empty": self.empty, "in_flight": len(self._tasks)}  # fmt: skip
