@@ -6,11 +6,14 @@ Components (who calls whom): `GatedRun.open()` builds the `FidelityRouter` (whos
 record goes to `metrics.jsonl` as stage `gate`) and the `ShadowReplayer` (its replays stored as
 `trajectories/shadow-*`); the rollout runner routes through the first and feeds the second.
 `GatedRun.buffer(b)` wraps the rollout buffer so that every `set_version` (the RL loop's, after
-each publish) may start a co-training round: `SimCoTrainer` takes `gate.cotrain_steps` SFT steps
-on the real episodes so far mixed with the simulator's own data (on the simulator trainer's
-chips, in a thread: rollouts go on), exports the weights, publishes them to the simulator
-servers as the next version, and tells the router, whose estimates start over from the
-replayer's re-measurement of that version.
+each publish; under synchronous RL no episode is in flight then) is a boundary where the run
+waits for the shadow replays in flight, so each version is routed on the same measurements
+every time. Every `gate.cotrain_every` versions a round starts: `SimCoTrainer` takes
+`gate.cotrain_steps` SFT steps on the real episodes so far mixed with the simulator's own data
+(on the simulator trainer's chips, in a thread: rollouts go on) and exports the weights. At the
+boundary `cotrain_every` versions later they are published to the simulator servers as the
+next version, the router moves to it, and the replayer re-measures it before any group is
+routed on it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 from rl.data import rundir
 
 log = logging.getLogger(__name__)
+DRAIN_S = 120.0
+"""How long a version boundary waits for the shadow replays in flight."""
 SIM_WEIGHTS = "sim"
 """`weights/sim/v<k>`: the co-trained simulator versions, as published."""
 
@@ -98,14 +103,19 @@ class SimCoTrainer:
         return path, {"real": len(real), "base": len(base), "examples": stats.examples,
                       "loss": s["last"].get("loss"), "train_s": round(s["wall_s"], 2)}  # fmt: skip
 
-    async def round(self, policy_version: int) -> dict[str, Any]:
-        """Train, export, publish the next simulator version; returns the round's record."""
-        real = list(self.real)
-        path, rec = await asyncio.to_thread(self._train, real)
+    async def train(self, policy_version: int) -> tuple[Path, dict[str, Any]]:
+        """Train and export the next version on the real episodes so far (in a thread)."""
+        path, rec = await asyncio.to_thread(self._train, list(self.real))
+        rec["step"] = policy_version
+        return path, rec
+
+    async def publish(self, path: Path, rec: dict[str, Any], policy_version: int) -> dict:
+        """Publish trained weights to the simulator servers as the next version; returns the
+        round's record (also in the metrics log)."""
         version = self.version + 1
         report = await self.publisher.publish(str(path), version)
         self.version = version
-        rec.update(stage="sim_cotrain_round", step=policy_version, sim_version=version,
+        rec.update(stage="sim_cotrain_round", sim_version=version, served_from=policy_version,
                    publish_s=round(report.load_s, 3), weights=str(path))  # fmt: skip
         self.history.append(rec)
         self.metrics.write(rec)
@@ -139,6 +149,7 @@ class GatedRun:
         if every and sim_publisher is not None:
             self.cotrainer = SimCoTrainer(cfg, out, sim_publisher, metrics, steps // every)
         self._round: asyncio.Task | None = None
+        self._switch_at = 0
         self._start, self.steps = start_version, steps
         self.records: list[dict] = []
         self.errors: list[dict] = []
@@ -161,17 +172,35 @@ class GatedRun:
         return _VersionHook(inner, self._on_version)
 
     async def _on_version(self, version: int) -> None:
-        if self.cotrainer is None or self._round is not None and not self._round.done():
-            return  # a round still training: this one is skipped, the next due one starts
-        done = version - self._start
-        if done >= self.steps:
-            return  # RL is over: a new simulator version would serve nothing
-        if done and done % self.gate.cotrain_every == 0:
-            self._round = asyncio.create_task(self._cotrain(version), name=f"cotrain-{version}")
+        """At each policy version's boundary (no episode in flight under synchronous RL), so
+        that a run routes the same way every time: every shadow replay of what has run is in,
+        a round that was due switches the simulator, and the next round starts."""
+        await self._drain(version)
+        if self.cotrainer is None:
+            return
+        done, every = version - self._start, self.gate.cotrain_every
+        if self._round is not None and done >= self._switch_at:
+            await self._switch(version)
+        # A round trains in the background for `every` versions, then serves from the next
+        # boundary: one that could serve no RL step is not started.
+        if self._round is None and done and done % every == 0 and done + every < self.steps:
+            self._round = asyncio.create_task(self.cotrainer.train(version),
+                                              name=f"cotrain-{version}")  # fmt: skip
+            self._switch_at = done + every
 
-    async def _cotrain(self, version: int) -> None:
+    async def _drain(self, version: int) -> None:
+        await self.shadow.drain(DRAIN_S)
+        if self.shadow.stats()["in_flight"]:
+            print(f"simloop train-agent: policy v{version} routes with "
+                  f"{self.shadow.stats()['in_flight']} shadow replays still running (over "
+                  f"{DRAIN_S:.0f} s)", flush=True)  # fmt: skip
+
+    async def _switch(self, version: int) -> None:
+        """Publish the round's weights, move the router to them and measure them again."""
+        job, self._round = self._round, None
         try:
-            rec = await self.cotrainer.round(version)
+            path, rec = await job
+            rec = await self.cotrainer.publish(path, rec, version)
         except Exception as e:  # noqa: BLE001 - the simulator keeps its version; RL goes on
             # A failed round (training, export or publish) leaves the served simulator and the
             # router's estimates as they were: recorded and shown, retried at the next round.
@@ -179,22 +208,25 @@ class GatedRun:
             err = {"stage": "sim_cotrain_error", "step": version, "error": why}
             self.errors.append(err)
             self.metrics.write(err)
-            print(f"simloop train-agent: co-training round at policy version {version} failed, "
-                  f"the simulator stays at v{self.router.sim_version}: {err['error']}",
+            print(f"simloop train-agent: co-training round of policy version {version} failed, "
+                  f"the simulator stays at v{self.router.sim_version}: {why}",
                   flush=True)  # fmt: skip
             return
         self.router.set_sim_version(rec["sim_version"], policy_version=version)
         n = self.shadow.remeasure()
-        print(f"simloop train-agent: simulator v{rec['sim_version']} co-trained on "
-              f"{rec['real']} real + {rec['base']} original episodes (loss {rec['loss']}) and "
-              f"published; re-measuring it on {n} real episodes", flush=True)  # fmt: skip
+        await self._drain(version)
+        print(f"simloop train-agent: simulator v{rec['sim_version']} (co-trained from policy "
+              f"v{rec['step']} on {rec['real']} real + {rec['base']} original episodes, loss "
+              f"{rec['loss']}) serves from policy v{version}; re-measured on {n} real "
+              "episodes", flush=True)  # fmt: skip
 
     async def close(self) -> dict[str, Any]:
         """Finish the round in flight (its failure surfaces here), the replays (bounded), and
         return the run's gating summary."""
         try:
-            if self._round is not None:
-                await asyncio.wait_for(self._round, timeout=600.0)
+            if self._round is not None:  # only when RL stopped early: it would serve nothing
+                self._round.cancel()
+                await asyncio.wait({self._round}, timeout=600.0)
         finally:
             await self.shadow.close(timeout_s=60.0)
             self.router.flush()
