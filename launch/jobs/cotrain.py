@@ -105,7 +105,11 @@ class SimCoTrainer:
 
     async def train(self, policy_version: int) -> tuple[Path, dict[str, Any]]:
         """Train and export the next version on the real episodes so far (in a thread)."""
-        path, rec = await asyncio.to_thread(self._train, list(self.real))
+        from rl.data.trajectory import canonical_order
+
+        # In a canonical order, not the order the episodes finished in: the same run trains
+        # the same simulator.
+        path, rec = await asyncio.to_thread(self._train, canonical_order(self.real))
         rec["step"] = policy_version
         return path, rec
 

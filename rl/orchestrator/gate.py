@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 import statistics
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,7 +229,7 @@ class ShadowReplayer:
                  sink: Callable[[Trajectory], None] | None = None):  # fmt: skip
         self.router, self.replay, self.sink = router, replay, sink
         self._sem = asyncio.Semaphore(concurrency)
-        self._recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=max(remeasure, 1)))
+        self._recent: dict[str, list] = defaultdict(list)
         self.remeasure_n = remeasure
         self._tasks: set[asyncio.Task] = set()
         self.replayed = self.failed = self.dropped = self.empty = 0
@@ -242,8 +242,22 @@ class ShadowReplayer:
         unit = unit_of(task, self.router.cfg.unit)
         step = traj.meta.get("admitted_version")
         step = int(step) if isinstance(step, int) else (self.router.policy_version or 0)
-        self._recent[unit].append((traj, task, step))
+        recent = self._recent[unit]
+        recent.append((traj, task, step))
+        if len(recent) > 4 * max(self.remeasure_n, 1):  # bounded: keep the latest, canonically
+            recent[:] = self._latest(recent, 2 * max(self.remeasure_n, 1))
         self._spawn(traj, task, unit, step)
+
+    @staticmethod
+    def _latest(recent: list, n: int) -> list:
+        """The `n` latest real episodes by policy version, then group and index: the same
+        ones whatever order the episodes finished in."""
+
+        def key(item):
+            traj, _, step = item
+            return (step, traj.group_id, traj.meta.get("group_index", 0), traj.task_id)
+
+        return sorted(recent, key=key)[-n:]
 
     def remeasure(self) -> int:
         """Replay the latest real episodes of every unit against the (new) current simulator;
@@ -251,8 +265,8 @@ class ShadowReplayer:
         if not self.remeasure_n:
             return 0
         scheduled = 0
-        for unit, recent in self._recent.items():
-            for traj, task, step in list(recent):
+        for unit, recent in sorted(self._recent.items()):
+            for traj, task, step in self._latest(recent, self.remeasure_n):
                 self._spawn(traj, task, unit, step)
                 scheduled += 1
         return scheduled
