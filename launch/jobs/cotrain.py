@@ -180,6 +180,7 @@ class GatedRun:
         that a run routes the same way every time: every shadow replay of what has run is in,
         a round that was due switches the simulator, and the next round starts."""
         await self._drain(version)
+        self.router.flush()  # the closing version's record: its routing, its measurements
         if self.cotrainer is None:
             return
         done, every = version - self._start, self.gate.cotrain_every

@@ -84,13 +84,14 @@ class FidelityRouter:
         self.z = statistics.NormalDist().inv_cdf(cfg.confidence)
         self.units: dict[str, _Unit] = defaultdict(_Unit)
         self.versions: list[dict] = [{"sim_version": sim_version, "policy_version": None}]
-        self._step: int | None = None
+        self._step: int | None = None  # the version whose record is open
+        self._last: int | None = None
         self._step_routed: dict[str, dict[str, int]] = defaultdict(lambda: {SIM: 0, REAL: 0})
 
     @property
     def policy_version(self) -> int | None:
         """The policy version of the groups routed last (None before the first)."""
-        return self._step
+        return self._last
 
     # ----- measurements ---------------------------------------------------------------------
 
@@ -153,12 +154,16 @@ class FidelityRouter:
         if self._step is not None and version != self._step:
             self.flush()
         self._step = version
+        self._last = version
 
     def flush(self) -> dict | None:
-        """The record of the current policy version (handed to `on_step`), then a fresh one."""
+        """Close the record of the current policy version (handed to `on_step` and returned):
+        its routing, and the estimates as they stand now. A run calls it at each version's
+        boundary; else the next version's first group does. None when nothing is open."""
         if self._step is None:
             return None
         record = self.snapshot(self._step)
+        self._step = None
         self._step_routed = defaultdict(lambda: {SIM: 0, REAL: 0})
         if self.on_step is not None:
             self.on_step(record)
