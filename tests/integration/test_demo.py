@@ -256,30 +256,36 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     warm = run / "warm" / "weights" / "warm_start"
     shutil.copytree(out / "agent" / "weights" / "warm_start", warm)
     (run / "warm" / "stage.json").write_text(json.dumps({"wall_s": 1.0, "copied": True}))
-    # The demo's control arm is the experiment's real-only arm: RL in the real shell from the
-    # same warm start, with the same settings, evaluated in the real shell.
+    # The demo's control arm is the experiment's real-only arm (RL in the real shell from the
+    # same warm start, evaluated there), and its RL in the simulator stands in for the ungated
+    # arm (a stronger simulator than the weak one, which this test does not judge).
     shutil.copytree(out / "agent_real", run / "real_only")
+    shutil.copytree(out / "agent", run / "ungated")
+    # Three RL steps: a round trains during one version and serves from the next boundary, so
+    # one co-trained version (begun after step 1) serves step 3.
     cmd = [sys.executable, "-m", "launch", "demo", "--experiment", "gating", "--quick",
-           "--out", str(run), "--orchestrator.gate.cotrain_every", "1",
-           "--orchestrator.gate.cotrain_steps", "2",
+           "--out", str(run), "--train_agent.steps", "3",
+           "--orchestrator.gate.cotrain_every", "1", "--orchestrator.gate.cotrain_steps", "2",
            "--orchestrator.gate.threshold", "0.5"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=900,
                           cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("done: skipped") == 3 and "gating" in proc.stdout
+    assert proc.stdout.count("done: skipped") == 4 and "gating" in proc.stdout
     g = json.loads((run / "summary.json").read_text())["gating"]
-    for arm in ("real_only", "ungated", "gated"):
-        assert 0 <= g[arm]["real"] <= 1 and g[arm]["episodes"] == 2 * 16, (arm, g[arm])
+    for arm, steps in (("real_only", 2), ("ungated", 2), ("gated", 3)):
+        assert 0 <= g[arm]["real"] <= 1 and g[arm]["episodes"] == steps * 16, (arm, g[arm])
     assert g["ungated"]["real_episodes"] == 0 and g["real_only"]["real_episodes"] == 32
-    assert 0 < g["gated"]["real_episodes"] <= 32  # the first version: nothing measured yet
+    assert 16 <= g["gated"]["real_episodes"] <= 48  # the first version: nothing measured yet
     kinds = set(g["gated"]["sim_share_by_family"])
     assert kinds and kinds <= {"reverse", "upper", "sort", "count"}
     # Each policy version left a router record; one co-training round published version 1 to
     # the simulator server (its log says it loaded it), and the router moved to it.
     gates = [r for r in g["gate_history"] if r["stage"] == "gate"]
     rounds = [r for r in g["gate_history"] if r["stage"] == "sim_cotrain_round"]
-    assert [r["policy_version"] for r in gates] == [1, 2] and len(rounds) >= 1
+    assert [r["policy_version"] for r in gates] == [1, 2, 3] and len(rounds) == 1
     assert rounds[0]["sim_version"] == 1 and rounds[0]["real"] > 0
+    assert rounds[0]["step"] == 2 and rounds[0]["served_from"] == 3
+    assert [r["sim_version"] for r in gates] == [0, 0, 1]
     log = (run / "gated" / "logs" / "simulator-server.log").read_text()
     assert "weights/sim/v0001/params" in log, log[-2000:]
     shadows = load_trajectories(list((run / "gated" / "trajectories").glob("shadow-*.jsonl")))
