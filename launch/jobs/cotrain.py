@@ -155,11 +155,9 @@ class GatedRun:
         self._round: asyncio.Task | None = None
         self._switch_at = 0
         self._start, self.steps = start_version, steps
-        self.records: list[dict] = []
         self.errors: list[dict] = []
 
     def _log_step(self, record: dict) -> None:
-        self.records.append(record)
         self.metrics.write({"stage": "gate", "step": record["policy_version"], **record})
 
     def sink(self, writer_add):

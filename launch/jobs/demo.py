@@ -59,9 +59,11 @@ def _write_stage(path: Path, record: dict) -> None:
     (path / rundir.STAGE).write_text(json.dumps(record, indent=1))
 
 
-def _finished(console, k: int, name: str, text: str, path: Path) -> dict | None:
-    """Announce stage `k`; its `stage.json` record when it already finished (then skipped)."""
-    console.rule(f"[bold]{k}/{len(STAGES)} {name}[/]: {text}")
+def _finished(console, k: int, name: str, text: str, path: Path,
+              total: int = len(STAGES)) -> dict | None:  # fmt: skip
+    """Announce stage `k` of `total`; its `stage.json` record when it already finished (then
+    skipped)."""
+    console.rule(f"[bold]{k}/{total} {name}[/]: {text}")
     record = _read_stage(path)
     if record is not None:
         console.print(f"simloop demo: {name} done: skipped (delete {path} to redo it)")

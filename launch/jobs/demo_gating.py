@@ -39,14 +39,9 @@ def run_gating(args, out: Path, console) -> dict[str, dict]:
 
     stages: dict[str, dict] = {}
     dirs = {name: out / name for name in GATING_STAGES}
-    n = len(GATING_STAGES)
 
     def finished(k: int, name: str, text: str) -> dict | None:
-        console.rule(f"[bold]{k}/{n} {name}[/]: {text}")
-        record = demo._read_stage(dirs[name])
-        if record is not None:
-            console.print(f"simloop demo: {name} done: skipped (delete {dirs[name]} to redo it)")
-        return record
+        return demo._finished(console, k, name, text, dirs[name], len(GATING_STAGES))
 
     trajectories = str(dirs["collect"] / rundir.TRAJECTORIES)
     stages["collect"] = finished(1, "collect", "scripted noisy agent in the real shell") or (
@@ -121,7 +116,7 @@ def _real_episodes(trajs) -> Counter:
 
 def gating_summary(out: Path) -> dict[str, Any]:
     """`summary.json["gating"]`, from the stored episodes of each arm."""
-    from launch.report.thesis import episodes, mean_ci, paired, per_task
+    from launch.report.thesis import episodes, mean_ci, paired, per_task, success_rate
 
     evals, got = {}, {}
     for arm in ARMS:
@@ -131,7 +126,7 @@ def gating_summary(out: Path) -> dict[str, Any]:
         evals[arm] = per_task(after)
         rl = episodes(out / arm, "rl")
         by_arm = _real_episodes(rl)
-        got[arm] = {"real": round(sum(1.0 for t in after if (t.reward or 0) >= 1) / len(after), 4),
+        got[arm] = {"real": round(success_rate(after), 4),
                     "real_episodes": by_arm.get("real", 0),
                     "episodes": sum(by_arm.values())}  # fmt: skip
     units: dict[str, Counter] = defaultdict(Counter)
@@ -143,8 +138,7 @@ def gating_summary(out: Path) -> dict[str, Any]:
     warm = episodes(out / "real_only", "eval-before-real")
     out_: dict[str, Any] = dict(got)
     if warm:
-        out_["warm_start"] = {"real": round(sum(1.0 for t in warm if (t.reward or 0) >= 1)
-                                            / len(warm), 4)}  # fmt: skip
+        out_["warm_start"] = {"real": round(success_rate(warm), 4)}
     gap_gated, ci_gated = paired(evals["gated"], evals["real_only"])
     gap_ungated, ci_ungated = paired(evals["ungated"], evals["real_only"])
     share = got["gated"]["real_episodes"] / max(got["real_only"]["real_episodes"], 1)

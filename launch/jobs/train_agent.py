@@ -500,9 +500,7 @@ async def _rl(
                 summary_harness = _harness_summary(buffer)
                 rundir.MetricsLog(out).write({"stage": "rl_harness", **summary_harness})
         if runner is not None:
-            arms = runner.metrics.summary()["arms"]
-            summary["episodes_by_arm"] = arms
-            summary["real_episodes"] = arms.get("real", 0)
+            summary["episodes_by_arm"] = runner.metrics.summary()["arms"]
         if gated is not None:
             summary["gate"] = summary_gate
         if evaluating:

@@ -57,7 +57,8 @@ def paired(a: dict[str, float], b: dict[str, float]) -> tuple[float, list[float]
     return mean_ci([a[k] - b[k] for k in common])
 
 
-def _rate(trajs: Sequence) -> float:
+def success_rate(trajs: Sequence) -> float:
+    """Share of `trajs` that succeeded (reward >= 1; a missing reward is a failure)."""
     return sum(1.0 for t in trajs if (t.reward or 0.0) >= 1.0) / len(trajs)
 
 
@@ -80,14 +81,14 @@ def thesis(run_dir: str | Path, *, min_gain: float = 0.10, max_gap: float = 0.05
     gain_real, ci_gain_real = paired(r, w)
     gap, ci_gap = paired(s, r)
     out: dict[str, Any] = {
-        "warm_start": {"real": round(_rate(warm), 4)},
+        "warm_start": {"real": round(success_rate(warm), 4)},
         "rl_in_sim": {
-            "real": round(_rate(sim_real), 4),
-            "sim": round(_rate(sim_sim), 4) if sim_sim else None,
+            "real": round(success_rate(sim_real), 4),
+            "sim": round(success_rate(sim_sim), 4) if sim_sim else None,
             "episodes": len(episodes(sim_dir, "rl")),
         },
         "rl_in_real": {
-            "real": round(_rate(real_real), 4),
+            "real": round(success_rate(real_real), 4),
             "episodes": len(episodes(real_dir, "rl")),
         },
         "eval_episodes": min(len(warm), len(sim_real), len(real_real)),
