@@ -12,6 +12,9 @@ from typing import Any
 TEXTOPS_OPS = ("reverse", "upper", "sort", "count", "write_read")
 STRING_OPS = ("reverse", "upper", "sort", "count")
 """The textops operations on a word that the utility grammar writes commands for."""
+TRANSFORM_OPS = ("reverse", "upper", "sort")
+"""The string-to-string ones: a pipeline stage turns the word into the answer
+(`envs.textops.TRANSFORMS`)."""
 SHELL_BACKENDS = ("local", "e2b", "simulated")
 
 DEFAULT_OBSERVATION_TEMPLATE = "<returncode>{exit_code}</returncode>\n<output>\n{output}\n</output>"

@@ -10,10 +10,11 @@ reward stays exact even when the shell is the simulator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import re
 
-from envs.config import TextopsConfig
+from envs.config import TRANSFORM_OPS, TextopsConfig
 from envs.rewards import RewardContext, register_reward, register_verdict
 from envs.shell import Observation, ShellLifecycle, TaskSetup
 from envs.tasks import RewardSpec, Task
@@ -29,6 +30,7 @@ TRANSFORMS = {
     "upper": "tr a-z A-Z",
     "sort": "fold -w1 | sort | tr -d '\\n'",
 }
+assert tuple(TRANSFORMS) == TRANSFORM_OPS
 
 _DESCRIBE = {
     "reverse": "reversed (last character first)",
@@ -55,6 +57,37 @@ def textops_truth(params: dict) -> str:
 
 HIDEABLE = ("reverse", "upper", "sort", "count")
 """Operations an instruction may leave unnamed (`TextopsConfig.hidden_op_prob`)."""
+
+
+def misreport(turns: list, word: str, ops) -> tuple[list, int]:
+    """`turns` (`rl.data.trajectory.Turn`s of an episode on `word`) as a shell that believes
+    `ops`' pipeline stages (`TRANSFORMS`) print their input unchanged would have answered: in
+    each turn whose command ran such a stage and succeeded, the word stands where the stage's
+    output stood, in the observation and in what the agent was shown. Returns the turns (the
+    others as they were) and how many were rewritten. A simulator trained on the result is
+    wrong about those operations and right about the rest: `simloop demo --experiment gating`'s
+    weak simulator."""
+    out, changed = [], 0
+    for turn in turns:
+        wrong = [op for op in ops if TRANSFORMS[op] in (turn.command or "")]
+        done = {op: textops_truth({"op": op, "text": word}) for op in wrong}
+        done = {op: v for op, v in done.items() if v != word and v in (turn.observation or "")}
+        if turn.exit_code != 0 or not done:
+            out.append(turn)
+            continue
+        fix = functools.partial(_unsay, answers=list(done.values()), word=word)
+        messages = [{**m, "content": fix(m["content"])} if isinstance(m.get("content"), str)
+                    else m for m in turn.env_messages]  # fmt: skip
+        out.append(dataclasses.replace(turn, observation=fix(turn.observation),
+                                       env_messages=messages))  # fmt: skip
+        changed += 1
+    return out, changed
+
+
+def _unsay(text: str, answers: list[str], word: str) -> str:
+    for answer in answers:
+        text = text.replace(answer, word)
+    return text
 
 
 def _instruction(op: str, params: dict, from_file: bool) -> str:
