@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from envs.config import GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
+from envs.config import TRANSFORM_OPS, GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
 from rl.data.datasets import DatasetConfig
 from rl.model.config import ModelConfig, ShardingConfig
@@ -348,18 +348,29 @@ class DemoConfig:
     """What the `trials` stage sets besides `env.terminal.trials` (the byte-level agent needs
     the longer context for two attempts and a short feedback)."""
 
-    gating_sim_steps: int = 0
+    gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""
+    gating_wrong_ops: list[str] = field(default_factory=lambda: ["upper"])
+    """The operations that simulator is wrong about: it is fine-tuned on the collection as a
+    shell where their pipeline stages print the input unchanged would have answered
+    (`envs.textops.misreport`), and is right about the rest. Drawn from reverse, upper, sort;
+    [] (or 0 steps): no operation misreported."""
+    gating_eval_tasks: int = 192
+    """Held-out tasks each arm of the gating experiment is evaluated on in the real shell
+    (`train_agent.eval.samples` each); 0: `train_agent.eval.tasks`."""
     gating_overrides: list[str] = field(
         default_factory=lambda: [
-            "--orchestrator.gate.threshold", "0.8",
+            "--orchestrator.gate.threshold", "0.75",
             "--orchestrator.gate.real_min", "0.1",
-            "--orchestrator.gate.cotrain_every", "4",
+            "--orchestrator.gate.cotrain_every", "2",
             "--orchestrator.gate.cotrain_steps", "20",
+            "--orchestrator.gate.cotrain_replay", "0.2",
         ]
     )  # fmt: skip
-    """What the experiment's gated arm sets besides `--orchestrator.arm gated`."""
+    """What the experiment's gated arm sets besides `--orchestrator.arm gated`. A fifth of each
+    co-training round replays the weak simulator's own data, which is wrong about
+    `gating_wrong_ops`: the round's real episodes outweigh it four to one."""
 
     quick_overrides: list[str] = field(
         default_factory=lambda: [
@@ -372,6 +383,8 @@ class DemoConfig:
             "--train_agent.eval.samples", "2",
             "--orchestrator.batch_size", "16",
             "--eval_sim.max_trajectories", "12",
+            "--demo.gating_sim_steps", "8",
+            "--demo.gating_eval_tasks", "0",
         ]
     )  # fmt: skip
     """Dotted overrides `--quick` applies on top of the config (a CI-sized run, minutes)."""
@@ -389,9 +402,14 @@ class DemoConfig:
                 f"DemoConfig.trials={self.trials!r} is invalid: 0 (no multi-trial stage) or an "
                 "integer >= 2"
             )
-        g = self.gating_sim_steps
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-            raise ValueError(f"DemoConfig.gating_sim_steps={g!r} is invalid: an integer >= 0")
+        for name in ("gating_sim_steps", "gating_eval_tasks"):
+            g = getattr(self, name)
+            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                raise ValueError(f"DemoConfig.{name}={g!r} is invalid: an integer >= 0")
+        w = self.gating_wrong_ops
+        if not isinstance(w, list | tuple) or any(op not in TRANSFORM_OPS for op in w):
+            raise ValueError(f"DemoConfig.gating_wrong_ops={w!r} is invalid: a list drawn from "
+                             f"{list(TRANSFORM_OPS)}")  # fmt: skip
         q = self.sim_max_tokens_quantile
         if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1:
             raise ValueError(

@@ -67,11 +67,28 @@ def gating_body(run_dir: Path, summary: dict) -> list[str]:
         "<h2>The gate over time</h2>",
         *_gate_over_time(g.get("gate_history") or []),
         "<h2>The weak simulator's fidelity (arm c, held out)</h2>",
+        _weak_simulator(g.get("weak_simulator") or {}),
         _section_fidelity(read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))),
     ]
     if not g.get("gate_history"):
         out.append(_missing("gate records", "the gated arm's metrics.jsonl"))
     return out
+
+
+def _weak_simulator(weak: dict) -> str:
+    """What the weak simulator was trained on, in a sentence."""
+    if not weak:
+        return ""
+    steps = weak.get("steps")
+    what = ("the pretrained simulator as it is (no fine-tune)" if not steps
+            else f"the pretrained simulator fine-tuned for {steps} train-sim steps")  # fmt: skip
+    wrong = weak.get("wrong_ops")
+    if wrong:
+        what += (f" on the collection with {html.escape(', '.join(wrong))} misreported (their "
+                 f"commands shown printing the input unchanged: "
+                 f"{weak.get('misreported_turns')} turns rewritten), so it is wrong about "
+                 "those operations and right about the rest")  # fmt: skip
+    return f"<p>The weak simulator: {what}.</p>"
 
 
 def _gate_over_time(history: list[dict]) -> list[str]:

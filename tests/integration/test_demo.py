@@ -248,8 +248,9 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
 def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, tmp_path):
     """`simloop demo --experiment gating --quick`, as a user reruns it next to a finished demo:
     its collection, warm start and real-only arm are the demo's (finished stages are skipped),
-    the rest runs: the pretrained simulator as the weak one, its arm (c), and RL ungated and
-    gated (co-training after every step, published to a real simulator server)."""
+    the rest runs: the weak simulator (a few train-sim steps on the collection with `upper`
+    misreported), its arm (c), and RL gated (co-training after every step, published to a real
+    simulator server)."""
     out, _ = demo
     run = tmp_path / "gating"
     shutil.copytree(out / "collect", run / "collect")
@@ -291,4 +292,9 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     shadows = load_trajectories(list((run / "gated" / "trajectories").glob("shadow-*.jsonl")))
     assert shadows and all(t.meta.get("shadow") for t in shadows)
     assert {t.meta["sim_version"] for t in shadows} == {0, 1}  # re-measured on version 1
+    weak = g["weak_simulator"]
+    assert weak["wrong_ops"] == ["upper"] and weak["steps"] == 8 and weak["misreported_turns"] > 0
+    assert set(weak["arm_c_exact_by_op"]) <= {"reverse", "upper", "sort", "count"}
+    misreported = load_trajectories([run / "sim" / "data" / "trajectories"])
+    assert len(misreported) == len(load_trajectories([run / "collect" / "trajectories"]))
     assert "the gating experiment" in (run / "report.html").read_text()

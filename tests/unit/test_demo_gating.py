@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from launch.jobs.demo_gating import gating_summary
+from envs.textops import misreport
+from launch.config.schema import DemoConfig
+from launch.jobs.demo_gating import _misreported, gating_summary
 from launch.report.page import write_report
 from rl.data import rundir
-from rl.data.trajectory import Trajectory, write_jsonl
+from rl.data.trajectory import Trajectory, Turn, load_trajectories, write_jsonl
 
 
 def _traj(task: str, *, arm: str = "real", reward: float = 0.0, status: str = "ok",
@@ -76,7 +78,7 @@ def test_gating_summary_by_hand(gating_run):
     assert g["gated_real_share"] == 0.4  # 8 / 20
     assert g["acceptance"] == {"gated_within_0.03_of_real_only": True,
                                "gated_real_share_at_most_0.5": True,
-                               "ungated_below_real_only": True}  # fmt: skip
+                               "ungated_measurably_below_real_only": True}  # fmt: skip
     assert [r["stage"] for r in g["gate_history"]] == ["gate", "sim_cotrain_round"]
 
 
@@ -92,3 +94,75 @@ def test_gating_report_page(gating_run):
     page = write_report(gating_run).read_text()
     assert "the gating experiment" in page and "fidelity lower bound by operation" in page
     assert "co-training round" in page and "<svg" in page and "upper 0.75" in page
+
+
+UPPER = "tr -d '\\n' < input.txt | tr a-z A-Z"
+REV = "tr -d '\\n' < input.txt | rev"
+
+
+def test_misreport_shows_the_wrong_operations_printing_their_input():
+    shown = [{"role": "user", "content": "<returncode>0</returncode>\n<output>\nBPNE\n</output>"}]
+    turns = [
+        Turn("a", command=UPPER, observation="BPNE", exit_code=0, env_messages=shown),
+        Turn("b", command=REV, observation="enpb", exit_code=0),  # not a wrong operation
+        Turn("c", command=UPPER + "x", observation="BPNE", exit_code=1),  # failed: as it was
+        Turn("d", command=f"echo X\n{UPPER}", observation="X\nBPNE", exit_code=0),
+        Turn("e", command=None),  # no command (a format error)
+    ]
+    out, changed = misreport(turns, "bpne", ["upper"])
+    assert changed == 2
+    assert [t.observation for t in out] == ["bpne", "enpb", "BPNE", "X\nbpne", None]
+    assert out[0].env_messages[0]["content"].endswith("<output>\nbpne\n</output>")
+    assert turns[0].observation == "BPNE"  # the input is not modified
+    # A word the operation leaves as it is has nothing to misreport.
+    assert misreport([Turn("a", command=UPPER, observation="", exit_code=0)], "", ["upper"])[1] == 0
+    same = [Turn("a", command=REV, observation="abba", exit_code=0)]
+    assert misreport(same, "abba", ["reverse"]) == (same, 0)
+
+
+def test_misreported_collection_drops_the_token_view_it_no_longer_matches(tmp_path):
+    def episode(task, command, observation):
+        return Trajectory(task_id=task, arm="real", env_backend="local", status="ok", reward=1.0,
+                          setup_files={"input.txt": "bpne\n"}, source="sampler",
+                          token_ids=[5, 6, 7], loss_mask=[0, 1, 1],
+                          behavior_logprobs=[None, -0.1, -0.2], policy_version=[None, 0, 0],
+                          turns=[Turn("x", command=command, observation=observation, exit_code=0,
+                                      token_span=(1, 3))])  # fmt: skip
+
+    write_jsonl(tmp_path / "in" / "c-00000.jsonl",
+                [episode("t1", UPPER, "BPNE"), episode("t2", REV, "enpb")])  # fmt: skip
+    assert _misreported(str(tmp_path / "in"), tmp_path / "out", ["upper"]) == 1
+    a, b = load_trajectories([tmp_path / "out"])
+    assert a.turns[0].observation == "bpne" and a.source == "rendered" and a.token_ids == []
+    assert a.turns[0].token_span is None and a.reward == 1.0
+    assert b.turns[0].observation == "enpb" and b.token_ids == [5, 6, 7]  # untouched
+    from launch.jobs.errors import JobError
+
+    with pytest.raises(JobError, match="no collected command ran them"):
+        _misreported(str(tmp_path / "in"), tmp_path / "out2", ["sort"])
+
+
+def test_gating_summary_describes_the_weak_simulator(gating_run):
+    (gating_run / "sim").mkdir()
+    stage = {"steps": 400, "wrong_ops": ["upper"], "misreported_turns": 12, "wall_s": 1.0}
+    (gating_run / "sim" / rundir.STAGE).write_text(json.dumps(stage))
+    (gating_run / "eval_sim").mkdir()
+    by_kind = {"upper": {"exact_masked": 0.04}, "count": {"exact_masked": 0.9}}
+    fidelity = {"pairs": {"exact_masked": 0.71234}, "by_kind": by_kind}
+    (gating_run / "eval_sim" / rundir.FIDELITY).write_text(json.dumps(fidelity))
+    weak = gating_summary(gating_run)["weak_simulator"]
+    assert weak == {"steps": 400, "wrong_ops": ["upper"], "misreported_turns": 12,
+                    "arm_c_exact": 0.7123,
+                    "arm_c_exact_by_op": {"count": 0.9, "upper": 0.04}}  # fmt: skip
+    summary = {"experiment": "gating", "gating": gating_summary(gating_run), "wall_s": 1.0}
+    (gating_run / rundir.SUMMARY).write_text(json.dumps(summary))
+    (gating_run / "eval_sim" / rundir.FIDELITY).unlink()  # a partial one: the page wants all
+    assert "with upper misreported" in write_report(gating_run).read_text()
+
+
+@pytest.mark.parametrize("field, value", [("gating_wrong_ops", ["count"]),
+                                          ("gating_wrong_ops", "upper"),
+                                          ("gating_eval_tasks", -1)])  # fmt: skip
+def test_gating_config_refuses_what_it_cannot_do(field, value):
+    with pytest.raises(ValueError, match=f"DemoConfig.{field}="):
+        DemoConfig(**{field: value})
