@@ -111,8 +111,10 @@ def _gate_over_time(history: list[dict]) -> list[str]:
     last = gates[-1]["units"]
     rows = [[unit, u["fidelity"], u["lower"], u["measured"], u["sim_share"], u["success_sim"],
              u["success_real"]] for unit, u in last.items()]  # fmt: skip
-    versions = sorted({(r["sim_version"], r["policy_version"]) for r in gates})
-    changes = [f"v{s} from policy version {p}" for s, p in versions]
+    first: dict[int, int] = {}  # each simulator version: the first policy version it served
+    for r in sorted(gates, key=lambda r: r["policy_version"]):
+        first.setdefault(r["sim_version"], r["policy_version"])
+    changes = [f"v{s} from policy version {p}" for s, p in first.items()]
     out = [
         line_chart(
             "fidelity lower bound by operation (the gate)", dict(lower), xlabel="policy version"

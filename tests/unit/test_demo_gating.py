@@ -166,3 +166,17 @@ def test_gating_summary_describes_the_weak_simulator(gating_run):
 def test_gating_config_refuses_what_it_cannot_do(field, value):
     with pytest.raises(ValueError, match=f"DemoConfig.{field}="):
         DemoConfig(**{field: value})
+
+
+def test_gating_report_names_each_simulator_version_once(gating_run):
+    log = rundir.MetricsLog(gating_run / "gated")
+    unit = {"fidelity": 1.0, "lower": 0.8, "pairs": 8.0, "measured": 8, "open": True,
+            "routed_sim": 2, "routed_real": 0, "sim_share": 1.0, "success_sim": 0.5,
+            "success_real": None}  # fmt: skip
+    for pv, sv in ((2, 0), (3, 1), (4, 1)):
+        log.write({"stage": "gate", "step": pv, "policy_version": pv, "sim_version": sv,
+                   "units": {"count": unit}})  # fmt: skip
+    summary = {"experiment": "gating", "gating": gating_summary(gating_run), "wall_s": 1.0}
+    (gating_run / rundir.SUMMARY).write_text(json.dumps(summary))
+    page = write_report(gating_run).read_text()
+    assert "v0 from policy version 1, v1 from policy version 3</p>" in page
