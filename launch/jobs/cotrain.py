@@ -218,9 +218,11 @@ class GatedRun:
         self.router.set_sim_version(rec["sim_version"], policy_version=version)
         n = self.shadow.remeasure()
         await self._drain(version)
+        loss = rec.get("loss")
+        loss = f"{loss:.4g}" if isinstance(loss, int | float) else "not recorded"
         print(f"simloop train-agent: simulator v{rec['sim_version']} (co-trained from policy "
               f"v{rec['step']} on {rec['real']} real + {rec['base']} original episodes, loss "
-              f"{rec['loss']}) serves from policy v{version}; re-measured on {n} real "
+              f"{loss}) serves from policy v{version}; re-measured on {n} real "
               "episodes", flush=True)  # fmt: skip
 
     async def close(self) -> dict[str, Any]:
