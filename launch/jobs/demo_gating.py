@@ -1,7 +1,7 @@
 """`simloop demo --experiment gating`: does a fidelity gate make a weak simulator safe to train
 in? From one warm-started agent, three RL runs with the same steps and episodes:
 
-    simloop demo --experiment gating --out runs/gating      # ~14 min on 2 cores
+    simloop demo --experiment gating --out runs/gating      # ~15 min on 2 cores
     simloop demo --experiment gating --out runs/gating-q --quick   # CI-sized, ~2 min
 
 1. `collect/`   real trajectories (as the thesis demo: the simulator's data)
