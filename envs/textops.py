@@ -69,13 +69,13 @@ def misreport(turns: list, word: str, ops) -> tuple[list, int]:
     weak simulator."""
     out, changed = [], 0
     for turn in turns:
-        wrong = [op for op in ops if TRANSFORMS[op] in (turn.command or "")]
-        done = {op: textops_truth({"op": op, "text": word}) for op in wrong}
-        done = {op: v for op, v in done.items() if v != word and v in (turn.observation or "")}
-        if turn.exit_code != 0 or not done:
+        printed = [textops_truth({"op": op, "text": word}) for op in ops
+                   if TRANSFORMS[op] in (turn.command or "")]  # fmt: skip
+        answers = [a for a in printed if a != word and a in (turn.observation or "")]
+        if turn.exit_code != 0 or not answers:
             out.append(turn)
             continue
-        fix = functools.partial(_unsay, answers=list(done.values()), word=word)
+        fix = functools.partial(_unsay, answers=answers, word=word)
         messages = [{**m, "content": fix(m["content"])} if isinstance(m.get("content"), str)
                     else m for m in turn.env_messages]  # fmt: skip
         out.append(dataclasses.replace(turn, observation=fix(turn.observation),

@@ -313,7 +313,8 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     return cap
 
 
-def _train_sim(args, path: Path, wiring: list[str]) -> dict:
+def _train_sim(args, path: Path, wiring: list[str], extra: dict | None = None) -> dict:
+    """Run train-sim as a stage; its `stage.json` record (with `extra` merged in)."""
     from launch.jobs import train_sim
 
     cfg = stage_config(args, wiring)
@@ -328,7 +329,7 @@ def _train_sim(args, path: Path, wiring: list[str]) -> dict:
     record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
               "loss": last.get("loss"), "weights": str(path / rundir.WEIGHTS / "final"),
               "heldout_tasks": len(heldout),
-              "simulator": describe_simulator(cfg, path)}  # fmt: skip
+              "simulator": describe_simulator(cfg, path), **(extra or {})}  # fmt: skip
     _write_stage(path, record)
     return record
 

@@ -106,11 +106,7 @@ def _weak_sim(args, path: Path, wiring: list[str], steps: int, wrong: list[str],
             made = {"wrong_ops": wrong, "data": str(data.absolute()),
                     "misreported_turns": _misreported(collected, data, wrong)}  # fmt: skip
             flags += ["--train_sim.trajectories", json.dumps([made["data"]])]
-        record = demo._train_sim(args, path, wiring + flags)
-        if made:
-            record.update(made)
-            demo._write_stage(path, record)
-        return record
+        return demo._train_sim(args, path, wiring + flags, made)
     from envs.tasks import is_heldout
     from launch.config import write_config
     from rl.data.trajectory import load_trajectories
