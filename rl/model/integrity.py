@@ -143,10 +143,16 @@ def check_layout(path: str | os.PathLike, *, root: str | os.PathLike | None = No
     return {"where": where, "present": present, "listed": listed}
 
 
-def verify_contents(path: str | os.PathLike, layout: dict) -> None:
-    """The expensive half of `verify_checkpoint`: every file's sha256 against its manifest."""
-    digests = _sha256_all(layout["present"])
+def verify_contents(path: str | os.PathLike, layout: dict, *, known: dict | None = None) -> None:
+    """The expensive half of `verify_checkpoint`: every file's sha256 against its manifest.
+    `known` holds digests a reader already took of the bytes it read ({relative path:
+    sha256}); only the other files are hashed here."""
+    known = known or {}
+    rest = {rel: p for rel, p in layout["present"].items() if rel not in known}
+    digests = {**_sha256_all(rest), **known}
     for rel in sorted(digests):
+        if rel not in layout["listed"]:  # appeared after the layout was checked
+            raise CheckpointError(f"checkpoint {layout['where']}: {rel} is not in its {MANIFEST}")
         if digests[rel] != layout["listed"][rel].get("sha256"):
             raise CheckpointError(
                 f"checkpoint {layout['where']}: {rel} does not match its sha256 (corrupt)"

@@ -30,6 +30,7 @@ from rl.model.config import ModelConfig
 from rl.model.hf_io import tensor_table
 from rl.model.integrity import check_finite, check_layout
 from rl.model.params_io import PARAMS_DIR, read_model_config, read_verified
+from rl.model.zarr_read import nested, read_arrays
 
 
 def read_orbax_params(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
@@ -55,7 +56,10 @@ def read_orbax_params(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, A
         as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         return checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
-    params = read_verified(path, read, layout)
+    arrays = read_arrays(params_dir, layout)  # one hashed pass where the layout allows
+    params = nested(params_dir, arrays) if arrays is not None else None
+    if params is None:
+        params = read_verified(path, read, layout)
     check_finite(params, f"weights {path}")  # a manifest does not vouch for the numbers
     return cfg, params
 
