@@ -42,7 +42,7 @@ from flax import nnx
 
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
-from rl.model.params_io import load_params
+from rl.model.params_io import load_params_like
 from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
@@ -153,6 +153,17 @@ class RequestHandle:
         finally:
             if remaining:
                 self._engine.abort(self.id)
+
+
+def _dict_keys(path: tuple) -> list:
+    """The mapping keys of a state leaf's pytree path (its Variable's `.value` dropped)."""
+    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+def _at(tree: dict, path: tuple):
+    for key in _dict_keys(path):
+        tree = tree[key]
+    return tree
 
 
 class Engine(SlotsMixin, SessionsMixin):
@@ -322,8 +333,7 @@ class Engine(SlotsMixin, SessionsMixin):
                 tokens = out[LAST]
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
-        served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
-        check_finite(served, "the served weights")
+        check_finite(self._served_params(), "the served weights")
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -455,10 +465,10 @@ class Engine(SlotsMixin, SessionsMixin):
             raise EngineError(f"version={version!r} is invalid: an integer greater than the "
                               f"current version {self.version}, at most {INT64_MAX}",
                               "version")  # fmt: skip
-        model = nnx.merge(self._graphdef, self._state)
         # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
         # non-finite checkpoint is refused and the served weights stay as they are.
-        params = await asyncio.to_thread(load_params, path, model, require_manifest=True)
+        params = await asyncio.to_thread(load_params_like, path, self.model_cfg,
+                                         self._served_params(), require_manifest=True)  # fmt: skip
         return self.install_params(params, version)
 
     def install_params(self, params: dict, version: int) -> int:
@@ -468,7 +478,7 @@ class Engine(SlotsMixin, SessionsMixin):
         if version <= self.version:  # another load won the race while this one read
             raise EngineError(f"version {version} is no longer newer than {self.version}",
                               "version")  # fmt: skip
-        served = nnx.to_pure_dict(nnx.state(nnx.merge(self._graphdef, self._state), nnx.Param))
+        served = self._served_params()
 
         def place(new, old):
             if tuple(new.shape) != tuple(old.shape):
@@ -478,10 +488,26 @@ class Engine(SlotsMixin, SessionsMixin):
 
         params = jax.tree.map(place, params, served)
         # A fresh State (new Variable objects): a step running right now keeps the old one.
-        state = jax.tree.map(lambda x: x, self._state)
-        nnx.replace_by_pure_dict(state, params)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(self._state)
+        state = jax.tree_util.tree_unflatten(treedef, [_at(params, p) for p, _ in leaves])
         self._state, self.version = state, version
         return version
+
+    def _served_params(self) -> dict:
+        """The served parameters as a pure dict (`nnx.to_pure_dict` layout; the state holds
+        only Params), built from the pytree paths. Not with `nnx.merge`, `State.filter`,
+        `nnx.to_pure_dict` or `nnx.replace_by_pure_dict`: each leaves a reference cycle
+        behind (flax 0.12's recursive flattening closure), which keeps a replaced version's
+        arrays, and on a CPU device the host buffers they alias (`rl.model.zarr_read`),
+        alive until the cyclic GC happens to run."""
+        out: dict = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(self._state)[0]:
+            *parents, last = _dict_keys(path)
+            node = out
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = x
+        return out
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""

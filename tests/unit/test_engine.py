@@ -9,6 +9,8 @@ make every equality below hold vacuously.
 
 import asyncio
 import dataclasses
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -572,6 +574,23 @@ async def test_hot_weight_reload(engine, tmp_path):
     await engine.load_weights(tmp_path / "v2", v0 + 2)
     (restored,) = await gen(engine, p, greedy(16))
     assert restored.token_ids == before.token_ids
+
+
+async def test_a_replaced_version_is_freed_at_once_not_by_the_cyclic_gc(engine, tmp_path):
+    """Reloading leaves no reference cycle holding the replaced weights: a server that
+    publishes every step would otherwise hold versions (and, on a CPU device, the host
+    buffers they alias) until the cyclic GC happens to run."""
+    save_params(OTHER, tmp_path / "other")
+    save_params(BASE, tmp_path / "base")
+    gc.collect()
+    gc.disable()
+    try:
+        await engine.load_weights(tmp_path / "other", engine.version + 1)
+        replaced = [weakref.ref(x) for x in jax.tree.leaves(engine._state)]
+        await engine.load_weights(tmp_path / "base", engine.version + 1)  # back to BASE
+        assert [r for r in replaced if r() is not None] == []
+    finally:
+        gc.enable()
 
 
 # ----- validation -------------------------------------------------------------------------------
