@@ -157,18 +157,25 @@ class FakeModelRunner:
         return self.state_leaves is not self.served_leaves
 
     def params(self) -> dict:
-        """The runner's parameters as the engine's `nnx.to_pure_dict` tree (layers stacked)."""
-        import jax.numpy as jnp
+        """The runner's parameters as the engine's `nnx.to_pure_dict` tree (layers stacked,
+        on the host: one copy into reused memory, where a device stack dispatches op by
+        op into fresh memory)."""
+        import numpy as np
         from flax import nnx
 
         from rl.model.hf_io import tensor_table
+        from rl.model.zarr_read import host_array
 
         flat = {path: var.get_value() for path, var in nnx.to_flat_state(self.state)}
         out: dict = {}
         for t in tensor_table(self.cfg):
             layers = range(self.cfg.num_layers) if t.per_layer else [None]
             values = [flat[_runner_path(t.hf_name.format(i=i))] for i in layers]
-            _put(out, t.path, jnp.stack(values) if t.per_layer else values[0])
+            if t.per_layer:
+                stacked = host_array((len(values), *values[0].shape), values[0].dtype)
+                _put(out, t.path, np.stack([np.asarray(v) for v in values], out=stacked))
+            else:
+                _put(out, t.path, values[0])
         return out
 
 
