@@ -29,6 +29,7 @@ from rl.model.integrity import (
     MANIFEST,
     check_finite,
     check_layout,
+    still_unchanged,
     verify_contents,
     write_manifest,
 )
@@ -92,6 +93,7 @@ def read_verified(path: Path, read: Callable[[], Any], layout: dict | None) -> A
             return read()
         finally:
             hashed.result()
+            still_unchanged(layout, layout["unchanged"])  # what was not hashed, read as was
 
 
 def _fitted(path: Path, arrays: dict, target: Any) -> Any:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rl.model.integrity import CheckpointError, verify_contents
+from rl.model.integrity import CheckpointError, still_unchanged, verify_contents
 
 ZARRAY = ".zarray"
 _BLOCK = 8 << 20  # bytes per read + hash update: big enough that hashlib drops the GIL
@@ -135,18 +135,20 @@ def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return _BUFFERS.take(tuple(shape), np.dtype(dtype))
 
 
-def _read_hashed(file: Path, into: memoryview) -> str:
-    """Fill `into` with `file`'s bytes (exactly as many) and return their sha256."""
-    h = hashlib.sha256()
+def _read_hashed(file: Path, into: memoryview, *, hashed: bool = True) -> str | None:
+    """Fill `into` with `file`'s bytes (exactly as many) and return their sha256 (None
+    unless `hashed`)."""
+    h = hashlib.sha256() if hashed else None
     with file.open("rb", buffering=0) as f:
         done = 0
         while done < len(into):
             got = f.readinto(into[done : done + _BLOCK])
             if not got:
                 raise CheckpointError(f"{file} ended after {done} of {len(into)} bytes")
-            h.update(into[done : done + got])
+            if h is not None:
+                h.update(into[done : done + got])
             done += got
-    return h.hexdigest()
+    return None if h is None else h.hexdigest()
 
 
 def read_arrays(params_dir: Path, layout: dict | None) -> dict[str, np.ndarray] | None:
@@ -154,24 +156,33 @@ def read_arrays(params_dir: Path, layout: dict | None) -> dict[str, np.ndarray] 
     name), as host arrays of the stored dtype, or None when any of them is laid out
     otherwise than `save_params` writes. `layout` (`integrity.check_layout` of the
     checkpoint directory above `params_dir`, or None: nothing to verify) has every file
-    checked: the chunk files by the hash of the bytes read, the rest hashed apart. Raises
-    CheckpointError on a mismatch; nothing read is returned unless all files match."""
+    checked: the chunk files by the hash of the bytes read, the rest hashed apart, except
+    those unchanged since their manifest hashed them (`integrity`), whose identity is checked
+    again once read. Raises CheckpointError on a mismatch; nothing read is returned unless
+    all files match."""
     names = sorted(d.name for d in params_dir.iterdir() if (d / ZARRAY).is_file())
     plans = {name: _plan(params_dir / name) for name in names}
     if not plans or any(p is None for p in plans.values()):
         return None
+    root = None if layout is None else layout["where"].absolute()
+    rel = {file: file.absolute().relative_to(root).as_posix() if root else None
+           for plan in plans.values() for _, file in plan.files}  # fmt: skip
+    unchanged = set() if layout is None else layout["unchanged"]
     out, jobs = {}, []
     for name, plan in plans.items():
         out[name] = _BUFFERS.take(plan.shape, plan.dtype)
         whole = plan.chunk == plan.shape
         jobs += [(name, where, file, whole) for where, file in plan.files]
 
-    def read(job) -> tuple[Path, str]:
+    def read(job) -> tuple[Path, str | None]:
         name, where, file, whole = job
+        # Nothing to verify, or the very bytes hashed when the manifest was written.
+        hashed = layout is not None and rel[file] not in unchanged
         if whole:  # the chunk is the array: read straight into it
-            return file, _read_hashed(file, memoryview(out[name].reshape(-1).view(np.uint8)))
+            into = memoryview(out[name].reshape(-1).view(np.uint8))
+            return file, _read_hashed(file, into, hashed=hashed)
         buf = np.empty(plans[name].chunk, out[name].dtype)
-        digest = _read_hashed(file, memoryview(buf.reshape(-1).view(np.uint8)))
+        digest = _read_hashed(file, memoryview(buf.reshape(-1).view(np.uint8)), hashed=hashed)
         out[name][where] = buf[tuple(slice(0, s.stop - s.start) for s in where)]
         return file, digest
 
@@ -179,9 +190,9 @@ def read_arrays(params_dir: Path, layout: dict | None) -> dict[str, np.ndarray] 
     with ThreadPoolExecutor(workers, thread_name_prefix="zarr-read") as pool:
         digests = dict(pool.map(read, jobs))
     if layout is not None:
-        root = layout["where"].absolute()
-        known = {file.absolute().relative_to(root).as_posix(): d for file, d in digests.items()}
+        known = {rel[file]: d for file, d in digests.items() if d is not None}
         verify_contents(layout["where"], layout, known=known)
+        still_unchanged(layout, [rel[f] for f, d in digests.items() if d is None])
     _BUFFERS.trim(keep=sum(a.nbytes + _ALIGN for a in out.values()))
     return out
 

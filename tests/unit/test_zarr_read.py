@@ -6,6 +6,7 @@ back to Orbax; and a damaged file is refused whichever file it is."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from flax import nnx
 
 from rl.model import Qwen3, zarr_read
 from rl.model.config import tiny
-from rl.model.integrity import CheckpointError, check_layout, write_manifest
+from rl.model.integrity import VERIFY_ENV, CheckpointError, check_layout, write_manifest
 from rl.model.params_io import PARAMS_DIR, load_params, save_params
 from rl.model.sharding import MeshConfig, make_mesh, shard_model
 from rl.model.zarr_read import host_array, nested, read_arrays
@@ -211,3 +212,91 @@ def test_buffers_are_reused_only_once_nothing_refers_to_them(saved, tmp_path):
     assert len(pool._raw) == allocated
     fresh = host_array((3, 5), np.float32)
     assert fresh.ctypes.data % 64 == 0 and fresh.shape == (3, 5)
+
+
+def _reseal(path: Path) -> None:
+    """A fresh manifest, written once the filesystem's clock has moved past every file's
+    ctime (a probe's ctime, not a sleep), so that each file's identity is recorded."""
+    newest = max(p.stat().st_ctime_ns for p in path.rglob("*") if p.is_file())
+    probe = path.parent / f".{path.name}.probe"
+    while True:
+        probe.write_bytes(b"")
+        if probe.stat().st_ctime_ns > newest:
+            break
+    probe.unlink()
+    (path / "manifest.json").unlink()
+    write_manifest(path)
+
+
+def _hashed_reads(monkeypatch) -> list[tuple[str, bool]]:
+    """(file name, whether hashed) of every chunk file `read_arrays` reads from now on."""
+    reads, real = [], zarr_read._read_hashed
+
+    def spy(file, into, *, hashed=True):
+        reads.append((f"{file.parent.name}/{file.name}", hashed))
+        return real(file, into, hashed=hashed)
+
+    monkeypatch.setattr(zarr_read, "_read_hashed", spy)
+    return reads
+
+
+def test_files_unchanged_since_sealed_on_this_machine_are_not_hashed_again(
+    saved, tmp_path, monkeypatch
+):
+    path = tmp_path / "sealed"
+    shutil.copytree(saved[0], path)
+    _reseal(path)
+    model = saved[1]
+    layout = check_layout(path)
+    assert "params/embed/0.0" in layout["unchanged"]  # sealed here, untouched since
+    reads = _hashed_reads(monkeypatch)
+    _same(load_params(path, _model(seed=1)), _orbax(path, model))
+    assert reads and not any(hashed for _, hashed in reads)
+    reads.clear()
+    monkeypatch.setenv(VERIFY_ENV, "always")
+    assert check_layout(path)["unchanged"] == set()
+    load_params(path, _model(seed=1))
+    assert reads and all(hashed for _, hashed in reads)
+    monkeypatch.delenv(VERIFY_ENV)
+    copy = tmp_path / "copy"  # other inodes: every file hashed, and the copy verifies
+    shutil.copytree(path, copy)
+    assert json.loads((copy / "manifest.json").read_text())["files"]["params/embed/0.0"]["identity"]
+    assert check_layout(copy)["unchanged"] == set()
+    _same(load_params(copy, _model(seed=1)), _orbax(path, model))
+
+
+def test_a_change_that_restores_size_and_mtime_is_still_caught(saved, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(saved[0], bad)
+    _reseal(bad)  # sealed on this machine: identities recorded
+    assert "params/embed/0.0" in check_layout(bad)["unchanged"]
+    chunk = bad / PARAMS_DIR / "embed" / "0.0"
+    st = chunk.stat()
+    _flip(chunk)
+    os.utime(chunk, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back; ctime moved on
+    assert chunk.stat().st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(CheckpointError, match="params/embed/0.0 does not match its sha256"):
+        load_params(bad, _model(), require_manifest=True)
+    replaced = bad / PARAMS_DIR / "embed" / "replacement"  # another inode, same bytes
+    shutil.copyfile(chunk, replaced)
+    os.replace(replaced, chunk)
+    with pytest.raises(CheckpointError, match="params/embed/0.0 does not match its sha256"):
+        read_orbax_params(bad)
+
+
+def test_a_file_changed_while_read_unhashed_is_refused(saved, tmp_path, monkeypatch):
+    racy = tmp_path / "racy"
+    shutil.copytree(saved[0], racy)
+    _reseal(racy)
+    assert "params/embed/0.0" in check_layout(racy)["unchanged"]
+    real = zarr_read._read_hashed
+
+    def read_then_alter(file, into, *, hashed=True):
+        digest = real(file, into, hashed=hashed)
+        if file.parent.name == "embed":
+            _flip(file)  # after its bytes were read, before the read is done
+        return digest
+
+    monkeypatch.setattr(zarr_read, "_read_hashed", read_then_alter)
+    with pytest.raises(CheckpointError, match="params/embed/0.0 changed while read"):
+        load_params(racy, _model(), require_manifest=True)
