@@ -43,6 +43,7 @@ from flax import nnx
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
 from rl.model.params_io import load_params_like
+from rl.model.state_tree import pure_dict, with_values
 from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
@@ -153,17 +154,6 @@ class RequestHandle:
         finally:
             if remaining:
                 self._engine.abort(self.id)
-
-
-def _dict_keys(path: tuple) -> list:
-    """The mapping keys of a state leaf's pytree path (its Variable's `.value` dropped)."""
-    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-
-
-def _at(tree: dict, path: tuple):
-    for key in _dict_keys(path):
-        tree = tree[key]
-    return tree
 
 
 class Engine(SlotsMixin, SessionsMixin):
@@ -488,26 +478,13 @@ class Engine(SlotsMixin, SessionsMixin):
 
         params = jax.tree.map(place, params, served)
         # A fresh State (new Variable objects): a step running right now keeps the old one.
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(self._state)
-        state = jax.tree_util.tree_unflatten(treedef, [_at(params, p) for p, _ in leaves])
-        self._state, self.version = state, version
+        self._state, self.version = with_values(self._state, params), version
         return version
 
     def _served_params(self) -> dict:
-        """The served parameters as a pure dict (`nnx.to_pure_dict` layout; the state holds
-        only Params), built from the pytree paths. Not with `nnx.merge`, `State.filter`,
-        `nnx.to_pure_dict` or `nnx.replace_by_pure_dict`: each leaves a reference cycle
-        behind (flax 0.12's recursive flattening closure), which keeps a replaced version's
-        arrays, and on a CPU device the host buffers they alias (`rl.model.zarr_read`),
-        alive until the cyclic GC happens to run."""
-        out: dict = {}
-        for path, x in jax.tree_util.tree_flatten_with_path(self._state)[0]:
-            *parents, last = _dict_keys(path)
-            node = out
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[last] = x
-        return out
+        """The served parameters as a pure dict (the state holds only Params), without the
+        reference cycles flax's own conversions leave (`rl.model.state_tree`)."""
+        return pure_dict(self._state)
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""

@@ -161,16 +161,18 @@ class FakeModelRunner:
         on the host: one copy into reused memory, where a device stack dispatches op by
         op into fresh memory)."""
         import numpy as np
-        from flax import nnx
 
         from rl.model.hf_io import tensor_table
+        from rl.model.state_tree import pure_dict
         from rl.model.zarr_read import host_array
 
-        flat = {path: var.get_value() for path, var in nnx.to_flat_state(self.state)}
+        tree = pure_dict(self.state)  # no reference cycle keeps replaced leaves alive
         out: dict = {}
         for t in tensor_table(self.cfg):
             layers = range(self.cfg.num_layers) if t.per_layer else [None]
-            values = [flat[_runner_path(t.hf_name.format(i=i))] for i in layers]
+            values = [functools.reduce(lambda node, key: node[key],
+                                       _runner_path(t.hf_name.format(i=i)), tree)
+                      for i in layers]  # fmt: skip
             if t.per_layer:
                 stacked = host_array((len(values), *values[0].shape), values[0].dtype)
                 _put(out, t.path, np.stack([np.asarray(v) for v in values], out=stacked))
