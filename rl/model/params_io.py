@@ -3,10 +3,13 @@
 This is the format trainers export and inference servers hot-load (`/admin/load_weights`):
 
     <dir>/model_config.json   the ModelConfig the params belong to
-    <dir>/params/             Orbax (OCDBT) checkpoint of the parameter tree
+    <dir>/params/             Orbax checkpoint of the parameter tree (zarr v2, uncompressed)
+    <dir>/manifest.json       its seal (`rl.model.integrity`)
 
-Loading restores straight into the placement (shardings) and dtypes of a running model, so a
-server on a sub-mesh never materialises the full tree on one device.
+Loading places each array straight onto the shardings and dtypes of a running model. Within
+one process it reads the chunk files directly (`rl.model.zarr_read`); across processes, or for
+any other layout, Orbax restores onto the sub-mesh, which never gathers the full tree on one
+device.
 """
 
 from __future__ import annotations
