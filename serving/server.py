@@ -477,8 +477,10 @@ class Server:
                 f"are unchanged: {type(e).__name__}: {e}",
                 param="path",
             ) from e
+        load_s = time.perf_counter() - started
+        log.info("serving weights version %d from %s (loaded in %.3f s)", version, path, load_s)
         return web.json_response({"version": self.engine.version, "path": str(path),
-                                  "load_s": round(time.perf_counter() - started, 4)})  # fmt: skip
+                                  "load_s": round(load_s, 4)})  # fmt: skip
 
     async def version(self, request: web.Request) -> web.Response:
         self._authorize(request)

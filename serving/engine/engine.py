@@ -457,8 +457,12 @@ class Engine(SlotsMixin, SessionsMixin):
                               "version")  # fmt: skip
         # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
         # non-finite checkpoint is refused and the served weights stay as they are.
-        params = await asyncio.to_thread(load_params_like, path, self.model_cfg,
-                                         self._served_params(), require_manifest=True)  # fmt: skip
+        # Only shapes, dtypes and shardings go to the reading thread: nothing there can keep
+        # the served arrays alive once they are replaced.
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            self._served_params())  # fmt: skip
+        params = await asyncio.to_thread(load_params_like, path, self.model_cfg, like,
+                                         require_manifest=True)  # fmt: skip
         return self.install_params(params, version)
 
     def install_params(self, params: dict, version: int) -> int:

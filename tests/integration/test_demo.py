@@ -8,6 +8,7 @@ The report is rendered in headless Chromium (Debian's `chromium`; `make test` in
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -288,7 +289,7 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     assert rounds[0]["step"] == 2 and rounds[0]["served_from"] == 3
     assert [r["sim_version"] for r in gates] == [0, 0, 1]
     log = (run / "gated" / "logs" / "simulator-server.log").read_text()
-    assert "weights/sim/v0001/params" in log, log[-2000:]
+    assert re.search(r"serving weights version 1 from \S*/weights/sim/v0001 ", log), log[-2000:]
     shadows = load_trajectories(list((run / "gated" / "trajectories").glob("shadow-*.jsonl")))
     assert shadows and all(t.meta.get("shadow") for t in shadows)
     assert {t.meta["sim_version"] for t in shadows} == {0, 1}  # re-measured on version 1

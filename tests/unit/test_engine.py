@@ -10,6 +10,7 @@ make every equality below hold vacuously.
 import asyncio
 import dataclasses
 import gc
+import sys
 import weakref
 
 import jax
@@ -576,6 +577,19 @@ async def test_hot_weight_reload(engine, tmp_path):
     assert restored.token_ids == before.token_ids
 
 
+def _holders(obj, depth: int = 3) -> list:
+    """What refers to `obj`, a few levels up (types and frames), for a failure message."""
+    out = []
+    for r in gc.get_referrers(obj):
+        if isinstance(r, type(sys._getframe())):
+            out.append(f"frame {r.f_code.co_name} {r.f_code.co_filename}:{r.f_lineno}")
+        elif isinstance(r, list) and any(x is obj for x in r) and len(r) < 100:
+            out.append(f"list[{len(r)}]" + (f" <- {_holders(r, depth - 1)}" if depth else ""))
+        else:
+            out.append(type(r).__name__ + (f" <- {_holders(r, depth - 1)}" if depth else ""))
+    return out[:8]
+
+
 async def test_a_replaced_version_is_freed_at_once_not_by_the_cyclic_gc(engine, tmp_path):
     """Reloading leaves no reference cycle holding the replaced weights: a server that
     publishes every step would otherwise hold versions (and, on a CPU device, the host
@@ -588,7 +602,8 @@ async def test_a_replaced_version_is_freed_at_once_not_by_the_cyclic_gc(engine, 
         await engine.load_weights(tmp_path / "other", engine.version + 1)
         replaced = [weakref.ref(x) for x in jax.tree.leaves(engine._state)]
         await engine.load_weights(tmp_path / "base", engine.version + 1)  # back to BASE
-        assert [r for r in replaced if r() is not None] == []
+        alive = [r() for r in replaced if r() is not None]
+        assert not alive, f"{len(alive)} replaced arrays alive, held by {_holders(alive[0])}"
     finally:
         gc.enable()
 
