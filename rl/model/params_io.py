@@ -99,6 +99,12 @@ def read_verified(path: Path, read: Callable[[], Any], layout: dict | None) -> A
             still_unchanged(layout, layout["unchanged"])  # what was not hashed, read as was
 
 
+def abstract(tree: Any) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs with their shardings: what a load places onto."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)  # fmt: skip
+
+
 def _fitted(path: Path, arrays: dict, target: Any) -> Any:
     """`target`'s tree with each leaf the host array of its dotted name in `arrays`, cast to
     the leaf's dtype (a view when it has it already); ValueError naming what does not fit."""
@@ -164,9 +170,7 @@ def load_params_like(
         )
     if not (path / PARAMS_DIR).is_dir():
         raise FileNotFoundError(f"{path / PARAMS_DIR} not found: not a simloop params checkpoint")
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), served
-    )
+    target = abstract(served)
 
     def restore():
         try:
@@ -185,4 +189,3 @@ def load_params_like(
     check_finite(host, f"weights {path}")  # on the host: cheaper than on a device
     # On a CPU device this aliases the (aligned) host buffers instead of copying them.
     return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host, target)
-    return params

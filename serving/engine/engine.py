@@ -42,7 +42,7 @@ from flax import nnx
 
 from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
-from rl.model.params_io import load_params_like
+from rl.model.params_io import abstract, load_params_like
 from rl.model.state_tree import pure_dict, with_values
 from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
@@ -459,9 +459,8 @@ class Engine(SlotsMixin, SessionsMixin):
         # non-finite checkpoint is refused and the served weights stay as they are.
         # Only shapes, dtypes and shardings go to the reading thread: nothing there can keep
         # the served arrays alive once they are replaced.
-        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                            self._served_params())  # fmt: skip
-        params = await asyncio.to_thread(load_params_like, path, self.model_cfg, like,
+        params = await asyncio.to_thread(load_params_like, path, self.model_cfg,
+                                         abstract(self._served_params()),
                                          require_manifest=True)  # fmt: skip
         return self.install_params(params, version)
 
