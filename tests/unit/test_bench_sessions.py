@@ -2,6 +2,7 @@
 stateless peer (prefix reuse on) and true re-prefill, the KV each compaction mode holds, rows
 in the common JSON shape."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_quick_run_writes_rows_against_both_peers(quick):
         mine = [r for r in rows if r["measure"].endswith(vs)]
         assert [(m["measure"].split(" (")[0].split(",")[0], m["unit"]) for m in mine] == [
             ("per-turn latency", "ms"), ("per-turn latency", "ms"),
-            (f"latency drift: last turns / turns 2-8 {vs}", "x"),
+            (f"latency drift without compaction: last turns / turns 2-8 {vs}", "x"),
             ("latency drift added by sessions: ours / the peer's", "x"),
             ("tokens prefilled", "tokens"), ("tokens prefilled beyond those appended", "tokens"),
             ("wall time", "s"),
@@ -42,11 +43,17 @@ def test_quick_run_writes_rows_against_both_peers(quick):
         assert all(m["peer"] > 0 for m in mine)
         assert all(m["ratio_of"] == "peer/ours" for m in mine if m is not added)
     by = {r["measure"]: r for r in rows}
-    drift = by[f"latency drift: last turns / turns 2-8 {PEERS[0]}"]
-    assert drift["target"] == "<= 1.2" and drift["ours"] > 0
+    # Without compaction the KV grows every turn, and so does attention over it: no target.
+    drift = by[f"latency drift without compaction: last turns / turns 2-8 {PEERS[0]}"]
+    assert drift["target"] is None and drift["ours"] > 0
+    # markovian holds the same KV from turn 2 on: its latency must stay flat.
+    flat = by["latency drift: markovian vs none"]
+    assert flat["target"] == "<= 1.2" and flat["peer"] == drift["ours"]
+    assert by["latency drift: budget vs none"]["target"] is None
     d = quick["detail"]
     assert (d["episodes"], d["turns"], d["obs_tokens"], d["reply_tokens"]) == (2, 8, 64, 8)
     for mode in ("session", "stateless", "reprefill"):
+        assert d[mode]["drift_by_run"] == [d[mode]["drift"]]  # --quick: one round
         assert len(d[mode]["turn_ms"]) == len(d[mode]["turn_prefilled"]) == 8
         assert all(ms > 0 for ms in d[mode]["turn_ms"])
 
@@ -78,6 +85,9 @@ def test_each_compaction_mode_holds_less_kv_than_none(quick):
     assert full == 8 * (64 + 8) - 1  # every appended and generated token but the last
     # markovian: the prompt (turn 1's observation) and the last turn only
     assert d["session:markovian"]["kv_last"] == 64 + 8 + 64 + 7
+    # ... from the second turn on, so its turns all hold the same KV (what keeps them flat)
+    assert d["session:markovian"]["turn_kv"][1:] == [64 + 8 + 64 + 7] * 7
+    assert d["session"]["turn_kv"] == [72 * t - 1 for t in range(1, 9)]
     # turn: older turns thinned to half; budget: never more than a quarter of the episode
     assert full / 2 < d["session:turn"]["kv_last"] < full
     assert d["session:budget"]["kv_max"] <= 8 * 72 // 4
@@ -85,3 +95,21 @@ def test_each_compaction_mode_holds_less_kv_than_none(quick):
     for mode in ("markovian", "turn", "budget"):
         row = by[f"KV held at the last turn: {mode} vs none"]
         assert row["peer"] == full and row["ratio"] > 1
+
+
+def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # sessions.py imports bench/results.py
+    spec = importlib.util.spec_from_file_location("bench_sessions", REPO / "bench" / "sessions.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    one = {"wall_s": 10.0, "early_ms": 100.0, "late_ms": 150.0, "drift": 1.5, "prefilled": 7,
+           "max_extra_prefill": 1, "turn_ms": [50.0, 100.0], "replies": [[1, 2]]}  # fmt: skip
+    two = one | {"wall_s": 20.0, "early_ms": 300.0, "late_ms": 250.0, "drift": 250 / 300,
+                 "max_extra_prefill": 2, "turn_ms": [150.0, 300.0]}  # fmt: skip
+    got = bench.pooled([one, two])
+    # (150 + 250) / 2 over (100 + 300) / 2: a ratio of the pooled means, not a mean of ratios
+    assert got["drift"] == 200.0 / 200.0 and got["drift_by_run"] == [1.5, 250 / 300]
+    assert (got["early_ms"], got["late_ms"], got["wall_s"]) == (200.0, 200.0, 15.0)
+    assert got["turn_ms"] == [100.0, 200.0] and got["max_extra_prefill"] == 2
+    assert got["prefilled"] == 7 and got["replies_same_every_run"]
+    assert not bench.pooled([one, one | {"replies": [[1, 3]]}])["replies_same_every_run"]
