@@ -2,6 +2,7 @@
 stateless peer (prefix reuse on) and true re-prefill, the KV each compaction mode holds, rows
 in the common JSON shape."""
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -33,7 +34,7 @@ def test_quick_run_writes_rows_against_both_peers(quick):
         assert [(m["measure"].split(" (")[0].split(",")[0], m["unit"]) for m in mine] == [
             ("per-turn latency", "ms"), ("per-turn latency", "ms"),
             (f"latency drift without compaction: last turns / turns 2-8 {vs}", "x"),
-            ("latency drift added by sessions: ours / the peer's", "x"),
+            ("latency added by sessions", "ms"),
             ("tokens prefilled", "tokens"), ("tokens prefilled beyond those appended", "tokens"),
             ("wall time", "s"),
         ]  # fmt: skip
@@ -97,11 +98,16 @@ def test_each_compaction_mode_holds_less_kv_than_none(quick):
         assert row["peer"] == full and row["ratio"] > 1
 
 
-def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(monkeypatch):
+@pytest.fixture
+def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "bench"))  # sessions.py imports bench/results.py
     spec = importlib.util.spec_from_file_location("bench_sessions", REPO / "bench" / "sessions.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(bench):
     one = {"wall_s": 10.0, "early_ms": 100.0, "late_ms": 150.0, "drift": 1.5, "prefilled": 7,
            "max_extra_prefill": 1, "turn_ms": [50.0, 100.0], "replies": [[1, 2]]}  # fmt: skip
     two = one | {"wall_s": 20.0, "early_ms": 300.0, "late_ms": 250.0, "drift": 250 / 300,
@@ -113,3 +119,18 @@ def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(monkeypatch):
     assert got["turn_ms"] == [100.0, 200.0] and got["max_extra_prefill"] == 2
     assert got["prefilled"] == 7 and got["replies_same_every_run"]
     assert not bench.pooled([one, one | {"replies": [[1, 3]]}])["replies_same_every_run"]
+
+
+def test_drift_once_full_starts_at_the_first_turn_within_a_turn_of_the_most_kv(bench):
+    args = argparse.Namespace(obs_tokens=8, reply_tokens=2)  # a turn adds 10 positions
+    # KV fills for 4 turns, then stays between 31 and 40 (within a turn of the most, 40)
+    kv = [9, 19, 29, 31] + [35, 40] * 12
+    ms = [10.0, 20.0, 30.0, 40.0] + [50.0] * 10 + [60.0] * 4 + [75.0] * 10
+    assert bench.drift_once_full({"turn_kv": kv, "turn_ms": ms}, args) == 75.0 / 49.0
+    # (the first window starts at the fourth turn, kv 31 >= 40 - 10: 40 and nine turns of 50)
+    # a KV that grows to the end is never full
+    grows = {"turn_kv": list(range(10, 290, 10)), "turn_ms": ms}
+    assert bench.drift_once_full(grows, args) is None
+    # full from the first turn: counted from turn 2 (turn 1 has no history)
+    flat = {"turn_kv": [40] * 28, "turn_ms": [99.0] + [50.0] * 17 + [60.0] * 10}
+    assert bench.drift_once_full(flat, args) == 60.0 / 50.0
