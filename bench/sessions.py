@@ -37,9 +37,9 @@ to. A turn's cost is its weights plus attention over the keys it holds, and at t
 holds ~50x the keys of turn 2. Per decode step, the KV read is B x T x 2 x n_kv x head_dim per
 layer against the layer's weights (~12 x hidden^2): with the tiny preset (37K weights a layer,
 2 KV heads of 16) at B=8 and T=13,600 the keys are ~190x the weights, and for a 7B Llama (202M
-a layer, 32 KV heads of 128) still ~4x. On 2 CPU
-cores, 8 x 50 turns of 256 tokens go from ~0.2 s per turn over turns 2-11 to ~1-1.5 s over the
-last 10, for sessions and stateless calls alike. (When every step attended over all 16,384
+a layer, 32 KV heads of 128) still ~4x. On 2 CPU cores, 8 x 50 turns of 256 tokens go from
+~0.2 s per turn over turns 2-11 to ~1-1.5 s over the last 10, for sessions and stateless calls
+alike. (When every step attended over all 16,384
 positions at once, every turn cost ~4.5 s whatever it held, and that drift was ~1.04x.) So the
 uncompacted drift carries no target of its own. What sessions themselves could add is checked
 against the stateless peer, whose late turns hold and read the same keys: the sessions' mean
