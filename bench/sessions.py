@@ -221,8 +221,8 @@ def drift_once_full(d: dict, args) -> float | None:
     is within one turn of the most any turn held (from turn 2 on); None where fewer than two
     windows of turns are left from there (a KV that grows to the end is never full)."""
     kv, ms = d["turn_kv"], d["turn_ms"]
-    first = max(1, next(t for t, k in enumerate(kv) if k >= max(kv) - args.obs_tokens
-                        - args.reply_tokens))  # fmt: skip
+    full = max(kv) - (args.obs_tokens + args.reply_tokens)
+    first = max(1, next(t for t, k in enumerate(kv) if k >= full))
     if first + 2 * WINDOW > len(ms):
         return None
     return statistics.fmean(ms[-WINDOW:]) / statistics.fmean(ms[first : first + WINDOW])

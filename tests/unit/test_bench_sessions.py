@@ -123,11 +123,11 @@ def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(bench):
 
 def test_drift_once_full_starts_at_the_first_turn_within_a_turn_of_the_most_kv(bench):
     args = argparse.Namespace(obs_tokens=8, reply_tokens=2)  # a turn adds 10 positions
-    # KV fills for 4 turns, then stays between 31 and 40 (within a turn of the most, 40)
+    # KV fills for 4 turns (the fourth, 31, within a turn of the most, 40), then stays at 35-40
     kv = [9, 19, 29, 31] + [35, 40] * 12
     ms = [10.0, 20.0, 30.0, 40.0] + [50.0] * 10 + [60.0] * 4 + [75.0] * 10
+    # the first window starts at the fourth turn: 40 and nine turns of 50
     assert bench.drift_once_full({"turn_kv": kv, "turn_ms": ms}, args) == 75.0 / 49.0
-    # (the first window starts at the fourth turn, kv 31 >= 40 - 10: 40 and nine turns of 50)
     # a KV that grows to the end is never full
     grows = {"turn_kv": list(range(10, 290, 10)), "turn_ms": ms}
     assert bench.drift_once_full(grows, args) is None
