@@ -24,8 +24,8 @@ class GateConfig:
     confidence: float = 0.9
     """One-sided level of that bound (Wilson score interval on the decayed counts)."""
     real_min: float = 0.1
-    """Share of each unit's groups that still go to the real shell while its gate is open,
-    so its fidelity keeps being measured."""
+    """Share of each unit's groups that still go to the real shell while its gate is open
+    (counted from when it opened), so its fidelity keeps being measured."""
     half_life_steps: float = 8.0
     """Age (in policy versions) at which a shadow measurement counts half: the agent's
     commands drift as it learns, so old measurements say less about the next episode."""

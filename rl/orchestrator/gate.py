@@ -14,7 +14,10 @@ The estimate of a unit is the fraction of exact observations among its measureme
 current simulator version, each weighted `0.5 ** (age / half_life_steps)` (age in policy
 versions); its gate is open while the Wilson lower bound of that fraction (one-sided, level
 `confidence`, on the weighted counts) is at least `threshold`. While it is open a share
-`real_min` of the unit's groups still goes to the real shell, so it keeps being measured.
+`real_min` of the unit's groups still goes to the real shell, so it keeps being measured:
+counted over the groups since the gate last opened (the real groups of a closed spell before
+it say nothing about the version now open), the j-th of them goes real whenever fewer than
+floor(real_min * j) have.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ class _Unit:
     # (policy version when measured, exact observations, observations) of the current sim version
     measurements: list[tuple[int, int, int]] = field(default_factory=list)
     routed: dict[str, int] = field(default_factory=lambda: {SIM: 0, REAL: 0})
+    spell: dict[str, int] | None = None
+    """Groups routed each way since the gate last opened; None while it is closed."""
     rewards: dict[str, list[float]] = field(default_factory=lambda: {SIM: [], REAL: []})
 
 
@@ -130,16 +135,21 @@ class FidelityRouter:
 
     def route(self, task: Task, version: int) -> str:
         """`closed_loop` or `real` for a group of `task` admitted at policy `version`. An
-        open gate sends a group to the real shell whenever the unit's real share would fall
-        below `real_min` otherwise (so exactly that share, deterministically)."""
+        open gate sends the j-th group since it opened to the real shell whenever fewer than
+        floor(`real_min` * j) of them have gone there (so that share, deterministically)."""
         self._advance(version)
         unit = unit_of(task, self.cfg.unit)
         u = self.units[unit]
-        total = u.routed[SIM] + u.routed[REAL]
-        if self.is_open(unit, version) and u.routed[REAL] >= self.cfg.real_min * (total + 1):
-            arm = SIM
+        if not self.is_open(unit, version):
+            u.spell, arm = None, REAL
         else:
-            arm = REAL
+            if u.spell is None:
+                u.spell = {SIM: 0, REAL: 0}
+            j = u.spell[SIM] + u.spell[REAL] + 1
+            # The epsilon: 0.58 * 50 is 28.999999999999996 in floats, and owes 29 groups.
+            owed = math.floor(self.cfg.real_min * j + 1e-9)
+            arm = REAL if u.spell[REAL] < owed else SIM
+            u.spell[arm] += 1
         u.routed[arm] += 1
         self._step_routed[unit][arm] += 1
         return arm

@@ -82,9 +82,11 @@ async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays
         arms.setdefault(kinds[t.task_id], []).append(t.arm)
         assert t.meta["gate_unit"] == kinds[t.task_id]
     assert set(arms["reverse"]) == {"real"}
-    # upper: n_upper real groups so far (the first batch); with real_min 0.25 the next real one
-    # is due when real < 0.25 (total + 1), not before 4 n_upper groups: all go to the simulator.
-    assert set(arms["upper"]) == {"closed_loop"}
+    # upper's gate opened after the first batch: of the groups since, the j-th goes real while
+    # fewer than floor(0.25 j) have (the 4th, the 8th), the rest to the simulator.
+    owed = n_upper // 4
+    assert arms["upper"].count("real") == 2 * owed  # two episodes a group
+    assert arms["upper"].count("closed_loop") == 2 * (n_upper - owed)
     # The simulated upper episodes still succeed: the simulator is exact there.
     assert all(t.reward == 1.0 for t in second if t.arm == "closed_loop")
     await shadow.drain(120.0)
@@ -97,7 +99,8 @@ async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays
     await shadow.drain(120.0)
     assert router.estimate("upper", 0).lower >= 0.75 and router.estimate("reverse", 0).lower == 0
     summary = router.summary()["units"]
-    assert summary["reverse"]["sim_share"] == 0.0 and summary["upper"]["routed_sim"] == n_upper
+    assert summary["reverse"]["sim_share"] == 0.0
+    assert summary["upper"]["routed_sim"] == n_upper - owed
     await shadow.close()
 
 

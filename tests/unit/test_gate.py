@@ -51,11 +51,30 @@ def test_closed_gate_routes_real_and_open_gate_keeps_the_minimum_real_share():
     # 40 of 40 exact: bound 1 / (1 + z^2 / 40) = 0.9606 >= 0.8, open.
     router.record("count", 40, 40, sim_version=0, step=1)
     assert router.is_open("count", 1)
-    # 3 real of 3 so far; with real_min 0.25 a group goes real when real < 0.25 (total + 1):
-    # totals 3..8 -> 3 >= 1, 1.25, ..., 2.25: sim; at total 11, 3 < 3.0 is false; 12: 3 < 3.25.
+    # The share is counted from the opening on (the 3 real groups before it do not count):
+    # the j-th group goes real while fewer than floor(0.25 j) have, so j = 4 and j = 8.
     arms = [router.route(_task("count"), 1) for _ in range(10)]
-    assert arms == ["closed_loop"] * 9 + ["real"]
-    assert router.units["count"].routed == {"closed_loop": 9, "real": 4}
+    assert (
+        arms
+        == ["closed_loop"] * 3 + ["real"] + ["closed_loop"] * 3 + ["real"] + ["closed_loop"] * 2
+    )
+    assert router.units["count"].routed == {"closed_loop": 8, "real": 5}
+    # A new simulator version closes the gate; when it opens again the count starts over.
+    router.set_sim_version(1, policy_version=2)
+    assert router.route(_task("count"), 2) == "real"
+    router.record("count", 40, 40, sim_version=1, step=2)
+    arms = [router.route(_task("count"), 2) for _ in range(4)]
+    assert arms == ["closed_loop"] * 3 + ["real"]
+    # real_min 0.1 over 30 groups: the 10th, 20th and 30th go real.
+    tenth = FidelityRouter(GateConfig(threshold=0.8, confidence=0.9, real_min=0.1))
+    tenth.record("sort", 40, 40, sim_version=0, step=1)
+    arms = [tenth.route(_task("sort"), 1) for _ in range(30)]
+    assert [j + 1 for j, a in enumerate(arms) if a == "real"] == [10, 20, 30]
+    # 0.58 * 50 is 28.999999999999996 in floats: the 50th group is still the 29th real one.
+    odd = FidelityRouter(GateConfig(threshold=0.8, confidence=0.9, real_min=0.58))
+    odd.record("sort", 40, 40, sim_version=0, step=1)
+    arms = [odd.route(_task("sort"), 1) for _ in range(50)]
+    assert arms.count("real") == 29 and arms[-1] == "real"
     # Another unit is routed on its own measurements (none: real).
     assert router.route(_task("reverse"), 1) == "real"
 
