@@ -43,6 +43,13 @@ def test_estimate_decays_with_age_by_half_lives():
     assert later.fidelity == pytest.approx(1.25 / 3.75)
 
 
+def _routes_of_an_open_gate(*, real_min: float, groups: int) -> list[str]:
+    """The arms of `groups` groups of one unit whose gate is open from the first (40 of 40)."""
+    router = FidelityRouter(GateConfig(threshold=0.8, confidence=0.9, real_min=real_min))
+    router.record("sort", 40, 40, sim_version=0, step=1)
+    return [router.route(_task("sort"), 1) for _ in range(groups)]
+
+
 def test_closed_gate_routes_real_and_open_gate_keeps_the_minimum_real_share():
     cfg = GateConfig(threshold=0.8, confidence=0.9, real_min=0.25)
     router = FidelityRouter(cfg)
@@ -66,14 +73,10 @@ def test_closed_gate_routes_real_and_open_gate_keeps_the_minimum_real_share():
     arms = [router.route(_task("count"), 2) for _ in range(4)]
     assert arms == ["closed_loop"] * 3 + ["real"]
     # real_min 0.1 over 30 groups: the 10th, 20th and 30th go real.
-    tenth = FidelityRouter(GateConfig(threshold=0.8, confidence=0.9, real_min=0.1))
-    tenth.record("sort", 40, 40, sim_version=0, step=1)
-    arms = [tenth.route(_task("sort"), 1) for _ in range(30)]
+    arms = _routes_of_an_open_gate(real_min=0.1, groups=30)
     assert [j + 1 for j, a in enumerate(arms) if a == "real"] == [10, 20, 30]
     # 0.58 * 50 is 28.999999999999996 in floats: the 50th group is still the 29th real one.
-    odd = FidelityRouter(GateConfig(threshold=0.8, confidence=0.9, real_min=0.58))
-    odd.record("sort", 40, 40, sim_version=0, step=1)
-    arms = [odd.route(_task("sort"), 1) for _ in range(50)]
+    arms = _routes_of_an_open_gate(real_min=0.58, groups=50)
     assert arms.count("real") == 29 and arms[-1] == "real"
     # Another unit is routed on its own measurements (none: real).
     assert router.route(_task("reverse"), 1) == "real"
