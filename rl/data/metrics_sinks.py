@@ -106,7 +106,10 @@ class EventFile:
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         now = time.time()
-        name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{n}"
+        # Readers (TensorBoard, ours) take a directory's files in name order: the counter is
+        # zero-padded so that the 10th file opened within a second sorts after the 9th.
+        name = (f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}."
+                f"{n:06d}")  # fmt: skip
         self.path = logdir / name
         self._file = self.path.open("ab")
         self._write(Event(wall_time=now, file_version="brain.Event:2"))

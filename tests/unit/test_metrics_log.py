@@ -7,6 +7,7 @@ import logging
 import math
 import struct
 import sys
+import time
 import types
 
 import numpy as np
@@ -15,7 +16,7 @@ from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.record_writer import masked_crc32c
 
 from rl.data import metrics_sinks, rundir
-from rl.data.metrics_sinks import flatten
+from rl.data.metrics_sinks import EventFile, flatten
 from rl.data.rundir import MetricsLog
 
 SFT = [{"stage": "sim_sft", "step": 10 * i, "loss": 1 / i, "lr": 0.25} for i in (1, 2, 4)]
@@ -163,6 +164,16 @@ def test_reopening_after_close_adds_one_file(tmp_path, no_wandb):
         (20, 0.5),
         (40, 0.25),
     ]
+
+
+def test_files_opened_within_a_second_sort_in_the_order_they_were_opened(tmp_path, monkeypatch):
+    # The process's 9th and 10th event files, in one second: readers take them by name.
+    monkeypatch.setattr(EventFile, "_opened", 8)
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    first, second = EventFile(tmp_path), EventFile(tmp_path)
+    first.close()
+    second.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.path.name, second.path.name]
 
 
 def test_tensorboard_reads_the_event_files(tmp_path, no_wandb):
