@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rl.model.config import ModelConfig
@@ -99,16 +100,21 @@ def attend(
     also the attention mass each key position received, summed over heads and the valid
     queries: `(out_BTNH, mass_BS)`."""
     b, t, n, h = q_BTNH.shape
-    kv = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(b, t, kv, n // kv, h)
-    scores_BKGTS = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    )
-    scores_BKGTS = scores_BKGTS * (1.0 / jnp.sqrt(jnp.float32(h)))
+    s, kv = k_BSKH.shape[1], k_BSKH.shape[2]
+    g = n // kv
+    # Heads lead and each group's queries stack into one matrix, so both products are plain
+    # batched [G*T, H] x [H, S] matmuls over (B, K); scores in the einsum's natural
+    # BKGTS layout cost twice as long on CPU (tiny, 2 cores: 8.1 -> 4.4 ms per layer).
+    q_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(h), q_BTNH.dtype)  # T*N products, not T*S*N
+    q_BKQH = jnp.transpose(q_BTNH.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, h)
+    k_BKSH = jnp.transpose(k_BSKH, (0, 2, 1, 3))
+    v_BKSH = jnp.transpose(v_BSKH, (0, 2, 1, 3))
+    scores_BKQS = jnp.einsum("BKQH,BKSH->BKQS", q_BKQH, k_BKSH, preferred_element_type=jnp.float32)
+    scores_BKGTS = scores_BKQS.reshape(b, kv, g, t, s)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, NEG_INF)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    out_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH)
-    out_BTNH = out_BTKGH.reshape(b, t, n, h)
+    out_BKQH = jnp.einsum("BKQS,BKSH->BKQH", probs_BKGTS.reshape(b, kv, g * t, s), v_BKSH)
+    out_BTNH = jnp.transpose(out_BKQH.reshape(b, kv, g, t, h), (0, 3, 1, 2, 4)).reshape(b, t, n, h)
     if mass_valid_BT is None:
         return out_BTNH
     mass_BS = jnp.einsum("BKGTS,BT->BS", probs_BKGTS.astype(jnp.float32),
