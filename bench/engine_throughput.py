@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -62,12 +63,26 @@ async def _engine(model, cfg: EngineConfig) -> Engine:
     return engine
 
 
-async def decode_vs_hf(model, prompts, new_tokens, max_seq_len, rounds) -> tuple[float, float]:
+def in_dtype(model, dtype: str):
+    """`model` with its parameters and compute in `dtype` (as `load_hf` makes a bf16
+    checkpoint: every weight rounded to nearest)."""
+    if dtype == model.cfg.dtype == model.cfg.param_dtype:
+        return model
+    cfg = dataclasses.replace(model.cfg, param_dtype=dtype, dtype=dtype)
+    out = Qwen3(cfg, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    nnx.update(out, jax.tree.map(lambda x: x.astype(dtype), state))
+    return out
+
+
+async def decode_vs_hf(
+    model, prompts, new_tokens, max_seq_len, rounds, dtype="float32"
+) -> tuple[float, float]:
     """(engine seconds, HF `generate` seconds), each the fastest of `rounds` for every prompt
-    generating `new_tokens` at once. The two take turns, round after round (the engine idles
-    while HF runs), so a slow spell of the machine falls on both alike."""
-    engine = await _engine(model, decode_config(len(prompts), max_seq_len))
-    hf_run = hf_decode(model, prompts, new_tokens)
+    generating `new_tokens` at once, both in `dtype`. The two take turns, round after round
+    (the engine idles while HF runs), so a slow spell of the machine falls on both alike."""
+    engine = await _engine(in_dtype(model, dtype), decode_config(len(prompts), max_seq_len))
+    hf_run = hf_decode(model, prompts, new_tokens, dtype)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     best = [float("inf"), float("inf")]
     for r in range(rounds + 1):  # round 0 warms both paths
@@ -83,9 +98,11 @@ async def decode_vs_hf(model, prompts, new_tokens, max_seq_len, rounds) -> tuple
     return best[0], best[1]
 
 
-def decode_key(size: str) -> str:
-    """The key of a size's decode-vs-HF numbers in the JSON detail ("decode" for tiny)."""
-    return "decode" if size == "tiny" else f"decode_{size}"
+def decode_key(size: str, dtype: str = "float32") -> str:
+    """The key of a size's decode-vs-HF numbers in the JSON detail ("decode" for tiny in
+    float32, "decode_50m", "decode_50m_bfloat16", ...)."""
+    key = "decode" if size == "tiny" else f"decode_{size}"
+    return key if dtype == "float32" else f"{key}_{dtype}"
 
 
 def decode_config(n: int, max_seq_len: int, **kw) -> EngineConfig:
@@ -143,15 +160,15 @@ def _best_of(fn) -> float:
     return min(times)
 
 
-def hf_decode(model, prompts, new_tokens):
-    """HF transformers' greedy `generate` of the same weights (torch CPU, KV cache): a function
-    that runs it once."""
+def hf_decode(model, prompts, new_tokens, dtype="float32"):
+    """HF transformers' greedy `generate` of the same weights in `dtype` (torch CPU, KV
+    cache): a function that runs it once."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model.cfg, model, Path(tmp))
-        hf = Qwen3ForCausalLM.from_pretrained(tmp).float().eval()
+        hf = Qwen3ForCausalLM.from_pretrained(tmp).to(getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
 
     def run():
@@ -208,6 +225,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
                         help="model sizes of the decode-vs-HF rows (default: all; --quick: "
                              "tiny); the other rows run the tiny model")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        default=["float32"],
+                        help="weights and compute of the decode-vs-HF rows, both sides alike "
+                             "(bfloat16: what `load_hf` serves of a bf16 checkpoint)")  # fmt: skip
     add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
@@ -229,16 +250,17 @@ def main() -> None:
     # quick: the 256 positions every other quick engine holds (one compiled shape)
     decode_len = 256 if q else prompt_len + new_tokens
     results = {}
-    for size in args.sizes:
+    decode_rows = [(size, dtype) for size in args.sizes for dtype in args.dtypes]
+    for size, dtype in decode_rows:
         sized = model if size == "tiny" else Qwen3(SIZES[size], rngs=nnx.Rngs(0))
-        with console.status(f"decode {size}: engine and transformers generate, in turn"):
+        with console.status(f"decode {size} {dtype}: engine and transformers generate, in turn"):
             t_engine, t_hf = asyncio.run(decode_vs_hf(sized, prompts, new_tokens, decode_len,
-                                                      REPEATS if q else 7))  # fmt: skip
-        results[decode_key(size)] = dict(
+                                                      REPEATS if q else 7, dtype))  # fmt: skip
+        results[decode_key(size, dtype)] = dict(
             engine_tok_s=toks / t_engine, hf_tok_s=toks / t_hf,
-            params_m=sized.cfg.num_params() / 1e6,
+            params_m=sized.cfg.num_params() / 1e6, dtype=dtype,
         )  # fmt: skip
-    if "tiny" in args.sizes:
+    if "tiny" in args.sizes and "float32" in args.dtypes:
         with console.status("decode: no KV cache"):
             t_nocache = no_cache_decode(model, prompts, new_tokens)
         results["decode"]["no_cache_tok_s"] = toks / t_nocache
@@ -271,12 +293,12 @@ def main() -> None:
                               in_turn_tok_s=batch * ahead_new / t_turn)  # fmt: skip
 
     rows = []
-    for size in args.sizes:
-        d = results[decode_key(size)]
-        rows.append(Row(f"decode vs HF generate, {size} ({d['params_m']:.1f}M) B={batch} "
-                        f"+{new_tokens}", d["engine_tok_s"], d["hf_tok_s"], "tokens/s",
+    for size, dtype in decode_rows:
+        d = results[decode_key(size, dtype)]
+        rows.append(Row(f"decode vs HF generate, {size} ({d['params_m']:.1f}M) {dtype} "
+                        f"B={batch} +{new_tokens}", d["engine_tok_s"], d["hf_tok_s"], "tokens/s",
                         ">= 5x" if size == "tiny" else ">= 2x"))  # fmt: skip
-    if "tiny" in args.sizes:
+    if "tiny" in args.sizes and "float32" in args.dtypes:
         rows.append(Row("decode vs our model without KV cache, tiny",
                         results["decode"]["engine_tok_s"], results["decode"]["no_cache_tok_s"],
                         "tokens/s"))  # fmt: skip

@@ -70,6 +70,16 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
+def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(spec, x, w)` accumulated in float32 and returned in x's dtype: the same as a
+    plain einsum in float32; in bfloat16 it is both more exact and, on CPU, the fast path
+    (XLA's bf16 x bf16 -> bf16 dot is as slow as float32, the float32-accumulating one reads
+    half the bytes: 48 decode-shaped matmuls at 50M, 2 cores: 31.3 vs 14.7 ms, f32 33.5 ms)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(
+        x.dtype
+    )
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -83,7 +93,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.compute_dtype
         x_BTD = x_BTD.astype(dt)
-        gate_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.gate.get_value().astype(dt))
-        up_BTF = jnp.einsum("BTD,DF->BTF", x_BTD, self.up.get_value().astype(dt))
+        gate_BTF = project("BTD,DF->BTF", x_BTD, self.gate.get_value())
+        up_BTF = project("BTD,DF->BTF", x_BTD, self.up.get_value())
         h_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"))
-        return jnp.einsum("BTF,FD->BTD", h_BTF, self.down.get_value().astype(dt))
+        return project("BTF,FD->BTD", h_BTF, self.down.get_value())

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from rl.model.config import ModelConfig
-from rl.model.layers import MLP, RMSNorm, dtype_of, param, rope
+from rl.model.layers import MLP, RMSNorm, dtype_of, param, project, rope
 from rl.model.sharding import constrain
 
 NEG_INF = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
@@ -279,7 +279,7 @@ class Attention(nnx.Module):
 
     def _project(self, x_BTD: jax.Array, w: nnx.Param, b: nnx.Param | None) -> jax.Array:
         dt = x_BTD.dtype
-        y = jnp.einsum("BTD,DNH->BTNH", x_BTD, w.get_value().astype(dt))
+        y = project("BTD,DNH->BTNH", x_BTD, w.get_value())
         return y if b is None else y + b.get_value().astype(dt)
 
     def qkv(self, x_BTD: jax.Array, positions_BT: jax.Array):
@@ -295,7 +295,7 @@ class Attention(nnx.Module):
 
     def out(self, attn_BTNH: jax.Array) -> jax.Array:
         dt = attn_BTNH.dtype
-        y_BTD = jnp.einsum("BTNH,NHD->BTD", attn_BTNH, self.o.get_value().astype(dt))
+        y_BTD = project("BTNH,NHD->BTD", attn_BTNH, self.o.get_value())
         return y_BTD if self.o_bias is None else y_BTD + self.o_bias.get_value().astype(dt)
 
 
@@ -638,8 +638,8 @@ def jit_decode(model: Qwen3, *, donate_cache: bool = True):
     jitted = jax.jit(decode, donate_argnums=(2,) if donate_cache else ())
 
     def call(tokens_BT, cache, num_new_B=None):
-        if num_new_B is None:
-            num_new_B = jnp.full((tokens_BT.shape[0],), tokens_BT.shape[1], jnp.int32)
+        if num_new_B is None:  # numpy: an eager jnp.full costs more than a tiny model's step
+            num_new_B = np.full((tokens_BT.shape[0],), tokens_BT.shape[1], np.int32)
         return jitted(state, tokens_BT, cache, num_new_B)
 
     return call

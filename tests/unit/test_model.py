@@ -152,6 +152,32 @@ def test_param_count_matches_config_formula():
         assert total == cfg.num_params()
 
 
+def test_bfloat16_projection_accumulates_in_float32_and_rounds_once():
+    """`project` in bf16: the exact float32 product of the bf16 inputs, rounded once to bf16.
+    The float32 sum of D = 2048 products of bf16 numbers (8-bit significands: each product
+    is exact in f32) differs from the exact one by at most D * 2**-24 relative to the sum of
+    |terms|, far below bf16's half-ulp (2**-9 relative), so the result is the reference's
+    rounding or, at a rounding boundary, its neighbour: within one bf16 ulp (2**-7 relative
+    to the value's leading power of two; the bound below adds the f32 error for the
+    cancelling sums). Partial sums of 64 terms rounded to bf16 miss these by ~300 ulps."""
+    from rl.model.layers import project
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 2048)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((2048, 64)) / 45, jnp.bfloat16)
+    y = project("BTD,DF->BTF", x, w)
+    assert y.dtype == jnp.bfloat16
+    x32, w32 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = np.einsum("btd,df->btf", x32, w32)
+    magnitude = np.einsum("btd,df->btf", np.abs(x32), np.abs(w32))
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact))) - 7)
+    err = np.abs(np.asarray(y, np.float64) - exact)
+    assert np.all(err <= ulp + 2048 * 2.0**-24 * magnitude), float((err / ulp).max())
+    # float32 inputs: exactly the plain einsum
+    x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+    np.testing.assert_array_equal(project("BTD,DF->BTF", x, w), jnp.einsum("BTD,DF->BTF", x, w))
+
+
 def test_blocked_causal_attention_equals_plain_attention():
     """Training attention skips the scores above the causal diagonal block by block: the same
     as `attend` over the same keys. Bound: an output is a weighted mean of values in [-1, 1]
