@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from rich.console import Console
 from launch.compile_cache import enable_compile_cache
 from launch.config.schema import RunConfig
 from rl.data import ByteTokenizer
-from rl.model import Qwen3, jit_forward, save_hf
+from rl.model import Qwen3, jit_forward, save_hf, with_dtype
 from serving.engine import Engine, EngineConfig, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -63,25 +62,13 @@ async def _engine(model, cfg: EngineConfig) -> Engine:
     return engine
 
 
-def in_dtype(model, dtype: str):
-    """`model` with its parameters and compute in `dtype` (as `load_hf` makes a bf16
-    checkpoint: every weight rounded to nearest)."""
-    if dtype == model.cfg.dtype == model.cfg.param_dtype:
-        return model
-    cfg = dataclasses.replace(model.cfg, param_dtype=dtype, dtype=dtype)
-    out = Qwen3(cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    nnx.update(out, jax.tree.map(lambda x: x.astype(dtype), state))
-    return out
-
-
 async def decode_vs_hf(
     model, prompts, new_tokens, max_seq_len, rounds, dtype="float32"
 ) -> tuple[float, float]:
     """(engine seconds, HF `generate` seconds), each the fastest of `rounds` for every prompt
     generating `new_tokens` at once, both in `dtype`. The two take turns, round after round
     (the engine idles while HF runs), so a slow spell of the machine falls on both alike."""
-    engine = await _engine(in_dtype(model, dtype), decode_config(len(prompts), max_seq_len))
+    engine = await _engine(with_dtype(model, dtype), decode_config(len(prompts), max_seq_len))
     hf_run = hf_decode(model, prompts, new_tokens, dtype)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     best = [float("inf"), float("inf")]

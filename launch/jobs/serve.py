@@ -2,6 +2,7 @@
 
     simloop serve --preset tiny --port 8000                 # random tiny weights, byte tokenizer
     simloop serve --model /models/Qwen3-0.6B --max-tokens-cap 512
+    simloop serve --model /models/Qwen3-0.6B --dtype float32  # a bf16 checkpoint, fast on CPU
     SIMLOOP_ADMIN_TOKEN=$TOKEN simloop serve --config configs/demo_cpu.yaml --role simulator \\
         --checkpoint-root runs/demo/checkpoints
 
@@ -55,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, help="clamp every request's max_tokens")
     p.add_argument("--num-slots", type=int, help="sequences decoded together")
     p.add_argument("--max-seq-len", type=int, help="context per sequence")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="weights and compute (default: the checkpoint's or the config's; on "
+                        "CPU float32 decodes faster, see rl.model.with_dtype)")  # fmt: skip
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -94,7 +98,15 @@ def _read_token_file(path: str) -> str:
 
 
 def build_model(args: argparse.Namespace, cfg: SimloopConfig):
-    """-> (model, tokenizer, name) per --model / --preset / the config's role."""
+    """-> (model, tokenizer, name) per --model / --preset / the config's role, in --dtype."""
+    from rl.model import with_dtype
+
+    model, tokenizer, name = _source_model(args, cfg)
+    dtype = getattr(args, "dtype", None)
+    return (model if dtype is None else with_dtype(model, dtype)), tokenizer, name
+
+
+def _source_model(args: argparse.Namespace, cfg: SimloopConfig):
     from flax import nnx
 
     from rl.data.tokenizer import ByteTokenizer, hf_dir_tokenizer, load_tokenizer
@@ -102,7 +114,7 @@ def build_model(args: argparse.Namespace, cfg: SimloopConfig):
 
     role = getattr(cfg, cfg.serve.role)
     if args.model:
-        _, model = load_hf(args.model)
+        _, model = load_hf(args.model, dtype=getattr(args, "dtype", None))
         return model, hf_dir_tokenizer(args.model), Path(args.model).name
     if args.preset:
         model = Qwen3(preset(args.preset), rngs=nnx.Rngs(cfg.run.seed))

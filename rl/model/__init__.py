@@ -25,6 +25,7 @@ _EXPORTS = {
     "KVCache": "rl.model.transformer",
     "jit_forward": "rl.model.transformer",
     "jit_decode": "rl.model.transformer",
+    "with_dtype": "rl.model.transformer",
     "load_hf": "rl.model.hf_io",
     "save_hf": "rl.model.hf_io",
     "make_mesh": "rl.model.sharding",

@@ -643,3 +643,18 @@ def jit_decode(model: Qwen3, *, donate_cache: bool = True):
         return jitted(state, tokens_BT, cache, num_new_B)
 
     return call
+
+
+def with_dtype(model: Qwen3, dtype: str) -> Qwen3:
+    """`model` with parameters and compute in `dtype` ("float32" / "bfloat16"; every weight
+    rounded to nearest, as `load_hf(..., dtype=)` reads a checkpoint): `model` itself when it
+    already is. On CPU, serve float32: XLA's CPU backend converts bfloat16 operands of while
+    loops (the stacked layers of the layer scan, the KV cache) to float32 on every call, so a
+    bf16 decode step of the 50M bench model takes ~3.5x as long as a float32 one."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype {dtype!r} is not supported: float32 or bfloat16")
+    if dtype == model.cfg.dtype == model.cfg.param_dtype:
+        return model
+    out = Qwen3(dataclasses.replace(model.cfg, param_dtype=dtype, dtype=dtype), rngs=nnx.Rngs(0))
+    nnx.update(out, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
+    return out

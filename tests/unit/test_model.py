@@ -241,3 +241,30 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     np.testing.assert_allclose(np.where(real, nothing, 0),
                                np.where(real, attend(q, k[:, s:], v[:, s:], own_mask), 0),
                                atol=2 * (own + 16) * 2.0**-24, rtol=0)  # fmt: skip
+
+
+def test_with_dtype_rounds_every_weight_and_serve_dtype_flag_uses_it():
+    import argparse
+
+    from launch.config.schema import SimloopConfig
+    from launch.jobs import serve
+    from rl.model import with_dtype
+
+    model = _model(tiny())
+    assert with_dtype(model, "float32") is model
+    half = with_dtype(model, "bfloat16")
+    assert (half.cfg.param_dtype, half.cfg.dtype) == ("bfloat16", "bfloat16")
+    ours = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for key, var in nnx.to_flat_state(nnx.state(half, nnx.Param)):
+        assert var.get_value().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(var.get_value(),
+                                      ours[key].get_value().astype(jnp.bfloat16))  # fmt: skip
+    with pytest.raises(ValueError, match="'float16' is not supported: float32 or bfloat16"):
+        with_dtype(model, "float16")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    served, _, _ = serve.build_model(parser.parse_args(["--preset", "tiny", "--dtype", "bfloat16"]),
+                                     SimloopConfig())  # fmt: skip
+    assert served.cfg.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--preset", "tiny", "--dtype", "float16"])
