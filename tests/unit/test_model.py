@@ -268,3 +268,31 @@ def test_with_dtype_rounds_every_weight_and_serve_dtype_flag_uses_it():
     assert served.cfg.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--dtype", "float16"])
+
+
+def test_bfloat16_cache_writes_and_embedding_reads_are_exact_on_bit_patterns():
+    """bf16 arrays go through loops, gathers and scatters as uint16 bit patterns (the CPU
+    backend would copy them through float32): every value arrives bit for bit."""
+    from rl.model.transformer import HeldKeys, as_bits, from_bits, write_kv
+
+    cfg = tiny(param_dtype="bfloat16", dtype="bfloat16")
+    model = _model(cfg)
+    tokens = _tokens((2, 5), cfg.vocab_size)
+    table = np.asarray(model.embed.get_value())
+    np.testing.assert_array_equal(np.asarray(jax.jit(model.embed_tokens)(tokens)),
+                                  table[np.asarray(tokens)])  # fmt: skip
+    cache = model.init_cache(3, 16)
+    assert cache.k.dtype == jnp.bfloat16
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    rows, index = jnp.array([2, 0]), jnp.array([[3, 4, 5, 16], [0, 1, 2, 3]])  # 16: dropped
+    out = jax.jit(write_kv)(cache, rows, index, k, v)
+    assert out.k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.k[:, 2, 3:6], k[:, 0, :3])
+    np.testing.assert_array_equal(out.v[:, 0, 0:4], v[:, 1])
+    assert not np.asarray(out.k[:, 1]).any() and not np.asarray(out.k[:, 2, 6:]).any()
+    held = HeldKeys(*as_bits((out.k, out.v)), jnp.int32(1), jnp.array([2, 0]))
+    got_k, got_v = jax.jit(lambda start: held.block(start, 4))(jnp.int32(2))
+    np.testing.assert_array_equal(got_k, out.k[1, jnp.array([2, 0]), 2:6])
+    np.testing.assert_array_equal(from_bits(as_bits(got_v)), out.v[1, jnp.array([2, 0]), 2:6])
