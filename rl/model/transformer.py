@@ -104,7 +104,7 @@ def attend(
     g = n // kv
     # Heads lead and each group's queries stack into one matrix, so both products are plain
     # batched [G*T, H] x [H, S] matmuls over (B, K); scores in the einsum's natural
-    # BKGTS layout cost twice as long on CPU (tiny, 2 cores: 8.1 -> 4.4 ms per layer).
+    # BKGTS layout cost twice as long on CPU (tiny, 2 cores: 8.1 -> 3.6 ms per layer).
     q_BTNH = q_BTNH * jnp.asarray(1.0 / np.sqrt(h), q_BTNH.dtype)  # T*N products, not T*S*N
     q_BKQH = jnp.transpose(q_BTNH.reshape(b, t, kv, g, h), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, h)
     k_BKSH = jnp.transpose(k_BSKH, (0, 2, 1, 3))
@@ -164,10 +164,10 @@ def held_block_size(length: int) -> int:
 
 
 def as_bits(tree):
-    """bfloat16 leaves as their uint16 bit patterns, for the operands of a loop: XLA's CPU
-    backend converts bf16 while-loop operands to float32 and back on every call (a whole KV
-    cache and every stacked weight, each step), and leaves integers alone. `from_bits` undoes
-    it inside the loop, for free (a bitcast)."""
+    """bfloat16 leaves as their uint16 bit patterns, for the operands of loops, gathers and
+    scatters: XLA's CPU backend runs bf16 ones through float32 copies on every call (a whole
+    KV cache and every stacked weight, each step), and leaves integers alone. `from_bits`
+    undoes it where the values are used, for free (a bitcast)."""
     return jax.tree.map(
         lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x,
         tree,
@@ -682,6 +682,7 @@ def with_dtype(model: Qwen3, dtype: str) -> Qwen3:
         raise ValueError(f"dtype {dtype!r} is not supported: float32 or bfloat16")
     if dtype == model.cfg.dtype == model.cfg.param_dtype:
         return model
-    out = Qwen3(dataclasses.replace(model.cfg, param_dtype=dtype, dtype=dtype), rngs=nnx.Rngs(0))
+    cfg = dataclasses.replace(model.cfg, param_dtype=dtype, dtype=dtype)
+    out = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))  # shapes only: no random init
     nnx.update(out, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
     return out
