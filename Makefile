@@ -54,7 +54,7 @@ browser:
 TEST_WORKERS ?= 2
 
 test: lint browser
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 demo: $(BASE_STAMP)
 	$(BIN)/simloop demo --config configs/demo_cpu.yaml --out runs/demo
