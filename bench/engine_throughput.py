@@ -63,13 +63,16 @@ async def _engine(model, cfg: EngineConfig) -> Engine:
 
 
 async def decode_vs_hf(
-    model, prompts, new_tokens, max_seq_len, rounds, dtype="float32"
-) -> tuple[float, float]:
-    """(engine seconds, HF `generate` seconds), each the fastest of `rounds` for every prompt
-    generating `new_tokens` at once, both in `dtype`. The two take turns, round after round
-    (the engine idles while HF runs), so a slow spell of the machine falls on both alike."""
-    engine = await _engine(with_dtype(model, dtype), decode_config(len(prompts), max_seq_len))
-    hf_run = hf_decode(model, prompts, new_tokens, dtype)
+    model, prompts, new_tokens, max_seq_len, rounds, dtype="float32", speculate=0
+) -> tuple[float, float, dict]:
+    """(engine seconds, HF `generate` seconds, the engine's stats), each the fastest of
+    `rounds` for every prompt generating `new_tokens` at once, both in `dtype`. The two take
+    turns, round after round (the engine idles while HF runs), so a slow spell of the machine
+    falls on both alike. `speculate`: both guess by prompt lookup, that many tokens a call
+    (the engine's `EngineConfig.speculate`, HF's `prompt_lookup_num_tokens`)."""
+    cfg = decode_config(len(prompts), max_seq_len, speculate=speculate)
+    engine = await _engine(with_dtype(model, dtype), cfg)
+    hf_run = hf_decode(model, prompts, new_tokens, dtype, speculate)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
     best = [float("inf"), float("inf")]
     for r in range(rounds + 1):  # round 0 warms both paths
@@ -82,7 +85,7 @@ async def decode_vs_hf(
             best = [min(best[0], took), min(best[1], time.perf_counter() - start)]
     await engine.stop()
     assert all(len(o[0].token_ids) == new_tokens for o in outs)
-    return best[0], best[1]
+    return best[0], best[1], dict(engine.stats)
 
 
 def decode_key(size: str, dtype: str = "float32") -> str:
@@ -147,9 +150,10 @@ def _best_of(fn) -> float:
     return min(times)
 
 
-def hf_decode(model, prompts, new_tokens, dtype="float32"):
+def hf_decode(model, prompts, new_tokens, dtype="float32", lookup=0):
     """HF transformers' greedy `generate` of the same weights in `dtype` (torch CPU, KV
-    cache): a function that runs it once."""
+    cache; with `lookup`, its prompt-lookup speculation of that many tokens): a function
+    that runs it once."""
     import torch
     from transformers import Qwen3ForCausalLM
 
@@ -157,11 +161,17 @@ def hf_decode(model, prompts, new_tokens, dtype="float32"):
         save_hf(model.cfg, model, Path(tmp))
         hf = Qwen3ForCausalLM.from_pretrained(tmp).to(getattr(torch, dtype)).eval()
     ids = torch.tensor(prompts)
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+    # HF's prompt lookup takes one sequence at a time (assisted generation refuses a batch)
+    batches = [ids[i : i + 1] for i in range(len(ids))] if lookup else [ids]
 
     def run():
         with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+            for x in batches:
+                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                            **extra)  # fmt: skip
 
     return run
 
@@ -216,6 +226,9 @@ def main() -> None:
                         default=["float32"],
                         help="weights and compute of the decode-vs-HF rows, both sides alike "
                              "(bfloat16: what `load_hf` serves of a bf16 checkpoint)")  # fmt: skip
+    parser.add_argument("--speculate", type=int, default=8, metavar="K",
+                        help="also decode guessing K tokens a call by prompt lookup, against "
+                             "HF's prompt lookup too (0: skip those rows)")  # fmt: skip
     add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
@@ -241,12 +254,20 @@ def main() -> None:
     for size, dtype in decode_rows:
         sized = model if size == "tiny" else Qwen3(SIZES[size], rngs=nnx.Rngs(0))
         with console.status(f"decode {size} {dtype}: engine and transformers generate, in turn"):
-            t_engine, t_hf = asyncio.run(decode_vs_hf(sized, prompts, new_tokens, decode_len,
-                                                      REPEATS if q else 7, dtype))  # fmt: skip
-        results[decode_key(size, dtype)] = dict(
+            t_engine, t_hf, _ = asyncio.run(decode_vs_hf(sized, prompts, new_tokens, decode_len,
+                                                         REPEATS if q else 7, dtype))  # fmt: skip
+        results[decode_key(size, dtype)] = d = dict(
             engine_tok_s=toks / t_engine, hf_tok_s=toks / t_hf,
             params_m=sized.cfg.num_params() / 1e6, dtype=dtype,
         )  # fmt: skip
+        if args.speculate:
+            with console.status(f"decode {size} {dtype}: both guessing by prompt lookup"):
+                t_spec, t_lookup, stats = asyncio.run(decode_vs_hf(
+                    sized, prompts, new_tokens, decode_len + args.speculate,
+                    REPEATS if q else 7, dtype, args.speculate))  # fmt: skip
+            d.update(spec_tok_s=toks / t_spec, hf_lookup_tok_s=toks / t_lookup,
+                     spec_kept=stats["spec_kept"] / max(stats["spec_guessed"], 1),
+                     spec_steps=stats["spec_steps"])  # fmt: skip
     if "tiny" in args.sizes and "float32" in args.dtypes:
         with console.status("decode: no KV cache"):
             t_nocache = no_cache_decode(model, prompts, new_tokens)
@@ -285,6 +306,13 @@ def main() -> None:
         rows.append(Row(f"decode vs HF generate, {size} ({d['params_m']:.1f}M) {dtype} "
                         f"B={batch} +{new_tokens}", d["engine_tok_s"], d["hf_tok_s"], "tokens/s",
                         ">= 5x" if size == "tiny" else ">= 2x"))  # fmt: skip
+        if args.speculate:
+            label = (f"{size} {dtype} guessing {args.speculate} by prompt lookup "
+                     f"({d['spec_kept']:.0%} kept)")  # fmt: skip
+            rows += [Row(f"speculative decode vs HF generate, {label}", d["spec_tok_s"],
+                         d["hf_tok_s"], "tokens/s", ">= 5x" if size == "tiny" else ">= 2x"),
+                     Row(f"speculative decode vs HF prompt lookup (B=1 each), {label}",
+                         d["spec_tok_s"], d["hf_lookup_tok_s"], "tokens/s")]  # fmt: skip
     if "tiny" in args.sizes and "float32" in args.dtypes:
         rows.append(Row("decode vs our model without KV cache, tiny",
                         results["decode"]["engine_tok_s"], results["decode"]["no_cache_tok_s"],

@@ -46,6 +46,14 @@ class EngineConfig:
     bookkeeping of one call runs while the device computes the next, and the device does not
     wait for it. Its tokens are the ones the call would have made anyway; a sequence that
     stopped meanwhile has its extra tokens dropped, as past a stop within a call."""
+    speculate: int = 0
+    """Guessed tokens per verify call (speculative decoding by prompt lookup,
+    `serving.engine.speculate`): a decoding sequence whose last tokens occurred earlier in its
+    context is guessed to continue as it did, and one call checks the guesses of every slot,
+    keeping those the model samples itself (the same tokens as plain decoding). 0 disables it.
+    The engine verifies only when its warm-up timings say it pays."""
+    speculate_ngram: int = 3
+    """Longest context suffix looked up for a guess (then shorter ones, down to 1)."""
     max_tokens_cap: int | None = None
     """Server-wide clamp on every request's max_tokens (the simulator's runaway guard)."""
     default_max_tokens: int = 256
@@ -74,6 +82,10 @@ class EngineConfig:
         chunk = self.prefill_chunk
         if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
             raise bad("prefill_chunk", "a power of two >= 16")
+        if not isinstance(self.speculate, int) or not 0 <= self.speculate <= 32:
+            raise bad("speculate", "an integer in [0, 32] (0: off)")
+        if not isinstance(self.speculate_ngram, int) or not 1 <= self.speculate_ngram <= 8:
+            raise bad("speculate_ngram", "an integer in [1, 8]")
         if self.max_tokens_cap is not None and (
             not isinstance(self.max_tokens_cap, int) or self.max_tokens_cap < 1
         ):

@@ -70,6 +70,9 @@ class ServerMetrics:
             ("cached_tokens", "prompt tokens served from reused KV (prefix reuse)"),
             ("aborted", "requests aborted"),
             ("steps", "engine device steps"),
+            ("spec_steps", "verify calls of speculative decoding (engine.speculate)"),
+            ("spec_guessed", "tokens guessed by prompt lookup in verify calls"),
+            ("spec_kept", "guessed tokens the model confirmed (kept)"),
         ]:
             name = f"simloop_{key}_total"
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",

@@ -33,6 +33,7 @@ FLAG_KEYS = {
     "max_tokens_cap": "serve.engine.max_tokens_cap",
     "num_slots": "serve.engine.num_slots",
     "max_seq_len": "serve.engine.max_seq_len",
+    "speculate": "serve.engine.speculate",
 }
 
 
@@ -56,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, help="clamp every request's max_tokens")
     p.add_argument("--num-slots", type=int, help="sequences decoded together")
     p.add_argument("--max-seq-len", type=int, help="context per sequence")
+    p.add_argument("--speculate", type=int, metavar="K",
+                   help="guess up to K tokens a call by prompt lookup and verify them (the "
+                        "same tokens, fewer device calls where outputs copy their context; "
+                        "0: off)")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="weights and compute (default: the checkpoint's or the config's; on "
                         "CPU float32 decodes faster, see rl.model.with_dtype)")  # fmt: skip

@@ -50,6 +50,7 @@ from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
 from serving.engine.sessions import Session, SessionsMixin
 from serving.engine.slots import SlotsMixin
+from serving.engine.speculate import Lookup, SpeculateMixin
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class _Seq:
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     output: SequenceOutput | None = None
+    lookup: Lookup | None = None
+    guess: list[int] | None = None
+    """Its guessed next tokens at the step now running (`serving.engine.speculate`)."""
 
 
 @dataclass(eq=False)
@@ -156,7 +160,7 @@ class RequestHandle:
                 self._engine.abort(self.id)
 
 
-class Engine(SlotsMixin, SessionsMixin):
+class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
     """`engine = Engine(model, tokenizer, EngineConfig()); await engine.start()`, then
     `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
 
@@ -193,10 +197,11 @@ class Engine(SlotsMixin, SessionsMixin):
         """Set when the loop died; every request in flight was failed with it."""
         self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0, "compact": 0,
-                                       "probe": 0}  # fmt: skip
+                                       "probe": 0, "verify": 0}  # fmt: skip
         self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
                           steps=0, ahead_steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
-                          session_compactions=0)  # fmt: skip
+                          session_compactions=0, spec_steps=0, spec_guessed=0,
+                          spec_kept=0)  # fmt: skip
         self.block_reads: collections.Counter[tuple[str, int]] = collections.Counter()
         """Device calls per (step kind, blocks of held keys read): how much of the cache the
         steps touched (`HELD_BLOCK` positions a block; 0: none, e.g. a prompt's first chunk)."""
@@ -300,6 +305,7 @@ class Engine(SlotsMixin, SessionsMixin):
         }
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._copy = jax.jit(copy, donate_argnums=(0,))
+        self._build_verify(graphdef, num_top, valid_vocab)
 
     def warmup(self) -> None:
         """Compile every shape a request uses, so no request triggers a compile. A compacting
@@ -312,15 +318,14 @@ class Engine(SlotsMixin, SessionsMixin):
                                         np.full(p, b, np.int32), np.zeros((p, t), np.int32),
                                         np.zeros(p, np.int32))  # fmt: skip
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
+        idle = (np.zeros(b, bool), np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b,
+                zeros_b, zeros_b, zeros_b, np.bool_(False))  # fmt: skip
         for decode in self._decode.values():
             tokens = zeros_b
             for _ in range(2 if self.cfg.overlap else 1):  # then fed its own device tokens
-                self._cache, out = decode(
-                    self._state, self._cache, zeros_b, zeros_b, tokens, np.zeros(b, bool),
-                    np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b, zeros_b, zeros_b,
-                    zeros_b, np.bool_(False),
-                )  # fmt: skip
+                self._cache, out = decode(self._state, self._cache, zeros_b, zeros_b, tokens, *idle)
                 tokens = out[LAST]
+        self._warm_verify((zeros_b, zeros_b, zeros_b, *idle))
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
         check_finite(self._served_params(), "the served weights")
@@ -554,11 +559,12 @@ class Engine(SlotsMixin, SessionsMixin):
         """A decode call's tokens and logprobs as host lists [steps][slots] (blocks until the
         device has them), and its top alternatives only when some sequence asked for them."""
         _, _, _, _, decode_args, _, _ = plan
-        want_top = decode_args[-1]
-        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, _ = out
+        want_top, verified = decode_args[-1], decode_args[2].ndim == 2
+        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, last = out
         tops = (top_ids_SBK, top_logp_SBK) if want_top else (None, None)
+        kept = last if verified else None  # a verify call's last output: its kept guesses
         return tuple(None if x is None else np.asarray(x).tolist()
-                     for x in (token_SB, logprob_SB, *tops))  # fmt: skip
+                     for x in (token_SB, logprob_SB, *tops, kept))  # fmt: skip
 
     def _step_then_fetch(self, state, ahead, plan, out):
         return self._device_step(state, *ahead), self._fetch(plan, out)
@@ -621,6 +627,9 @@ class Engine(SlotsMixin, SessionsMixin):
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
+            guesses = self._guesses(decoding, steps)
+            if guesses is not None:  # one verify call instead (its K tokens are its steps)
+                tokens, steps = guesses, guesses.shape[1]
             decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
                            top_k, seed, index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
@@ -664,7 +673,9 @@ class Engine(SlotsMixin, SessionsMixin):
         if decode_args is not None:
             lengths, _, _, active, *_ = decode_args
             self._count_reads("decode", lengths[active])
-            cache, out = self._decode[steps](state, cache, *decode_args)
+            tokens = decode_args[2]
+            call = self._verify if tokens.ndim == 2 else self._decode[steps]
+            cache, out = call(state, cache, *decode_args)
         self._cache = cache
         return out, mass  # `out` still on the device: the caller fetches it
 
@@ -676,6 +687,8 @@ class Engine(SlotsMixin, SessionsMixin):
         still on the device. None when the next call has to be planned after the delivery."""
         copy_args, side, prefill_args, _, decode_args, decoding, steps = plan
         if out is None or copy_args or prefill_args is not None or side[0] or side[1]:
+            return None
+        if decode_args[2].ndim == 2 or not self._ahead_ok():  # a verify call, or one may pay
             return None
         if self._pending_copies or self._pending_compactions or self._pending_probes:
             return None
@@ -708,11 +721,13 @@ class Engine(SlotsMixin, SessionsMixin):
             del seq.pending[: len(part)]
         if out is None:
             return
-        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK = out  # host lists (`_fetch`)
+        token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, kept_B = out  # host lists (`_fetch`)
+        start = {seq: len(seq.generated) for seq in decoding}
         for seq in decoding:
             i = seq.slot
             k = seq.request.params.logprobs
-            for j in range(steps):  # tokens past a stop were computed, and are dropped here
+            # tokens past a stop (or past a verify call's kept guesses) are dropped here
+            for j in range(steps if kept_B is None else kept_B[i] + 1):
                 if seq.finish_reason is not None:  # finished, or aborted while the step ran
                     break
                 self._lengths[i] += 1
@@ -732,6 +747,7 @@ class Engine(SlotsMixin, SessionsMixin):
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     self._finish(seq, reason)
+        self._observe_guesses(decoding, start, kept_B is not None)
 
     def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
         if tok in seq.request.stop_ids:

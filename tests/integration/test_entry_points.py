@@ -63,6 +63,9 @@ def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
     )  # fmt: skip
     result = json.loads(out.read_text())["detail"]
     assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
+    # the speculative rows: the engine and HF both guessing by prompt lookup
+    assert result["decode"]["spec_tok_s"] > 0 and result["decode"]["hf_lookup_tok_s"] > 0
+    assert 0 <= result["decode"]["spec_kept"] <= 1
     assert result["batching"]["sequential_s"] > result["batching"]["concurrent_s"] > 0
     assert result["session"]["cached_tokens"] > 0
     assert result["live"]["long_tok_s"] > 0 and result["live"]["short_tok_s"] > 0
