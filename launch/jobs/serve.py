@@ -173,5 +173,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     except EngineDied as e:  # exit non-zero: a supervisor restarts the server
         print(f"simloop serve: {e}", file=sys.stderr, flush=True)
         return 1
-    print("simloop serve: stopped", flush=True)
+    st = engine.stats
+    spec = ""
+    if cfg.serve.engine.speculate:
+        spec = (f"; {st['spec_steps']} verify calls kept {st['spec_kept']} of "
+                f"{st['spec_guessed']} guessed tokens")  # fmt: skip
+    print(f"simloop serve: stopped ({st['requests']} requests, {st['generated_tokens']} tokens "
+          f"generated in {st['steps']} device steps{spec})", flush=True)  # fmt: skip
     return 0

@@ -48,7 +48,8 @@ def test_simloop_serve_answers_and_stops_on_sigterm(tmp_path):
     stderr = (tmp_path / "serve.err").open("w")
     proc = subprocess.Popen(
         [SIMLOOP, "serve", "--preset", "tiny", "--port", "0", "--max-seq-len", "256",
-         "--num-slots", "4", "--serve.engine.prefill_chunk", "32"],  # fewer shapes to compile
+         "--num-slots", "4", "--serve.engine.prefill_chunk", "32",  # fewer shapes to compile
+         "--speculate", "4"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
     )  # fmt: skip
     try:
@@ -71,12 +72,19 @@ def test_simloop_serve_answers_and_stops_on_sigterm(tmp_path):
         assert status == 400 and out["error"]["param"] == "max_tokens"  # --max-seq-len took
         status, out = _request(f"{url}/health")
         assert status == 200 and out["status"] == "ok"
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        assert re.search(r"^simloop_spec_kept_total \d+$", metrics, re.M), metrics
 
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=15)
         rest = proc.stdout.read()
         assert rc == 0, (tmp_path / "serve.err").read_text()[-3000:]
-        assert "simloop serve: stopped" in rest
+        # its summary line: requests, tokens, and what --speculate 4 did
+        assert re.search(
+            r"simloop serve: stopped \(\d+ requests, 5 tokens generated in \d+ "
+            r"device steps; \d+ verify calls kept \d+ of \d+ guessed",
+            rest,
+        ), rest
     finally:
         if proc.poll() is None:
             proc.kill()
