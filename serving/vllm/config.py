@@ -31,6 +31,11 @@ class VllmConfig:
     """Pause between starting two servers on one host (libtpu and the compile caches)."""
     health_timeout_s: float = 1800.0
     """How long to wait for `/health` (the first XLA compile is slow)."""
+    speculate: int = 0
+    """Speculative decoding by n-gram lookup, that many tokens a step: `--speculative-config`
+    with vLLM's `ngram` method (what `serve.engine.speculate` does in simloop's engine); 0: off."""
+    speculate_ngram: int = 3
+    """Longest n-gram looked up (vLLM's `prompt_lookup_max`; `prompt_lookup_min` is 1)."""
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -46,5 +51,10 @@ class VllmConfig:
             raise _bad("max_model_len", self.max_model_len, "a positive integer >= 16")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
+        for name, top in (("speculate", 32), ("speculate_ngram", 8)):
+            value = getattr(self, name)
+            low = 0 if name == "speculate" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                raise _bad(name, value, f"an integer in [{low}, {top}]")
         if self.start_stagger_s < 0 or self.health_timeout_s <= 0:
             raise _bad("health_timeout_s", self.health_timeout_s, "stagger >= 0, timeout > 0")

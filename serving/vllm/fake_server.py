@@ -73,7 +73,32 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--tokenizer", default=None, help="tokenizer directory or tokenizer.json")
     serve.add_argument("--seed", type=int, default=None, help="accepted, unused")
     serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    serve.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
+                       help='n-gram speculation only: {"method": "ngram", '
+                            '"num_speculative_tokens": K, "prompt_lookup_max": N}')  # fmt: skip
     return parser, serve
+
+
+def _speculative(text: str) -> dict:
+    """`--speculative-config` as vLLM reads it, of which the fake serves the `ngram` method
+    (simloop's engine guesses by prompt lookup); anything else is refused by name."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg})") from None
+    if not isinstance(spec, dict) or spec.get("method") != "ngram":
+        raise argparse.ArgumentTypeError('only {"method": "ngram", ...} is served by the fake')
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    if set(spec) - known:
+        raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(spec) - known)}; the fake "
+                                         f"knows {sorted(known)}")  # fmt: skip
+    for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", 3),
+                         ("prompt_lookup_min", 1)):  # fmt: skip
+        value = spec.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise argparse.ArgumentTypeError(f"{key}={value!r} is invalid: a positive integer")
+        spec[key] = value
+    return spec
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -469,9 +494,12 @@ def _engine_config(args: argparse.Namespace, model_cfg):
     chunk = 16
     while chunk * 2 <= min(256, max_len):
         chunk *= 2
+    spec = args.speculative_config or {}
     # One token per decode call: the multi-step decode's compile costs seconds of every start.
     return EngineConfig(num_slots=args.max_num_seqs, max_seq_len=max_len, prefill_chunk=chunk,
-                        decode_steps=1, prefix_reuse=args.enable_prefix_caching)  # fmt: skip
+                        decode_steps=1, prefix_reuse=args.enable_prefix_caching,
+                        speculate=spec.get("num_speculative_tokens", 0),
+                        speculate_ngram=spec.get("prompt_lookup_max", 3))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -505,9 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     make = functools.partial(make_server_class(), workers=workers, root=args.model,
                              dev_mode=dev_mode)  # fmt: skip
     log.info("model %s: %.2fM params, %d worker(s) (%s), max_model_len %d, %d sequences, "
-             "prefix caching %s, dev mode %s", args.model, model.cfg.num_params() / 1e6,
-             len(workers), cls.__name__, engine_cfg.max_seq_len, engine_cfg.num_slots,
-             "on" if engine_cfg.prefix_reuse else "off", "on" if dev_mode else "off")  # fmt: skip
+             "prefix caching %s, n-gram speculation %s, dev mode %s", args.model,
+             model.cfg.num_params() / 1e6, len(workers), cls.__name__, engine_cfg.max_seq_len,
+             engine_cfg.num_slots, "on" if engine_cfg.prefix_reuse else "off",
+             engine_cfg.speculate or "off", "on" if dev_mode else "off")  # fmt: skip
 
     def ready(port: int) -> None:
         print(f"INFO:     Started server process [{os.getpid()}]", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -108,7 +109,15 @@ def build_vllm_command(
         "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
         "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip
+    if cfg.speculate:
+        argv += ["--speculative-config", speculative_config(cfg.speculate, cfg.speculate_ngram)]
     return argv + list(cfg.extra_args)
+
+
+def speculative_config(tokens: int, ngram: int) -> str:
+    """vLLM's `--speculative-config` JSON for n-gram (prompt lookup) speculation."""
+    return json.dumps({"method": "ngram", "num_speculative_tokens": tokens,
+                       "prompt_lookup_max": ngram, "prompt_lookup_min": 1})  # fmt: skip
 
 
 def build_vllm_env(process: ServerProcess, base_env: Mapping[str, str] | None = None) -> dict:

@@ -72,7 +72,8 @@ def server(weights):
     (a second server just for that would double the module's time)."""
     root = weights["root"]
     proc = Proc("agent_serve", (0, 1), free_port())  # two chips: two tensor-parallel workers
-    cfg = VllmConfig(max_model_len=64, start_stagger_s=0.0, health_timeout_s=180.0)
+    # n-gram speculation on: the tokens and logprobs below must still be plain decoding's
+    cfg = VllmConfig(max_model_len=64, start_stagger_s=0.0, health_timeout_s=180.0, speculate=4)
     (server,) = launch_servers([proc], cfg, {"agent_serve": ServedModel(str(weights["hf_dir"]),
                                "agent")}, log_dir=root / "logs", lockfile=root / "libtpu_lock",
                                spawn=fake_spawn, poll_s=0.2)  # fmt: skip
@@ -132,6 +133,7 @@ async def test_the_launcher_starts_the_fake_and_it_answers_like_vllm(server, cli
     # One answer per tensor-parallel worker, from the extension named on the command line.
     assert await _workers(client, "simloop_weight_version") == [{"version": None, "path": None}] * 2
     assert "Uvicorn running on" in server.log_tail()
+    assert "n-gram speculation 4" in server.log_tail()  # --speculative-config reached the engine
 
 
 @on_server
@@ -229,6 +231,11 @@ def test_an_unknown_flag_exits_2_with_argparses_message(weights):
     for flags, expect in (
         (["--bogus-flag", "1"], "unrecognized arguments: --bogus-flag"),
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size: 0 is invalid"),
+        (["--speculative-config", '{"method": "eagle"}'], 'only {"method": "ngram", ...}'),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            "num_speculative_tokens=0 is invalid",
+        ),
     ):
         done = subprocess.run([*FAKE_VLLM, str(weights["hf_dir"]), *flags],
                               capture_output=True, text=True, timeout=60)  # fmt: skip

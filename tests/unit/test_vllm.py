@@ -5,6 +5,7 @@ aiohttp fake of vLLM's dev-mode routes that records every request.
 """
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -59,7 +60,15 @@ def test_build_vllm_command_is_the_documented_argv():
     off = build_vllm_command("/m", proc, VllmConfig(enable_prefix_caching=False),
                              served_model_name="a", host="0.0.0.0")  # fmt: skip
     assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
-    assert off[off.index("--host") + 1] == "0.0.0.0"
+    assert off[off.index("--host") + 1] == "0.0.0.0" and "--speculative-config" not in off
+    spec = build_vllm_command("/m", proc, VllmConfig(speculate=6, speculate_ngram=4),
+                              served_model_name="a")  # fmt: skip
+    assert json.loads(spec[spec.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1}  # fmt: skip
+    for bad in ({"speculate": -1}, {"speculate": 33}, {"speculate_ngram": 0}):
+        with pytest.raises(ValueError, match=f"VllmConfig.{next(iter(bad))}="):
+            VllmConfig(**bad)
     with pytest.raises(ValueError, match="no http_port"):
         build_vllm_command("/m", Proc("policy_train", (0,), None), cfg, served_model_name="a")
 
