@@ -17,7 +17,8 @@ Prefix reuse: a slot keeps the tokens whose keys it holds after its sequence fin
 prompt that extends them (the next turn of an episode) takes that slot over and only prefills
 the new suffix; a prompt sharing a prefix with a busy slot copies its row instead.
 
-Sessions (`serving.engine.sessions`) pin a slot to a caller between calls and compact it.
+Sessions (`serving.engine.sessions`) pin a slot to a caller between calls and compact it;
+speculative decoding (`serving.engine.speculate`) verifies guessed tokens in one call.
 """
 
 from __future__ import annotations
