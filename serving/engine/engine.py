@@ -45,7 +45,7 @@ from rl.data.tokenizer import Tokenizer
 from rl.model.integrity import check_finite
 from rl.model.params_io import abstract, load_params_like
 from rl.model.state_tree import pure_dict, with_values
-from rl.model.transformer import KVCache, Qwen3, held_block_size, write_kv
+from rl.model.transformer import KVCache, Qwen3, as_bits, from_bits, held_block_size, write_kv
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
@@ -173,7 +173,8 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         # Committed where they live, as `load_weights` restores parameters and as the steps
         # return the cache: otherwise differently placed arguments compile the steps again.
         commit = functools.partial(jax.tree.map, lambda x: jax.device_put(x, x.sharding))
-        self._state = commit(state)
+        # bf16 held as uint16 bits (`as_bits`): XLA:CPU copies bf16 arguments at every call
+        self._state = commit(as_bits(state))
         self._cache = commit(KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len))
         b = cfg.num_slots
         self._lengths = np.zeros(b, np.int32)
@@ -199,10 +200,10 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0, "compact": 0,
                                        "probe": 0, "verify": 0}  # fmt: skip
-        self.stats = dict(requests=0, generated_tokens=0, prompt_tokens=0, cached_tokens=0,
-                          steps=0, ahead_steps=0, aborted=0, sessions_opened=0, sessions_evicted=0,
-                          session_compactions=0, spec_steps=0, spec_guessed=0,
-                          spec_kept=0)  # fmt: skip
+        self.stats = dict.fromkeys(("requests", "generated_tokens", "prompt_tokens", "steps",
+                                    "cached_tokens", "ahead_steps", "aborted", "sessions_opened",
+                                    "sessions_evicted", "session_compactions", "spec_steps",
+                                    "spec_guessed", "spec_kept"), 0)  # fmt: skip
         self.block_reads: collections.Counter[tuple[str, int]] = collections.Counter()
         """Device calls per (step kind, blocks of held keys read): how much of the cache the
         steps touched (`HELD_BLOCK` positions a block; 0: none, e.g. a prompt's first chunk)."""
@@ -224,7 +225,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             keys gather in small buffers, written into the cache once at the end (the cache
             itself is never copied)."""
             self.traces["decode"] += 1
-            model = nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, from_bits(state))
             active_i_B = active_B.astype(jnp.int32)
             b = lengths_B.shape[0]
             past = (cache.k, cache.v)
@@ -262,7 +263,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             """Writes the chunks' keys; reads only the blocks of the listed slots' rows that
             hold their keys (a padding entry, slot B, holds none)."""
             self.traces["prefill"] += 1
-            model = nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, from_bits(state))
             held_P = jnp.take(lengths_B, slots_P, mode="fill", fill_value=0)
             shift_P = jnp.take(shift_B, slots_P, mode="fill", fill_value=0)
             _, k_new, v_new, index_PT, valid_PT = model.extend_chunk(
@@ -293,7 +294,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         def probe(state, cache, slots_P, tokens_PT, start_P, num_P, shift_P):
             """Attention mass per key of the slots' tokens at `start_P` (already written)."""
             self.traces["probe"] += 1
-            model = nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, from_bits(state))
             k, v = rows(cache, slots_P)
             sub = KVCache(k=k, v=v, lengths=jnp.zeros(slots_P.shape, jnp.int32))
             return model.attention_mass(tokens_PT, sub, start_P, num_P, shift_P)
@@ -485,7 +486,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                                   f"served one's {tuple(old.shape)}", "params")  # fmt: skip
             return jax.device_put(new, old.sharding).astype(old.dtype)
 
-        params = jax.tree.map(place, params, served)
+        params = as_bits(jax.tree.map(place, params, served))
         # A fresh State (new Variable objects): a step running right now keeps the old one.
         self._state, self.version = with_values(self._state, params), version
         return version
@@ -493,7 +494,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
     def _served_params(self) -> dict:
         """The served parameters as a pure dict (the state holds only Params), without the
         reference cycles flax's own conversions leave (`rl.model.state_tree`)."""
-        return pure_dict(self._state)
+        return from_bits(pure_dict(self._state))
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""
@@ -628,9 +629,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
-            guesses = self._guesses(decoding, steps)
-            if guesses is not None:  # one verify call instead (its K tokens are its steps)
-                tokens, steps = guesses, guesses.shape[1]
+            tokens, steps = self._speculated(decoding, tokens, steps)  # or a verify call's
             decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
                            top_k, seed, index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps

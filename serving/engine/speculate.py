@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl.model.transformer import write_kv
+from rl.model.transformer import from_bits, write_kv
 from serving.engine.sampling import sample
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class SpeculateMixin:
             inputs are written (those past the kept ones are never read: the slot's length
             moves past the kept ones only)."""
             self.traces["verify"] += 1
-            model = nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, from_bits(state))
             b = lengths_B.shape[0]
             rows_B = jnp.arange(b, dtype=jnp.int32)
             held_B = jnp.where(active_B, lengths_B, 0)
@@ -195,6 +195,12 @@ class SpeculateMixin:
         if any(self._lengths[s.slot] + k + 1 > self.cfg.max_seq_len for s in decoding):
             return None
         return tokens
+
+    def _speculated(self, decoding: list[_Seq], tokens: np.ndarray, steps: int):
+        """(inputs, steps) of the next call: a verify call's [B, K] inputs and its K tokens
+        when verifying pays (`_guesses`), else the decode call's as given."""
+        guesses = self._guesses(decoding, steps)
+        return (tokens, steps) if guesses is None else (guesses, guesses.shape[1])
 
     def _ahead_ok(self) -> bool:
         """Whether a decode call may be dispatched ahead: never while guessing pays nearly
