@@ -175,11 +175,17 @@ def as_bits(tree):
 
 
 def from_bits(tree):
-    """`as_bits` undone: uint16 leaves (never a parameter's or a cache's own dtype) as bf16."""
-    return jax.tree.map(
-        lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x,
-        tree,
-    )
+    """`as_bits` undone: uint16 leaves (never a parameter's or a cache's own dtype) as bf16;
+    of a tree of ShapeDtypeStructs, the bf16 shapes (nothing is read)."""
+
+    def back(x):
+        if x.dtype != jnp.uint16:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x.update(dtype=jnp.bfloat16)
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+
+    return jax.tree.map(back, tree)
 
 
 class HeldKeys(NamedTuple):

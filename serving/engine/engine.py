@@ -467,8 +467,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         # Only shapes, dtypes and shardings go to the reading thread: nothing there can keep
         # the served arrays alive once they are replaced.
         params = await asyncio.to_thread(load_params_like, path, self.model_cfg,
-                                         abstract(self._served_params()),
-                                         require_manifest=True)  # fmt: skip
+                                         self._served_shapes(), require_manifest=True)  # fmt: skip
         return self.install_params(params, version)
 
     def install_params(self, params: dict, version: int) -> int:
@@ -478,7 +477,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         if version <= self.version:  # another load won the race while this one read
             raise EngineError(f"version {version} is no longer newer than {self.version}",
                               "version")  # fmt: skip
-        served = self._served_params()
+        served = self._served_shapes()
 
         def place(new, old):
             if tuple(new.shape) != tuple(old.shape):
@@ -492,9 +491,12 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         return version
 
     def _served_params(self) -> dict:
-        """The served parameters as a pure dict (the state holds only Params), without the
-        reference cycles flax's own conversions leave (`rl.model.state_tree`)."""
+        """The served parameters as a pure dict, free of flax's cycles (`rl.model.state_tree`)."""
         return from_bits(pure_dict(self._state))
+
+    def _served_shapes(self) -> dict:
+        """`_served_params` as ShapeDtypeStructs with shardings (no bf16 bits are copied)."""
+        return from_bits(abstract(pure_dict(self._state)))
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""
@@ -561,10 +563,10 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         """A decode call's tokens and logprobs as host lists [steps][slots] (blocks until the
         device has them), and its top alternatives only when some sequence asked for them."""
         _, _, _, _, decode_args, _, _ = plan
-        want_top, verified = decode_args[-1], decode_args[2].ndim == 2
+        want_top = decode_args[-1]
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, last = out
         tops = (top_ids_SBK, top_logp_SBK) if want_top else (None, None)
-        kept = last if verified else None  # a verify call's last output: its kept guesses
+        kept = last if decode_args[2].ndim == 2 else None  # a verify call's: its kept guesses
         return tuple(None if x is None else np.asarray(x).tolist()
                      for x in (token_SB, logprob_SB, *tops, kept))  # fmt: skip
 
@@ -673,8 +675,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         if decode_args is not None:
             lengths, _, _, active, *_ = decode_args
             self._count_reads("decode", lengths[active])
-            tokens = decode_args[2]
-            call = self._verify if tokens.ndim == 2 else self._decode[steps]
+            call = self._verify if decode_args[2].ndim == 2 else self._decode[steps]
             cache, out = call(state, cache, *decode_args)
         self._cache = cache
         return out, mass  # `out` still on the device: the caller fetches it
@@ -722,7 +723,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         if out is None:
             return
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, kept_B = out  # host lists (`_fetch`)
-        start = {seq: len(seq.generated) for seq in decoding}
+        start = {seq: len(seq.generated) for seq in decoding} if self._verify else None
         for seq in decoding:
             i = seq.slot
             k = seq.request.params.logprobs

@@ -67,7 +67,7 @@ class Lookup:
             for n in self.sizes:
                 if e >= n:
                     self.seen[tuple(context[e - n : e])] = e
-        self.indexed = max(self.indexed, end)
+        self.indexed = end
         for n in self.sizes:
             if end <= n:
                 continue
@@ -145,7 +145,7 @@ class SpeculateMixin:
         """Per decode call (its steps), seconds of a verify call per second of it."""
 
     def _warm_verify(self, decode_args: tuple) -> None:
-        """Compile `verify`, then time it against each decode call (the fastest of three
+        """Compile `verify`, then time it against each decode call (the fastest of five
         each, every slot active and holding a quarter of its room, up to 256 keys, of no
         one's tokens: the host's lengths stay 0, so nothing reads them)."""
         if self._verify is None:
@@ -215,7 +215,7 @@ class SpeculateMixin:
         if self._verify is None:
             return
         for seq in decoding:
-            if seq.lookup is not None and seq.guess is not None:
+            if seq.guess is not None:  # set, with its lookup, by `_guesses`
                 kept = seq.lookup.observe(seq.guess, seq.generated[start[seq] :])
                 if verified:
                     self.stats["spec_guessed"] += len(seq.guess)

@@ -51,9 +51,8 @@ class VllmConfig:
             raise _bad("max_model_len", self.max_model_len, "a positive integer >= 16")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
-        for name, top in (("speculate", 32), ("speculate_ngram", 8)):
+        for name, low, top in (("speculate", 0, 32), ("speculate_ngram", 1, 8)):
             value = getattr(self, name)
-            low = 0 if name == "speculate" else 1
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
                 raise _bad(name, value, f"an integer in [{low}, {top}]")
         if self.start_stagger_s < 0 or self.health_timeout_s <= 0:
