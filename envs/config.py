@@ -92,6 +92,10 @@ class LocalShellConfig:
     tmpfs_bytes: int = 64 * 2**20
     """Size cap of each episode's private `/tmp`, `/var/tmp` and `/dev/shm` (tmpfs, gone with
     the command) where a mount namespace works."""
+    disk_bytes: int = 2**30
+    """Disk quota of an episode: its workspace, home and TMPDIR live on a tmpfs of this size
+    (in memory, as far as it is used), where a mount namespace works. A command that fills it
+    while running is killed and its observation says so."""
     isolate_network: bool = True
     """Run commands in a fresh network namespace (`unshare -n`) where that works."""
     visible_paths: list[str] = field(default_factory=list)
@@ -132,6 +136,7 @@ class LocalShellConfig:
             "max_processes",
             "uid_count",
             "tmpfs_bytes",
+            "disk_bytes",
         )
         _positive_number(cls, self, "drain_grace_s", "setup_timeout_s")
         base = self.uid_base

@@ -7,9 +7,14 @@ Each command is a fresh `bash -c` in the workspace, in its own session (process 
 scrubbed environment and setrlimit limits (CPU seconds, address space, file size, processes).
 Where the kernel allows, it also runs in fresh network, PID and mount namespaces
 (`unshare -n -p -m --mount-proc`): no network; every process the command leaves behind dies
-with it; its own `/proc` (no other process, nor its command line, is visible); private tmpfs
-`/tmp`, `/var/tmp` and `/dev/shm` of `tmpfs_bytes` each, gone when the command ends; the
-workspaces folder hidden (the episode's own workspace bind-mounted at its path); `/` read-only.
+with it; its own `/proc` (no other process, nor its command line, is visible). As root, the
+episode's mount namespace has a minimal root of its own (`_SANDBOX`): read-only system
+folders, private tmpfs `/tmp`, `/var/tmp` and `/dev/shm` of `tmpfs_bytes` each, the workspace
+(with its home and TMPDIR) on a tmpfs of `disk_bytes` (the episode's disk quota: a command that
+fills it while running is killed, and its observation says so), the `visible_paths` read-only,
+and nothing else of the host: no home folders, no project tree, no other workspace, no /sys.
+Commands start under a seccomp filter that refuses new user namespaces (`envs/nouserns.py`),
+so, without privileges, they can mount nothing either.
 As root, each shell runs its commands as its own uid (`uid_base` + a free slot, held by a lock
 file), because root ignores RLIMIT_NPROC and so that episodes cannot reach each other's files:
 RLIMIT_NPROC then caps each episode alone (a fork bomb exhausts only its own uid). Resource caps
@@ -36,6 +41,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -61,49 +67,76 @@ from envs.shell import (
 log = logging.getLogger(__name__)
 
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_QUOTA_POLL_S = 0.25
+"""How often a running command's disk use is checked against the quota."""
 _REAP_TIMEOUT_S = 5.0  # SIGKILLed processes exit at once; this only bounds a stuck reap
 _WS_PREFIX = "simloop-ws-"
 _WS_OWNER = re.compile(rf"{_WS_PREFIX}(\d+)\.(\d+)-")
 """Workspace names carry the owner's pid and start time, so a sweep can tell dead owners."""
 
 # The episode's mount namespace, made once per shell by a holder process (root, in the workspace
-# base; `$1` the base, `$2` the tmpfs size in bytes, `$3` "ro" to make `/` read-only, then the
-# host paths that must stay visible), which then waits on its stdin: it ends, and the namespace
-# with it, when the shell closes the pipe or simloop dies. Mounted in this order so that the
-# workspaces folder ends up hidden whether or not it lies under one of the private tmp folders.
-# `--no-canonicalize`: `.` must stay the workspace itself, not its path, which now names the
-# empty folder just made in the tmpfs. A visible path is first bound inside the base (which
-# comes back with its submounts, `--rbind`), then, if the tmpfs hid it, bound read-only at its
-# own path again.
+# base; `$1` the base, `$2` the size of each private tmp folder, `$3` the disk quota of the
+# workspace, `$4`/`$5` the episode's uid and gid, `$6` "ro" to make the root read-only, then the
+# host folders that must stay visible), which then waits on its stdin: it ends, and the
+# namespace with it, when the shell closes the pipe or simloop dies.
+#
+# The root it builds is minimal: a small tmpfs holding read-only binds of the system folders
+# (/usr, /etc and the /bin, /sbin, /lib* links or folders), a handful of device nodes, private
+# tmpfs /tmp, /var/tmp and /dev/shm, the workspace base as a tmpfs of the quota's size (the
+# workspace, its home and its TMPDIR: everything the episode may write outside the tmp
+# folders), and the visible folders read-only. No /home, /root, /sys, /opt, /srv or /mnt, no
+# project tree and nothing beside the workspace. It pivots into that root and detaches the old
+# one, so `nsenter --mount` lands in it, and simloop reaches the workspace's files through
+# /proc/<holder>/root. /etc/hostname and /etc/machine-id read empty. /proc is mounted only to
+# let `umount` read the mount table and removed again; each command mounts its own (`unshare
+# --mount-proc`). Plain binds (not --rbind): files a container runtime binds over /etc
+# (hostname, hosts, resolv.conf) stay out.
 _SANDBOX = r"""set -e
-cd -- "$1"
-base=$1 size=$2 ro=$3
-shift 3
-i=0
-for p in "$@"; do
-  mkdir -p -- "$base/visible/$i"
-  mount --bind -- "$p" "$base/visible/$i"
-  mount -o remount,bind,ro -- "$base/visible/$i"
-  i=$((i+1))
+base=$1 size=$2 disk=$3 uid=$4 gid=$5 ro=$6
+shift 6
+nr=$base/.root
+mkdir -p -- "$nr"
+mount -t tmpfs -o size=4m,mode=755 simloop-root "$nr"
+for d in /usr /etc /bin /sbin /lib /lib32 /lib64 /libx32; do
+  if [ -L "$d" ]; then ln -s -- "$(readlink -- "$d")" "$nr$d"
+  elif [ -d "$d" ]; then
+    mkdir -p -- "$nr$d"
+    mount --bind -- "$d" "$nr$d"
+    mount -o remount,bind,ro,nosuid,nodev -- "$nr$d"
+  fi
 done
+for f in /etc/hostname /etc/machine-id; do
+  if [ -f "$nr$f" ]; then mount --bind /dev/null "$nr$f"; fi
+done
+mkdir -p "$nr/dev/shm" "$nr/proc" "$nr/tmp" "$nr/var/tmp" "$nr/.old"
+for f in null zero full random urandom tty; do
+  if [ -c "/dev/$f" ]; then : > "$nr/dev/$f"; mount --bind "/dev/$f" "$nr/dev/$f"; fi
+done
+ln -s /proc/self/fd "$nr/dev/fd"
+ln -s /proc/self/fd/0 "$nr/dev/stdin"
+ln -s /proc/self/fd/1 "$nr/dev/stdout"
+ln -s /proc/self/fd/2 "$nr/dev/stderr"
 for d in /tmp /var/tmp /dev/shm; do
-  if [ -d "$d" ] && [ ! -L "$d" ]; then
-    mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" simloop-tmp "$d"
-  fi
+  mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" simloop-tmp "$nr$d"
 done
-if [ -e "$base" ]; then mount -t tmpfs -o size=64k,mode=755,nosuid,nodev simloop-ws "${base%/*}"; fi
-mkdir -p -- "$base"
-mount --no-canonicalize --rbind . "$base"
-i=0
+mkdir -p -- "$nr$base"
+mount -t tmpfs -o "size=$disk,mode=700,uid=$uid,gid=$gid,nosuid,nodev" simloop-disk "$nr$base"
+for sub in work home tmp; do
+  mkdir -m 700 -- "$nr$base/$sub"
+  chown "$uid:$gid" -- "$nr$base/$sub"
+done
 for p in "$@"; do
-  if [ ! -e "$p" ]; then
-    mkdir -p -- "$p"
-    mount --bind -- "$base/visible/$i" "$p"
-    mount -o remount,bind,ro -- "$p"
-  fi
-  i=$((i+1))
+  mkdir -p -- "$nr$p"
+  mount --bind -- "$p" "$nr$p"
+  mount -o remount,bind,ro,nosuid,nodev -- "$nr$p"
 done
-if [ "$ro" = ro ]; then mount -o remount,bind,ro /; fi
+mount -t proc simloop-proc "$nr/proc"
+cd -- "$nr"
+pivot_root . .old
+umount -l /.old
+rmdir /.old
+umount /proc
+if [ "$ro" = ro ]; then mount -o remount,ro /; fi
 cd -- "$base/work"
 echo ready
 read -r _ || exit 0
@@ -136,6 +169,9 @@ class Isolation:
     """`/` is mounted read-only in the command's mount namespace."""
     parent_death: bool = False
     """The command is SIGKILLed when its parent dies (setpriv --pdeathsig), after the drop."""
+    userns_refused: bool = False
+    """Commands cannot make user namespaces (`envs/nouserns.py`'s seccomp filter, first in
+    `prefix`), hence cannot mount anything either."""
 
     def label(self, user: str | None = None) -> str:
         """e.g. `netns+pidns+mntns+uid60000`: the containment, then who runs the commands
@@ -167,12 +203,14 @@ def _probe(prefix: tuple[str, ...], cwd: str = "/") -> bool:
     return res.returncode == 0 and res.stdout == b"ok\n"
 
 
-def _start_holder(base: str, tmpfs_bytes: int, readonly_root: bool,
-                  visible: tuple[str, ...] = ()) -> subprocess.Popen:  # fmt: skip
+def _start_holder(base: str, tmpfs_bytes: int, disk_bytes: int, ids: tuple[int, int],
+                  readonly_root: bool, visible: tuple[str, ...] = ()
+                  ) -> subprocess.Popen:  # fmt: skip
     """The process that makes and holds an episode's mount namespace (see `_SANDBOX`), once
-    it is ready; raises ShellError if it could not be made."""
+    it is ready; raises ShellError if it could not be made. `ids`: who owns the workspace."""
     argv = ["unshare", "-m", "--", "bash", "-c", _SANDBOX, "simloop-sandbox", base,
-            str(tmpfs_bytes), "ro" if readonly_root else "rw", *visible]  # fmt: skip
+            str(tmpfs_bytes), str(disk_bytes), str(ids[0]), str(ids[1]),
+            "ro" if readonly_root else "rw", *visible]  # fmt: skip
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=base, env={"PATH": _PATH})  # fmt: skip
     ready, _, _ = select.select([proc.stdout], [], [], 10)
@@ -194,12 +232,13 @@ def _stop_holder(proc: subprocess.Popen) -> None:
         proc.wait(timeout=_REAP_TIMEOUT_S)
 
 
-def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root: bool) -> bool:
+def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root: bool,
+                  ids: tuple[int, int]) -> bool:  # fmt: skip
     base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-probe-")
     try:
         os.chmod(base, 0o755)
         os.mkdir(os.path.join(base, "work"), 0o755)
-        holder = _start_holder(base, 2**20, readonly_root)
+        holder = _start_holder(base, 2**20, 2**20, ids, readonly_root)
         try:
             return _probe((*_enter(prefix, holder.pid), *drop))
         finally:
@@ -208,6 +247,27 @@ def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root:
         return False
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+NOUSERNS = (sys.executable, "-I", "-S", str(Path(__file__).with_name("nouserns.py")))
+"""argv that runs the rest of a command line under the filter refusing user namespaces."""
+
+
+def _refuse_userns(iso: Isolation, drop: tuple[str, ...]) -> Isolation:
+    """`iso` with the user-namespace filter first in its prefix, where it works here: a
+    command still runs, and `unshare -U` inside it is refused."""
+    tried = (*NOUSERNS, *iso.prefix, *drop)
+    if not _probe(tried):
+        log.warning("LocalShell: the seccomp filter refusing user namespaces does not run here; "
+                    "commands may create them")  # fmt: skip
+        return iso
+    if shutil.which("unshare", path=_PATH) is not None:
+        res = subprocess.run([*tried, "bash", "-c", "unshare -U true"], capture_output=True,
+                             env={"PATH": _PATH}, cwd="/", timeout=10, check=False)  # fmt: skip
+        if res.returncode == 0:
+            log.warning("LocalShell: user namespaces are not refused by the seccomp filter")
+            return iso
+    return dataclasses.replace(iso, prefix=(*NOUSERNS, *iso.prefix), userns_refused=True)
 
 
 def _enter(prefix: tuple[str, ...], holder_pid: int) -> tuple[str, ...]:
@@ -271,10 +331,11 @@ def _detect(user: str, isolate_network: bool) -> Isolation:
             # Each command gets a copy of the episode's mount namespace, with its own /proc.
             mounted = (*prefix[:-1], "-m", "--mount-proc", "--")
             for ro in (True, False):
-                if _probe_mounts(mounted, filled, ro):
-                    return dataclasses.replace(iso, prefix=mounted, mount_namespace=True,
-                                               readonly_root=ro)  # fmt: skip
-        return iso
+                if _probe_mounts(mounted, filled, ro, (uid, gid)):
+                    iso = dataclasses.replace(iso, prefix=mounted, mount_namespace=True,
+                                              readonly_root=ro)  # fmt: skip
+                    break
+        return _refuse_userns(iso, filled) if root else iso
     if root and drop and _probe(filled):
         return Isolation((), False, False, name, uid, gid, drop=drop, parent_death=parent_death)
     if root:  # no setpriv: Popen drops privileges itself
@@ -294,7 +355,9 @@ def isolation_report(iso: Isolation, cfg: LocalShellConfig | None = None) -> dic
         "private_proc": iso.mount_namespace and iso.pid_namespace,
         "private_tmp": iso.mount_namespace,
         "workspaces_hidden": iso.mount_namespace,
+        "minimal_root": iso.mount_namespace,
         "readonly_root": iso.readonly_root,
+        "userns_refused": iso.userns_refused,
         "user": iso.user,
         "distinct_uid": distinct,
         "parent_death": iso.parent_death,
@@ -304,7 +367,12 @@ def isolation_report(iso: Isolation, cfg: LocalShellConfig | None = None) -> dic
             "memory": f"RLIMIT_AS {cfg.memory_bytes} bytes per process",
             "cpu": f"RLIMIT_CPU {cfg.cpu_time_s} s per process",
             "disk": f"RLIMIT_FSIZE {cfg.file_size_bytes} bytes per file; /tmp, /var/tmp, "
-            f"/dev/shm: {tmp}",
+            f"/dev/shm: {tmp}; workspace, home and TMPDIR: "
+            + (
+                f"tmpfs of {cfg.disk_bytes} bytes (the episode's quota)"
+                if iso.mount_namespace
+                else "no quota (no mount namespace)"
+            ),
             "cgroups": "not used",
         },
     }
@@ -488,11 +556,27 @@ class LocalShell(ShellLifecycle):
         self._argv: tuple[str, ...] = ()
 
     @property
-    def workspace(self) -> Path:
-        """The working directory of every command (exists between start and close)."""
+    def workdir(self) -> Path:
+        """The working directory of every command, as the commands name it."""
         if self._base is None:
             raise RuntimeError("LocalShell is not started")
         return Path(self._base) / "work"
+
+    @property
+    def workspace(self) -> Path:
+        """The working directory of every command as this process reaches its files (exists
+        between start and close): `workdir`, or, in an episode's mount namespace, the same
+        folder through the holder's root (`/proc/<holder>/root/...`, a tmpfs of `disk_bytes`
+        only that namespace mounts)."""
+        if self._base is None:
+            raise RuntimeError("LocalShell is not started")
+        return Path(self._files_base()) / "work"
+
+    def _files_base(self) -> str:
+        assert self._base is not None
+        if self._holder is None:
+            return self._base
+        return f"/proc/{self._holder.pid}/root{self._base}"
 
     async def workspace_hash(self) -> str:
         """`envs.shell.tree_hash` of the workspace as it is now."""
@@ -556,7 +640,8 @@ class LocalShell(ShellLifecycle):
                 # parents before their children: a child may lie inside a parent's bind
                 shown = {os.path.abspath(p) for p in cfg.visible_paths if os.path.isdir(p)}
                 visible = tuple(sorted(shown, key=lambda p: (len(p), p)))
-                self._holder = await asyncio.to_thread(_start_holder, base, size, ro, visible)
+                self._holder = await asyncio.to_thread(_start_holder, base, size, cfg.disk_bytes,
+                                                       self._ids(), ro, visible)  # fmt: skip
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(self, _cleanup, base, self._uid, self._holder)
                 prefix = _enter(prefix, self._holder.pid)
@@ -640,7 +725,7 @@ class LocalShell(ShellLifecycle):
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                cwd=self.workspace,
+                cwd=self.workdir,  # on this host too; the holder's namespace has its own
                 env=self._env,
                 start_new_session=True,  # its own process group: one killpg reaches every child
                 **kwargs,
@@ -661,13 +746,11 @@ class LocalShell(ShellLifecycle):
             raise
         pgid = transport.get_pid()
         proto.pgid = pgid
-        timed_out = False
+        timed_out = quota_hit = False
         try:
-            await asyncio.wait(
-                {proto.exited, proto.limit_hit}, timeout=timeout_s, return_when="FIRST_COMPLETED"
-            )
+            quota_hit = await self._await_command(proto, timeout_s)
             if not proto.exited.done():
-                timed_out = not proto.limit_hit.done()
+                timed_out = not proto.limit_hit.done() and not quota_hit
                 _kill_group(pgid)
                 await asyncio.wait({proto.exited}, timeout=_REAP_TIMEOUT_S)
             # Background children may still hold the pipe: give them a moment, then kill the
@@ -700,7 +783,40 @@ class LocalShell(ShellLifecycle):
         if proto.limit_hit.done():
             info["killed"] = "output_limit"
             info["reason"] = f"output exceeded {cfg.kill_after_output_bytes} bytes; killed"
+        if quota_hit or (self._holder is not None and self._disk_full()):
+            info["disk_full"] = True
+            what = "the command was killed" if quota_hit else "writes fail until files are removed"
+            info["reason"] = (f"the episode's disk quota ({cfg.disk_bytes} bytes for the "
+                              f"workspace, its home and TMPDIR) is full: {what}")  # fmt: skip
+            if quota_hit:
+                info["killed"] = "disk_quota"
+            buf.write(f"\nsimloop: disk quota exceeded ({cfg.disk_bytes} bytes); {what}\n".encode())
         return buffered_observation(buf, exit_code, start, info)
+
+    async def _await_command(self, proto: _Collector, timeout_s: float) -> bool:
+        """Wait until the command exits, prints too much or runs out of time; with a disk
+        quota, also until the quota's tmpfs is full while it runs, which kills it (True)."""
+        waits = {proto.exited, proto.limit_hit}
+        if self._holder is None:
+            await asyncio.wait(waits, timeout=timeout_s, return_when="FIRST_COMPLETED")
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (left := deadline - loop.time()) > 0:
+            done, _ = await asyncio.wait(waits, timeout=min(left, _QUOTA_POLL_S),
+                                         return_when="FIRST_COMPLETED")  # fmt: skip
+            if done:
+                return False
+            if self._disk_full():
+                return True
+        return False
+
+    def _disk_full(self) -> bool:
+        """The workspace's tmpfs has no block left (its quota, `disk_bytes`, is used up)."""
+        try:
+            return os.statvfs(self._files_base()).f_bavail == 0
+        except OSError:  # the namespace is gone (closing)
+            return False
 
     async def close(self) -> None:
         """Delete the workspace (always safe to call, also twice or before start)."""

@@ -75,7 +75,7 @@ async def test_fresh_bash_per_command_state_only_in_files():
     async with LocalShell() as sh:
         first = await sh.run("export FOO=bar; echo kept > note.txt; cd /; echo err >&2; exit 3", 5)
         second = await sh.run('pwd; echo "foo=$FOO"; cat note.txt', 5)
-        workspace = str(sh.workspace)
+        workspace = str(sh.workdir)
     assert first.exit_code == 3 and first.output == "err\n"
     assert second.output == f"{workspace}\nfoo=\nkept\n"
 
@@ -99,7 +99,7 @@ async def test_environment_is_scrubbed(monkeypatch):
     cfg = LocalShellConfig(env={"EXTRA": "given"})
     async with LocalShell(cfg) as sh:
         obs = await sh.run("env", 5)
-        home = str(sh.workspace.parent / "home")
+        home = str(sh.workdir.parent / "home")
     assert "hunter2" not in obs.output and "SIMLOOP_TEST_SECRET" not in obs.output
     assert f"HOME={home}\n" in obs.output and "EXTRA=given\n" in obs.output
 

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,16 +70,16 @@ async def test_episodes_cannot_reach_each_other_or_leftovers():
     try:
         async with LocalShell() as a, LocalShell() as b:
             await a.run("echo mine > secret.txt", 5)
-            victim = a.workspace
+            victim, files = a.workdir, a.workspace  # as commands name it, as we reach it
             obs = await b.run(
                 f"cat {victim}/secret.txt; echo x > {victim}/secret.txt; touch {victim}/new; "
                 f"cat {leftover}/answer.txt; ls {root}",
                 5,
             )
-            assert (victim / "secret.txt").read_text() == "mine\n"
-            assert not (victim / "new").exists()
+            assert (files / "secret.txt").read_text() == "mine\n"
+            assert not (files / "new").exists()
             # b sees only its own workspace in the workspaces folder.
-            assert obs.output.strip().splitlines()[-1] == b.workspace.parent.name
+            assert obs.output.strip().splitlines()[-1] == b.workdir.parent.name
             assert "leaked" not in obs.output and "mine" not in obs.output
             if IS_ROOT:
                 assert a.isolation["uid"] != b.isolation["uid"]
@@ -136,6 +137,63 @@ async def test_root_is_read_only():
     async with LocalShell() as sh:
         obs = await sh.run("touch /simloop-probe; touch ok.txt && echo wrote", 5)
     assert "Read-only file system" in obs.output and obs.output.endswith("wrote\n")
+
+
+async def test_the_root_is_minimal_no_host_home_project_or_neighbours():
+    """Only system folders (read-only), the workspace and private tmp folders: the project tree
+    (the grader, the tests), host homes, /sys and files beside the workspaces are not there."""
+    _need("minimal_root", "a minimal root (a mount namespace)")
+    beside = Path(LocalShellConfig().workspace_root or "/tmp") / f"simloop-beside-{os.getpid()}"
+    beside.write_text("host file\n")
+    beside.chmod(0o644)
+    try:
+        async with LocalShell() as sh:
+            obs = await sh.run(
+                f"cat {ROOT}/pyproject.toml {beside}; ls /root /home /sys /opt {ROOT.parent}; "
+                "cat /etc/hostname; ls /; ls /usr/bin/bash /etc/passwd", 5,
+            )  # fmt: skip
+    finally:
+        beside.unlink()
+    out = obs.output
+    assert "[tool." not in out and "host file" not in out
+    for gone in (f"{ROOT}/pyproject.toml", str(beside), "/root", "/home", "/sys", "/opt"):
+        assert re.search(rf"{re.escape(gone)}'?: No such file or directory", out), (gone, out)
+    listed = set(out.split("No such file or directory\n")[-1].split())
+    assert {"usr", "etc", "tmp", "proc", "dev"} <= listed and not {"root", "home", "sys"} & listed
+    assert "/usr/bin/bash" in out and "/etc/passwd" in out
+
+
+async def test_user_namespaces_and_mounts_are_refused_inside():
+    _need("userns_refused", "a seccomp filter refusing user namespaces")
+    async with LocalShell() as sh:
+        userns = await sh.run("unshare -Ur true; echo rc=$?", 5)
+        userns_py = await sh.run(
+            "python3 -c 'import os; os.unshare(os.CLONE_NEWUSER)' 2>&1 | tail -1 || true; "
+            "mkdir m && mount -t tmpfs none m; echo rc=$?", 5,
+        )  # fmt: skip
+        still = await sh.run("(sleep 0.01 &); wait; echo forks fine", 5)
+    assert "rc=1" in userns.output and "Operation not permitted" in userns.output
+    assert "rc=32" in userns_py.output or "rc=1" in userns_py.output, userns_py.output
+    assert still.output == "forks fine\n"
+
+
+async def test_the_disk_quota_ends_a_runaway_writer_with_a_clear_observation():
+    _need("minimal_root", "a workspace on a sized tmpfs (a mount namespace)")
+    cfg = LocalShellConfig(disk_bytes=4 * 2**20)
+    async with LocalShell(cfg) as sh:
+        once = await sh.run("head -c 10000000 /dev/zero > big.bin; echo rc=$?", 10)
+        freed = await sh.run("rm big.bin && echo ok > small.txt && cat small.txt", 5)
+        t0 = asyncio.get_running_loop().time()
+        writer = "while :; do head -c 300000 /dev/zero >> log.txt 2>/dev/null; done"
+        runaway = await sh.run(writer, 60)
+        took = asyncio.get_running_loop().time() - t0
+        left = await sh.run("rm log.txt; df -k . | tail -1", 5)
+    assert "No space left on device" in once.output and once.info["disk_full"]
+    assert "disk quota exceeded (4194304 bytes)" in once.output
+    assert freed.output == "ok\n" and not freed.info.get("disk_full")
+    assert runaway.info["killed"] == "disk_quota" and "was killed" in runaway.output
+    assert took < 30 and not runaway.info.get("timeout")
+    assert int(left.output.split()[1]) == 4096  # the quota's size, in KiB
 
 
 def _procs_of_uid(uid: int) -> list[str]:
@@ -236,7 +294,7 @@ CHILD = textwrap.dedent(
 
     async def main():
         async with LocalShell() as sh:
-            print(sh.workspace.parent, flush=True)
+            print(sh.workdir.parent, flush=True)
             await sh.run("sleep 876.25", timeout_s=600)
 
     asyncio.run(main())
