@@ -8,7 +8,7 @@ scrubbed environment and setrlimit limits (CPU seconds, address space, file size
 Where the kernel allows, it also runs in fresh network, PID and mount namespaces
 (`unshare -n -p -m --mount-proc`): no network; every process the command leaves behind dies
 with it; its own `/proc` (no other process, nor its command line, is visible). As root, the
-episode's mount namespace has a minimal root of its own (`_SANDBOX`): read-only system
+episode's mount namespace has a minimal root of its own (`envs/sandbox_root.py`): read-only system
 folders, private tmpfs `/tmp`, `/var/tmp` and `/dev/shm` of `tmpfs_bytes` each, the workspace
 (with its home and TMPDIR) on a tmpfs of `disk_bytes` (the episode's disk quota: a command that
 fills it while running is killed, and its observation says so), the `visible_paths` read-only,
@@ -74,74 +74,6 @@ _WS_PREFIX = "simloop-ws-"
 _WS_OWNER = re.compile(rf"{_WS_PREFIX}(\d+)\.(\d+)-")
 """Workspace names carry the owner's pid and start time, so a sweep can tell dead owners."""
 
-# The episode's mount namespace, made once per shell by a holder process (root, in the workspace
-# base; `$1` the base, `$2` the size of each private tmp folder, `$3` the disk quota of the
-# workspace, `$4`/`$5` the episode's uid and gid, `$6` "ro" to make the root read-only, then the
-# host folders that must stay visible), which then waits on its stdin: it ends, and the
-# namespace with it, when the shell closes the pipe or simloop dies.
-#
-# The root it builds is minimal: a small tmpfs holding read-only binds of the system folders
-# (/usr, /etc and the /bin, /sbin, /lib* links or folders), a handful of device nodes, private
-# tmpfs /tmp, /var/tmp and /dev/shm, the workspace base as a tmpfs of the quota's size (the
-# workspace, its home and its TMPDIR: everything the episode may write outside the tmp
-# folders), and the visible folders read-only. No /home, /root, /sys, /opt, /srv or /mnt, no
-# project tree and nothing beside the workspace. It pivots into that root and detaches the old
-# one, so `nsenter --mount` lands in it, and simloop reaches the workspace's files through
-# /proc/<holder>/root. /etc/hostname and /etc/machine-id read empty. /proc is mounted only to
-# let `umount` read the mount table and removed again; each command mounts its own (`unshare
-# --mount-proc`). Plain binds (not --rbind): files a container runtime binds over /etc
-# (hostname, hosts, resolv.conf) stay out.
-_SANDBOX = r"""set -e
-base=$1 size=$2 disk=$3 uid=$4 gid=$5 ro=$6
-shift 6
-nr=$base/.root
-mkdir -p -- "$nr"
-mount -t tmpfs -o size=4m,mode=755 simloop-root "$nr"
-for d in /usr /etc /bin /sbin /lib /lib32 /lib64 /libx32; do
-  if [ -L "$d" ]; then ln -s -- "$(readlink -- "$d")" "$nr$d"
-  elif [ -d "$d" ]; then
-    mkdir -p -- "$nr$d"
-    mount --bind -- "$d" "$nr$d"
-    mount -o remount,bind,ro,nosuid,nodev -- "$nr$d"
-  fi
-done
-for f in /etc/hostname /etc/machine-id; do
-  if [ -f "$nr$f" ]; then mount --bind /dev/null "$nr$f"; fi
-done
-mkdir -p "$nr/dev/shm" "$nr/proc" "$nr/tmp" "$nr/var/tmp" "$nr/.old"
-for f in null zero full random urandom tty; do
-  if [ -c "/dev/$f" ]; then : > "$nr/dev/$f"; mount --bind "/dev/$f" "$nr/dev/$f"; fi
-done
-ln -s /proc/self/fd "$nr/dev/fd"
-ln -s /proc/self/fd/0 "$nr/dev/stdin"
-ln -s /proc/self/fd/1 "$nr/dev/stdout"
-ln -s /proc/self/fd/2 "$nr/dev/stderr"
-for d in /tmp /var/tmp /dev/shm; do
-  mount -t tmpfs -o "size=$size,mode=1777,nosuid,nodev" simloop-tmp "$nr$d"
-done
-mkdir -p -- "$nr$base"
-mount -t tmpfs -o "size=$disk,mode=700,uid=$uid,gid=$gid,nosuid,nodev" simloop-disk "$nr$base"
-for sub in work home tmp; do
-  mkdir -m 700 -- "$nr$base/$sub"
-  chown "$uid:$gid" -- "$nr$base/$sub"
-done
-for p in "$@"; do
-  mkdir -p -- "$nr$p"
-  mount --bind -- "$p" "$nr$p"
-  mount -o remount,bind,ro,nosuid,nodev -- "$nr$p"
-done
-mount -t proc simloop-proc "$nr/proc"
-cd -- "$nr"
-pivot_root . .old
-umount -l /.old
-rmdir /.old
-umount /proc
-if [ "$ro" = ro ]; then mount -o remount,ro /; fi
-cd -- "$base/work"
-echo ready
-read -r _ || exit 0
-"""
-
 
 @dataclass(frozen=True)
 class Isolation:
@@ -206,10 +138,10 @@ def _probe(prefix: tuple[str, ...], cwd: str = "/") -> bool:
 def _start_holder(base: str, tmpfs_bytes: int, disk_bytes: int, ids: tuple[int, int],
                   readonly_root: bool, visible: tuple[str, ...] = ()
                   ) -> subprocess.Popen:  # fmt: skip
-    """The process that makes and holds an episode's mount namespace (see `_SANDBOX`), once
+    """The process that makes and holds an episode's mount namespace (`envs/sandbox_root.py`:
+    its minimal root, the workspace on a tmpfs of `disk_bytes`), once
     it is ready; raises ShellError if it could not be made. `ids`: who owns the workspace."""
-    argv = ["unshare", "-m", "--", "bash", "-c", _SANDBOX, "simloop-sandbox", base,
-            str(tmpfs_bytes), str(disk_bytes), str(ids[0]), str(ids[1]),
+    argv = [*_HOLDER, base, str(tmpfs_bytes), str(disk_bytes), str(ids[0]), str(ids[1]),
             "ro" if readonly_root else "rw", *visible]  # fmt: skip
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=base, env={"PATH": _PATH})  # fmt: skip
@@ -249,6 +181,7 @@ def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root:
         shutil.rmtree(base, ignore_errors=True)
 
 
+_HOLDER = (sys.executable, "-I", "-S", str(Path(__file__).with_name("sandbox_root.py")))
 NOUSERNS = (sys.executable, "-I", "-S", str(Path(__file__).with_name("nouserns.py")))
 """argv that runs the rest of a command line under the filter refusing user namespaces."""
 

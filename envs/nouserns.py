@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import struct
 import sys
 
@@ -52,7 +51,7 @@ PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 
 def program(machine: str | None = None) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions for `machine` (default: this one's)."""
-    machine = machine or platform.machine()
+    machine = machine or os.uname().machine  # not `platform`: it imports `re` (13 ms)
     if machine not in ABIS:
         raise OSError(f"no seccomp filter for this machine ({machine}): only {sorted(ABIS)}")
     arch, unshare, clone, clone3, x32 = ABIS[machine]
