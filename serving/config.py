@@ -1,9 +1,10 @@
 """Serving settings (no JAX): the engine's slot pool and limits, sampling parameters, and the
-HTTP server's bind address, admin token and checkpoint root."""
+HTTP server's bind address, admin token, checkpoint root and per-client limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_N = 64
 INT32_MAX = 2**31 - 1
@@ -21,6 +22,7 @@ likely token, so the server raises smaller ones to this without changing what is
 
 MAX_TTL_S = 86_400.0
 """The longest a session may stay idle (a day)."""
+CLIENT_IDENTITIES = ("peer", "api_key")
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,22 @@ class ServerConfig:
     """Open connections at most (also kept below the process's open-file limit). Beyond it
     the oldest connection that is not in a request is closed for the new one; when all are in
     requests, the new one gets 503 and is closed."""
+    max_sessions_per_client: int = 256
+    """Open sessions (`/v1/sessions`) one client may hold: its next open gets 429 naming this
+    limit, while other clients still open theirs. Sessions that expired or were evicted count
+    until their client calls them, closes them or needs their place. A quarter of
+    `EngineConfig.max_sessions` by default: one client cannot take every session."""
+    client_identity: Literal["peer", "api_key"] = "peer"
+    """Who a client is, for `max_sessions_per_client`. `peer`: the connection's remote IP
+    address (all its ports; clients behind one proxy share it). `api_key`: the key of
+    `Authorization: Bearer <key>` where a request sends one, else the remote address. This
+    server checks no API keys, so under `api_key` a client that makes up keys gets a cap per
+    key: use it behind a gateway that sets them."""
+    session_tokens: bool = False
+    """Sessions need their secret: opening one returns `token` (the client may choose it,
+    `{"token": ...}`, 16 to 256 visible ASCII characters), and its generate, rewind and DELETE
+    need the header `X-Session-Token: <token>`; without it, or with another, they get the 404
+    of an unknown session, so no other client can drive or close it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -208,5 +226,15 @@ class ServerConfig:
                 or not 1 <= self.max_connections <= 1_000_000):  # fmt: skip
             raise ValueError(f"ServerConfig.max_connections={self.max_connections!r} is "
                              "invalid: an integer in [1, 1000000]")  # fmt: skip
+        cap = self.max_sessions_per_client
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= 1_000_000:
+            raise ValueError(f"ServerConfig.max_sessions_per_client={cap!r} is invalid: an "
+                             "integer in [1, 1000000]")  # fmt: skip
+        if self.client_identity not in CLIENT_IDENTITIES:
+            raise ValueError(f"ServerConfig.client_identity={self.client_identity!r} is "
+                             f"invalid: one of {list(CLIENT_IDENTITIES)}")  # fmt: skip
+        if not isinstance(self.session_tokens, bool):
+            raise ValueError(f"ServerConfig.session_tokens={self.session_tokens!r} is invalid: "
+                             "true or false")  # fmt: skip
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("ServerConfig.admin_token is too short: use at least 8 characters")

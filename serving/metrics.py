@@ -8,6 +8,11 @@ import time
 from collections import defaultdict, deque
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REFUSALS = ("client_sessions", "sessions", "session_token", "queue", "connections")
+"""Why the server refuses a request that is not wrong in itself (`simloop_refused_total`'s
+reasons): the client holds `ServerConfig.max_sessions_per_client` sessions, the engine holds
+`EngineConfig.max_sessions`, a session call lacks its session's token, `max_waiting` sequences
+wait already, every one of `max_connections` connections is in a request."""
 
 
 class Histogram:
@@ -38,6 +43,7 @@ class ServerMetrics:
 
     def __init__(self, window_s: float = 10.0):
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.refused = dict.fromkeys(REFUSALS, 0)
         self.latency = Histogram()
         self.queue_wait = Histogram()
         self.window_s = window_s
@@ -45,6 +51,9 @@ class ServerMetrics:
 
     def record_request(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
+
+    def refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
 
     def tokens_per_second(self, generated_total: int) -> float:
         """Generation rate over the last `window_s`, from samples of the engine's counter."""
@@ -63,6 +72,10 @@ class ServerMetrics:
         for (endpoint, status), count in sorted(self.requests.items()):
             labels = f'endpoint="{endpoint}",status="{status}"'
             lines.append(f"simloop_requests_total{{{labels}}} {count}")
+        lines += ["# HELP simloop_refused_total requests refused to protect the server (limits, "
+                  "session tokens), by reason", "# TYPE simloop_refused_total counter"]  # fmt: skip
+        for reason, count in self.refused.items():
+            lines.append(f'simloop_refused_total{{reason="{reason}"}} {count}')
         stats = engine.stats
         for key, help_text in [
             ("generated_tokens", "tokens generated"),

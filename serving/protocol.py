@@ -57,7 +57,8 @@ class ApiError(Exception):
                  type: str | None = None, code: str | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type or _TYPES.get(status, "server_error")
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
+                                       else "server_error")  # fmt: skip
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -68,6 +69,7 @@ class ApiError(Exception):
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
@@ -189,9 +191,20 @@ def _sampling(body: dict, limits: Limits, *, max_tokens_key: str, logprobs: int)
     )  # fmt: skip
 
 
+UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+               "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "functions": (None, [])}  # fmt: skip
+"""OpenAI parameters this server does not implement, with the values that ask for nothing:
+any other value is refused by name rather than ignored (it would sample otherwise than asked)."""
+
+
 def _common(body: dict) -> dict:
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, neutral in UNSUPPORTED.items():
+        if key in body and body[key] not in neutral:
+            raise bad(key, f"'{key}' is not supported by this server: leave it out (or "
+                      f"{' / '.join(map(short_repr, neutral))})")  # fmt: skip
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {model!r}")
@@ -201,9 +214,13 @@ def _common(body: dict) -> dict:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "'stream_options' must be an object")
+    include_usage = options.get("include_usage", False)
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage", "'include_usage' must be true or false, got "
+                  f"{short_repr(include_usage)}")  # fmt: skip
     return dict(model=model, n=n, stream=_bool(body, "stream"),
                 return_token_ids=_bool(body, "return_token_ids"),
-                include_usage=bool(options.get("include_usage")))  # fmt: skip
+                include_usage=bool(include_usage))  # fmt: skip
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> CompletionRequest:
@@ -234,28 +251,59 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> Complet
                              echo_logprobs=logprobs is not None, **common)  # fmt: skip
 
 
+def _only(body: Any, allowed: tuple[str, ...], what: str) -> dict:
+    """`body`, a JSON object with no field outside `allowed` (each is refused by name)."""
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(allowed))
+    if unknown:
+        raise bad(unknown[0], f"unknown field(s) {short_repr(unknown)}: {what} takes "
+                  f"{', '.join(allowed)}")  # fmt: skip
+    return body
+
+
+SESSION_TOKEN_CHARS = (16, 256)
+"""Length of a session token a client chooses (visible ASCII: it travels in a header)."""
+
+
 @dataclass
 class SessionOpen:
     ttl_s: float | None
     compaction: SessionCompaction
+    token: str | None = None
+    """The client's own session token (`ServerConfig.session_tokens`), else None."""
 
 
-def parse_session_open(body: Any, max_ttl_s: float) -> SessionOpen:
-    """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode", ...}}` (an empty body is fine;
-    `serving.compaction.SessionCompaction` holds the compaction fields)."""
-    body = {} if body is None else body
-    if not isinstance(body, dict):
-        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - {"ttl_s", "compaction"})
-    if unknown:
-        raise bad(unknown[0], f"unknown field(s) {unknown}: allowed ttl_s, compaction")
+def parse_session_open(body: Any, max_ttl_s: float, *, tokens: bool = False) -> SessionOpen:
+    """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode", ...}, "token"?}` (an empty
+    body is fine; `serving.compaction.SessionCompaction` holds the compaction fields; `token`
+    only where the server has session tokens)."""
+    body = _only({} if body is None else body, ("ttl_s", "compaction", "token"),
+                 "opening a session")  # fmt: skip
     ttl = None if body.get("ttl_s") is None else _num(body, "ttl_s", None, lo=0.0, hi=max_ttl_s,
                                                       open_lo=True)  # fmt: skip
     try:
         compaction = SessionCompaction.from_json(body.get("compaction"))
     except (TypeError, ValueError) as e:
         raise bad("compaction", f"{e} (modes: {list(COMPACTION_MODES)})") from None
-    return SessionOpen(ttl_s=ttl, compaction=compaction)
+    token = body.get("token")
+    if token is not None and not tokens:
+        raise bad("token", "this server has no session tokens (ServerConfig.session_tokens is "
+                  "off): leave 'token' out")  # fmt: skip
+    lo, hi = SESSION_TOKEN_CHARS
+    if token is not None and not (
+        isinstance(token, str) and lo <= len(token) <= hi and token.isascii()
+        and token.isprintable() and " " not in token
+    ):  # fmt: skip
+        raise bad("token", f"'token' must be {lo} to {hi} visible ASCII characters, got "
+                  f"{short_repr(token)}")  # fmt: skip
+    return SessionOpen(ttl_s=ttl, compaction=compaction, token=token)
+
+
+SESSION_STEP_FIELDS = ("append_token_ids", "append_text", "max_tokens", "temperature", "top_p",
+                       "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                       "presence_penalty", "frequency_penalty", "stream", "model")  # fmt: skip
+"""What a session step takes: one sequence (no `n`), the sampling fields of /v1/completions."""
 
 
 @dataclass
@@ -263,13 +311,17 @@ class SessionStep:
     append: list[int]
     params: SamplingParams
     echo_logprobs: bool
+    model: str | None = None
 
 
 def parse_session_generate(body: Any, tokenizer: Tokenizer, limits: Limits) -> SessionStep:
     """`POST /v1/sessions/{id}/generate`: exactly one of `append_token_ids` (ids) and
-    `append_text` (text, tokenized here), then the sampling fields of /v1/completions."""
-    if not isinstance(body, dict):
-        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    `append_text` (text, tokenized here), then the sampling fields of /v1/completions
+    (SESSION_STEP_FIELDS; any other field is refused by name)."""
+    body = _only(body, SESSION_STEP_FIELDS, "a session step")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"'model' must be a string, got {short_repr(model)}")
     ids, text = body.get("append_token_ids"), body.get("append_text")
     if (ids is None) == (text is None):
         raise bad("append_token_ids", "give exactly one of 'append_token_ids' (a list of token "
@@ -291,7 +343,16 @@ def parse_session_generate(body: Any, tokenizer: Tokenizer, limits: Limits) -> S
         raise bad("stream", "a session step does not stream: leave 'stream' false")
     logprobs = _int(body, "logprobs", None, lo=0, hi=limits.max_logprobs)
     params = _sampling(body, limits, max_tokens_key="max_tokens", logprobs=logprobs or 0)
-    return SessionStep(append=append, params=params, echo_logprobs=logprobs is not None)
+    return SessionStep(append=append, params=params, echo_logprobs=logprobs is not None,
+                       model=model)  # fmt: skip
+
+
+def parse_session_rewind(body: Any) -> Any:
+    """`POST /v1/sessions/{id}/rewind` `{"to": n}` -> n (the engine checks its range)."""
+    body = _only(body, ("to",), "a rewind")
+    if "to" not in body:
+        raise bad("to", 'the body must be {"to": n}: the logical position to keep')
+    return body["to"]
 
 
 def parse_chat(

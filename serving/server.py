@@ -5,9 +5,17 @@
 
 Routes (DESIGN.md §4): `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE
 streaming), `GET /v1/models`, `GET /health`, `GET /metrics`, and the bearer-token admin routes
-`POST /admin/load_weights` and `GET /admin/version`. Every error is OpenAI-shaped; a bad
+`POST /admin/load_weights` and `GET /admin/version`, and the persistent KV sessions
+(`/v1/sessions`, `.../{id}/generate`, `.../{id}/rewind`, `DELETE .../{id}`). Every error is
+OpenAI-shaped JSON, aiohttp's own answers to malformed requests too (`_ApiErrors`), a 4xx
+wherever the input is at fault, and a field a route does not take is refused by name; a bad
 request never takes the server down, and a client that disconnects aborts its request. An
 error after a stream started is one last SSE event, `data: {"error": {...}}`, then the end.
+
+Sharing: one client (its remote address, or its API key: `ServerConfig.client_identity`)
+holds at most `max_sessions_per_client` sessions, so it cannot lock the others out; with
+`session_tokens` a session's calls need its token, so no other client can drive or close it.
+A refusal keeps no state, and `/metrics` counts refusals by reason (`simloop_refused_total`).
 
 Hostile clients: a request's head and body must arrive within `header_timeout_s` /
 `body_timeout_s`, connections are capped (`max_connections`, kept below the open-file limit;
@@ -20,14 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import resource
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +69,7 @@ from serving.protocol import (
     parse_completion,
     parse_session_generate,
     parse_session_open,
+    parse_session_rewind,
     short_repr,
     usage,
 )
@@ -71,6 +84,14 @@ class EngineDied(RuntimeError):
     """The engine loop failed: the server stopped so that its supervisor restarts it."""
 
 
+@dataclass(frozen=True)
+class _Owner:
+    """Who opened a session (`Server._client`) and its token (None: session tokens off)."""
+
+    client: str
+    token: str | None
+
+
 class Server:
     """Routes bound to one engine."""
 
@@ -79,7 +100,10 @@ class Server:
         self.renderer = ChatRenderer(tokenizer)
         self.metrics = ServerMetrics()
         self.started = int(time.time())
-        self.connections = _Connections(cfg, cfg.max_connections)
+        self.connections = _Connections(cfg, cfg.max_connections, self.metrics)
+        self.owners: dict[str, _Owner] = {}
+        """The sessions opened here, by id; pruned of those the engine no longer holds at each
+        open, so it never outgrows the engine's own `sessions` for long."""
         self.limits = Limits(vocab=min(engine.model_cfg.vocab_size, tokenizer.vocab_size),
                              context=engine.cfg.max_seq_len,
                              max_logprobs=engine.cfg.max_top_logprobs)  # fmt: skip
@@ -143,6 +167,9 @@ class Server:
         except TimeoutError as e:
             raise ApiError(408, f"the request body did not arrive within "
                            f"{self.cfg.body_timeout_s}s") from e  # fmt: skip
+        except web.RequestPayloadError as e:  # a broken chunked or compressed body
+            raise ApiError(400, f"the request body cannot be read: "
+                           f"{' '.join(str(e).split())}") from e  # fmt: skip
         if allow_empty and not raw.strip():
             return None
         try:
@@ -172,6 +199,8 @@ class Server:
             for h in handles:
                 self.engine.abort(h.id)
             status = 503 if self.engine.failure is not None or not self.engine.running else 429
+            if status == 429:
+                self.metrics.refuse("queue")
             raise ApiError(status, str(e)) from e
         return handles
 
@@ -322,12 +351,72 @@ class Server:
                 "compactions": session.compactions, "keys_dropped": session.keys_dropped,
                 "kv_epoch": self.engine.session_epoch(session)}  # fmt: skip
 
+    def _client(self, request: web.Request) -> str:
+        """Who sent `request` (`ServerConfig.client_identity`): `key:<hash of its bearer key>`
+        under `api_key` where it sends one, else `peer:<its remote IP address>` (an IPv6 one
+        by its /64: one host holds a whole /64)."""
+        if self.cfg.client_identity == "api_key":
+            header = request.headers.get("Authorization", "")
+            key = header[7:].strip() if header.startswith("Bearer ") else ""
+            if key:  # hashed: the server keeps no client's secret, and a bounded name
+                raw = key.encode("utf-8", "surrogateescape")
+                return f"key:{hashlib.sha256(raw).hexdigest()[:32]}"
+        remote = request.remote or "unknown"
+        with contextlib.suppress(ValueError):  # not an IP address: a unix socket, a proxy's name
+            address = ipaddress.ip_address(remote)
+            if address.version == 6 and address.ipv4_mapped is None:
+                remote = str(ipaddress.ip_network(f"{address}/64", strict=False))
+        return f"peer:{remote}"
+
+    def _admit_session(self, client: str) -> None:
+        """429 when `client` holds `max_sessions_per_client` sessions (those that expired or
+        were evicted are forgotten first, if that makes room). Keeps nothing of a refusal."""
+        for sid in [sid for sid in self.owners if sid not in self.engine.sessions]:
+            del self.owners[sid]  # closed, or forgotten by the engine
+        mine = [sid for sid, owner in self.owners.items() if owner.client == client]
+        cap = self.cfg.max_sessions_per_client
+        if len(mine) >= cap and self.engine.forget_gone_sessions(mine):
+            for sid in [sid for sid in mine if sid not in self.engine.sessions]:
+                del self.owners[sid]
+                mine.remove(sid)
+        if len(mine) >= cap:
+            self.metrics.refuse("client_sessions")
+            who = "API key" if client.startswith("key:") else "address"
+            raise ApiError(429, f"this client (by its {who}) holds {len(mine)} open sessions: "
+                           f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)"
+                           "; close one first (other clients may still open theirs)",
+                           code="client_session_limit")  # fmt: skip
+
+    def _check_token(self, request: web.Request, sid: str) -> None:
+        """With session tokens on: the session's own token in `X-Session-Token`, or the 404
+        of an unknown session (whether it exists is nobody else's business)."""
+        if not self.cfg.session_tokens:
+            return
+        owner = self.owners.get(sid)
+        given = request.headers.get("X-Session-Token", "").encode("utf-8", "surrogateescape")
+        if (
+            owner is None
+            or owner.token is None
+            or not hmac.compare_digest(given, owner.token.encode())
+        ):
+            if sid in self.engine.sessions:
+                self.metrics.refuse("session_token")
+            raise ApiError(404, f"session {short_repr(sid)} does not exist, or the "
+                           "X-Session-Token header does not carry its token",
+                           param="session_id")  # fmt: skip
+
     async def open_session(self, request: web.Request) -> web.Response:
-        opened = parse_session_open(await self._json(request, allow_empty=True), MAX_TTL_S)
-        with self._session_call():
+        body = await self._json(request, allow_empty=True)
+        opened = parse_session_open(body, MAX_TTL_S, tokens=self.cfg.session_tokens)
+        client = self._client(request)
+        self._admit_session(client)
+        with self._session_call(refusal="sessions"):
             session = self.engine.open_session(opened.ttl_s, opened.compaction)
+        token = (opened.token or secrets.token_urlsafe(24)) if self.cfg.session_tokens else None
+        self.owners[session.id] = _Owner(client, token)
         return web.json_response({"id": session.id, "ttl_s": session.ttl_s,
-                                  "compaction": opened.compaction.to_json()})  # fmt: skip
+                                  "compaction": opened.compaction.to_json(),
+                                  **({"token": token} if token else {})})  # fmt: skip
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -338,8 +427,9 @@ class Server:
         return web.json_response({"object": "list", "data": data})
 
     @contextlib.contextmanager
-    def _session_call(self):
-        """A session call's engine errors as HTTP errors: SessionError keeps its status."""
+    def _session_call(self, refusal: str = "queue"):
+        """A session call's engine errors as HTTP errors: SessionError keeps its status; a
+        429 (the engine is full) counts as a refusal for `refusal`."""
         try:
             yield
         except SessionError as e:
@@ -347,12 +437,17 @@ class Server:
         except EngineError as e:
             raise ApiError(400, str(e), param=e.field) from e
         except EngineBusy as e:
-            raise ApiError(503 if not self.engine.running else 429, str(e)) from e
+            if not self.engine.running:
+                raise ApiError(503, str(e)) from e
+            self.metrics.refuse(refusal)
+            raise ApiError(429, str(e)) from e
 
     async def session_generate(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
+        self._check_token(request, sid)
         body = await self._json(request)
         step = parse_session_generate(body, self.tokenizer, self.limits)
+        self._check_model(step.model)
         started = time.perf_counter()
         with self._session_call():
             handle = await self.engine.session_submit(sid, step.append, step.params)
@@ -376,18 +471,18 @@ class Server:
 
     async def rewind_session(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
-        body = await self._json(request)
-        if not isinstance(body, dict) or "to" not in body:
-            raise ApiError(400, "the body must be {\"to\": n}: the logical position to keep",
-                           param="to")  # fmt: skip
+        self._check_token(request, sid)
+        to = parse_session_rewind(await self._json(request))
         with self._session_call():
-            session = self.engine.rewind_session(sid, body["to"])
+            session = self.engine.rewind_session(sid, to)
         return web.json_response(self._session_fields(session))
 
     async def close_session(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
+        self._check_token(request, sid)
         with self._session_call():
             self.engine.close_session(sid)
+        self.owners.pop(sid, None)
         return web.json_response({"id": sid, "deleted": True})
 
     # ----- small routes ----------------------------------------------------------------------
@@ -538,8 +633,12 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.conns.admit(self):
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
-                            b"Connection: close\r\n\r\n")  # fmt: skip
+            err = ApiError(503, f"all {self.conns.cap} connections the server takes are in "
+                           "requests: retry later")  # fmt: skip
+            body = json.dumps(err.body()).encode()
+            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                            % (len(body), body))  # fmt: skip
             transport.close()
             self.inner = None
             return
@@ -589,12 +688,35 @@ class _Connection(asyncio.Protocol):
             self.inner.connection_lost(exc)
 
 
+class _ApiErrors(web.RequestHandler):
+    """aiohttp's connection handler, whose own answers (a malformed request, an Expect it
+    refuses, an error that escaped `Server._errors`) are in the API's JSON error shape too,
+    never plain text; aiohttp logs the error, and a 5xx is logged here as well."""
+
+    __slots__ = ()
+
+    async def finish_response(self, request, resp, start_time):
+        if (isinstance(resp, web.Response) and resp.status >= 400 and not resp.prepared
+                and resp.content_type != "application/json"):  # fmt: skip
+            text = " ".join((resp.text or resp.reason or "").split())
+            if resp.status >= 500:
+                log.error("%s %s: %d from outside the request handlers (%s)", request.method,
+                          request.path, resp.status, text[:200])  # fmt: skip
+                text = "internal error outside the request handlers (the server log has it)"
+            err = ApiError(resp.status, text[:300] or str(resp.reason))
+            json_resp = web.json_response(err.body(), status=resp.status)
+            if resp.keep_alive is False or resp.status >= 500:
+                json_resp.force_close()
+            resp = json_resp
+        return await super().finish_response(request, resp, start_time)
+
+
 class _Connections:
     """The open connections, oldest first, at most `cap`: a new one past the cap closes the
     oldest idle one (not in a request), or is refused when every one is in a request."""
 
-    def __init__(self, cfg: ServerConfig, cap: int):
-        self.cfg, self.cap = cfg, cap
+    def __init__(self, cfg: ServerConfig, cap: int, metrics: ServerMetrics | None = None):
+        self.cfg, self.cap, self.metrics = cfg, cap, metrics
         self._open: dict[_Connection, None] = {}
         self._by_transport: dict[Any, _Connection] = {}
         self.evicted = self.refused = 0
@@ -610,6 +732,8 @@ class _Connections:
             idle = next((c for c in self._open if not c.busy), None)
             if idle is None:
                 self.refused += 1
+                if self.metrics is not None:
+                    self.metrics.refuse("connections")
                 _ratelimited.warning("refused a connection: all %d are in requests", self.cap)
                 return False
             self.evicted += 1
@@ -691,18 +815,20 @@ async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
     server = make_server(engine, tokenizer, cfg)
     server.connections.cap = _connection_cap(cfg.max_connections)
     grace = cfg.shutdown_timeout_s
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=min(0.25, grace / 8),
-                           keepalive_timeout=cfg.idle_timeout_s,
-                           # After an early response (408, 413) the rest of a body is read
-                           # and dropped for this long at most (not aiohttp's 10 s).
-                           lingering_time=min(1.0, cfg.body_timeout_s))  # fmt: skip
+    # After an early response (408, 413) the rest of a body is read and dropped for
+    # `lingering_time` at most (not aiohttp's 10 s).
+    handler_args = dict(access_log=None, keepalive_timeout=cfg.idle_timeout_s,
+                        lingering_time=min(1.0, cfg.body_timeout_s))  # fmt: skip
+    runner = web.AppRunner(server.app(), handler_cancellation=True,
+                           shutdown_timeout=min(0.25, grace / 8), **handler_args)  # fmt: skip
     await runner.setup()
     loop = asyncio.get_running_loop()
-    listener = await loop.create_server(
-        lambda: _Connection(server.connections, runner.server()), cfg.host, cfg.port,
-        backlog=128,
-    )  # fmt: skip
+
+    def connection() -> _Connection:  # what `runner.server()` makes, with JSON errors
+        return _Connection(server.connections, _ApiErrors(runner.server, loop=loop,
+                                                           **handler_args))  # fmt: skip
+
+    listener = await loop.create_server(connection, cfg.host, cfg.port, backlog=128)
     port = listener.sockets[0].getsockname()[1]
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -74,8 +74,12 @@ class SessionsMixin:
     def open_session(
         self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
     ) -> Session:
-        """A new, empty session (its slot is taken at its first call)."""
-        self._expire_sessions()
+        """A new, empty session (its slot is taken at its first call). At the limit, sessions
+        that expired or were evicted are forgotten first to make room."""
+        if len(self.sessions) >= self.cfg.max_sessions:
+            self.forget_gone_sessions()
+        else:
+            self._expire_sessions()
         if len(self.sessions) >= self.cfg.max_sessions:
             raise EngineBusy(f"{len(self.sessions)} sessions are open (the limit is "
                              f"{self.cfg.max_sessions}); close one first")  # fmt: skip
@@ -85,6 +89,19 @@ class SessionsMixin:
         self.sessions[sid] = session
         self.stats["sessions_opened"] += 1
         return session
+
+    def forget_gone_sessions(self, session_ids=None) -> int:
+        """Forget the sessions (of `session_ids`, else all) that expired or were evicted: they
+        are kept only to tell their next call why (409), and that call gets 404 instead.
+        Returns how many were forgotten."""
+        self._expire_sessions()
+        ids = list(self.sessions if session_ids is None else session_ids)
+        gone = [sid for sid in ids if sid in self.sessions and self.sessions[sid].gone is not None]
+        for sid in gone:
+            session = self.sessions.pop(sid)
+            if session.scoring is not None:
+                session.scoring.set()
+        return len(gone)
 
     def session(self, session_id: str) -> Session:
         """The open session `session_id`; SessionError 404 if unknown, 409 (once, then it is

@@ -381,6 +381,16 @@ BAD = [
     ("enable-thinking-string", CHAT, {"messages": MSGS,
                                       "chat_template_kwargs": {"enable_thinking": "no"}}, 400,
      "chat_template_kwargs.enable_thinking"),
+    # Used to be taken and ignored: a wrong type read as true, parameters that change sampling.
+    ("include-usage-nan", CMPL, b'{"prompt": "hi", "stream_options": {"include_usage": NaN}}',
+     400, "stream_options.include_usage"),
+    ("logit-bias", CMPL, {"prompt": "hi", "logit_bias": {"104": 100}}, 400, "logit_bias"),
+    ("best-of", CMPL, {"prompt": "hi", "best_of": 4}, 400, "best_of"),
+    ("suffix", CMPL, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("tools", CHAT, {"messages": MSGS, "tools": [{"type": "function",
+                                                  "function": {"name": "ls"}}]}, 400, "tools"),
+    ("response-format", CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}},
+     400, "response_format"),
 ]  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """The HTTP server against hostile input, over real sockets: numbers that would overflow the
 engine's int32 / float32 arrays, non-finite logprobs, errors after a stream started, slow and
 idle clients, inputs that used to be 500s (lone surrogates, deep JSON, odd headers and paths,
-broken checkpoints), a dying engine loop, bounded shutdown, and a property-based test: for
-arbitrary JSON bodies the server answers 2xx/4xx/429 only and keeps its greedy output.
+broken checkpoints, bodies that do not decompress), answers that used to be plain text (HTTP
+the parser refuses, errors outside the handlers, the connection cap's 503), a dying engine
+loop, bounded shutdown, and a property-based test: for arbitrary JSON bodies the server
+answers 2xx/4xx/429 only and keeps its greedy output.
 """
 
 import asyncio
@@ -29,6 +31,7 @@ from serving.config import INT32_MAX, ServerConfig
 from serving.engine import Engine, EngineConfig, SequenceOutput
 from serving.protocol import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
 from serving.server import EngineDied, RateLimitFilter, background_server, run_server
+from tests.fakes import wait_until
 from tests.unit.test_server import TOK, StepGate, assert_healthy, make_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -193,6 +196,93 @@ async def _raw_request(url: str, request: bytes, timeout_s: float = 10.0) -> byt
         return await asyncio.wait_for(reader.read(), timeout_s)
     finally:
         writer.close()
+
+
+def _reply(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """A raw HTTP reply -> (status, headers with lower-case names, body)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines if ": " in line)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def _api_error(raw: bytes, status: int) -> dict:
+    got, headers, body = _reply(raw)
+    assert got == status, raw[:300]
+    assert headers["content-type"].startswith("application/json"), raw[:300]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+_BODY = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+
+
+def _encoded(encoding: bytes, body: bytes) -> bytes:
+    return (_HEAD + b"Content-Type: application/json\r\nContent-Encoding: " + encoding
+            + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (_HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n", 400),
+    (_HEAD + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n", 400),
+    (_HEAD + b"X-Long: " + b"a" * 20_000 + b"\r\n\r\n", 400),
+    (_HEAD + b"Expect: 100-continue-please\r\nContent-Length: 2\r\n\r\n{}", 417),
+    # A body that does not decompress was a 500 (the client's fault, so a 400).
+    (_encoded(b"gzip", b"not gzip at all"), 400),
+    (_encoded(b"deflate", _BODY), 400),
+], ids=["method", "chunk-size", "headers", "header-line", "expect", "gzip", "deflate"])  # fmt: skip
+async def test_malformed_requests_get_api_errors_not_plain_text(served, http, request_bytes,
+                                                                 status):  # fmt: skip
+    error = _api_error(await _raw_request(served[1], request_bytes), status)
+    assert error["type"] == "invalid_request_error"
+    await assert_healthy(http)
+
+
+async def test_an_error_outside_the_handlers_is_a_logged_json_500(http, monkeypatch, caplog):
+    """An exception that escapes the routes' error middleware (here: in its own bookkeeping)
+    used to be aiohttp's plain-text 500."""
+
+    def broken(*args):
+        raise RuntimeError("injected bookkeeping failure")
+
+    monkeypatch.setattr("serving.metrics.ServerMetrics.record_request", broken)
+    async with http.get("/health") as r:
+        assert r.status == 500 and r.content_type == "application/json"
+        error = (await r.json())["error"]
+    assert error["type"] == "server_error" and "the server log has it" in error["message"]
+    assert "injected" not in error["message"]  # internals stay in the log
+    assert any("from outside the request handlers" in rec.getMessage()
+               and rec.levelno == logging.ERROR for rec in caplog.records)  # fmt: skip
+    monkeypatch.undo()
+    await assert_healthy(http)
+
+
+def _refused_connections(metrics: str) -> float:
+    line = next(x for x in metrics.splitlines() if x.startswith('simloop_refused_total{reason="'
+                                                                 'connections"}'))  # fmt: skip
+    return float(line.split()[-1])
+
+
+async def test_a_connection_past_the_cap_gets_a_json_503_and_is_counted(served, http,
+                                                                       monkeypatch):  # fmt: skip
+    engine, url, _ = served
+    async with http.get("/metrics") as r:
+        before = _refused_connections(await r.text())
+    gate = StepGate(engine, monkeypatch)  # every request stays in its handler until opened
+    body = json.dumps(PROMPT).encode()
+    request = (_HEAD + b"Content-Type: application/json\r\nContent-Length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    busy = [asyncio.create_task(_raw_request(url, request, timeout_s=60)) for _ in range(CAP)]
+    assert await wait_until(lambda: engine.in_flight >= CAP, timeout_s=30)
+    error = _api_error(await _raw_request(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"), 503)
+    assert error["type"] == "service_unavailable" and str(CAP) in error["message"]
+    gate.open()
+    assert all(_reply(raw)[0] == 200 for raw in await asyncio.gather(*busy))
+    async with http.get("/metrics") as r:
+        assert _refused_connections(await r.text()) == before + 1
 
 
 async def test_a_non_ascii_bearer_header_is_401(served):

@@ -3,15 +3,22 @@ front of a tiny engine. A session keeps its slot's KV between calls, so each cal
 what was appended; its greedy output equals a stateless completion of the same tokens; rewind
 drops the tail; steps of different sessions share device steps; every misuse is an OpenAI-shaped
 error with its status (404 unknown, 409 busy / expired / evicted, 413 over-long, 400 malformed);
-a TTL or memory pressure ends a session with a reason its next call is told."""
+a TTL or memory pressure ends a session with a reason its next call is told.
+
+Sharing (a second `Server` front over the same engine, with its own config): one client at its
+session cap gets 429 while others open theirs, session tokens keep others out of a session,
+refusals keep no state and are counted in /metrics; a step refuses fields it does not take."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from flax import nnx
 
 from rl.data import ByteTokenizer
@@ -21,8 +28,9 @@ from serving.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TOK = ByteTokenizer()
-SEQ, SLOTS = 256, 4
-ECFG = EngineConfig(num_slots=SLOTS, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2)
+SEQ, SLOTS, MAX_SESSIONS = 256, 4, 8
+ECFG = EngineConfig(num_slots=SLOTS, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2,
+                    max_sessions=MAX_SESSIONS)  # fmt: skip
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -200,6 +208,208 @@ async def test_memory_pressure_evicts_the_least_recently_used_idle_session(serve
     for sid in sids[1:]:  # the others kept their KV
         out = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("y", 1))
         assert out["cached_tokens"] > 0
+
+
+# ----- sharing the server between clients -------------------------------------------------
+
+
+async def test_a_step_and_a_rewind_refuse_fields_they_do_not_take(served, http):
+    """`n=2` on a step used to be ignored silently (one sequence came back): now every field a
+    session route does not take is a 400 naming it and what the route takes."""
+    sid = await open_session(http)
+    for body, param in [(step("a", n=2), "n"), (step("a", best_of=2), "best_of"),
+                        (step("a", logit_bias={"1": 5}), "logit_bias")]:  # fmt: skip
+        err = await call(http, "POST", f"/v1/sessions/{sid}/generate", body, status=400)
+        assert err["error"]["param"] == param and f"['{param}']" in err["error"]["message"]
+        assert "append_token_ids" in err["error"]["message"]  # what it takes
+    err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a", model="other"),
+                     status=404)  # fmt: skip
+    assert err["error"]["param"] == "model"
+    err = await call(http, "POST", f"/v1/sessions/{sid}/rewind", {"to": 0, "keep": 1},
+                     status=400)  # fmt: skip
+    assert err["error"]["param"] == "keep" and "takes to" in err["error"]["message"]
+    assert served[0].sessions[sid].tokens == []  # the refused calls appended nothing
+
+
+async def test_sessions_gone_past_their_ttl_make_room_at_the_engine_limit(served, http):
+    """Sessions that expired used to count against `max_sessions` until their next call, so
+    a burst of idle sessions locked every client out for good: at the limit, they give way."""
+    engine, _ = served
+    idle = [await open_session(http, ttl_s=0.05) for _ in range(MAX_SESSIONS)]
+    err = await call(http, "POST", "/v1/sessions", {}, status=429)
+    assert f"the limit is {MAX_SESSIONS}" in err["error"]["message"]
+    await asyncio.sleep(0.2)  # every one of them is past its ttl_s
+    fresh = await open_session(http)
+    assert len(engine.sessions) == 1 and fresh in engine.sessions
+    await call(http, "POST", f"/v1/sessions/{idle[0]}/generate", step("a"), status=404)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
+@pytest.mark.parametrize("field, value, allowed", [
+    ("max_sessions_per_client", 0, "an integer in [1, 1000000]"),
+    ("max_sessions_per_client", True, "an integer in [1, 1000000]"),
+    ("client_identity", "cookie", "one of ['peer', 'api_key']"),
+    ("session_tokens", "yes", "true or false"),
+])  # fmt: skip
+def test_the_sharing_settings_are_validated(field, value, allowed):
+    with pytest.raises(ValueError) as e:
+        ServerConfig(**{field: value})
+    assert f"ServerConfig.{field}={value!r} is invalid: {allowed}" in str(e.value)
+
+
+@contextlib.asynccontextmanager
+async def front(engine, **cfg):
+    """A second `Server` over the module's engine with its own `ServerConfig` (no new engine):
+    yields the server and its URL."""
+    from serving.server import Server
+
+    server = Server(engine, TOK, ServerConfig(model_name="tiny", **cfg))
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield server, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _clients(url: str, identity: str) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+    """Two clients of `url`, different by `identity`: their address (127.0.0.2 is another
+    loopback address) or their API key."""
+    if identity == "peer":
+        host, port = url.removeprefix("http://").split(":")
+        try:
+            socket.create_connection((host, int(port)), 5, ("127.0.0.2", 0)).close()
+        except OSError:
+            pytest.skip("127.0.0.2 is no local address here (macOS has only 127.0.0.1)")
+        other = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
+        return (aiohttp.ClientSession(base_url=url),
+                aiohttp.ClientSession(base_url=url, connector=other))  # fmt: skip
+    return tuple(aiohttp.ClientSession(base_url=url, headers={"Authorization": f"Bearer {k}"})
+                 for k in ("key-of-a", "key-of-b"))  # fmt: skip
+
+
+@pytest.mark.parametrize("identity", ["peer", "api_key"])
+async def test_a_client_at_its_session_cap_gets_429_while_others_open_theirs(served, http,
+                                                                             identity):  # fmt: skip
+    engine, _ = served
+    cap = 3
+    async with front(engine, max_sessions_per_client=cap, client_identity=identity) as (_, url):
+        a, b = _clients(url, identity)
+        async with a, b:
+            mine = [await open_session(a) for _ in range(cap)]
+            err = (await call(a, "POST", "/v1/sessions", {}, status=429))["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "client_session_limit"
+            assert f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)" in (
+                err["message"])  # fmt: skip
+            theirs = [await open_session(b) for _ in range(cap)]  # not locked out by a
+            assert len(set(mine + theirs)) == 2 * cap and len(engine.sessions) == 2 * cap
+            await call(a, "DELETE", f"/v1/sessions/{mine[0]}")
+            await open_session(a)  # a closed one: room for one more
+
+
+async def test_refused_opens_keep_no_state(served, http):
+    """A flood of opens past the per-client cap and past the engine's limit, from one key and
+    from many new keys, leaves the sessions and the server's per-client bookkeeping as they
+    were; closed sessions leave the bookkeeping too."""
+    engine, _ = served
+    cfg = dict(max_sessions_per_client=2, client_identity="api_key")
+    async with front(engine, **cfg) as (server, url), aiohttp.ClientSession(base_url=url) as h:
+
+        async def open_as(key: str, status: int = 200) -> dict:
+            async with h.post("/v1/sessions", json={},
+                              headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+                assert r.status == status, await r.text()
+                return await r.json()
+
+        held = [(await open_as(f"k{i // 2}"))["id"] for i in range(MAX_SESSIONS)]
+        owners = dict(server.owners)
+        assert len(engine.sessions) == MAX_SESSIONS and len(owners) == MAX_SESSIONS
+        for i in range(100):  # the engine is full: new clients are refused
+            await open_as(f"new-{i}", status=429)
+        for _ in range(50):  # k0 is at its cap
+            await open_as("k0", status=429)
+        assert set(engine.sessions) == set(held) and server.owners == owners
+        for sid in held:
+            async with h.delete(f"/v1/sessions/{sid}") as r:
+                assert r.status == 200
+        assert not server.owners and not engine.sessions
+        await open_as("k0")
+        assert len(server.owners) == len(engine.sessions) == 1
+
+
+async def test_session_tokens_keep_other_clients_out_of_a_session(served, http):
+    engine, _ = served
+    async with front(engine, session_tokens=True) as (_, url):
+        async with aiohttp.ClientSession(base_url=url) as h:
+            opened = await call(h, "POST", "/v1/sessions", {})
+            sid, token = opened["id"], opened["token"]
+            assert isinstance(token, str) and len(token) >= 16
+            for given in [None, "x" * 32, token[:-1]]:
+                headers = {} if given is None else {"X-Session-Token": given}
+                for method, path, body in [("POST", f"/v1/sessions/{sid}/generate", step("a")),
+                                           ("POST", f"/v1/sessions/{sid}/rewind", {"to": 0}),
+                                           ("DELETE", f"/v1/sessions/{sid}", None)]:  # fmt: skip
+                    async with h.request(method, path, json=body, headers=headers) as r:
+                        err = await r.json()
+                        assert r.status == 404 and err["error"]["param"] == "session_id", err
+                        assert set(err["error"]) == {"message", "type", "param", "code"}
+                        assert "X-Session-Token" in err["error"]["message"]
+            assert sid in engine.sessions and engine.sessions[sid].tokens == []
+            mine = {"X-Session-Token": token}
+            for method, path, body in [("POST", f"/v1/sessions/{sid}/generate", step("a", 2)),
+                                       ("POST", f"/v1/sessions/{sid}/rewind", {"to": 1}),
+                                       ("DELETE", f"/v1/sessions/{sid}", None)]:  # fmt: skip
+                async with h.request(method, path, json=body, headers=mine) as r:
+                    assert r.status == 200, await r.text()
+            assert sid not in engine.sessions
+            # A client may choose its token; it must be one a header can carry.
+            own = "my-own-session-token-0123"
+            opened = await call(h, "POST", "/v1/sessions", {"token": own})
+            assert opened["token"] == own
+            async with h.delete(f"/v1/sessions/{opened['id']}",
+                                headers={"X-Session-Token": own}) as r:  # fmt: skip
+                assert r.status == 200
+            for bad in ["short", "has space in it 12345", 12345678901234567, "\u00e9" * 20]:
+                err = await call(h, "POST", "/v1/sessions", {"token": bad}, status=400)
+                assert err["error"]["param"] == "token"
+    # Where tokens are off, a token would protect nothing: refused.
+    err = await call(http, "POST", "/v1/sessions", {"token": "x" * 20}, status=400)
+    assert err["error"]["param"] == "token" and "session_tokens" in err["error"]["message"]
+
+
+def _refused(metrics: str) -> dict[str, float]:
+    prefix = 'simloop_refused_total{reason="'
+    return {line[len(prefix) :].split('"')[0]: float(line.split()[-1])
+            for line in metrics.splitlines() if line.startswith(prefix)}  # fmt: skip
+
+
+async def test_metrics_count_refusals_by_reason(served, http):
+    engine, _ = served
+    cfg = dict(max_sessions_per_client=1, client_identity="api_key", session_tokens=True)
+    async with front(engine, **cfg) as (_, url), aiohttp.ClientSession(base_url=url) as h:
+
+        async def as_key(key: str, method: str, path: str, status: int, **kw) -> dict:
+            headers = {"Authorization": f"Bearer {key}", **kw.pop("headers", {})}
+            async with h.request(method, path, headers=headers, **kw) as r:
+                assert r.status == status, await r.text()
+                return await r.json()
+
+        async with h.get("/metrics") as r:
+            assert "# TYPE simloop_refused_total counter" in await r.text()
+        sids = [(await as_key(f"k{i}", "POST", "/v1/sessions", 200, json={}))["id"]
+                for i in range(MAX_SESSIONS)]  # fmt: skip
+        await as_key("k0", "POST", "/v1/sessions", 429, json={})  # its cap
+        for _ in range(2):
+            await as_key("new", "POST", "/v1/sessions", 429, json={})  # the engine's limit
+        for _ in range(3):  # someone else's session
+            await as_key("k1", "DELETE", f"/v1/sessions/{sids[0]}", 404,
+                         headers={"X-Session-Token": "not-the-token-at-all"})  # fmt: skip
+        async with h.get("/metrics") as r:
+            refused = _refused(await r.text())
+    assert refused == {"client_sessions": 1, "sessions": 2, "session_token": 3, "queue": 0,
+                       "connections": 0}  # fmt: skip
 
 
 # ----- the orchestrator on sessions ------------------------------------------------------------
