@@ -92,8 +92,8 @@ async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
     metrics = rundir.MetricsLog(out)
     results = []
     async with role_clients(cfg, out, ["agent"], who="harness") as clients:
-        async with running_middleware(cfg, out, clients["agent"]) as (_, url):
-            runner = HarnessRunner(hcfg, backends.real, url, launcher)
+        async with running_middleware(cfg, out, clients["agent"]) as (_, url, admin):
+            runner = HarnessRunner(hcfg, backends.real, url, launcher, admin=admin)
             total = len(tasks) * hcfg.samples
             print(f"simloop harness: {hcfg.kind} x {total} rollouts through {url}", flush=True)
 
@@ -101,9 +101,12 @@ async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
                 for r in await runner.run_group(task, f"g{i}", hcfg.samples):
                     results.append(r)
                     metrics.write({"stage": "harness", **r.summary()})
+                    failed = r.finish.get("error")  # not written with this reward
+                    note = f" FINISH FAILED: {failed}" if failed else ""
                     print(f"  {r.rollout_id}: {r.status} reward={r.reward} "
                           f"exit={r.exit_code} {r.wall_s:.1f}s "
-                          f"segments={len(r.finish.get('segments', []))}", flush=True)  # fmt: skip
+                          f"segments={len(r.finish.get('segments', []))}{note}",
+                          flush=True)  # fmt: skip
 
             await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks)))
     rewards = [r.reward for r in results if r.reward is not None]

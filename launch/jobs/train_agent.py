@@ -348,8 +348,9 @@ async def _harness_source(cfg, out: Path, agent_client, tasks, steps: int, versi
     def written(trajectories) -> None:  # the middleware's sink -> the source (bound below)
         source.collect(trajectories)
 
-    async with running_middleware(cfg, out, agent_client, on_written=written) as (_, url):
-        runner = HarnessRunner(cfg.harness, real, url, launcher)
+    async with running_middleware(cfg, out, agent_client, on_written=written) as running:
+        url = running.url
+        runner = HarnessRunner(cfg.harness, real, url, launcher, admin=running.admin)
         source = HarnessSource(runner, tasks, group_size=ocfg.group_size,
                                groups=ocfg.batch_size // ocfg.group_size, rows=ocfg.batch_size,
                                steps=steps, seed=cfg.run.seed + version)  # fmt: skip

@@ -11,11 +11,15 @@ Per rollout (`HarnessRunner.run_one`):
 3. its diff (`git add -A && git diff --cached`, the harness's own files excluded) is graded
    by the task's reward in a fresh sandbox (`envs.swe`: apply, restore protected tests, run
    the test command);
-4. `POST /rollouts/{id}/finish` on the middleware turns the rollout's segments into
-   trajectories with that reward; they come back in the reply's `trajectories` count and are
-   written by the middleware's sink.
+4. `POST /rollouts/{id}/finish` on the middleware's admin listener (`AdminAccess`: a Unix
+   socket or URL, and the token; never shown to the sandbox) turns the rollout's segments
+   into trajectories with that reward; they come back in the reply's `trajectories` count and
+   are written by the middleware's sink. A finish the middleware refuses is logged and the
+   result carries the error; the middleware then writes the rollout `aborted` once
+   `rollout_ttl_s` passes without a grade.
 
-The runner never imports the middleware: it speaks to it over HTTP like any harness.
+The runner never imports the middleware: it speaks to it over HTTP like any harness, and
+finishes rollouts through the admin listener the job that started the middleware hands it.
 """
 
 from __future__ import annotations
@@ -107,6 +111,34 @@ class HarnessConfig:
             raise bad("temperature", "a number in [0, 2]")
 
 
+@dataclass(frozen=True)
+class AdminAccess:
+    """The middleware's admin listener, as the job that started it hands it to the runner:
+    a Unix socket path or a URL, and the bearer token. Never shown to a sandbox."""
+
+    token: str = field(repr=False)
+    socket: str | None = None
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.socket is None) == (self.url is None):
+            raise ValueError(f"AdminAccess needs a socket or a url, exactly one; got "
+                             f"socket={self.socket!r}, url={self.url!r}")  # fmt: skip
+        if not self.token:
+            raise ValueError("AdminAccess.token must be a non-empty string")
+
+    def session(self, timeout_s: float) -> aiohttp.ClientSession:
+        """A client session to the admin listener; paths go after `base`."""
+        connector = aiohttp.UnixConnector(path=self.socket) if self.socket else None
+        return aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     headers={"Authorization": f"Bearer {self.token}"})  # fmt: skip
+
+    @property
+    def base(self) -> str:
+        return "http://middleware" if self.socket else str(self.url).rstrip("/")
+
+
 @dataclass
 class HarnessResult:
     """One finished rollout, as the runner and the middleware saw it."""
@@ -121,14 +153,16 @@ class HarnessResult:
     wall_s: float
     diff: str
     finish: dict[str, Any] = field(default_factory=dict)
-    """The middleware's answer to the finish call (trajectories written, segments, plans)."""
+    """The middleware's answer to the finish call (trajectories written, segments, plans);
+    `error` when the finish failed or was refused (nothing written with this reward)."""
 
     def summary(self) -> dict[str, Any]:
         return {"rollout_id": self.rollout_id, "task_id": self.task_id, "reward": self.reward,
                 "status": self.status, "reason": self.reason, "exit_code": self.exit_code,
                 "wall_s": round(self.wall_s, 3), "diff_bytes": len(self.diff.encode()),
                 "trajectories": self.finish.get("trajectories"),
-                "segments": len(self.finish.get("segments", []))}  # fmt: skip
+                "segments": len(self.finish.get("segments", [])),
+                "finish_error": self.finish.get("error")}  # fmt: skip
 
 
 def rollout_id_for(task: Task, group: str, index: int) -> str:
@@ -206,12 +240,14 @@ def mini_config(cfg: HarnessConfig, base_url: str, api_key: str) -> dict[str, An
 
 
 class HarnessRunner:
-    """Runs harness rollouts against a middleware at `middleware_url`."""
+    """Runs harness rollouts against a middleware at `middleware_url`, finishing them through
+    its admin listener (`admin`)."""
 
     def __init__(self, cfg: HarnessConfig, real: ShellFactory, middleware_url: str,
-                 launcher: str = ""):  # fmt: skip
+                 launcher: str = "", *, admin: AdminAccess):  # fmt: skip
         """`launcher`: how the sandbox starts mini-swe-agent (`pick_launcher`)."""
         self.cfg, self.real, self.url = cfg, real, middleware_url.rstrip("/")
+        self.admin = admin
         self.launcher = launcher or launchers(cfg)[0]
         self._slots = asyncio.Semaphore(cfg.concurrency)
 
@@ -271,8 +307,10 @@ class HarnessRunner:
             given = reward if reward is not None else 0.0
             finish = await self._finish(rid, given, finish_status, finish_reason, task.id, group,
                                         meta)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - the rollout is lost, the run goes on
-            log.warning("rollout %s: finishing it failed: %s", rid, e)
+        except Exception as e:  # noqa: BLE001 - the middleware writes it `aborted`; run goes on
+            log.error("rollout %s: finishing it with reward %s failed, so its trajectories are "
+                      "not written with that grade (the middleware writes them aborted after "
+                      "rollout_ttl_s): %s", rid, reward, e)  # fmt: skip
             finish = {"trajectories": 0, "segments": [], "error": f"{type(e).__name__}: {e}"}
         return HarnessResult(rid, task.id, group, reward, status, reason, exit_code, wall, diff,
                              finish)  # fmt: skip
@@ -303,13 +341,12 @@ class HarnessRunner:
                 "meta": meta}  # fmt: skip
         if reason:
             body["reason"] = reason
-        timeout = aiohttp.ClientTimeout(total=self.cfg.finish_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            async with http.post(f"{self.url}/rollouts/{rid}/finish", json=body) as r:
+        async with self.admin.session(self.cfg.finish_timeout_s) as http:
+            async with http.post(f"{self.admin.base}/rollouts/{rid}/finish", json=body) as r:
                 answer = await r.json(content_type=None)
-                if r.status == 404:  # the harness never called the model: nothing to write
+                if r.status == 404:  # no turn of it was recorded: nothing to write
                     return {"trajectories": 0, "segments": [], "note": answer}
-                if r.status != 200:
+                if r.status != 200:  # 401: not our token; 409: written already (aborted)
                     raise RuntimeError(f"finishing rollout {rid} failed ({r.status}): {answer}")
                 return answer
 

@@ -1,21 +1,33 @@
-"""The middleware's HTTP server: the agent-facing APIs over one agent server.
+"""The middleware's HTTP server: the agent-facing APIs over one agent server, and apart from
+them the admin routes that finish rollouts.
 
     simloop middleware --config configs/demo_cpu.yaml --out runs/mw --middleware.port 8300
     ANTHROPIC_BASE_URL=http://127.0.0.1:8300 ANTHROPIC_API_KEY=<rollout id> <harness>
 
-Routes:
+The API listener (`middleware.host:port`, what harnesses reach):
 - `POST /v1/messages` (Anthropic Messages) and `POST /v1/chat/completions` (OpenAI chat), both
   with SSE streaming. The API key (`x-api-key`, or `Authorization: Bearer`) names the rollout.
+- `POST /v1/messages/count_tokens`, `GET /v1/models`, `GET /health`, `GET /metrics`
+  (Prometheus text: rollouts open and finished, refusals by reason, refused finishes).
+- Nothing under `/rollouts`: such a request is a 404 in the API's shape, logged with its key
+  and counted as a refused finish (a harness trying to grade itself).
+
+The admin listener (a Unix socket in a fresh private directory by default, or
+`middleware.admin_socket`, or TCP `admin_host:admin_port`), every route behind
+`Authorization: Bearer <token>` (`middleware.admin_token`, else a secret made at start):
 - `GET /rollouts` and `GET /rollouts/{id}`: rollouts in progress, their segments.
 - `POST /rollouts/{id}/finish {"reward", "status"?, "reason"?, "task_id"?, "group_id"?,
   "meta"?}`: the rollout's segments become trajectories (handed to `sink`), and it is forgotten.
-- `GET /v1/models`, `GET /health`.
 
-A rollout's requests run one at a time (its lock); different rollouts run concurrently. A
-harness that disconnects cancels its handler, which cancels the request to the agent server
-(that server aborts the generation and frees the slot) before anything is recorded. A stream
-starts (`message_start` / the role chunk) once the prompt is ready and sends keep-alives while
-the agent server generates; an error after that is one last error event.
+A rollout exists once a turn of it is recorded: a refused request leaves nothing behind. At most
+`max_rollouts` are open; a rollout's requests run one at a time (its lock), at most
+`max_waiting_requests` waiting; different rollouts run concurrently. A rollout whose finish
+does not come within `rollout_ttl_s` of its last request is written `aborted`, saying so; at
+shutdown `flush_all` writes the rest `aborted`. A harness that disconnects cancels its handler,
+which cancels the request to the agent server (that server aborts the generation and frees the
+slot) before anything is recorded. A stream starts (`message_start` / the role chunk) once the
+prompt is ready and sends keep-alives while the agent server generates; an error after that is
+one last error event. Every error, expected or not, is a JSON body in the API's own shape.
 """
 
 from __future__ import annotations
@@ -25,10 +37,16 @@ import contextlib
 import hmac
 import json
 import logging
+import math
+import os
 import re
 import secrets
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -46,25 +64,53 @@ log = logging.getLogger(__name__)
 
 ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEEPALIVE_S = 5.0
+ENDED_KEPT = 4096
+"""Ended rollouts remembered (id -> how it ended), so a late finish is told, not 404ed."""
+STREAMING: Any = (web.RequestKey("simloop.streaming", bool) if hasattr(web, "RequestKey")
+                  else "simloop.streaming")  # fmt: skip
+"""Request key: set once a stream's headers are sent (an error after that is an event)."""
 
 Sink = Callable[[list[Trajectory]], list[str]]
 """Writes a finished rollout's trajectories; returns where they went."""
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+REASONS = {400: "invalid_request", 401: "api_key", 404: "not_found", 405: "method",
+           409: "conflict", 413: "too_large", 429: "rate_limit", 500: "internal",
+           503: "agent_server", 504: "agent_server"}  # fmt: skip
+"""`simloop_middleware_refused_total`'s reason for an HTTP status, where none is named."""
 
 
 class HTTPFailure(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, *,
+                 reason: str | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.param = status, param
+        self.reason = reason or REASONS.get(status, f"http_{status}")
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where a served middleware listens: `url` for harnesses; the admin listener (a Unix
+    socket, or a URL) and its token for whoever finishes rollouts, never for a sandbox."""
+
+    url: str
+    admin_token: str = field(repr=False)
+    admin_socket: str | None = None
+    admin_url: str | None = None
 
 
 class Middleware:
-    """The routes and the rollouts; `app()` builds the aiohttp application."""
+    """The routes and the rollouts; `api_app()` and `admin_app()` build the two aiohttp
+    applications (`serve` runs both)."""
 
     def __init__(self, cfg: MiddlewareConfig, client: InferenceClient | Any, renderer: ChatRenderer,
                  sink: Sink, *, tokenizer_name: str | None = None) -> None:  # fmt: skip
         self.cfg, self.client, self.renderer, self.sink = cfg, client, renderer, sink
         self.tokenizer_name = tokenizer_name
+        self.admin_token = cfg.admin_token or secrets.token_urlsafe(32)
+        """What the admin listener asks for: `admin_token`, or this run's own secret."""
         self.rollouts: dict[str, Rollout] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
         self._routes: dict[str, Any] = {}
         self._context: int | None = None
         """The agent server's context (`max_model_len` of its /v1/models); None: unknown."""
@@ -72,21 +118,94 @@ class Middleware:
         self.finished = 0
         self.unfinished = 0
         """Rollouts written `aborted` at shutdown (`flush_all`)."""
+        self.written: Counter[str] = Counter()
+        """Rollouts written, by status."""
+        self.requests: Counter[str] = Counter()
+        """Model requests, by API."""
+        self.refused: Counter[str] = Counter()
+        """Requests answered with an error, by reason."""
+        self.refused_finishes: Counter[str] = Counter()
+        """Finish calls refused, by listener: `api` (sent where harnesses talk), `admin` (without
+        the right token)."""
         self._reaper: asyncio.Task | None = None
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+    def api_app(self) -> web.Application:
+        """What harnesses reach: the two APIs, models, health, metrics; no admin route."""
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
         app.router.add_post("/v1/messages", self._anthropic)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_post("/v1/chat/completions", self._openai)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/rollouts", self._list)
-        app.router.add_get("/rollouts/{id}", self._show)
-        app.router.add_post("/rollouts/{id}/finish", self._finish)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_route("*", "/rollouts", self._admin_elsewhere)
+        app.router.add_route("*", "/rollouts/{tail:.*}", self._admin_elsewhere)
         app.on_startup.append(self._start_reaper)
         app.on_cleanup.append(self._stop_reaper)
         return app
+
+    def admin_app(self) -> web.Application:
+        """What only the job that started the middleware reaches: the rollouts, finishing them.
+        Every route needs the token."""
+        app = web.Application(client_max_size=16 * 1024 * 1024,
+                              middlewares=[self._errors, self._admin_auth])  # fmt: skip
+        app.router.add_get("/rollouts", self._list)
+        app.router.add_get("/rollouts/{id}", self._show)
+        app.router.add_post("/rollouts/{id}/finish", self._finish)
+        app.router.add_get("/health", self._health)
+        return app
+
+    # ----- errors --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every error as a JSON body in the API's shape, counted by reason; an unexpected
+        exception too (logged), never aiohttp's plain-text 500."""
+        try:
+            return await handler(request)
+        except HTTPFailure as e:
+            failure = e
+        except BadRequest as e:
+            failure = HTTPFailure(400, str(e), e.param)
+        except web.HTTPException as e:  # aiohttp's own: no such route, method, body too large
+            if e.status < 400:
+                raise
+            detail = f" ({e.text})" if e.status == 413 else ""
+            failure = HTTPFailure(e.status, f"{e.reason}: {request.method} {request.path}{detail}")
+        except Exception as e:
+            if request.get(STREAMING):  # the stream's own error event went out, or it is gone
+                raise
+            log.exception("middleware: %s %s failed", request.method, request.path)
+            failure = HTTPFailure(500, f"the middleware failed: {type(e).__name__}: {e}")
+        return self._refuse(_api_of(request), failure)
+
+    def _refuse(self, api: str, e: HTTPFailure) -> web.Response:
+        self.refused[e.reason] += 1
+        return _error(api, e.status, str(e), e.param)
+
+    @web.middleware
+    async def _admin_auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        got = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(got.encode(), self.admin_token.encode()):
+            if request.path.endswith("/finish"):
+                self.refused_finishes["admin"] += 1
+                log.warning("refused finish %s on the admin listener: %s token", request.path,
+                            "a wrong" if got else "no")  # fmt: skip
+            raise HTTPFailure(401, "the admin routes need Authorization: Bearer <token> (the "
+                                   "middleware's admin token)", reason="admin_token")  # fmt: skip
+        return await handler(request)
+
+    async def _admin_elsewhere(self, request: web.Request) -> web.Response:
+        """`/rollouts...` asked where harnesses talk: refused, logged with the key, counted."""
+        key = request.headers.get("x-api-key") or request.headers.get("Authorization", "")
+        key = key.removeprefix("Bearer ").strip()
+        self.refused_finishes["api"] += 1
+        log.warning("refused %s %s on the API listener (API key %r, from %s): admin routes are "
+                    "not served there", request.method, request.path, key[:128],
+                    request.remote)  # fmt: skip
+        raise HTTPFailure(404, "admin routes (/rollouts...) are not served here: rollouts are "
+                               "finished by whoever started the middleware, on its admin "
+                               "listener", reason="admin_route")  # fmt: skip
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -97,53 +216,63 @@ class Middleware:
         return await self._generate(request, "openai")
 
     async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
-        try:
-            rollout_id = _rollout_id(request)
-            try:
-                body = await request.json()
-            except ValueError as e:
-                raise HTTPFailure(400, f"the request body is not JSON: {e}") from e
-            conv = self._parse(body, api)
-        except HTTPFailure as e:
-            return _error(api, e.status, str(e), e.param)
-        except BadRequest as e:
-            return _error(api, 400, str(e), e.param)
+        self.requests[api] += 1
+        rollout_id = _rollout_id(request)
+        conv = self._parse(formats.loads(await request.read()), api)
         rollout = self.rollouts.get(rollout_id)
         if rollout is None:
+            if len(self.rollouts) >= self.cfg.max_rollouts:
+                raise HTTPFailure(429, f"{len(self.rollouts)} rollouts are open, the most "
+                                       f"middleware.max_rollouts={self.cfg.max_rollouts} allows: "
+                                       "finish some first", reason="max_rollouts")  # fmt: skip
             rollout = self.rollouts[rollout_id] = Rollout(rollout_id, api=api)
-        async with rollout.lock:
-            rollout.requests += 1
-            rollout.last_used = time.time()
-            try:
-                plan = rollout.plan(conv, self.renderer, segments_max=self.cfg.segments_max,
-                                    enable_thinking=self.cfg.enable_thinking)  # fmt: skip
-            except SegmentsExceeded as e:
-                return _error(api, 400, str(e), "messages")
-            msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + secrets.token_hex(12)
-            work = self._sample(rollout, plan, conv)
-            if conv.stream:
-                return await self._stream(request, conv, msg_id, len(plan.prompt_ids), work)
-            try:
+        elif rollout.inflight > self.cfg.max_waiting_requests:
+            raise HTTPFailure(429, f"rollout {rollout_id!r} has {rollout.inflight - 1} requests "
+                                   "waiting behind the one running, the most "
+                                   "middleware.max_waiting_requests="
+                                   f"{self.cfg.max_waiting_requests} allows",
+                              reason="max_waiting_requests")  # fmt: skip
+        rollout.inflight += 1
+        try:
+            async with rollout.lock:
+                if self.rollouts.get(rollout_id) is not rollout:
+                    raise HTTPFailure(409, f"rollout {rollout_id!r} was finished while this "
+                                           "request waited", reason="finished")  # fmt: skip
+                rollout.requests += 1
+                rollout.last_used = time.time()
+                try:
+                    plan = rollout.plan(conv, self.renderer, segments_max=self.cfg.segments_max,
+                                        enable_thinking=self.cfg.enable_thinking)  # fmt: skip
+                except SegmentsExceeded as e:
+                    raise HTTPFailure(400, str(e), "messages", reason="segments_max") from e
+                msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + secrets.token_hex(12)
+                work = self._sample(rollout, plan, conv)
+                if conv.stream:
+                    return await self._stream(request, conv, msg_id, len(plan.prompt_ids), work)
                 reply = await work
-            except HTTPFailure as e:
-                return _error(api, e.status, str(e), e.param)
-            rollout.last_used = time.time()
+                rollout.last_used = time.time()
+        finally:
+            rollout.inflight -= 1
+            self._forget_if_empty(rollout)
         build = formats.anthropic_message if api == "anthropic" else formats.openai_completion
         return web.json_response(build(reply, msg_id=msg_id, model=conv.model))
+
+    def _forget_if_empty(self, rollout: Rollout) -> None:
+        """A rollout none of whose turns was recorded is dropped once its last request ends:
+        refused requests leave no state."""
+        if rollout.inflight or rollout.segments or rollout.failure:
+            return
+        if self.rollouts.get(rollout.id) is rollout:
+            del self.rollouts[rollout.id]
+            self._routes.pop(rollout.id, None)
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's token counting (Claude Code asks before long requests): the tokens the
         request would render to as a fresh segment. Samples nothing, records nothing."""
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return _error("anthropic", 400, f"the request body is not JSON: {e}")
+        body = formats.loads(await request.read())
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # count_tokens requests carry none
-        try:
-            conv = self._parse(body, "anthropic")
-        except BadRequest as e:
-            return _error("anthropic", 400, str(e), e.param)
+        conv = self._parse(body, "anthropic")
         plan = Rollout("count", api="anthropic").plan(
             conv, self.renderer, segments_max=1, enable_thinking=self.cfg.enable_thinking
         )
@@ -166,7 +295,8 @@ class Middleware:
             n = len(plan.prompt_ids)
             if n >= context:
                 raise HTTPFailure(400, f"this model's maximum context length is {context} "
-                                       f"tokens; the prompt has {n}")  # fmt: skip
+                                       f"tokens; the prompt has {n}",
+                                  reason="context_length")  # fmt: skip
             max_tokens = min(max_tokens, context - n)
         client = self._routes.get(rollout.id)
         if client is None:  # a replica pool pins each rollout to one replica (warm prefixes)
@@ -238,6 +368,7 @@ class Middleware:
                                                "Cache-Control": "no-cache"})  # fmt: skip
         try:
             await response.prepare(request)
+            request[STREAMING] = True
             if api == "anthropic":
                 placeholder = Reply("", (), "stop", None, input_tokens, 0)
                 first = formats.anthropic_events(placeholder, msg_id=msg_id, model=conv.model)[:2]
@@ -253,8 +384,14 @@ class Middleware:
                 await response.write(keepalive)
             try:
                 reply = task.result()
-            except HTTPFailure as e:
-                body = formats.error_body(api, e.status, str(e), e.param)
+            except Exception as e:
+                if isinstance(e, HTTPFailure):
+                    failure = e
+                else:  # not a plain-text 500 either: one error event in the API's shape
+                    log.exception("middleware: a streamed generation failed")
+                    failure = HTTPFailure(500, f"the middleware failed: {type(e).__name__}: {e}")
+                self.refused[failure.reason] += 1
+                body = formats.error_body(api, failure.status, str(failure), failure.param)
                 await response.write(_sse(body, "error" if api == "anthropic" else None))
                 if api == "openai":
                     await response.write(b"data: [DONE]\n\n")
@@ -276,43 +413,48 @@ class Middleware:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    # ----- rollouts ------------------------------------------------------------------------
+    # ----- rollouts (the admin listener) ---------------------------------------------------
 
     async def _list(self, request: web.Request) -> web.Response:
-        rollouts = [r.summary() for r in self.rollouts.values()]
+        rollouts = [r.summary() for r in self.rollouts.values() if r.segments]
         return web.json_response({"rollouts": rollouts, "finished": self.finished})
 
     async def _show(self, request: web.Request) -> web.Response:
-        rollout = self.rollouts.get(request.match_info["id"])
-        if rollout is None:
-            return _error("openai", 404, f"no rollout {request.match_info['id']!r} in progress")
+        rollout_id = request.match_info["id"]
+        rollout = self.rollouts.get(rollout_id)
+        if rollout is None or not rollout.segments:
+            raise HTTPFailure(404, self._missing(rollout_id))
         return web.json_response(rollout.summary())
+
+    def _missing(self, rollout_id: str) -> str:
+        ended = self._ended.get(rollout_id)
+        if ended is not None:
+            return f"rollout {rollout_id!r} is not in progress: it was written {ended}"
+        return (f"no rollout {rollout_id!r} in progress: none of its requests recorded a turn "
+                "(it never called the model, or every call was refused)")  # fmt: skip
 
     async def _finish(self, request: web.Request) -> web.Response:
         rollout_id = request.match_info["id"]
+        raw = await request.read()
+        body = formats.loads(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise HTTPFailure(400, "the request body must be a JSON object")
+        fields = _finish_fields(body)
+        rollout = self.rollouts.get(rollout_id)
+        if rollout is None:
+            status = 409 if rollout_id in self._ended else 404
+            raise HTTPFailure(status, self._missing(rollout_id))
         try:
-            self._check_admin(request)
-            try:
-                body = await request.json() if request.can_read_body else {}
-            except ValueError as e:
-                raise HTTPFailure(400, f"the request body is not JSON: {e}") from e
-            if not isinstance(body, dict):
-                raise HTTPFailure(400, "the request body must be a JSON object")
-            rollout = self.rollouts.get(rollout_id)
-            if rollout is None:
-                raise HTTPFailure(404, f"no rollout {rollout_id!r} in progress (finished already, "
-                                       "or it never sent a request)")  # fmt: skip
-            fields = _finish_fields(body)
-            try:
-                await asyncio.wait_for(rollout.lock.acquire(), self.cfg.request_timeout_s)
-            except TimeoutError as e:
-                raise HTTPFailure(409, f"rollout {rollout_id!r} is still generating") from e
-            try:
-                result = self._write(rollout, **fields)
-            finally:
-                rollout.lock.release()
-        except HTTPFailure as e:
-            return _error("openai", e.status, str(e), e.param)
+            await asyncio.wait_for(rollout.lock.acquire(), self.cfg.request_timeout_s)
+        except TimeoutError as e:
+            raise HTTPFailure(409, f"rollout {rollout_id!r} is still generating") from e
+        try:
+            if self.rollouts.get(rollout_id) is not rollout or not rollout.segments:
+                status = 409 if rollout_id in self._ended else 404  # ended while this waited
+                raise HTTPFailure(status, self._missing(rollout_id))
+            result = self._write(rollout, **fields)
+        finally:
+            rollout.lock.release()
         return web.json_response(result)
 
     def _write(self, rollout: Rollout, **fields: Any) -> dict[str, Any]:
@@ -325,20 +467,18 @@ class Middleware:
         paths = self.sink(trajs) if trajs else []
         self.rollouts.pop(rollout.id, None)
         self._routes.pop(rollout.id, None)
+        status = trajs[0].status if trajs else fields["status"]
+        reason = trajs[0].reason if trajs else fields.get("reason")
+        self._ended[rollout.id] = status + (f" ({reason})" if reason else "")
+        while len(self._ended) > ENDED_KEPT:
+            self._ended.popitem(last=False)
         self.finished += 1
+        self.written[status] += 1
         return {
             "rollout_id": rollout.id, "trajectories": len(trajs), "paths": paths,
-            "status": trajs[0].status if trajs else fields["status"],
-            "segments": [s.summary() for s in rollout.segments], "plans": dict(rollout.counts),
+            "status": status, "segments": [s.summary() for s in rollout.segments],
+            "plans": dict(rollout.counts),
         }  # fmt: skip
-
-    def _check_admin(self, request: web.Request) -> None:
-        token = self.cfg.admin_token
-        if token is None:
-            return
-        got = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(got.encode(), token.encode()):
-            raise HTTPFailure(401, "finishing a rollout needs Authorization: Bearer <admin_token>")
 
     async def _start_reaper(self, app: web.Application) -> None:
         self._reaper = asyncio.create_task(self._reap(), name="middleware-reaper")
@@ -350,25 +490,37 @@ class Middleware:
                 await self._reaper
 
     async def _reap(self) -> None:
-        """Write rollouts idle past `rollout_ttl_s` as `timeout` (a harness that died)."""
         ttl = self.cfg.rollout_ttl_s
         while True:
             await asyncio.sleep(min(ttl / 4, 30.0))
-            now = time.time()
-            for rollout in list(self.rollouts.values()):
-                if now - rollout.last_used > ttl and not rollout.lock.locked():
-                    idle = now - rollout.last_used
-                    reason = f"no request for {idle:.0f}s (rollout_ttl_s {ttl:g})"
-                    try:
-                        self._write(rollout, reward=None, status="timeout", reason=reason)
-                    except Exception:  # noqa: BLE001 - one bad rollout must not stop the reaper
-                        log.exception("could not write expired rollout %s", rollout.id)
-                        self.rollouts.pop(rollout.id, None)
+            self.reap(time.time())
+
+    def reap(self, now: float) -> int:
+        """Write every rollout whose finish has not come `rollout_ttl_s` after its last request
+        as `aborted`, saying no grade arrived (its harness or grader died, or its finish was
+        refused): never dropped unrecorded. Returns how many."""
+        ttl, n = self.cfg.rollout_ttl_s, 0
+        for rollout in list(self.rollouts.values()):
+            idle = now - rollout.last_used
+            if idle <= ttl or rollout.inflight or rollout.lock.locked() or not rollout.segments:
+                continue
+            reason = (f"no finish (its grade) arrived within rollout_ttl_s={ttl:g}s of its last "
+                      f"request ({idle:.0f}s ago)")  # fmt: skip
+            log.warning("rollout %s: %s; written aborted", rollout.id, reason)
+            try:
+                self._write(rollout, reward=None, status="aborted", reason=reason)
+                n += 1
+            except Exception:  # noqa: BLE001 - one bad rollout must not stop the reaper
+                log.exception("could not write expired rollout %s", rollout.id)
+                self.rollouts.pop(rollout.id, None)
+        return n
 
     async def flush_all(self, reason: str) -> int:
         """At shutdown: every rollout still open is written `aborted` with `reason`."""
         n = 0
         for rollout in list(self.rollouts.values()):
+            if not rollout.segments:
+                continue
             with contextlib.suppress(HTTPFailure):
                 self._write(rollout, reward=None, status="aborted", reason=reason)
                 n += 1
@@ -383,6 +535,40 @@ class Middleware:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "rollouts": len(self.rollouts),
                                   "finished": self.finished})  # fmt: skip
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.render_metrics(), content_type="text/plain",
+                            charset="utf-8")  # fmt: skip
+
+    def render_metrics(self) -> str:
+        """Prometheus text: counts only, no rollout id (a label per id would grow forever)."""
+        open_now = sum(1 for r in self.rollouts.values() if r.segments)
+        lines = ["# HELP simloop_middleware_rollouts_open rollouts with a recorded turn, not "
+                 "finished", "# TYPE simloop_middleware_rollouts_open gauge",
+                 f"simloop_middleware_rollouts_open {open_now}"]  # fmt: skip
+        for name, help_text, label, counts in [
+            ("rollouts_finished_total", "rollouts written, by status", "status", self.written),
+            ("requests_total", "model requests, by API", "api", self.requests),
+            ("refused_total", "requests answered with an error, by reason", "reason",
+             self.refused),
+            ("refused_finishes_total", "finish calls refused: on the API listener, or on the "
+             "admin listener without its token", "listener", self.refused_finishes),
+        ]:  # fmt: skip
+            metric = f"simloop_middleware_{name}"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{{label}="{key}"}} {n}' for key, n in sorted(counts.items())]
+        return "\n".join(lines) + "\n"
+
+
+def _api_of(request: web.Request) -> str:
+    """Which API's error shape a request gets: its route's, else its headers' guess."""
+    if request.path.startswith("/v1/messages"):
+        return "anthropic"
+    if request.path.startswith("/v1/"):
+        return "openai"
+    if request.headers.get("x-api-key") or request.headers.get("anthropic-version"):
+        return "anthropic"
+    return "openai"
 
 
 def _rollout_id(request: web.Request) -> str:
@@ -401,8 +587,10 @@ def _rollout_id(request: web.Request) -> str:
 
 def _finish_fields(body: dict[str, Any]) -> dict[str, Any]:
     reward = body.get("reward")
-    if reward is not None and (not isinstance(reward, int | float) or isinstance(reward, bool)):
-        raise HTTPFailure(400, f"reward={reward!r} is invalid: a number or null", "reward")
+    if reward is not None and (
+        not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward)
+    ):
+        raise HTTPFailure(400, f"reward={reward!r} is invalid: a finite number or null", "reward")
     status = body.get("status", "ok")
     if status not in STATUSES:
         raise HTTPFailure(400, f"status={status!r} is invalid: one of {list(STATUSES)}", "status")
@@ -437,16 +625,43 @@ def _error(api: str, status: int, message: str, param: str | None = None) -> web
 
 
 @contextlib.asynccontextmanager
-async def serve(middleware: Middleware, host: str, port: int) -> AsyncIterator[str]:
-    """Serve `middleware` on `host:port` (0: a free port) as part of this event loop; yields
-    the base URL. Handlers are cancelled when their client disconnects."""
-    runner = web.AppRunner(middleware.app(), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=1.0)  # fmt: skip
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
+async def serve(middleware: Middleware, host: str, port: int) -> AsyncIterator[Listening]:
+    """Serve `middleware` as part of this event loop: its APIs on `host:port` (0: a free port),
+    its admin routes on their own listener (`middleware.cfg`: a Unix socket in a fresh private
+    directory unless `admin_socket` or `admin_port` say otherwise). Yields where they listen.
+    Handlers are cancelled when their client disconnects."""
+    cfg = middleware.cfg
+    api = web.AppRunner(middleware.api_app(), handler_cancellation=True, access_log=None,
+                        shutdown_timeout=1.0)  # fmt: skip
+    admin = web.AppRunner(middleware.admin_app(), handler_cancellation=True, access_log=None,
+                          shutdown_timeout=1.0)  # fmt: skip
+    private: str | None = None
+    socket_path: str | None = None
     try:
-        yield f"http://{host}:{bound}"
+        await api.setup()
+        await web.TCPSite(api, host, port).start()
+        url = f"http://{host}:{api.addresses[0][1]}"
+        await admin.setup()
+        if cfg.admin_port is not None:
+            await web.TCPSite(admin, cfg.admin_host, cfg.admin_port).start()
+            bound = admin.addresses[0][1]
+            listening = Listening(url, middleware.admin_token,
+                                  admin_url=f"http://{cfg.admin_host}:{bound}")  # fmt: skip
+        else:
+            if cfg.admin_socket is None:  # mode 0700: no other uid reaches the socket inside
+                private = tempfile.mkdtemp(prefix="simloop-middleware-")
+                socket_path = os.path.join(private, "admin.sock")
+            else:
+                socket_path = cfg.admin_socket
+            await web.UnixSite(admin, socket_path).start()
+            os.chmod(socket_path, 0o600)
+            listening = Listening(url, middleware.admin_token, admin_socket=socket_path)
+        yield listening
     finally:
-        await runner.cleanup()
+        await admin.cleanup()
+        await api.cleanup()
+        if socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)

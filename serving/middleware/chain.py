@@ -110,6 +110,8 @@ class Rollout:
         self.segments: list[Segment] = []
         self.created = self.last_used = time.time()
         self.requests = 0
+        self.inflight = 0
+        """Requests in the middleware now: the one running and those waiting for the lock."""
         self.failure: str | None = None
         self.counts = {"new": 0, "extend": 0, "retry": 0}
 

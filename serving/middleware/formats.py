@@ -13,14 +13,19 @@ goes back as each API's response body or its SSE stream, in the documented event
   the usage when `stream_options.include_usage`), then `data: [DONE]`.
 
 Requests the middleware cannot serve faithfully (images, server-side tools, an assistant
-prefill, `n` > 1) are refused with `BadRequest` naming the field and what is allowed. Fields
-that change nothing here are accepted and ignored: `tool_choice` (the Qwen3 format cannot
-force a call), `metadata`, `thinking` (see `middleware.enable_thinking`), `cache_control`.
+prefill, `n` > 1), roles the API does not allow (`system` inside Anthropic `messages`: its
+system text goes in the top-level `system`) and the other API's parameters sent by mistake
+(`stop` or `seed` to Anthropic, `stop_sequences` or `top_k` to OpenAI) are refused with
+`BadRequest` naming the field and what is allowed; so are bodies that are not strict JSON
+(`loads`: NaN and Infinity, nesting past `MAX_DEPTH`, lone surrogates). Fields that change
+nothing here are accepted and ignored: `tool_choice` (the Qwen3 format cannot force a call),
+`metadata`, `thinking` (see `middleware.enable_thinking`), `cache_control`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Mapping
@@ -30,6 +35,18 @@ from typing import Any
 from rl.data.tools import ToolCall, function_spec, system_text
 
 APIS = ("anthropic", "openai")
+MAX_DEPTH = 64
+"""JSON nesting a request may have (tool schemas run to ~10 levels; Python's own parser and
+encoder recurse, so deeper input would end in a RecursionError, not an answer)."""
+FOREIGN = {
+    "anthropic": {"stop": "stop_sequences", "seed": None, "n": None,
+                  "max_completion_tokens": "max_tokens", "frequency_penalty": None,
+                  "presence_penalty": None, "logit_bias": None, "logprobs": None,
+                  "top_logprobs": None, "response_format": None, "stream_options": None},
+    "openai": {"stop_sequences": "stop", "top_k": None, "system": "a system message"},
+}  # fmt: skip
+"""Parameters of the other API that this one does not take, with this API's name for the same
+thing (None: it has none). Ignoring them would sample differently from what the client asked."""
 
 
 class BadRequest(ValueError):
@@ -114,6 +131,63 @@ class Reply:
         return Msg("assistant", self.content, self.tool_calls)
 
 
+def loads(raw: bytes) -> Any:
+    """A request body as strict JSON: UTF-8, no NaN or Infinity (not JSON, and a reward or a
+    sampling field must be a number), at most `MAX_DEPTH` levels, no lone surrogate in any
+    string (it cannot be encoded back to UTF-8, so no tokenizer can take it)."""
+
+    def constant(name: str) -> Any:
+        raise BadRequest(f"the request body is not JSON: {name} is not a JSON value")
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=constant)
+    except RecursionError as e:
+        raise BadRequest(f"the request body is nested deeper than {MAX_DEPTH} levels") from e
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the request body is not UTF-8: {e}") from e
+    except ValueError as e:
+        if isinstance(e, BadRequest):
+            raise
+        raise BadRequest(f"the request body is not JSON: {e}") from e
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:  # iterative: the depth check must not recurse itself
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _utf8(value)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_DEPTH:
+            raise BadRequest(f"the request body is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _utf8(key)
+                stack.append((item, depth + 1))
+        else:
+            stack.extend((item, depth + 1) for item in value)
+    return body
+
+
+def _utf8(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("unicode_escape").decode()
+        raise BadRequest(f"the request body holds a lone surrogate ({bad}) at character "
+                         f"{e.start} of a string: not a character, so not text any model "
+                         "can read") from e  # fmt: skip
+
+
+def _foreign(body: dict, api: str) -> None:
+    for name, ours in FOREIGN[api].items():
+        if name in body:
+            other = "OpenAI chat" if api == "anthropic" else "Anthropic Messages"
+            mine = "the Anthropic Messages API" if api == "anthropic" else "OpenAI chat"
+            hint = f" (its name here: {ours})" if ours else ""
+            raise BadRequest(f"{name} is a parameter of the {other} API, which {mine} does not "
+                             f"take{hint}", name)  # fmt: skip
+
+
 def new_call_id(api: str) -> str:
     return ("toolu_" if api == "anthropic" else "call_") + secrets.token_hex(12)
 
@@ -143,6 +217,7 @@ def _num(body: dict, name: str, default: float, low: float, high: float | None =
     if (
         not isinstance(value, int | float)
         or isinstance(value, bool)
+        or not math.isfinite(value)
         or value < low
         or (high is not None and value > high)
     ):
@@ -197,6 +272,7 @@ def _text_blocks(value: Any, where: str) -> str:
 def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
     """An Anthropic Messages request (`POST /v1/messages`)."""
     body = _obj(body, "the request body")
+    _foreign(body, "anthropic")
     max_tokens = _int(body, "max_tokens", None)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -208,13 +284,12 @@ def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
     for i, m in enumerate(raw):
         m = _obj(m, f"messages[{i}]")
         role = m.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise BadRequest(f"messages[{i}].role={role!r} is invalid: user, assistant or system",
+        if role not in ("user", "assistant"):
+            hint = (" (the Messages API takes system text in the top-level `system` field, "
+                    "not as a message)" if role == "system" else "")  # fmt: skip
+            raise BadRequest(f"messages[{i}].role={role!r} is invalid: user or assistant{hint}",
                              "messages")  # fmt: skip
         content = m.get("content")
-        if role == "system":  # Claude Code sends some of its instructions this way
-            messages.append(Msg("system", _text_blocks(content, f"messages[{i}].content")))
-            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise BadRequest(f"messages[{i}].content must be a string or a list of blocks",
@@ -296,6 +371,7 @@ def _anthropic_user(blocks: list, i: int) -> list[Msg]:
 def parse_openai(body: Any, *, default_model: str, default_max_tokens: int) -> Conversation:
     """An OpenAI chat completions request (`POST /v1/chat/completions`)."""
     body = _obj(body, "the request body")
+    _foreign(body, "openai")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")

@@ -3,15 +3,21 @@ second clean one:
 
 - a scripted harness on the official `anthropic` SDK (`harness.kind: command`,
   tests/scripts/anthropic_harness.py) against a real middleware over a real tiny engine: one
-  rollout applies the task's fix (reward 1), one does not (reward 0); both written through the
-  job's writer as token-exact trajectories; a stalled harness is killed at `wall_s`;
+  rollout applies the task's fix (reward 1), one does not (reward 0), one tries to finish
+  itself with reward 1 (refused on the API listener, logged and counted; it keeps the grader's
+  0); all written through the job's writer as token-exact trajectories; a stalled harness is
+  killed at `wall_s`; a runner whose finish is refused (a wrong admin token) says so, and the
+  rollout is written `aborted` when no grade arrives;
 - `simloop harness` with mini-swe-agent, unmodified, on the built-in clamp task.
 """
 
 import asyncio
+import dataclasses
 import json
+import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +64,7 @@ async def stack(tmp_path_factory):
     scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
     async with background_server(engine, TOK, scfg, start_timeout_s=180) as agent_url:
         client = RecordingClient(agent_url)
-        async with running_middleware(cfg, out, client) as (middleware, url):
+        async with running_middleware(cfg, out, client) as (middleware, url, admin):
             real = shell_backends(cfg.env.shell, run_id="test-harness").real
             hcfg = HarnessConfig(kind="command", command=command(), wall_s=120.0)
             try:
@@ -66,28 +72,38 @@ async def stack(tmp_path_factory):
             except HarnessUnavailable as e:
                 pytest.skip(f"no Python this machine's sandbox user can run: {e}")
             yield {"out": out, "url": url, "real": real, "python": python, "client": client,
-                   "middleware": middleware}  # fmt: skip
+                   "middleware": middleware, "admin": admin}  # fmt: skip
         await client.close()
 
 
+def runner(stack, *extra: str, admin=None, wall_s: float = 120.0) -> HarnessRunner:
+    hcfg = HarnessConfig(kind="command", command=command(*extra), wall_s=wall_s)
+    return HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"],
+                         admin=admin or stack["admin"])  # fmt: skip
+
+
 @ASYNC
-async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack):
+async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack, caplog):
     (task,) = swe_suite(["clamp"])
-
-    def runner(*extra: str) -> HarnessRunner:
-        hcfg = HarnessConfig(kind="command", command=command("--turns 2", *extra), wall_s=120.0)
-        return HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"])
-
-    fixed, unfixed = await asyncio.gather(runner("--fix clamp").run_one(task, "g0", 0),
-                                          runner().run_one(task, "g0", 1))  # fmt: skip
-    for r in (fixed, unfixed):
+    middleware = stack["middleware"]
+    refused = middleware.refused_finishes["api"]
+    with caplog.at_level(logging.WARNING, logger="serving.middleware.app"):
+        fixed, unfixed, forged = await asyncio.gather(
+            runner(stack, "--turns 2", "--fix clamp").run_one(task, "g0", 0),
+            runner(stack, "--turns 2").run_one(task, "g0", 1),
+            runner(stack, "--turns 2", "--forge").run_one(task, "g0", 2),
+        )  # fmt: skip
+    for r in (fixed, unfixed, forged):
         assert r.status == "ok" and r.exit_code == 0, r.reason
         assert r.finish["trajectories"] == 1 and r.finish["plans"]["extend"] == 1
-    assert (fixed.reward, unfixed.reward) == (1.0, 0.0)
+    assert (fixed.reward, unfixed.reward, forged.reward) == (1.0, 0.0, 0.0)
     assert "min(x, hi)" in fixed.diff and unfixed.diff == ""
+    # The harness's own finish with reward 1.0 was refused where it can reach, and said so.
+    assert middleware.refused_finishes["api"] == refused + 1
+    assert f"refused POST /rollouts/{forged.rollout_id}/finish on the API listener" in caplog.text
     trajs = {t.rollout_id: t for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
              for t in read_jsonl(p)}  # fmt: skip
-    for r in (fixed, unfixed):
+    for r in (fixed, unfixed, forged):
         t = trajs[r.rollout_id]
         assert (t.reward, t.task_id, t.group_id, t.status) == (r.reward, task.id, "g0", "ok")
         assert len(t.turns) == 2 and t.meta["harness"] == "command"
@@ -95,10 +111,27 @@ async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack):
 
 
 @ASYNC
+async def test_a_refused_finish_is_reported_and_the_rollout_ends_aborted(stack, caplog):
+    (task,) = swe_suite(["clamp"])
+    wrong = dataclasses.replace(stack["admin"], token="not-the-token")
+    with caplog.at_level(logging.WARNING):
+        result = await runner(stack, "--turns 1", admin=wrong).run_one(task, "g1", 0)
+    assert result.status == "ok" and result.reward == 0.0
+    assert "(401)" in result.finish["error"] and result.finish["trajectories"] == 0
+    assert result.summary()["finish_error"] == result.finish["error"]
+    assert f"rollout {result.rollout_id}: finishing it with reward 0.0 failed" in caplog.text
+    middleware = stack["middleware"]
+    assert result.rollout_id in middleware.rollouts  # not written with any grade
+    assert middleware.reap(time.time() + middleware.cfg.rollout_ttl_s + 1) == 1
+    (t,) = [t for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+            for t in read_jsonl(p) if t.rollout_id == result.rollout_id]  # fmt: skip
+    assert (t.status, t.reward) == ("aborted", None) and "no finish (its grade)" in t.reason
+
+
+@ASYNC
 async def test_a_stalled_harness_is_killed_at_wall_s(stack):
     (task,) = swe_suite(["clamp"])
-    hcfg = HarnessConfig(kind="command", command=command("--sleep 60"), wall_s=2.0)
-    result = await HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"]).run_one(task)
+    result = await runner(stack, "--sleep 60", wall_s=2.0).run_one(task)
     assert result.status == "timeout" and "wall_s=2" in result.reason
     assert result.wall_s < 30 and result.reward == 0.0  # graded: an empty diff
     assert result.finish["trajectories"] == 0  # it never called the model

@@ -7,10 +7,17 @@ Covers: both APIs streamed and not; tool calls out (parsed from the Qwen3 format
 (tool results extend the chain); concurrent rollouts; a rewritten history starting a new
 segment; every segment's ids equal to the server's prompt + output ids of its requests; a
 harness that disconnects aborting the generation and freeing the slot; finish writing
-trajectories; errors in each API's shape."""
+trajectories, on the admin listener only (a Unix socket, its token required; the API listener
+has no /rollouts route); refused requests leaving no state, the open-rollout and waiting-request
+caps, /metrics; errors in each API's shape, hostile JSON and a handler that raises included."""
 
 import asyncio
+import contextlib
 import json
+import logging
+import os
+import stat
+import time
 
 import aiohttp
 import anthropic
@@ -26,7 +33,7 @@ from rl.data.trajectory import to_json_line
 from rl.model import Qwen3, tiny
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig
-from serving.middleware.app import Middleware, serve
+from serving.middleware.app import Listening, Middleware, serve
 from serving.middleware.config import MiddlewareConfig
 from tests.fakes import RecordingClient, StepGate, assert_token_exact, wait_until
 
@@ -39,13 +46,17 @@ BASH = {"name": "bash", "description": "run a shell command",
                          "required": ["cmd"]}}  # fmt: skip
 OPENAI_BASH = {"type": "function", "function": {"name": "bash", "description": "run",
                                                 "parameters": BASH["input_schema"]}}  # fmt: skip
+ADMIN = "http://middleware"
+"""The admin listener's base URL (its Unix socket is the connector's)."""
 
 
 class Front:
     """A middleware on a free port, its sink's trajectories and its agent-side client."""
 
-    def __init__(self, middleware: Middleware, url: str, client: RecordingClient, written: list):
-        self.middleware, self.url, self.client, self.written = middleware, url, client, written
+    def __init__(self, middleware: Middleware, where: Listening, client: RecordingClient,
+                 written: list):  # fmt: skip
+        self.middleware, self.where, self.client, self.written = middleware, where, client, written
+        self.url = where.url
 
     def anthropic(self, rollout: str) -> anthropic.AsyncAnthropic:
         return anthropic.AsyncAnthropic(base_url=self.url, api_key=rollout, max_retries=0)
@@ -53,11 +64,27 @@ class Front:
     def openai(self, rollout: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=rollout, max_retries=0)
 
+    def admin(self, token: str | None = "right") -> aiohttp.ClientSession:
+        """A session on the admin listener (its Unix socket): with the token, none or a wrong
+        one."""
+        headers = {"right": {"Authorization": f"Bearer {self.where.admin_token}"},
+                   None: {}}.get(token, {"Authorization": f"Bearer {token}"})  # fmt: skip
+        connector = aiohttp.UnixConnector(path=self.where.admin_socket)
+        return aiohttp.ClientSession(connector=connector, headers=headers)
+
     async def finish(self, rollout: str, **body) -> dict:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.url}/rollouts/{rollout}/finish", json=body) as r:
+        async with self.admin() as http:
+            async with http.post(f"{ADMIN}/rollouts/{rollout}/finish", json=body) as r:
                 assert r.status == 200, await r.text()
                 return await r.json()
+
+    async def metric(self, line: str) -> float:
+        """The value of `line` (a metric and its labels) in the API listener's /metrics."""
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{self.url}/metrics") as r:
+                text = await r.text()
+        values = [x.rsplit(" ", 1)[1] for x in text.splitlines() if x.rsplit(" ", 1)[0] == line]
+        return float(values[0]) if values else 0.0
 
 
 async def _front(agent_url: str, cfg: MiddlewareConfig | None = None):
@@ -88,8 +115,8 @@ async def real():
     cfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
     async with background_server(engine, TOK, cfg, start_timeout_s=180) as agent_url:
         mw, client, written = await _front(agent_url)
-        async with serve(mw, "127.0.0.1", 0) as url:
-            front = Front(mw, url, client, written)
+        async with serve(mw, "127.0.0.1", 0) as where:
+            front = Front(mw, where, client, written)
             front.engine = engine
             yield front
         await client.close()
@@ -121,8 +148,8 @@ async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
 
     names = [f"rollout-{i}" for i in range(4)]
     await asyncio.gather(*(harness(n, stream=i % 2 == 1) for i, n in enumerate(names)))
-    async with aiohttp.ClientSession() as http:
-        async with http.get(f"{real.url}/rollouts/rollout-0") as r:
+    async with real.admin() as http:
+        async with http.get(f"{ADMIN}/rollouts/rollout-0") as r:
             shown = await r.json()
     assert shown["plans"] == {"new": 2, "extend": 1, "retry": 0}
     for i, name in enumerate(names):
@@ -194,8 +221,7 @@ async def test_a_harness_that_disconnects_aborts_the_generation(real):
             gate.open()
         assert await wait_until(lambda: engine.active_slots == 0, timeout_s=60.0)
     assert engine.stats["aborted"] == aborted + 1
-    rollout = real.middleware.rollouts["gone-1"]
-    assert rollout.segments == [] and not rollout.lock.locked()  # nothing half-recorded
+    assert "gone-1" not in real.middleware.rollouts  # nothing recorded, so nothing kept
     # The same harness, back, is served normally.
     c = real.anthropic("gone-1")
     m = await c.messages.create(model="tiny", max_tokens=4, messages=body["messages"])
@@ -236,11 +262,12 @@ async def test_errors_come_back_in_each_apis_shape(real):
     with pytest.raises(openai.BadRequestError, match="n=3"):
         await o.chat.completions.create(model="tiny", n=3,
                                         messages=[{"role": "user", "content": "x"}])  # fmt: skip
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"{real.url}/rollouts/never/finish", json={"reward": 1}) as r:
+    async with real.admin() as http:
+        async with http.post(f"{ADMIN}/rollouts/never/finish", json={"reward": 1}) as r:
             assert r.status == 404 and "never" in (await r.json())["error"]["message"]
-        async with http.post(f"{real.url}/rollouts/bad-1/finish", json={"status": "ok"}) as r:
+        async with http.post(f"{ADMIN}/rollouts/bad-1/finish", json={"status": "ok"}) as r:
             assert r.status == 400 and "reward is required" in (await r.json())["error"]["message"]
+    async with aiohttp.ClientSession() as http:
         async with http.post(f"{real.url}/v1/messages", data=b"{nope",
                              headers={"x-api-key": "bad-3"}) as r:  # fmt: skip
             err = await r.json()
@@ -248,6 +275,134 @@ async def test_errors_come_back_in_each_apis_shape(real):
             assert err["error"]["type"] == "invalid_request_error"
         async with http.get(f"{real.url}/health") as r:
             assert (await r.json())["status"] == "ok"
+    # refused requests (bad input, a prompt past the context) leave no rollout behind
+    assert not {"bad-2", "bad-3"} & set(real.middleware.rollouts)
+
+
+async def _raw(http: aiohttp.ClientSession, url: str, data: bytes | str, **headers) -> tuple:
+    async with http.post(url, data=data, headers={"Content-Type": "application/json",
+                                                  **headers}) as r:  # fmt: skip
+        assert r.content_type == "application/json", await r.text()  # never plain text
+        return r.status, await r.json()
+
+
+async def test_hostile_input_gets_a_4xx_in_the_apis_shape_never_a_plain_500(real):
+    anth, oai = f"{real.url}/v1/messages", f"{real.url}/v1/chat/completions"
+    key = {"x-api-key": "hostile-1"}
+    user = {"role": "user", "content": "x"}
+    async with aiohttp.ClientSession() as http:
+        status, err = await _raw(http, anth, "[" * 100_000, **key)  # RecursionError in json
+        assert status == 400 and err["error"]["type"] == "invalid_request_error"
+        assert "nested deeper" in err["error"]["message"]
+        deep = {"max_tokens": 4, "messages": [user], "metadata": {"a": [[[[[[[[[[1]]]]]]]]]]}}
+        for _ in range(60):
+            deep["metadata"] = {"a": deep["metadata"]}
+        status, err = await _raw(http, anth, json.dumps(deep), **key)
+        assert status == 400 and "nested deeper than 64" in err["error"]["message"]
+        lone = '{"max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+        status, err = await _raw(http, oai, lone, Authorization="Bearer hostile-2")
+        assert status == 400 and err["error"]["code"] == 400  # OpenAI's shape
+        assert "lone surrogate (\\ud800)" in err["error"]["message"]
+        status, err = await _raw(http, anth, '{"max_tokens": 4, "temperature": NaN, '
+                                             '"messages": [{"role": "user", "content": "x"}]}',
+                                 **key)  # fmt: skip
+        assert status == 400 and "NaN is not a JSON value" in err["error"]["message"]
+        body = {"max_tokens": 4, "top_k": 1e999, "messages": [user]}  # inf: int(inf) raised
+        status, err = await _raw(http, anth, json.dumps(body).replace("Infinity", "1e999"), **key)
+        assert status == 400 and "top_k" in err["error"]["message"]
+        async with http.get(f"{real.url}/v1/messages") as r:  # wrong method: JSON 405
+            assert r.status == 405 and (await r.json())["type"] == "error"
+        async with http.get(f"{real.url}/nowhere") as r:
+            assert r.status == 404 and "nowhere" in (await r.json())["error"]["message"]
+    async with real.admin() as http:
+        for reward in ("NaN", "Infinity", "-Infinity", "1e999"):
+            status, err = await _raw(http, f"{ADMIN}/rollouts/any/finish",
+                                     f'{{"reward": {reward}}}')  # fmt: skip
+            message = err["error"]["message"]
+            assert status == 400 and reward.strip("-") in message or "reward=inf" in message, err
+    c = real.anthropic("hostile-3")
+    system_msg = [user, {"role": "system", "content": "obey"}, user]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.role='system'.*top-level"):
+        await c.messages.create(model="tiny", max_tokens=4, messages=system_msg)
+    with pytest.raises(anthropic.BadRequestError, match="stop is a parameter of the OpenAI"):
+        await c.messages.create(model="tiny", max_tokens=4, messages=[user],
+                                extra_body={"stop": ["x"]})  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="top_k is a parameter of the Anthropic"):
+        await real.openai("hostile-4").chat.completions.create(
+            model="tiny", messages=[user], extra_body={"top_k": 5})  # fmt: skip
+    await c.close()
+    assert not {f"hostile-{i}" for i in range(1, 5)} & set(real.middleware.rollouts)
+
+
+async def test_an_unexpected_exception_is_a_json_500_in_the_apis_shape(real, caplog):
+    def boom(*args, **kwargs):
+        raise KeyError("a bug")
+
+    msgs = [{"role": "user", "content": "x"}]
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.ERROR):
+        mp.setattr(real.middleware, "_parse", boom)
+        with pytest.raises(anthropic.InternalServerError, match="KeyError") as e:
+            await real.anthropic("boom-1").messages.create(model="tiny", max_tokens=4,
+                                                            messages=msgs)  # fmt: skip
+        assert e.value.body["error"]["type"] == "api_error"
+        with pytest.raises(openai.InternalServerError, match="KeyError"):
+            await real.openai("boom-2").chat.completions.create(model="tiny", messages=msgs)
+    assert "POST /v1/messages failed" in caplog.text
+    assert await real.metric('simloop_middleware_refused_total{reason="internal"}') >= 2
+
+
+async def test_admin_routes_live_on_the_admin_socket_behind_its_token(real, caplog):
+    where = real.where
+    assert where.admin_socket and where.admin_url is None and len(where.admin_token) >= 32
+    assert stat.S_IMODE(os.stat(os.path.dirname(where.admin_socket)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(where.admin_socket).st_mode) == 0o600
+    c = real.anthropic("self-grader")
+    await c.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    await c.close()
+    refused = await real.metric('simloop_middleware_refused_finishes_total{listener="api"}')
+    # The API listener (what a harness reaches) serves no /rollouts route at all.
+    with caplog.at_level(logging.WARNING, logger="serving.middleware.app"):
+        async with aiohttp.ClientSession() as http:
+            for method, path in [("POST", "/rollouts/self-grader/finish"), ("GET", "/rollouts"),
+                                 ("GET", "/rollouts/self-grader")]:  # fmt: skip
+                async with http.request(method, f"{real.url}{path}", json={"reward": 1.0},
+                                        headers={"x-api-key": "self-grader"}) as r:  # fmt: skip
+                    err = await r.json()
+                    assert r.status == 404 and err["type"] == "error", err  # Anthropic's shape
+                    assert "not served here" in err["error"]["message"]
+    assert "refused POST /rollouts/self-grader/finish on the API listener (API key " \
+           "'self-grader'" in caplog.text  # fmt: skip
+    assert await real.metric(
+        'simloop_middleware_refused_finishes_total{listener="api"}') == refused + 3  # fmt: skip
+    # The admin listener: no token or a wrong one is a 401 (logged, counted) ...
+    for token in (None, "self-grader", where.admin_token + "x"):
+        async with real.admin(token) as http:
+            async with http.post(f"{ADMIN}/rollouts/self-grader/finish", json={"reward": 1.0}) as r:
+                assert r.status == 401 and "admin token" in (await r.json())["error"]["message"]
+            async with http.get(f"{ADMIN}/rollouts") as r:
+                assert r.status == 401
+    assert await real.metric('simloop_middleware_refused_finishes_total{listener="admin"}') >= 3
+    assert "self-grader" in real.middleware.rollouts
+    # ... and the token finishes it, once: a second finish is told how it ended.
+    done = await real.finish("self-grader", reward=0.25)
+    assert done["trajectories"] == 1 and real.written[-1].reward == 0.25
+    async with real.admin() as http:
+        async with http.post(f"{ADMIN}/rollouts/self-grader/finish", json={"reward": 1.0}) as r:
+            assert r.status == 409 and "written ok" in (await r.json())["error"]["message"]
+
+
+async def test_a_rollout_whose_grade_never_came_is_written_aborted_saying_so(real):
+    c = real.anthropic("orphan-1")
+    await c.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    await c.close()
+    ttl, before = real.middleware.cfg.rollout_ttl_s, len(real.written)
+    assert real.middleware.reap(time.time()) == 0  # not yet idle past the ttl
+    n = real.middleware.reap(time.time() + ttl + 1)  # (other tests' open rollouts go too)
+    reaped = {t.rollout_id: t for t in real.written[before:]}
+    assert n == len(reaped) and all(t.status == "aborted" for t in reaped.values())
+    t = reaped["orphan-1"]
+    assert t.reward is None and "no finish (its grade) arrived within rollout_ttl_s" in t.reason
+    assert "orphan-1" not in real.middleware.rollouts
 
 
 # ----- (b) a scripted agent server: tool calls -----------------------------------------------
@@ -255,13 +410,18 @@ async def test_errors_come_back_in_each_apis_shape(real):
 
 class Scripted:
     """`POST /v1/completions` answering each request with the next scripted reply, as simloop's
-    server would: the reply's byte ids + `<|im_end|>`, logprobs, token versions."""
+    server would: the reply's byte ids + `<|im_end|>`, logprobs, token versions. With `gate`,
+    each request is held (`arrived` set) until the gate opens."""
 
-    def __init__(self, replies: list[str]):
+    def __init__(self, replies: list[str], gate: asyncio.Event | None = None):
         self.replies = list(replies)
+        self.gate, self.arrived = gate, asyncio.Event()
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if self.gate is not None:
+            self.arrived.set()
+            await self.gate.wait()
         ids = TOK.encode_text(self.replies.pop(0)) + [EOS]
         n = len(ids)
         return web.json_response({
@@ -275,10 +435,8 @@ class Scripted:
         })  # fmt: skip
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def scripted():
-    call = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -l"}}\n</tool_call>'
-    script = Scripted([f"Let me look.\n{call}", "There is one file."] * 2)
+@contextlib.asynccontextmanager
+async def scripted_front(script: Scripted, cfg: MiddlewareConfig | None = None):
     app = web.Application()
     app.router.add_post("/v1/completions", script.complete)
     runner = web.AppRunner(app)
@@ -286,11 +444,22 @@ async def scripted():
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     agent_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    mw, client, written = await _front(agent_url)
-    async with serve(mw, "127.0.0.1", 0) as url:
-        yield Front(mw, url, client, written)
-    await client.close()
-    await runner.cleanup()
+    mw, client, written = await _front(agent_url, cfg)
+    try:
+        async with serve(mw, "127.0.0.1", 0) as where:
+            front = Front(mw, where, client, written)
+            front.script = script
+            yield front
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def scripted():
+    call = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -l"}}\n</tool_call>'
+    async with scripted_front(Scripted([f"Let me look.\n{call}", "There is one file."] * 2)) as f:
+        yield f
 
 
 async def test_anthropic_tool_use_round_trip(scripted):
@@ -358,3 +527,55 @@ async def test_openai_tool_calls_streamed_round_trip(scripted):
     await c.close()
     result = await scripted.finish("tools-o", reward=0.5)
     assert result["plans"] == {"new": 1, "extend": 1, "retry": 0}
+
+
+async def test_open_rollouts_and_waiting_requests_are_capped_and_refusals_keep_no_state():
+    gate = asyncio.Event()
+    cfg = MiddlewareConfig(port=0, max_rollouts=1, max_waiting_requests=0)
+    async with scripted_front(Scripted(["one", "two"], gate), cfg) as front:
+        msgs = [{"role": "user", "content": "x"}]
+        a, b, a2 = front.anthropic("cap-a"), front.anthropic("cap-b"), front.openai("cap-a")
+        first = asyncio.create_task(a.messages.create(model="m", max_tokens=8, messages=msgs))
+        await asyncio.wait_for(front.script.arrived.wait(), 30)  # cap-a holds its lock
+        # one rollout is open (pending its first turn): a new key is refused, creating nothing
+        with pytest.raises(anthropic.RateLimitError, match="max_rollouts=1"):
+            await b.messages.create(model="m", max_tokens=8, messages=msgs)
+        # cap-a's second request would wait behind its first: max_waiting_requests=0 refuses it
+        with pytest.raises(openai.RateLimitError, match="max_waiting_requests=0"):
+            await a2.chat.completions.create(model="m", messages=msgs)
+        assert set(front.middleware.rollouts) == {"cap-a"}
+        gate.set()
+        assert (await first).content[0].text == "one"
+        assert await front.metric('simloop_middleware_refused_total{reason="max_rollouts"}') == 1
+        assert await front.metric(
+            'simloop_middleware_refused_total{reason="max_waiting_requests"}') == 1  # fmt: skip
+        assert await front.metric("simloop_middleware_rollouts_open") == 1
+        await front.finish("cap-a", reward=1.0)
+        assert front.middleware.rollouts == {}
+        assert await front.metric(
+            'simloop_middleware_rollouts_finished_total{status="ok"}') == 1  # fmt: skip
+        m = await b.messages.create(model="m", max_tokens=8, messages=msgs)
+        assert m.content[0].text == "two"  # room again
+        for c in (a, b, a2):
+            await c.close()
+
+
+async def test_the_admin_listener_on_tcp_still_needs_its_token():
+    cfg = MiddlewareConfig(port=0, admin_port=0, admin_token="configured-secret")
+    async with scripted_front(Scripted(["done"]), cfg) as front:
+        where = front.where
+        assert where.admin_socket is None and where.admin_url.startswith("http://127.0.0.1:")
+        assert where.admin_url != front.url and where.admin_token == "configured-secret"
+        c = front.anthropic("tcp-1")
+        await c.messages.create(model="m", max_tokens=8,
+                                messages=[{"role": "user", "content": "x"}])  # fmt: skip
+        await c.close()
+        finish = f"{where.admin_url}/rollouts/tcp-1/finish"
+        token = {"Authorization": "Bearer configured-secret"}
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {"Authorization": "Bearer tcp-1"}):
+                async with http.post(finish, json={"reward": 1.0}, headers=headers) as r:
+                    assert r.status == 401
+            async with http.post(finish, json={"reward": 0.5}, headers=token) as r:
+                assert r.status == 200 and (await r.json())["trajectories"] == 1
+        assert front.written[-1].reward == 0.5

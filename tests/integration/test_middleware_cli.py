@@ -1,14 +1,21 @@
 """`simloop middleware` as users run it: the job starts its own agent server (`simloop serve`,
-from the demo config), the official `anthropic` client talks to it, a finished rollout and an
-unfinished one (written `aborted` at SIGTERM) land in `trajectories/` and `metrics.jsonl`; and
-`--dry-run --format json` lists the agent server it would start, and itself."""
+from the demo config), the official `anthropic` client talks to it, a rollout finished on the
+admin socket with the token from `middleware-admin.json` (mode 0600; the API listener refuses
+the same finish, and /metrics counts it) and an unfinished one (written `aborted` at SIGTERM)
+land in `trajectories/` and `metrics.jsonl`; and `--dry-run --format json` lists the agent
+server it would start, and itself."""
 
+import http.client
 import json
+import os
 import queue
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -36,6 +43,18 @@ def test_dry_run_lists_the_agent_server(tmp_path):
     assert "serve" in processes[0]["command"] and "middleware" in processes[1]["command"]
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the middleware's admin listener)."""
+
+    def __init__(self, path: str):
+        super().__init__("middleware", timeout=60)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.socket_path)
+
+
 def _lines(stream, out: queue.Queue) -> None:
     for line in stream:
         out.put(line)
@@ -57,7 +76,7 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
             line = lines.get(timeout=300)
             assert line is not None, "".join(seen)[-3000:]
             seen.append(line)
-            if line.startswith("simloop middleware: http"):
+            if line.startswith("  finish:"):  # the banner's last line
                 break
         url = f"http://127.0.0.1:{port}"
         client = anthropic.Anthropic(base_url=url, api_key="job-1", max_retries=0)
@@ -68,11 +87,32 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
         left.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}]
         )
+        # the API listener, where harnesses talk, does not finish rollouts
         request = urllib.request.Request(f"{url}/rollouts/job-1/finish", method="POST",
                                          data=json.dumps({"reward": 1.0}).encode())  # fmt: skip
-        with urllib.request.urlopen(request, timeout=60) as r:
-            finished = json.loads(r.read())
-        assert finished["trajectories"] == 1 and finished["paths"]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 404
+        assert "not served here" in json.loads(refused.value.read())["error"]["message"]
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as r:
+            metrics = r.read().decode()
+        assert 'simloop_middleware_refused_finishes_total{listener="api"} 1' in metrics
+        # the admin socket and its token, as the banner and middleware-admin.json give them
+        note_path = out / "middleware-admin.json"
+        assert stat.S_IMODE(os.stat(note_path).st_mode) == 0o600
+        note = json.loads(note_path.read_text())
+        banner = "".join(seen)
+        assert f"--unix-socket {note['socket']}" in banner and str(note_path) in banner
+        assert note["token"] not in banner
+        admin = UnixHTTPConnection(note["socket"])
+        admin.request("POST", "/rollouts/job-1/finish", body=json.dumps({"reward": 1.0}))
+        assert admin.getresponse().status == 401  # no token
+        admin = UnixHTTPConnection(note["socket"])
+        admin.request("POST", "/rollouts/job-1/finish", body=json.dumps({"reward": 1.0}),
+                      headers={"Authorization": f"Bearer {note['token']}"})  # fmt: skip
+        answer = admin.getresponse()
+        finished = json.loads(answer.read())
+        assert answer.status == 200 and finished["trajectories"] == 1 and finished["paths"]
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)
@@ -80,6 +120,7 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
         seen.append(line)
     assert code == 0, "".join(seen)[-3000:]
     assert "1 of them unfinished" in "".join(seen)
+    assert not (out / "middleware-admin.json").exists()  # the secret goes with the run
     trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
              for t in read_jsonl(p)]  # fmt: skip
     assert {(t.rollout_id, t.status) for t in trajs} == {("job-1", "ok"), ("job-2", "aborted")}

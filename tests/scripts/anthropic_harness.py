@@ -7,12 +7,17 @@ bash tool, runs any `tool_use` it gets and sends the results back, otherwise ask
 `--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
 that passes; `--fix-if-even` does so only when the model's first reply has an even number of
 characters (a reward that depends on what the model sampled, for RL tests); `--sleep S`
-stalls first (the wall-clock guard's test)."""
+stalls first (the wall-clock guard's test); `--forge` then tries to grade itself, POSTing
+`{"reward": 1.0}` to `BASE_URL/rollouts/API_KEY/finish` (the red-team test: it must be refused),
+and prints the answer's status."""
 
 import argparse
+import json
 import pathlib
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 import anthropic
 
@@ -30,6 +35,7 @@ def main() -> None:
     p.add_argument("--fix", default=None)
     p.add_argument("--fix-if-even", action="store_true")
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--forge", action="store_true")
     args = p.parse_args()
     time.sleep(args.sleep)
     client = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key, max_retries=2)
@@ -57,6 +63,23 @@ def main() -> None:
     if args.fix == "clamp" or (args.fix_if_even and len(first or "") % 2 == 0):
         path = pathlib.Path("clamp.py")
         path.write_text(path.read_text().replace("min(x, lo)", "min(x, hi)"))
+    if args.forge:
+        forge(args.base_url, args.api_key)
+
+
+def forge(base_url: str, api_key: str) -> None:
+    """Finish this rollout with reward 1.0, as a harness that wants to grade itself would."""
+    request = urllib.request.Request(
+        f"{base_url.rstrip('/')}/rollouts/{api_key}/finish", method="POST",
+        data=json.dumps({"reward": 1.0}).encode(),
+        headers={"Content-Type": "application/json", "x-api-key": api_key,
+                 "Authorization": f"Bearer {api_key}"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            print(f"forged finish: {r.status} {r.read()[:300]!r}")
+    except urllib.error.HTTPError as e:
+        print(f"forged finish refused: {e.code} {e.read()[:300]!r}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ two APIs read into one conversation (`serving.middleware.formats`), and the toke
 (`serving.middleware.chain`): extension, retry, divergence into a new segment, `segments_max`,
 masks and trajectories, against ids worked out by hand with the byte tokenizer."""
 
+import re
+
 import pytest
 
 from rl.data import ByteTokenizer
@@ -15,6 +17,7 @@ from serving.middleware.formats import (
     Call,
     Reply,
     anthropic_events,
+    loads,
     parse_anthropic,
     parse_openai,
 )
@@ -94,19 +97,16 @@ def test_anthropic_request_becomes_messages_in_order():
     assert conv.system_text.startswith("S\n\n# Tools")
 
 
-def test_anthropic_system_messages_stay_in_place():
-    # Claude Code sends some instructions as messages[].role == "system" between user turns
-    conv = parse_anthropic({
-        "max_tokens": 3, "messages": [
-            {"role": "user", "content": "a"},
-            {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
-            {"role": "user", "content": "c"}]}, default_model="d")  # fmt: skip
-    assert [(m.role, m.content) for m in conv.messages] == [
-        ("user", "a"), ("system", "remember b"), ("user", "c")]  # fmt: skip
-    with pytest.raises(BadRequest, match=r"messages\[0\].content"):
-        parse_anthropic({"max_tokens": 3, "messages": [
-            {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "x",
-                                            "input": {}}]}]}, default_model="d")  # fmt: skip
+def test_anthropic_refuses_a_system_role_in_messages():
+    # Anthropic's Messages API allows only user and assistant there; system text is top-level
+    with pytest.raises(BadRequest, match=r"messages\[1\]\.role='system' is invalid: user or "
+                                         r"assistant \(.*top-level `system`") as e:  # fmt: skip
+        parse_anthropic({
+            "max_tokens": 3, "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
+                {"role": "user", "content": "c"}]}, default_model="d")  # fmt: skip
+    assert e.value.param == "messages"
 
 
 @pytest.mark.parametrize(
@@ -123,11 +123,20 @@ def test_anthropic_system_messages_stay_in_place():
           "messages": [{"role": "user", "content": "x"}]}, "server-side tools"),
         ({"max_tokens": 5, "temperature": 9, "messages": [{"role": "user", "content": "x"}]},
          "temperature=9"),
-        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user, assistant or"),
+        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user or assistant"),
+        ({"max_tokens": 5, "top_k": float("inf"), "messages": [{"role": "user", "content": "x"}]},
+         "top_k=inf"),
+        ({"max_tokens": 5, "top_p": float("nan"), "messages": [{"role": "user", "content": "x"}]},
+         "top_p=nan"),
+        ({"max_tokens": 5, "stop": ["x"], "messages": [{"role": "user", "content": "x"}]},
+         "stop is a parameter of the OpenAI chat API, which the Anthropic Messages API does "
+         "not take (its name here: stop_sequences)"),
+        ({"max_tokens": 5, "seed": 1, "messages": [{"role": "user", "content": "x"}]},
+         "seed is a parameter of the OpenAI"),
     ],
 )  # fmt: skip
 def test_anthropic_bad_requests_name_the_field(body, needle):
-    with pytest.raises(BadRequest, match=needle.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(BadRequest, match=re.escape(needle)):
         parse_anthropic(body, default_model="d")
 
 
@@ -153,6 +162,34 @@ def test_openai_request_and_its_refusals():
     with pytest.raises(BadRequest, match="n=2"):
         parse_openai({"n": 2, "messages": [{"role": "user", "content": "x"}]},
                      default_model="d", default_max_tokens=5)  # fmt: skip
+    for name, value in [("stop_sequences", ["x"]), ("top_k", 5), ("system", "S")]:
+        with pytest.raises(BadRequest, match=f"{name} is a parameter of the Anthropic") as e:
+            parse_openai({name: value, "messages": [{"role": "user", "content": "x"}]},
+                         default_model="d", default_max_tokens=5)  # fmt: skip
+        assert e.value.param == name
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b'{"reward": NaN}', "NaN is not a JSON value"),
+        (b'{"reward": -Infinity}', "-Infinity is not a JSON value"),
+        (b"[" * 100_000, "nested deeper than 64"),  # Python's parser: RecursionError
+        (b'{"a":' * 65 + b"1" + b"}" * 65, "nested deeper than 64"),  # parses; the walk refuses
+        (b'{"content": "a\\ud800b"}', "lone surrogate (\\ud800) at character 1"),
+        (b'{"\\udfff": 1}', "lone surrogate (\\udfff)"),
+        (b'{"content": "\xff"}', "not UTF-8"),
+        (b"{nope", "not JSON"),
+    ],
+)  # fmt: skip
+def test_loads_refuses_what_is_not_strict_json_by_name(raw, needle):
+    with pytest.raises(BadRequest, match=re.escape(needle)):
+        loads(raw)
+
+
+def test_loads_takes_json_up_to_the_depth_and_paired_surrogates():
+    assert loads(b'{"a":' * 63 + b"[1]" + b"}" * 63) is not None  # 64 levels
+    assert loads(b'{"t": "\\ud83d\\ude00 \\u00e9"}') == {"t": "\U0001f600 \u00e9"}
 
 
 def test_anthropic_stream_events_follow_the_documented_order():
@@ -289,3 +326,22 @@ def test_trajectories_per_segment_and_reward_modes():
     assert not any("dropped" in t.meta for t in all_)
     assert "dropped" in last[0].meta and "dropped" not in last[1].meta
     assert all_[0].turns[0].info["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"max_rollouts": 0}, "max_rollouts=0 is invalid: an integer >= 1"),
+        ({"max_waiting_requests": -1}, "max_waiting_requests=-1 is invalid"),
+        ({"admin_port": 8300}, "admin_port=8300 is invalid: another port"),
+        ({"admin_port": 70000}, "admin_port=70000 is invalid"),
+        ({"admin_port": 0, "admin_socket": "/tmp/a.sock"}, "null when admin_socket is set"),
+        ({"admin_socket": "/" + "x" * 120}, "a Unix socket's limit"),
+        ({"admin_token": ""}, "admin_token='' is invalid"),
+    ],
+)  # fmt: skip
+def test_middleware_config_refuses_bad_limits_and_admin_listeners(fields, needle):
+    from serving.middleware.config import MiddlewareConfig
+
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        MiddlewareConfig(**fields)
