@@ -13,9 +13,11 @@ tests restored, then run) and finishes the rollout with that reward, so its toke
 segments land in `--out/trajectories/middleware-*.jsonl`. The agent server is
 `agent.server_url`, or one started here (`--dry-run` prints it). The local sandbox must reach
 the middleware and run the harness, so `harness_shell` shares the host's network with it,
-shows it this Python's environment and the working directory read-only
-(`env.shell.local.visible_paths`) and lets it spend `harness.wall_s` of CPU time; every other
-containment stays. Writes `harness.json` (per rollout: reward, status, wall
+shows it this Python's environment and interpreter read-only (`env.shell.local.visible_paths`:
+add what else a `command` harness needs, e.g. the folder of its script; the project tree and
+the run directory stay out of its sight) and lets it spend `harness.wall_s` of CPU time; every
+other containment stays, and the middleware's admin routes (finishing a rollout, with its
+reward) are not reachable from it. Writes `harness.json` (per rollout: reward, status, wall
 seconds, diff size, segments) and `metrics.jsonl`.
 """
 
@@ -37,15 +39,16 @@ from rl.data import rundir
 
 def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
     """The config with a local sandbox a harness can run in: it reaches the middleware over
-    the network, sees this Python's environment and the working directory (read-only, even
-    under a private /tmp), and may spend `harness.wall_s` of CPU time."""
-    import os
+    the network, sees this Python's environment and its interpreter (read-only) besides the
+    configured `visible_paths`, and may spend `harness.wall_s` of CPU time. Nothing else of
+    the host: not the working directory, which holds the project (its tests and grader)."""
     import sys
 
     shell = cfg.env.shell
     if shell.backend != "local":
         return cfg
-    visible = list(dict.fromkeys([*shell.local.visible_paths, sys.prefix, os.getcwd()]))
+    python = [p for p in (sys.prefix, sys.base_prefix) if p not in ("/usr", "/")]
+    visible = list(dict.fromkeys([*shell.local.visible_paths, *python]))
     local = dataclasses.replace(
         shell.local, isolate_network=False, visible_paths=visible,
         cpu_time_s=max(shell.local.cpu_time_s, int(cfg.harness.wall_s) + 1),

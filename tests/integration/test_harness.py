@@ -45,6 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 SIMLOOP = Path(sys.executable).parent / "simloop"
 SCRIPT = REPO / "tests" / "scripts" / "anthropic_harness.py"
 TOK = ByteTokenizer()
+SHOW_SCRIPT = ["--env.shell.local.visible_paths", f"[{SCRIPT.parent}]"]
+"""The sandbox sees none of the project but the scripted harness's folder."""
 
 
 def command(*extra: str) -> str:
@@ -57,7 +59,7 @@ async def stack(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("harness-run")
     cfg = harness_shell(load_config(SimloopConfig, REPO / "configs/demo_cpu.yaml",
-                                    ["--middleware.port", "0"]))  # fmt: skip
+                                    ["--middleware.port", "0", *SHOW_SCRIPT]))  # fmt: skip
     engine = Engine(Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0)), TOK,
                     EngineConfig(num_slots=4, max_seq_len=2048, prefill_chunk=128,
                                  prefill_batch=2))  # fmt: skip
@@ -176,7 +178,7 @@ def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
            "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "1024",
            "--serve.engine.max_seq_len", "1024", "--serve.engine.num_slots", "8",
            "--harness.kind", "command", "--harness.command", json.dumps(harness),
-           "--harness.tasks", "[clamp]",
+           "--harness.tasks", "[clamp]", *SHOW_SCRIPT,
            "--middleware.port", "0"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True,
                           text=True, timeout=900)  # fmt: skip
