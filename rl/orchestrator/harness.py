@@ -395,6 +395,13 @@ class HarnessSource:
         results = [r for g in groups for r in g]
         self.results += results
         trajectories = [t for r in results for t in self._collected.pop(r.rollout_id, [])]
+        # What is left came from no rollout of this batch: one written later by the
+        # middleware's reaper or at shutdown (`aborted`, never trained on). It is on disk.
+        if self._collected:
+            late = sum(len(v) for v in self._collected.values())
+            log.info("harness source: %d segments written outside a batch (%s) are not trained",
+                     late, ", ".join(sorted(self._collected))[:300])  # fmt: skip
+            self._collected.clear()
         self.dropped_segments += fit_rows(trajectories, self.rows)
         return trajectories
 
