@@ -10,7 +10,8 @@ extension); simloop's server adds `weight_version` / `token_versions`, which are
 server that does not send them. One aiohttp session with a connection limit; each call has a
 timeout; connection errors, 5xx and 429 are retried with jittered exponential backoff
 (tenacity), other 4xx and timeouts never; cancelling a call closes its connection, which aborts
-the request on the server.
+the request on the server. An answer that is not what was asked for (no choices, no token ids,
+or, when `logprobs` was asked, none or not one per token) is a `BadAnswer`, never a silent gap.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ class ClientError(Exception):
     @property
     def retryable(self) -> bool:
         return self.status is None or self.status == 429 or self.status >= 500
+
+
+class BadAnswer(ClientError):
+    """The server answered (2xx) but not what the request asked for: no choices, no token ids,
+    or missing / miscounted logprobs. Not retried: the server would answer the same way."""
+
+    @property
+    def retryable(self) -> bool:
+        return False
 
 
 class ClientTimeout(ClientError, TimeoutError):
@@ -199,7 +209,8 @@ class InferenceClient:
             logprobs=logprobs, timeout_s=timeout_s, extra=extra,
         )  # fmt: skip
         if len(outs) != 1:
-            raise ClientError(f"asked for 1 choice, the server returned {len(outs)}")
+            raise BadAnswer(f"asked for 1 choice, the server returned {len(outs)}",
+                            body=outs[0].raw if outs else None)  # fmt: skip
         return outs[0]
 
     async def complete_n(self, prompt: list[int] | str, *, n: int, max_tokens: int,
@@ -230,6 +241,8 @@ class InferenceClient:
         raw, attempts = await self.request("POST", "/v1/completions", json_body=body,
                                            timeout_s=timeout_s)  # fmt: skip
         outs = parse_completion_response(raw)
+        if logprobs is not None:
+            check_logprobs(outs, f"logprobs={logprobs}")
         for out in outs:
             out.latency_s, out.attempts = time.perf_counter() - started, attempts
         return outs
@@ -259,7 +272,12 @@ class InferenceClient:
         started = time.perf_counter()
         raw, attempts = await self.request("POST", "/v1/chat/completions", json_body=body,
                                            timeout_s=timeout_s)  # fmt: skip
-        (out,) = parse_completion_response(raw)[:1]
+        outs = parse_completion_response(raw)
+        if not outs:
+            raise BadAnswer(f"the chat answer has no choice: {str(raw)[:200]}", body=raw)
+        out = outs[0]
+        if logprobs:
+            check_logprobs([out], "logprobs=true")
         out.latency_s, out.attempts = time.perf_counter() - started, attempts
         return out
 
@@ -344,15 +362,18 @@ class InferenceClient:
                 raw, _ = await self.request("POST", path, json_body=body, timeout_s=timeout_s,
                                             retries=0)  # fmt: skip
         if not isinstance(raw, dict) or not isinstance(raw.get("token_ids"), list):
-            raise ClientError(f"session response has no token_ids: {str(raw)[:200]}", body=raw)
+            raise BadAnswer(f"session response has no token_ids: {str(raw)[:200]}", body=raw)
         logprobs_, tops = _parse_logprobs(raw.get("logprobs"))
-        return Completion(
+        out = Completion(
             text=raw.get("text", ""), token_ids=list(raw["token_ids"]),
             finish_reason=raw.get("finish_reason") or "", logprobs=logprobs_, top_logprobs=tops,
             weight_version=raw.get("weight_version"), token_versions=raw.get("token_versions"),
             cached_tokens=raw.get("cached_tokens"), latency_s=time.perf_counter() - started,
             attempts=n, raw=raw,
         )  # fmt: skip
+        if logprobs is not None:
+            check_logprobs([out], f"logprobs={logprobs}")
+        return out
 
     async def rewind_session(self, session_id: str, to: int) -> dict[str, Any]:
         body, _ = await self.request("POST", f"/v1/sessions/{session_id}/rewind",
@@ -369,7 +390,7 @@ class InferenceClient:
 def parse_completion_response(raw: dict[str, Any]) -> list[Completion]:
     """Choices of a /v1/completions or /v1/chat/completions response, in index order."""
     if not isinstance(raw, dict) or not isinstance(raw.get("choices"), list):
-        raise ClientError(f"response has no 'choices': {str(raw)[:200]}")
+        raise BadAnswer(f"response has no 'choices': {str(raw)[:200]}", body=raw)
     version = raw.get("weight_version")
     cached = ((raw.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     outs = []
@@ -380,7 +401,7 @@ def parse_completion_response(raw: dict[str, Any]) -> list[Completion]:
             text = choice.get("text", "")
         token_ids = choice.get("token_ids")
         if token_ids is None:
-            raise ClientError(
+            raise BadAnswer(
                 "response carries no token ids: the server must support return_token_ids "
                 "(simloop, or vLLM >= 0.10.2)",
                 body=raw,
@@ -394,6 +415,19 @@ def parse_completion_response(raw: dict[str, Any]) -> list[Completion]:
             cached_tokens=cached, raw=raw,
         ))  # fmt: skip
     return outs
+
+
+def check_logprobs(outs: list[Completion], asked: str) -> None:
+    """Raise `BadAnswer` unless each choice of an answer to a request that asked for logprobs
+    (`asked`, e.g. "logprobs=0") carries one per generated token: a missing or short list would
+    reach the trainer as behaviour logprobs of the wrong tokens."""
+    for i, out in enumerate(outs):
+        got = None if out.logprobs is None else len(out.logprobs)
+        if got == len(out.token_ids) or (got is None and not out.token_ids):
+            continue
+        has = "no logprobs" if got is None else f"{got} logprobs"
+        raise BadAnswer(f"the server answered without the logprobs asked for ({asked}): choice "
+                        f"{i} has {has} for {len(out.token_ids)} tokens", body=out.raw)  # fmt: skip
 
 
 def _parse_logprobs(lp: Any) -> tuple[list[float] | None, list[dict[str, float]] | None]:

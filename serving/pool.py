@@ -14,12 +14,28 @@ the session of the current `pinned` scope) -> `ReplicaPool` picks, once per sess
 replica with the fewest in-flight requests (ties: round robin), and the session stays there
 (its prefix cache stays warm) -> `InferenceClient` of that replica. A replica is ejected when
 its health check fails `health_failures` times in a row, when a request fails as a dead server
-does (no connection, or 5xx after the client's own retries), or when a publish fails; its
-in-flight requests and every later request of a session pinned to it raise `ReplicaDown`
-(never moved mid-episode to another replica: other KV, maybe another version). The owner
-restarts it (`on_eject`) and calls `readmit`, which republishes the current version through
-the attached `PoolPublisher` before the replica takes traffic again; an owner that gives up on
-a replica `retire`s it, and once every replica is retired new sessions fail at once.
+does (no connection, or 5xx after the client's own retries), when a publish fails, or when its
+answers fail `answer_failures` times in a row (below); its in-flight requests and every later
+request of a session pinned to it raise `ReplicaDown` (never moved mid-episode to another
+replica: other KV, maybe another version; a request outside any episode is sent again to
+another live replica instead). The owner restarts it (`on_eject`) and calls `readmit`, which
+republishes the current version through the attached `PoolPublisher` before the replica takes
+traffic again; an owner that gives up on a replica `retire`s it, and once every replica is
+retired new sessions fail at once.
+
+Answers count too, since a replica can answer `/health` and still fail every episode. For the
+completion calls (`complete`, `complete_n`, `chat`; not the free-form `request`):
+- Each has a timeout scaled to the work asked, `timeout_base_s + timeout_per_token_s *
+  max_tokens` (never above the caller's own), so a hung replica is found in time.
+- A timeout counts against the replica. So does a bad answer (a 4xx other than 429, or a 2xx
+  that is not what was asked: `BadAnswer`, e.g. no logprobs), but only when another live
+  replica answers the very same request well: a request that is itself bad (a prompt past the
+  context, a bad parameter) is refused by every replica and ejects none, and a pool's last live
+  replica is never ejected for a bad answer. 429 (busy) never counts. A good answer resets
+  the count; `answer_failures` in a row eject the replica.
+- A replica ejected for its answers is readmitted only after it serves a real completion (a
+  1-token probe, `probe`), not on `/health` alone. With no owner (`on_eject`), the health loop
+  probes it every round and readmits it once one succeeds.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -37,9 +54,23 @@ from typing import Any
 import aiohttp
 
 from rl.model.publish import PublishReport, WeightPublisher
-from serving.client import ClientConfig, ClientError, ClientTimeout, Completion, InferenceClient
+from serving.client import (
+    BadAnswer,
+    ClientConfig,
+    ClientError,
+    ClientTimeout,
+    Completion,
+    InferenceClient,
+)
 
 log = logging.getLogger(__name__)
+
+JUDGED = ("complete", "complete_n", "chat")
+"""The calls a replica is judged on by its answers (stateless: one can be sent to a peer)."""
+ANSWER_KINDS = ("timeout", "bad_answer")
+"""Ejections for what a replica answered: readmitted only after a probe completion."""
+PROBE_PROMPT = [0]
+"""The probe's prompt (as `serving.publisher`'s): token id 0 exists in every vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -54,16 +85,36 @@ class PoolConfig:
     """Consecutive failed health checks that eject a replica."""
     wait_live_s: float = 60.0
     """How long a new session waits for a live replica (all ejected, e.g. restarting)."""
+    answer_failures: int = 3
+    """Consecutive failed answers (timeouts; bad answers a peer answered well) that eject a
+    replica; a good answer resets the count."""
+    timeout_base_s: float = 30.0
+    """A completion's timeout through the pool is `timeout_base_s + timeout_per_token_s *
+    max_tokens`, at most the caller's (or its client's) own: the base covers queueing and
+    prefill under load, so a busy replica is not taken for a hung one."""
+    timeout_per_token_s: float = 0.1
+    """Per token asked (`max_tokens`; `n` samples decode together): 0.1 s is 10 tokens/s, slower
+    than a loaded replica decodes. With the defaults, 1024 tokens keep a 120 s cap; 64 get 36 s."""
 
     def __post_init__(self) -> None:
-        for name in ("health_interval_s", "health_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "timeout_base_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PoolConfig.{name}={getattr(self, name)!r} is invalid: > 0")
-        if not isinstance(self.health_failures, int) or self.health_failures < 1:
-            raise ValueError(f"PoolConfig.health_failures={self.health_failures!r} is invalid: "
-                             "an integer >= 1")  # fmt: skip
+        for name in ("health_failures", "answer_failures"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PoolConfig.{name}={value!r} is invalid: an integer >= 1")
+        if not self.timeout_per_token_s >= 0:
+            raise ValueError(f"PoolConfig.timeout_per_token_s={self.timeout_per_token_s!r} is "
+                             "invalid: >= 0")  # fmt: skip
         if self.wait_live_s < 0:
             raise ValueError(f"PoolConfig.wait_live_s={self.wait_live_s!r} is invalid: >= 0")
+
+    def timeout_for(self, max_tokens: int | None, cap: float) -> float:
+        """The timeout of a completion of `max_tokens` whose caller allows `cap` seconds."""
+        if not isinstance(max_tokens, int):
+            return cap
+        return min(cap, self.timeout_base_s + self.timeout_per_token_s * max_tokens)
 
 
 class ReplicaDown(ClientError):
@@ -102,7 +153,20 @@ class Replica:
     """Processes its owner started in place of a dead one (counted by the owner)."""
     retired: bool = False
     """Its owner gave up restarting it: it stays out until readmitted."""
+    ejected_for: Counter[str] = field(default_factory=Counter)
+    """Ejections by kind: `dead`, `health`, `publish`, `timeout`, `bad_answer`, `manual`."""
+    last_ejection: str | None = None
+    """The reason of its last ejection (kept after readmission, unlike `reason`)."""
+    streak: Counter[str] = field(default_factory=Counter)
+    """Failed answers since its last good one, by kind (`timeout`, `bad_answer`)."""
+    needs_probe: bool = False
+    """Ejected for its answers: readmitted only after a probe completion succeeds."""
     _down: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def strikes(self) -> int:
+        """Consecutive failed answers: `answer_failures` of them eject it."""
+        return sum(self.streak.values())
 
     @property
     def url(self) -> str:
@@ -120,11 +184,20 @@ class Replica:
 def is_dead_server(e: BaseException) -> bool:
     """A failure that says the server is gone or broken (not that the request was bad or
     slow): no connection / reset, or 5xx after the client's own retries."""
-    if not isinstance(e, ClientError) or isinstance(e, ClientTimeout | ReplicaDown):
+    if not isinstance(e, ClientError) or isinstance(e, ClientTimeout | ReplicaDown | BadAnswer):
         return False
     return (e.status is not None and e.status >= 500) or isinstance(
         e.__cause__, aiohttp.ClientError
     )
+
+
+def is_bad_answer(e: BaseException) -> bool:
+    """An answer that is the replica's fault if a peer answers the same request well: a 4xx
+    other than 429 (busy: load, not sickness), or a 2xx that is not what was asked."""
+    if isinstance(e, BadAnswer):
+        return True
+    return (isinstance(e, ClientError) and not isinstance(e, ReplicaDown | ClientTimeout)
+            and e.status is not None and 400 <= e.status < 500 and e.status != 429)  # fmt: skip
 
 
 # ----- per-episode affinity --------------------------------------------------------------------
@@ -156,10 +229,13 @@ def pinned(key: str) -> Iterator[Affinity]:
 
 
 class PoolSession:
-    """A client for one episode: its first request pins it to a replica, where it stays."""
+    """A client for one episode: its first request pins it to a replica, where it stays.
+    A `oneoff` session (one request outside any episode) has nothing to keep warm: when its
+    replica is ejected under it, the request goes again to another live replica."""
 
-    def __init__(self, pool: ReplicaPool, key: str, affinity: Affinity | None = None):
-        self.pool, self.key, self._affinity = pool, key, affinity
+    def __init__(self, pool: ReplicaPool, key: str, affinity: Affinity | None = None, *,
+                 oneoff: bool = False):  # fmt: skip
+        self.pool, self.key, self._affinity, self._oneoff = pool, key, affinity, oneoff
         self.replica: Replica | None = None
         self._generation = 0
 
@@ -181,35 +257,47 @@ class PoolSession:
         return down
 
     async def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        tries = 0
+        while True:
+            try:
+                return await self._once(name, args, kw)
+            except ReplicaDown as down:
+                tries += 1
+                if not (self._oneoff and down.url is not None and self.pool.live
+                        and tries < len(self.pool.replicas)):  # fmt: skip
+                    raise
+                log.info("%s pool: %s again on another replica: %s", self.pool.role, name, down)
+                self.replica = None
+
+    async def _once(self, name: str, args: tuple, kw: dict[str, Any]) -> Any:
         if self.replica is None:
             try:
                 self.replica = await self.pool._pick(self.key)
             except ReplicaDown as e:
                 raise self._fail(e) from None
             self._generation = self.replica.generation
-        r = self.replica
-        if not r.live or r.generation != self._generation:
+        r, generation = self.replica, self._generation
+        if not r.live or r.generation != generation:
             raise self._fail(ReplicaDown(r.url, r.reason or "ejected"))
-        down = r.down_future()
-        r.in_flight += 1
-        task_name = f"pool-{self.pool.role}-{r.index}-{self.key}-{name}"
-        call = asyncio.create_task(getattr(r.client, name)(*args, **kw), name=task_name)
         try:
-            await asyncio.wait((call, down), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            r.in_flight -= 1
-            finished = call.done()
-            if not finished:  # ejected while in flight (or we were cancelled): drop the call
-                call.cancel()
-        if not finished:
-            raise self._fail(ReplicaDown(r.url, down.result()))
-        try:
-            return call.result()
+            out = await self.pool._send(r, name, args, kw, self.key)
+        except ReplicaDown as down:  # ejected while in flight
+            raise self._fail(down) from None
         except ClientError as e:
-            if not is_dead_server(e):
+            if is_dead_server(e):
+                self.pool.eject(r, f"{name} failed: {e}", generation=generation, kind="dead")
+                raise self._fail(ReplicaDown(r.url, r.reason or str(e))) from e
+            if name not in JUDGED:
                 raise
-            self.pool.eject(r, f"{name} failed: {e}", generation=self._generation)
-            raise self._fail(ReplicaDown(r.url, r.reason or str(e))) from e
+            answer = await self.pool._judge(r, generation, name, args, kw, e, self.key)
+            if answer is not None and self._oneoff:  # a peer answered it: that is the retry
+                return answer
+            if not r.live or r.generation != generation:
+                raise self._fail(ReplicaDown(r.url, r.reason or str(e))) from e
+            raise
+        if name in JUDGED:
+            self.pool._answered(r, generation)
+        return out
 
 
 # ----- the pool --------------------------------------------------------------------------------
@@ -249,6 +337,8 @@ class ReplicaPool:
         self._cursor = 0
         self._live_changed = asyncio.Event()
         self._health: asyncio.Task | None = None
+        self._probes: dict[int, asyncio.Task] = {}
+        """Readmission attempts under way (`_probe_ejected`), by replica index."""
 
     @property
     def live(self) -> list[Replica]:
@@ -271,7 +361,7 @@ class ReplicaPool:
     def _current(self) -> PoolSession:
         affinity = _AFFINITY.get()
         if affinity is None:  # not inside an episode: each request is routed on its own
-            return PoolSession(self, "unpinned")
+            return PoolSession(self, "unpinned", oneoff=True)
         session = affinity.sessions.get(id(self))
         if session is None:
             session = affinity.sessions[id(self)] = PoolSession(self, affinity.key, affinity)
@@ -310,16 +400,94 @@ class ReplicaPool:
         self._cursor = best.index + 1
         return best
 
+    # ----- sending, and judging replicas by their answers ----------------------------------------
+
+    async def _send(self, r: Replica, name: str, args: tuple, kw: dict[str, Any], key: str) -> Any:
+        """`r.client.<name>(*args, **kw)`, counted in `r`'s load, with a completion's timeout
+        scaled to its `max_tokens`; `ReplicaDown` at once if `r` is ejected meanwhile."""
+        if name in JUDGED:
+            cap = kw.get("timeout_s") or r.client.cfg.timeout_s
+            kw = {**kw, "timeout_s": self.cfg.timeout_for(kw.get("max_tokens"), cap)}
+        down = r.down_future()
+        r.in_flight += 1
+        task_name = f"pool-{self.role}-{r.index}-{key}-{name}"
+        call = asyncio.create_task(getattr(r.client, name)(*args, **kw), name=task_name)
+        try:
+            await asyncio.wait((call, down), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            r.in_flight -= 1
+            finished = call.done()
+            if not finished:  # ejected while in flight (or we were cancelled): drop the call
+                call.cancel()
+        if not finished:
+            raise ReplicaDown(r.url, down.result())
+        return call.result()
+
+    async def _judge(self, r: Replica, generation: int, name: str, args: tuple,
+                     kw: dict[str, Any], e: ClientError, key: str) -> Any:  # fmt: skip
+        """Count `e`, the failed answer of `r` to a `JUDGED` call, against `r` when it is
+        `r`'s fault: a timeout always; a bad answer only when a peer (another live replica)
+        answers the same request well, the peer's answer being returned. A request every
+        replica refuses is at fault itself, and with no peer nothing can tell: not counted."""
+        if isinstance(e, ClientTimeout):
+            self._strike(r, generation, "timeout", f"{name}: {e}")
+            return None
+        if not is_bad_answer(e):
+            return None
+        peers = [p for p in self.live if p is not r]
+        if not peers:
+            return None
+        peer = min(peers, key=lambda p: p.in_flight)
+        peer_generation = peer.generation
+        try:
+            answer = await self._send(peer, name, args, kw, f"{key}-check")
+        except ReplicaDown:
+            return None
+        except ClientError as pe:  # the peer's own failure is the peer's; `r` is not judged
+            if is_dead_server(pe):
+                self.eject(peer, f"{name} failed: {pe}", generation=peer_generation, kind="dead")
+            elif isinstance(pe, ClientTimeout):
+                self._strike(peer, peer_generation, "timeout", f"{name}: {pe}")
+            return None  # (a bad answer there too: the request is bad, nobody is counted)
+        self._answered(peer, peer_generation)
+        self._strike(r, generation, "bad_answer",
+                     f"{name}: {e} (the same request was answered by {peer.url})")  # fmt: skip
+        return answer
+
+    def _strike(self, r: Replica, generation: int, kind: str, why: str) -> None:
+        """One more failed answer of `r`; `answer_failures` in a row eject it."""
+        if not r.live or r.generation != generation:
+            return
+        r.streak[kind] += 1
+        if r.strikes < self.cfg.answer_failures:
+            log.info("%s replica %s: failed answer %d/%d: %s", self.role, r.url, r.strikes,
+                     self.cfg.answer_failures, why)  # fmt: skip
+            return
+        kinds = ", ".join(f"{n} {'timed out' if k == 'timeout' else 'bad'}"
+                          for k, n in sorted(r.streak.items(), reverse=True))  # fmt: skip
+        n = r.strikes
+        self.eject(r, f"{n} answer{'s' * (n > 1)} in a row failed ({kinds}), the last: {why}",
+                   generation=generation, kind=kind)  # fmt: skip
+
+    def _answered(self, r: Replica, generation: int) -> None:
+        """A good answer: `r`'s count of failed answers starts again."""
+        if r.generation == generation:
+            r.streak.clear()
+
     # ----- ejection and readmission ----------------------------------------------------------
 
-    def eject(self, replica: Replica | str | int, reason: str, *,
-              generation: int | None = None) -> bool:  # fmt: skip
+    def eject(self, replica: Replica | str | int, reason: str, *, generation: int | None = None,
+              kind: str = "manual") -> bool:  # fmt: skip
         """Take a replica out of service; False if it already was (or was readmitted since
-        `generation`). Its in-flight requests end with `ReplicaDown` at once."""
+        `generation`). Its in-flight requests end with `ReplicaDown` at once. `kind` (for
+        metrics): `dead`, `health`, `publish`, `timeout`, `bad_answer`, or `manual` (its owner's
+        call); the answer kinds make readmission wait for a probe completion."""
         r = self.replica(replica)
         if not r.live or (generation is not None and generation != r.generation):
             return False
         r.live, r.reason, r.ejections, r.failed_checks = False, reason, r.ejections + 1, 0
+        r.ejected_for[kind] += 1
+        r.last_ejection, r.needs_probe = reason, kind in ANSWER_KINDS
         if r._down is not None and not r._down.done():
             r._down.set_result(reason)
         log.warning("%s replica %s ejected: %s", self.role, r.url, reason)
@@ -341,9 +509,10 @@ class ReplicaPool:
         self._live_changed.set()  # sessions waiting for a live replica look again
 
     async def readmit(self, replica: Replica | str | int) -> Replica:
-        """Put an ejected replica back in service once it answers `/health` and, with a
-        `PoolPublisher` attached, holds the current version (republished first). Raises
-        (the replica stays ejected) when either fails."""
+        """Put an ejected replica back in service once it answers `/health`, then (when it
+        was ejected for its answers) serves a probe completion, then, with a `PoolPublisher`
+        attached, holds the current version (republished first). Raises `ReplicaDown` (the
+        replica stays ejected) when any of them fails."""
         r = self.replica(replica)
         if r.live:
             return r
@@ -352,6 +521,11 @@ class ReplicaPool:
             await r.client.request("GET", "/health", timeout_s=self.cfg.health_timeout_s)
         except ClientError as e:
             raise ReplicaDown(r.url, f"not readmitted: health check failed: {e}") from e
+        if r.needs_probe:  # `/health` answered before too: only a completion tells
+            try:
+                await self.probe(r)
+            except ClientError as e:
+                raise ReplicaDown(r.url, f"not readmitted: probe completion failed: {e}") from e
         if self.publisher is not None:
             await self.publisher.bring_up(r, self._mark_live)
         else:
@@ -362,15 +536,50 @@ class ReplicaPool:
         if r.live:  # readmitted by a concurrent call meanwhile: keep its generation
             return
         r.live, r.generation, r.reason, r.retired = True, r.generation + 1, None, False
-        r._down, r.failed_checks = None, 0
+        r._down, r.failed_checks, r.needs_probe = None, 0, False
+        r.streak.clear()
         log.info("%s replica %s readmitted (version %s)", self.role, r.url, r.version)
         self._live_changed.set()
+
+    async def probe(self, replica: Replica | str | int) -> Completion:
+        """One real completion on `replica`: 1 greedy token with its logprob, within the
+        pool's timeout for 1 token. What a replica ejected for its answers must serve before
+        it is readmitted (a hung engine still answers `/health`)."""
+        r = self.replica(replica)
+        timeout_s = self.cfg.timeout_for(1, r.client.cfg.timeout_s)
+        return await r.client.complete(PROBE_PROMPT, max_tokens=1, temperature=0.0, logprobs=0,
+                                       timeout_s=timeout_s)  # fmt: skip
+
+    async def _try_readmit(self, r: Replica) -> None:
+        try:
+            await self.readmit(r)
+        except ReplicaDown as e:  # recovered on purpose: probed again next round
+            log.info("%s replica %s stays out: %s", self.role, r.url, e)
+        else:
+            log.warning("%s replica %s answered a probe: back in service", self.role, r.url)
+
+    def _probe_ejected(self) -> None:
+        """With no owner to restart them, replicas ejected for their answers are probed (one
+        readmission attempt at a time each); a probe's unexpected error surfaces here."""
+        for r in self.replicas:
+            task = self._probes.get(r.index)
+            if task is not None and task.done():
+                del self._probes[r.index]
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            elif task is not None:
+                continue
+            if not r.live and r.needs_probe and not r.retired:
+                self._probes[r.index] = asyncio.create_task(
+                    self._try_readmit(r), name=f"pool-{self.role}-{r.index}-probe"
+                )
 
     # ----- health checks ---------------------------------------------------------------------
 
     async def check_health(self) -> None:
         """One round of `GET /health` on every live replica (ejecting the ones that failed
-        `health_failures` rounds in a row)."""
+        `health_failures` rounds in a row); without an owner, probes start for the replicas
+        ejected for their answers."""
 
         async def check(r: Replica) -> None:
             generation = r.generation
@@ -384,9 +593,11 @@ class ReplicaPool:
                 r.failed_checks += 1
                 if r.failed_checks >= self.cfg.health_failures:
                     self.eject(r, f"health check failed {r.failed_checks}x: {e}",
-                               generation=generation)  # fmt: skip
+                               generation=generation, kind="health")  # fmt: skip
 
         await asyncio.gather(*(check(r) for r in self.live))
+        if self.on_eject is None:
+            self._probe_ejected()
 
     async def _health_loop(self) -> None:
         while True:
@@ -398,14 +609,18 @@ class ReplicaPool:
             self._health = asyncio.create_task(self._health_loop(), name=f"pool-{self.role}-health")
 
     async def close(self) -> None:
-        """Stop the health checks (surfacing their failure, if any) and close the clients
-        the pool made."""
-        task, self._health = self._health, None
+        """Stop the health checks and probes (surfacing their failure, if any) and close the
+        clients the pool made."""
+        tasks = list(self._probes.values()) + ([self._health] if self._health else [])
+        self._health, self._probes = None, {}
         try:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for t in tasks:
+                t.cancel()
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(outcome, BaseException) and not isinstance(
+                    outcome, asyncio.CancelledError
+                ):
+                    raise outcome
         finally:
             await asyncio.gather(*(c.close() for c in self._owned))
 
@@ -417,17 +632,21 @@ class ReplicaPool:
         await self.close()
 
     def stats(self) -> dict[str, Any]:
-        """For metrics: live count, ejections, and per replica its state and load."""
+        """For metrics: live count, ejections (in all and by kind), and per replica its state,
+        load, ejections by kind with the last one's reason, and its failed answers in a row."""
         return {
             "role": self.role,
             "live": len(self.live),
             "replicas": len(self.replicas),
             "ejections": sum(r.ejections for r in self.replicas),
+            "ejected_for": dict(sum((r.ejected_for for r in self.replicas), Counter())),
             "restarts": sum(r.restarts for r in self.replicas),
             "in_flight": sum(r.in_flight for r in self.replicas),
             "per_replica": [
                 {"url": r.url, "live": r.live, "in_flight": r.in_flight, "ejections": r.ejections,
-                 "restarts": r.restarts, "version": r.version, "reason": r.reason}
+                 "ejected_for": dict(r.ejected_for), "last_ejection": r.last_ejection,
+                 "strikes": r.strikes, "restarts": r.restarts, "version": r.version,
+                 "reason": r.reason}
                 for r in self.replicas
             ],
         }  # fmt: skip
@@ -474,7 +693,8 @@ class PoolPublisher:
                     if not isinstance(out, Exception):
                         raise out
                     errors.append(f"{r.url}: {out}")
-                    self.pool.eject(r, f"publish of version {version} failed: {out}")
+                    self.pool.eject(r, f"publish of version {version} failed: {out}",
+                                    kind="publish")  # fmt: skip
                 else:
                     done.append((r, out))
             if not done:

@@ -2,6 +2,7 @@
 and real requests against a simloop server on 127.0.0.1."""
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from flax import nnx
 from rl.data import ByteTokenizer
 from rl.model import Qwen3, tiny
 from serving.client import (
+    BadAnswer,
     ClientConfig,
     ClientError,
     ClientTimeout,
@@ -119,6 +121,34 @@ async def test_other_4xx_is_not_retried(scripted_server):
         with pytest.raises(ClientError, match="400.*top_p") as info:
             await client.complete([1], max_tokens=4, top_p=2)
     assert peer.calls == 1 and info.value.status == 400 and not info.value.retryable
+
+
+async def test_an_answer_without_the_logprobs_asked_for_is_an_error(scripted_server, serve_app):
+    none = copy.deepcopy(OK_BODY)
+    none["choices"][0]["logprobs"] = None
+    short = copy.deepcopy(OK_BODY)
+    short["choices"][0]["logprobs"]["token_logprobs"] = [-0.2, -0.05, -0.3]
+    peer, url = await scripted_server([(200, none), (200, none), (200, short)])
+    async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
+        assert (await client.complete([1], max_tokens=4)).logprobs is None  # none asked for
+        with pytest.raises(BadAnswer, match=r"without the logprobs asked for \(logprobs=0\): "
+                           "choice 0 has no logprobs for 4 tokens") as info:  # fmt: skip
+            await client.complete([1], max_tokens=4, logprobs=0)
+        assert not info.value.retryable and peer.calls == 2  # the same answer again: not retried
+        with pytest.raises(BadAnswer, match="choice 0 has 3 logprobs for 4 tokens"):
+            await client.complete([1], max_tokens=4, logprobs=2)
+    # Chat: one logprob per token too (the chat fixture has 2 for its 3 tokens).
+    chat = json.loads((FIXTURES / "vllm_chat.json").read_text())
+
+    async def answer(request):
+        return web.json_response(chat)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    async with InferenceClient(ClientConfig(await serve_app(app))) as client:
+        assert (await client.chat([{"role": "user", "content": "hi"}], max_tokens=3)).token_ids
+        with pytest.raises(BadAnswer, match=r"\(logprobs=true\): choice 0 has 2 logprobs for 3"):
+            await client.chat([{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True)
 
 
 async def test_gives_up_after_max_retries(scripted_server):

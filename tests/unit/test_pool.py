@@ -1,9 +1,13 @@
 """Replica pools against real HTTP servers on 127.0.0.1: sticky sessions, least-in-flight
-balancing, ejection (dead server, failed health checks, failed publish) with `ReplicaDown` for
-exactly the pinned episodes, readmission only at the current version, and the orchestrator
-ending affected episodes `aborted` with the replica's reason while the rest finish."""
+balancing, ejection (dead server, failed health checks, failed publish, sick answers: hung
+completions, 4xx to what a peer serves, missing logprobs) with `ReplicaDown` for exactly the
+pinned episodes, readmission only at the current version (and after a probe completion for a
+replica ejected for its answers), and the orchestrator ending affected episodes `aborted` with
+the replica's reason while the rest finish."""
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 from aiohttp import web
@@ -18,7 +22,7 @@ from rl.data.tokenizer import IM_START
 from rl.data.trajectory import validate
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
-from serving.client import ClientConfig, ClientError
+from serving.client import BadAnswer, ClientConfig, ClientError, ClientTimeout
 from serving.pool import (
     PoolConfig,
     PoolPublisher,
@@ -49,6 +53,7 @@ class FakeReplica:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prompts: list = []
+        self.bodies: list[dict] = []
         self.loads: list[int] = []
         self.version = 0
         self.held = 0
@@ -56,10 +61,18 @@ class FakeReplica:
         self.health_status = 200
         """200, 503, or 0: never answer."""
         self.completion_status = 200
+        self.hang = False
+        """Completions never answer (held until the test ends); `/health` still does."""
+        self.max_prompt: int | None = None
+        """A longer prompt is refused with 400, as a server refuses one past its context."""
+        self.drop_logprobs = False
+        """Answer without the logprobs asked for."""
         self.load_status = 200
         self.hold_from_turn: int | None = None
         """Hold agent requests whose prompt already holds this many replies."""
         self.on_load = None
+        self.health_seen: list[float] = []
+        """When each `/health` request came."""
         self._runner: web.AppRunner | None = None
 
     async def start(self):
@@ -87,6 +100,13 @@ class FakeReplica:
         body = await request.json()
         prompt = body["prompt"]
         self.prompts.append(prompt)
+        self.bodies.append(body)
+        if self.max_prompt is not None and len(prompt) > self.max_prompt:
+            error = {"message": f"This model's maximum context length is {self.max_prompt} "
+                                f"tokens; the prompt has {len(prompt)}"}  # fmt: skip
+            return web.json_response({"error": error}, status=400)
+        if self.hang:
+            await self._hold()
         if self.completion_status != 200:
             error = {"message": "engine failed", "type": "server_error", "param": None}
             return web.json_response({"error": error}, status=self.completion_status)
@@ -104,9 +124,12 @@ class FakeReplica:
         choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "stop",
                   "logprobs": {"token_logprobs": [-0.5] * len(ids)},
                   "token_versions": [self.version] * len(ids)}  # fmt: skip
+        if self.drop_logprobs or body.get("logprobs") is None:
+            choice["logprobs"] = None
         return web.json_response({"choices": [choice], "weight_version": self.version})
 
     async def health(self, request):
+        self.health_seen.append(time.monotonic())
         if self.health_status == 0:
             await asyncio.Event().wait()
         if self.health_status != 200:
@@ -318,6 +341,200 @@ async def test_readmission_only_after_republishing_the_current_version(servers):
         assert len(_served(r1, [[3, 0], [3, 1]])) == 1
 
 
+# ----- sick answers: hung completions, refusals, missing logprobs ---------------------------
+
+SICK = PoolConfig(health_interval_s=60.0, answer_failures=2, timeout_base_s=0.1,
+                  timeout_per_token_s=0.05)  # fmt: skip
+"""Two failed answers in a row eject; a 2-token completion times out after 0.2 s (the clients'
+own timeout is 10 s)."""
+GUARD_S = 2.0
+"""Bounds each request in these tests: far above the scaled timeouts, far below the client's."""
+
+
+def _episode(pool, i, prompt, **kw):
+    async def run():
+        with pinned(f"ep{i}"):
+            return await pool.complete(prompt, **kw)
+
+    return asyncio.wait_for(run(), timeout=GUARD_S)
+
+
+async def test_a_replica_whose_completions_hang_is_ejected_after_n_timeouts(servers):
+    good, sick = await servers(2)
+    sick.hang = True  # its /health answers 200 throughout
+    scaled = SICK.timeout_for(2, FAST.timeout_s)
+    assert scaled == pytest.approx(0.2) and SICK.timeout_for(10_000, FAST.timeout_s) == 10.0
+    ejected = []
+    async with _pool([good, sick], config=dataclasses.replace(SICK, health_interval_s=0.02),
+                     on_eject=lambda r, why: ejected.append((r.url, why))) as pool:  # fmt: skip
+        outcomes, waits = [], []
+        for i in range(10):  # one request per episode: round robin while the loads are equal
+            began = time.monotonic()
+            try:
+                out = await _episode(pool, i, [i], max_tokens=2)
+                outcomes.append("ok" if [i] in good.prompts and out.token_ids else "?")
+            except ClientError as e:
+                outcomes.append(type(e).__name__)
+            waits.append(time.monotonic() - began)
+        # The 2nd episode times out on the sick replica, the 4th too and ejects it: every
+        # later episode goes to the healthy one, and none waited more than the scaled timeout.
+        assert outcomes == ["ok", "ClientTimeout", "ok", "ReplicaDown"] + ["ok"] * 6
+        assert max(waits) < scaled + 0.5 and len(sick.bodies) == 2
+        assert [u for u, _ in ejected] == [sick.url]
+        assert ejected[0][1] == ("2 answers in a row failed (2 timed out), the last: complete: "
+                                 "POST /v1/completions: no answer within 0.2s")  # fmt: skip
+        # Its health checks (every 0.02 s) passed all along: only its answers told. The
+        # requests it held were dropped, nothing was sent to it since, and it stays out (its
+        # owner restarts it).
+        assert len(sick.health_seen) >= 2 and sick.health_status == 200
+        assert await wait_until(lambda: sick.held == 0) and len(sick.bodies) == 2
+        assert not pool.replica(sick.url).live
+        stats = pool.stats()
+        assert stats["ejected_for"] == {"timeout": 1} and stats["live"] == 1
+        assert stats["per_replica"][1]["ejected_for"] == {"timeout": 1}
+        assert stats["per_replica"][1]["last_ejection"] == ejected[0][1]
+        assert stats["per_replica"][0]["strikes"] == 0
+
+
+async def test_concurrent_episodes_on_a_hung_replica_end_within_the_scaled_timeout(servers):
+    good, sick = await servers(2)
+    sick.hang = True
+    async with _pool([good, sick], config=SICK) as pool:
+        began = time.monotonic()
+        outs = await asyncio.gather(*(_episode(pool, i, [i], max_tokens=2) for i in range(8)),
+                                    return_exceptions=True)  # fmt: skip
+        took = time.monotonic() - began
+        failed = [type(o).__name__ for o in outs if isinstance(o, BaseException)]
+        # The 4 episodes pinned to the sick replica time out together: the first to end is a
+        # timeout, the second ejects the replica, and all three after the first end
+        # `ReplicaDown` (the episode is blamed on it); the 4 on the healthy replica finish.
+        assert sorted(failed) == ["ClientTimeout"] + ["ReplicaDown"] * 3
+        assert took < SICK.timeout_for(2, FAST.timeout_s) + 0.5
+        assert [r.url for r in pool.live] == [good.url]
+
+
+async def test_a_replica_refusing_what_its_peer_serves_is_ejected_a_bad_request_ejects_none(
+    servers,
+):
+    good, sick = await servers(2)
+    for s in (good, sick):
+        s.max_prompt = 8  # their context
+    too_long = list(range(20))
+    async with _pool([good, sick], config=SICK) as pool:
+        # A request that is itself bad is refused by every replica: however often, and on
+        # whichever replica it lands, it ejects none (each refusal was checked on the peer).
+        for i in range(6):
+            with pytest.raises(ClientError, match="400.*maximum context length") as info:
+                await _episode(pool, i, too_long, max_tokens=2)
+            assert not isinstance(info.value, ReplicaDown)
+            with pytest.raises(ClientError, match="400"):
+                await pool.complete(too_long, max_tokens=2)  # outside an episode: the same
+        assert len(pool.live) == 2 and pool.stats()["ejections"] == 0
+        assert good.prompts.count(too_long) == sick.prompts.count(too_long) == 12
+        assert [r.strikes for r in pool.replicas] == [0, 0]
+    async with _pool([sick, good], config=SICK) as pool:
+        on_sick = pool.session("ep-a")
+        await on_sick.complete([1], max_tokens=2)
+        assert on_sick.replica.url == sick.url
+        sick.completion_status = 400  # refuses everything, /health still fine
+        with pytest.raises(ClientError, match="400") as info:
+            await on_sick.complete([2], max_tokens=2)
+        assert not isinstance(info.value, ReplicaDown) and pool.replica(sick.url).strikes == 1
+        assert good.prompts[-1] == [2]  # the same request, answered by the peer: sick's fault
+        # Outside an episode a refusal is answered by the peer instead (round robin sends the
+        # 2nd request to the sick replica): its 2nd strike ejects it.
+        first = await pool.complete([3], max_tokens=2)
+        second = await pool.complete([4], max_tokens=2)
+        assert first.token_ids and second.token_ids
+        assert sick.prompts[-1] == [4] and good.prompts[-2:] == [[3], [4]]
+        assert [r.url for r in pool.live] == [good.url]
+        why = r"2 answers in a row failed \(2 bad\), the last: complete: POST /v1/\S+ -> 400"
+        with pytest.raises(ReplicaDown, match=f"replica {sick.url} down: {why}"):
+            await on_sick.complete([5], max_tokens=2)
+        assert pool.stats()["ejected_for"] == {"bad_answer": 1}
+        assert f"answered by {good.url}" in pool.stats()["per_replica"][0]["last_ejection"]
+    # A lone replica cannot be told from a bad request: it is never ejected for refusals.
+    async with _pool([sick], config=SICK) as pool:
+        for i in range(4):
+            with pytest.raises(ClientError, match="400"):
+                await _episode(pool, i, [i], max_tokens=2)
+        assert len(pool.live) == 1 and pool.replicas[0].strikes == 0
+
+
+async def test_an_answer_without_the_logprobs_asked_for_is_an_error_counted_against_it(servers):
+    good, sick = await servers(2)
+    async with _pool([sick, good], config=SICK) as pool:
+        on_sick = pool.session("ep")
+        await on_sick.complete([1], max_tokens=2, logprobs=0)
+        sick.drop_logprobs = True
+        out = await on_sick.complete([2], max_tokens=2)  # none asked: none missing
+        assert out.logprobs is None and pool.replica(sick.url).strikes == 0
+        with pytest.raises(BadAnswer, match=r"without the logprobs asked for \(logprobs=0\): "
+                           "choice 0 has no logprobs for"):  # fmt: skip
+            await on_sick.complete([3], max_tokens=2, logprobs=0)
+        assert pool.replica(sick.url).strikes == 1
+        with pytest.raises(ReplicaDown, match="2 answers in a row failed.*no logprobs"):
+            await on_sick.complete([4], max_tokens=2, logprobs=0)
+        assert pool.stats()["ejected_for"] == {"bad_answer": 1}
+
+
+async def test_a_good_answer_resets_the_count_of_failed_answers(servers):
+    good, flaky = await servers(2)
+    async with _pool([flaky, good], config=SICK) as pool:
+        session = pool.session("ep")
+        for _ in range(3):  # fail, succeed, fail...: never 2 in a row
+            flaky.hang = True
+            with pytest.raises(ClientTimeout):
+                await asyncio.wait_for(session.complete([1], max_tokens=2), GUARD_S)
+            flaky.hang = False
+            await session.complete([2], max_tokens=2)
+            assert pool.replica(flaky.url).strikes == 0
+        assert len(pool.live) == 2 and session.replica.url == flaky.url
+
+
+async def test_a_replica_ejected_for_its_answers_is_readmitted_only_after_a_probe_completion(
+    servers,
+):
+    good, sick = await servers(2)
+    cfg = dataclasses.replace(SICK, answer_failures=1)
+    async with _pool([sick, good], config=cfg, on_eject=lambda r, why: None) as pool:
+        pub = _publisher(pool)
+        await pub.publish("/ckpt/1", 1)
+        sick.hang = True
+        with pytest.raises(ReplicaDown, match="1 timed out"):
+            await _episode(pool, 0, [1], max_tokens=2)
+        # /health answers, completions hang: the probe (1 token, its timeout scaled) keeps it out.
+        with pytest.raises(ReplicaDown, match="not readmitted: probe completion failed: "
+                           "POST /v1/completions: no answer within 0.15s"):  # fmt: skip
+            await asyncio.wait_for(pool.readmit(sick.url), GUARD_S)
+        probe = sick.bodies[-1]
+        assert probe["prompt"] == [0] and probe["max_tokens"] == 1 and probe["logprobs"] == 0
+        assert not pool.replica(sick.url).live and sick.loads == [1]  # nothing republished
+        sick.hang = False
+        await pool.readmit(sick.url)  # probed, then brought to the current version
+        assert pool.replica(sick.url).live and sick.loads == [1, 1]
+        assert [b for b in sick.bodies if b == probe] == [probe, probe]
+        # It takes new episodes again (round robin: the next one goes to it).
+        await _episode(pool, 1, [2], max_tokens=2)
+        await _episode(pool, 2, [3], max_tokens=2)
+        assert len(_served(sick, [[2], [3]])) == 1
+
+
+async def test_without_an_owner_the_pool_probes_a_sick_replica_and_readmits_it(servers):
+    good, sick = await servers(2)
+    sick.hang = True
+    cfg = dataclasses.replace(SICK, answer_failures=1, health_interval_s=0.02)
+    async with _pool([sick, good], config=cfg) as pool:
+        with pytest.raises(ReplicaDown, match="1 timed out"):
+            await _episode(pool, 0, [1], max_tokens=2)
+        # Every health round probes it; while its completions hang it stays out.
+        assert await wait_until(lambda: sick.prompts.count([0]) >= 3)
+        assert not pool.replica(sick.url).live
+        sick.hang = False
+        assert await wait_until(lambda: pool.replica(sick.url).live)
+        assert pool.stats()["per_replica"][0]["reason"] is None
+
+
 # ----- the orchestrator ----------------------------------------------------------------------
 
 
@@ -404,6 +621,14 @@ def test_pool_config_and_construction_errors_name_the_field():
         PoolConfig(health_failures=0)
     with pytest.raises(ValueError, match="health_interval_s=0"):
         PoolConfig(health_interval_s=0)
+    for bad, says in (({"answer_failures": 0}, "answer_failures=0 is invalid: an integer >= 1"),
+                      ({"answer_failures": True}, "answer_failures=True is invalid"),
+                      ({"timeout_base_s": 0.0}, "timeout_base_s=0.0 is invalid: > 0"),
+                      ({"timeout_per_token_s": -1.0}, "timeout_per_token_s=-1.0 is invalid"),
+                      ({"timeout_per_token_s": float("nan")}, "per_token_s=nan")):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            PoolConfig(**bad)
+        assert says in str(info.value)
     with pytest.raises(ValueError, match="at least one replica"):
         ReplicaPool([])
     with pytest.raises(ValueError, match="twice"):
