@@ -3,10 +3,11 @@
 Each damage a crash, a disk or a hostile user can do to a checkpoint (a flipped bit, a
 truncated file, a deleted or torn metadata file, an empty newer step, a missing `state/`, a
 symlink inside) makes resume skip that checkpoint, say why, and continue from the newest one
-that verifies; non-finite weights are never saved, loaded or served; a diverging loss stops
-the loop with the last good checkpoint kept; a resumed loop logs every step once; a resumed
-RL run keeps its KL reference. One tiny trainer is shared by the module (function-scoped
-views reset its state), and every checkpoint is real Orbax output on disk.
+that verifies, training on bit for bit as if the damaged one had been deleted; non-finite
+weights are never saved, loaded or served; a diverging loss stops the loop with the last good
+checkpoint kept; a resumed loop logs every step once; a resumed RL run keeps its KL reference.
+One tiny trainer is shared by the module (function-scoped views reset its state), and every
+checkpoint is real Orbax output on disk.
 """
 
 from __future__ import annotations
@@ -157,6 +158,52 @@ def test_an_empty_newer_step_directory_is_skipped(trainer, tmp_path, capsys):
     with Checkpointer(tmp_path / "ckpt", CFG) as again:
         assert resume(trainer, again)["data"] == {"index": 2}
     assert "checkpoint step 7 skipped" in capsys.readouterr().err
+
+
+def _resume_and_train(trainer, run: Path, steps: int) -> tuple[int, dict[int, float], dict]:
+    """Resume `run` into `trainer`, train to `steps` (a checkpoint every 2 steps, the
+    rejected step's number saved again): the step resumed at, each step's loss, the state."""
+    batches = Batches()
+    with Checkpointer(run / "ckpt", CFG) as ckpt:
+        resume(trainer, ckpt, batches)
+        at = trainer.step_count
+        sft_loop(trainer, batches, steps=steps, log=MetricsLog(run), ckpt=ckpt, ckpt_every=2,
+                 log_every=1, progress=False)  # fmt: skip
+    losses = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+    return at, losses, jax.device_get(trainer.state)
+
+
+@pytest.mark.parametrize("damage", ["bit_flip_in_weights", "unsealed_and_truncated"])
+def test_a_fallback_resume_trains_exactly_as_a_plain_resume(trainer, tmp_path, capsys, damage):
+    """Nothing of a rejected newest checkpoint reaches the run that falls back past it: not
+    when only its hashes are read (sealed), nor when Orbax reads it before it is refused
+    (unsealed), nor when the resumed run saves that step's number again and a later resume
+    restores the new one. Losses and state equal a resume whose newest was deleted instead."""
+    with Checkpointer(tmp_path / "fallback" / "ckpt", CFG) as ckpt:
+        sft_loop(trainer, Batches(), steps=4, log=MetricsLog(tmp_path / "fallback"), ckpt=ckpt,
+                 ckpt_every=2, log_every=1, progress=False)  # fmt: skip
+    shutil.copytree(tmp_path / "fallback", tmp_path / "plain")
+    newest = tmp_path / "fallback" / "ckpt" / "4"
+    if damage == "unsealed_and_truncated":
+        (newest / MANIFEST).unlink()
+        _truncate(_largest_file(newest / "state"))
+    else:
+        DAMAGE[damage][0](newest)
+    shutil.rmtree(tmp_path / "plain" / "ckpt" / "4")
+    runs = {}
+    for name in ("fallback", "plain"):
+        runs[name] = _resume_and_train(trainer, tmp_path / name, 6)
+    assert "checkpoint step 4 skipped" in capsys.readouterr().err
+    assert (tmp_path / "fallback" / "ckpt" / "4.rejected").is_dir()
+    for name in ("fallback", "plain"):  # a later resume from the step saved again
+        shutil.rmtree(tmp_path / name / "ckpt" / "6")
+        runs[f"{name}, again"] = _resume_and_train(trainer, tmp_path / name, 6)
+    at, want, state = runs.pop("plain")
+    assert at == 2 and sorted(want) == [1, 2, 3, 4, 5, 6]
+    for name, (at, losses, other) in runs.items():
+        assert at == (2 if name == "fallback" else 4), name
+        assert losses == want, name  # bit for bit
+        _assert_state(other, state)
 
 
 def test_a_checkpoint_killed_before_its_manifest_is_read_back_in_full_then_sealed(
