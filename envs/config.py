@@ -92,10 +92,11 @@ class LocalShellConfig:
     tmpfs_bytes: int = 64 * 2**20
     """Size cap of each episode's private `/tmp`, `/var/tmp` and `/dev/shm` (tmpfs, gone with
     the command) where a mount namespace works."""
-    disk_bytes: int = 2**30
-    """Disk quota of an episode: its workspace, home and TMPDIR live on a tmpfs of this size
-    (in memory, as far as it is used), where a mount namespace works. A command that fills it
-    while running is killed and its observation says so."""
+    disk_bytes: int = 512 * 2**20
+    """Disk quota of an episode: its workspace, home and TMPDIR live on a tmpfs of this size,
+    where a mount namespace works. A command that fills it while running is killed and its
+    observation says so. A tmpfs is memory as far as it is used: concurrent episodes times
+    this (plus 3 x `tmpfs_bytes`) is what a runaway batch could take."""
     isolate_network: bool = True
     """Run commands in a fresh network namespace (`unshare -n`) where that works."""
     visible_paths: list[str] = field(default_factory=list)
