@@ -197,12 +197,13 @@ class ServerConfig:
     limit, while other clients still open theirs. Sessions that expired or were evicted count
     until their client calls them, closes them or needs their place. A quarter of
     `EngineConfig.max_sessions` by default: one client cannot take every session."""
-    client_identity: Literal["peer", "api_key"] = "peer"
-    """Who a client is, for `max_sessions_per_client`. `peer`: the connection's remote IP
-    address (all its ports; clients behind one proxy share it). `api_key`: the key of
-    `Authorization: Bearer <key>` where a request sends one, else the remote address. This
-    server checks no API keys, so under `api_key` a client that makes up keys gets a cap per
-    key: use it behind a gateway that sets them."""
+    client_identity: Literal["peer", "api_key"] = "api_key"
+    """Who a client is, for `max_sessions_per_client`. `api_key` (the default, as clients of
+    an OpenAI-style API are told apart): the key of `Authorization: Bearer <key>` where a
+    request sends one, else the remote address. This server checks no API keys, so a client
+    that makes up keys gets a cap per key; `max_sessions` still bounds them all. `peer`: the
+    connection's remote IP address (all its ports; clients behind one proxy, or every process
+    on one host, share it)."""
     session_tokens: bool = False
     """Sessions need their secret: opening one returns `token` (the client may choose it,
     `{"token": ...}`, 16 to 256 visible ASCII characters), and its generate, rewind and DELETE

@@ -12,7 +12,7 @@ wherever the input is at fault, and a field a route does not take is refused by 
 request never takes the server down, and a client that disconnects aborts its request. An
 error after a stream started is one last SSE event, `data: {"error": {...}}`, then the end.
 
-Sharing: one client (its remote address, or its API key: `ServerConfig.client_identity`)
+Sharing: one client (its API key, else its remote address: `ServerConfig.client_identity`)
 holds at most `max_sessions_per_client` sessions, so it cannot lock the others out; with
 `session_tokens` a session's calls need its token, so no other client can drive or close it.
 A refusal keeps no state, and `/metrics` counts refusals by reason (`simloop_refused_total`).
