@@ -139,8 +139,8 @@ def _start_holder(base: str, tmpfs_bytes: int, disk_bytes: int, ids: tuple[int, 
                   readonly_root: bool, visible: tuple[str, ...] = ()
                   ) -> subprocess.Popen:  # fmt: skip
     """The process that makes and holds an episode's mount namespace (`envs/sandbox_root.py`:
-    its minimal root, the workspace on a tmpfs of `disk_bytes`), once
-    it is ready; raises ShellError if it could not be made. `ids`: who owns the workspace."""
+    its minimal root, the workspace on a tmpfs of `disk_bytes` owned by `ids`), once it is
+    ready; raises ShellError if it could not be made."""
     argv = [*_HOLDER, base, str(tmpfs_bytes), str(disk_bytes), str(ids[0]), str(ids[1]),
             "ro" if readonly_root else "rw", *visible]  # fmt: skip
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
