@@ -76,7 +76,8 @@ MODULES: dict[str, str] = {
     "e2b": "launch.jobs.e2b_sweep",
 }
 # commands that start processes: `--dry-run [--format text|json]` prints them instead
-DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware", "harness")
+DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware", "harness",
+           "pretrain-sim", "train-sim")  # fmt: skip
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.
@@ -163,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flag = cpu_device_flag(cfg, os.environ)
         if flag is not None:
             os.environ["XLA_FLAGS"] = flag
+    if args.command in ("pretrain-sim", "train-sim", "train-agent", "demo"):
+        code = _processes(args, cfg, argv)
+        if code is not None:
+            return code
     if args.command == "train-agent" and not getattr(args, "dry_run", False):
         # On one TPU host the trainer takes only its planned chips, so the servers it starts
         # get theirs (without this libtpu gives it the whole host).
@@ -174,6 +179,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         enable_compile_cache(cfg.run, single_device=args.command == "serve")
     return _dispatch(args, cfg)
+
+
+MULTI_PROCESS = ("pretrain-sim", "train-sim")
+"""The jobs that run as several JAX processes (`launch/distributed.py`)."""
+
+
+def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) -> int | None:
+    """Multi-process jobs: as the local launcher (`run.processes` > 1 and no process
+    environment yet), start the job's processes and return their outcome; as one of them, join
+    the job's JAX runtime and return None (go on). None too for a one-process job."""
+    from launch import distributed
+
+    try:
+        penv = distributed.from_environ(os.environ)
+    except ValueError as e:
+        return _fail(args.command, str(e), EXIT_USAGE)
+    n = cfg.run.processes
+    if (penv is not None or n > 1) and args.command not in MULTI_PROCESS:
+        return _fail(args.command, f"runs as one process (run.processes={n}, "
+                     f"{distributed.PROCESSES_ENV}={os.environ.get(distributed.PROCESSES_ENV)}): "
+                     f"only {', '.join(MULTI_PROCESS)} run as several JAX processes so far",
+                     EXIT_USAGE)  # fmt: skip
+    if getattr(args, "dry_run", False) and args.command in MULTI_PROCESS:
+        if getattr(args, "target", "local") != "local":
+            return _fail(args.command, "--dry-run --target gke: the pods' processes are "
+                         "`simloop gke render`'s plan; this dry run shows the local ones",
+                         EXIT_USAGE)  # fmt: skip
+        rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n), os.environ)
+        if rows is None:
+            return _fail(args.command, _split_error(cfg, n), EXIT_USAGE)
+        print(distributed.format_rows(rows, args.format))
+        return 0
+    if penv is None and n > 1:
+        per = _devices_per_process(cfg, n)
+        if per is None:
+            return _fail(args.command, _split_error(cfg, n), EXIT_USAGE)
+        grace = cfg.run.heartbeat_timeout_s + 30.0
+        return distributed.run_local(argv, n, per, getattr(args, "out", None), grace_s=grace)
+    if penv is not None and not getattr(args, "dry_run", False):
+        distributed.initialize(penv, heartbeat_timeout_s=cfg.run.heartbeat_timeout_s)
+    return None
+
+
+def _devices_per_process(cfg: SimloopConfig, n: int) -> int | None:
+    """Fake CPU devices for each of `n` local processes: a `cpu-N` plan's N split evenly."""
+    from launch.deploy.chips import parse_accelerator
+
+    acc = cfg.chips.accelerator
+    chips = parse_accelerator(acc).chips if acc.startswith("cpu-") else 0
+    return chips // n if chips and chips % n == 0 else None
+
+
+def _split_error(cfg: SimloopConfig, n: int) -> str:
+    return (f"run.processes={n} starts local processes over a cpu-N chip plan whose N they "
+            f"split evenly; chips.accelerator is {cfg.chips.accelerator!r}")  # fmt: skip
 
 
 def _fail(command: str, message: str, code: int) -> int:

@@ -25,7 +25,7 @@ import draccus
 import yaml
 from draccus.utils import DecodingError, DraccusException
 
-from rl.data.rundir import CONFIG, lock_run_dir
+from rl.data.rundir import CONFIG, is_writer, lock_run_dir
 from rl.model.config import PRESETS, ModelConfig, preset
 
 T = TypeVar("T")
@@ -224,5 +224,6 @@ def write_config(cfg: Any, run_dir: str | os.PathLike) -> Path:
     live job holds it), then write the resolved config into it."""
     lock_run_dir(run_dir)
     out = Path(run_dir) / CONFIG
-    out.write_text(dump_config(cfg))
+    if is_writer():  # one process of a multi-process job writes it
+        out.write_text(dump_config(cfg))
     return out

@@ -51,10 +51,17 @@ def check_fits(needs: dict[str, int], available: int, where: str = "this machine
 
 def device_memory_bytes(devices) -> int:
     """Memory of `devices` together: each accelerator's own limit, or the host's RAM for CPU
-    devices (which all share it)."""
-    stats = [d.memory_stats() or {} for d in devices]
+    devices (which all share it). Only this process's devices can be asked (a multi-process
+    job's others are alike: theirs are counted as the average of its own)."""
+    import jax
+
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+    try:
+        stats = [d.memory_stats() or {} for d in local]
+    except jax.errors.JaxRuntimeError:  # CPU devices of a multi-process job answer nothing
+        stats = [{}]
     if all("bytes_limit" in s for s in stats):
-        return sum(int(s["bytes_limit"]) for s in stats)
+        return sum(int(s["bytes_limit"]) for s in stats) * len(devices) // len(local)
     return host_memory_bytes()
 
 

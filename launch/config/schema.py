@@ -52,6 +52,15 @@ class RunConfig:
     compile_cache_dir: str | None = None
     """Where it lives; None: $SIMLOOP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/simloop/xla
     (~/.cache/simloop/xla)."""
+    processes: int = 1
+    """JAX processes of the job on this machine (`launch/distributed.py`): with N > 1 and a
+    `cpu-M` chip plan, `pretrain-sim` and `train-sim` start N processes of M/N fake devices each,
+    joined into one runtime (what the hosts of a pod slice are), process 0 writing the run. On
+    a pod the processes come from the hosts instead (SIMLOOP_COORDINATOR, _NUM_PROCESSES,
+    _PROCESS_ID)."""
+    heartbeat_timeout_s: int = 100
+    """How long the processes of a multi-process job wait for a silent peer before all of them
+    stop (so a job whose process died ends, rather than hanging in a collective)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -63,6 +72,17 @@ class RunConfig:
         if not self.wandb_project or not isinstance(self.wandb_project, str):
             raise ValueError(
                 f"RunConfig.wandb_project={self.wandb_project!r} is invalid: a non-empty string"
+            )
+        if (
+            not isinstance(self.processes, int)
+            or isinstance(self.processes, bool)
+            or not (1 <= self.processes <= 64)
+        ):
+            raise ValueError(f"RunConfig.processes={self.processes!r} is invalid: 1..64")
+        if not isinstance(self.heartbeat_timeout_s, int) or self.heartbeat_timeout_s < 2:
+            raise ValueError(
+                f"RunConfig.heartbeat_timeout_s={self.heartbeat_timeout_s!r} is invalid: an "
+                "integer >= 2 (seconds)"
             )
         if not isinstance(self.compile_cache, bool):
             raise ValueError(

@@ -166,14 +166,24 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rl.train.build import build_trainer, export_weights
     from rl.train.checkpoint import Checkpointer
     from rl.train.loop import greedy_exact_by_group, resume, sft_loop
+    from rl.train.multihost import barrier
 
     tdir = out / rundir.TRAJECTORIES
-    train = transcripts(tdir / TRAIN_FILE, p.grammar, p.cases, offset=0,
-                        concurrency=p.concurrency)  # fmt: skip
-    held = transcripts(tdir / EVAL_FILE, p.grammar, p.eval_cases, offset=p.cases,
-                       concurrency=p.concurrency)  # fmt: skip
-    drill = (transcripts(tdir / DRILL_FILE, p.drill, p.drill_cases, offset=0,
-                         concurrency=p.concurrency) if p.drill_cases else [])  # fmt: skip
+
+    def run_or_read() -> tuple[list, list, list]:
+        train = transcripts(tdir / TRAIN_FILE, p.grammar, p.cases, offset=0,
+                            concurrency=p.concurrency)  # fmt: skip
+        held = transcripts(tdir / EVAL_FILE, p.grammar, p.eval_cases, offset=p.cases,
+                           concurrency=p.concurrency)  # fmt: skip
+        drill = (transcripts(tdir / DRILL_FILE, p.drill, p.drill_cases, offset=0,
+                             concurrency=p.concurrency) if p.drill_cases else [])  # fmt: skip
+        return train, held, drill
+
+    # Several processes: process 0 runs the workspaces in bash and writes the transcripts,
+    # the others read them once written.
+    made = run_or_read() if rundir.is_writer() else None
+    barrier("simloop pretrain-sim transcripts written", timeout_s=4 * 3600.0)
+    train, held, drill = made or run_or_read()
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim = cfg.env.shell.simulated
     prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task,
@@ -286,9 +296,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         result["lineage"] = earlier
         result["total_steps"] = summary["steps"] + sum(int(r.get("steps") or 0) for r in earlier)
     text = json.dumps(result, indent=1)
-    (out / RESULT).write_text(text)
-    (path / RESULT).write_text(text)  # travels with the weights (the report reads it there)
-    write_manifest(path)  # sealed again with the record in it, or no server would load them
+    if rundir.is_writer():  # process 0 of a multi-process job
+        (out / RESULT).write_text(text)
+        (path / RESULT).write_text(text)  # travels with the weights (the report reads it)
+        write_manifest(path)  # sealed again with the record in it, or no server would load them
     print(
         f"simloop pretrain-sim: {summary['steps']} steps in {summary['wall_s']:.0f}s; "
         f"held-out exact {result['exact']:.3f}, textops {result['textops']:.3f} -> {path}"

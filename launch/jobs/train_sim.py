@@ -57,7 +57,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     trajs = canonical_order(load_trajectories(tcfg.trajectories))
     train = [t for t in trajs if not is_heldout(t.task_id, tcfg.heldout_fraction)]
     heldout = sorted({t.task_id for t in trajs} - {t.task_id for t in train})
-    (out / rundir.HELDOUT_TASKS).write_text(json.dumps(heldout, indent=1))
+    if rundir.is_writer():  # process 0 of a multi-process job
+        (out / rundir.HELDOUT_TASKS).write_text(json.dumps(heldout, indent=1))
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
     # The prompts the simulated shell will send: over its context, whole oldest turns go.

@@ -87,6 +87,22 @@ def plain(v: Any) -> Any:
     return v
 
 
+_WRITER = True
+
+
+def set_writer(writes: bool) -> None:
+    """Whether this process writes run directories: their lock, metrics, TensorBoard and W&B.
+    A multi-process job (`launch/distributed.py`) sets it False on every process but 0, whose
+    writes would be copies of process 0's (every process computes the same replicated
+    metrics)."""
+    global _WRITER
+    _WRITER = bool(writes)
+
+
+def is_writer() -> bool:
+    return _WRITER
+
+
 class MetricsLog:
     """Appends one JSON object per line to `<run>/metrics.jsonl` (flushed every write, so a
     killed run keeps what it logged), and the same scalars to `<run>/tensorboard/` and W&B.
@@ -100,6 +116,8 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        if not _WRITER:
+            return
         line = json.dumps({k: plain(v) for k, v in record.items()})
         with self.path.open("a") as f:
             f.write(line + "\n")
@@ -109,7 +127,7 @@ class MetricsLog:
         """Drop the records of `stages` past `after_step` (and torn lines): what a run killed
         after its last checkpoint logged, before it resumes from that checkpoint and logs
         those steps again. Returns how many records were dropped."""
-        if not self.path.exists():
+        if not _WRITER or not self.path.exists():
             return 0
         stages = set(stages)
         keep, dropped = [], 0
@@ -163,8 +181,11 @@ def lock_run_dir(run_dir: str | Path) -> Path:
     which the kernel drops with the process, so a killed job never blocks the next one).
     Claiming a directory this process already holds is a no-op; one held by another process
     raises RunDirInUse naming its pid. Nested run directories (the demo's stages) are other
-    directories with their own locks."""
+    directories with their own locks. A process that is not the run's writer (`set_writer`)
+    claims nothing: its job's process 0 holds the lock."""
     path = Path(run_dir).resolve() / LOCK
+    if not _WRITER:
+        return path
     with _LOCKS_LOCK:
         if path in _LOCKS:
             return path

@@ -235,7 +235,10 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     if all(isinstance(x, np.ndarray) for _, x in flat):
         finite = [bool(np.isfinite(x).all()) for _, x in flat]
     else:
-        finite = jax.device_get(_all_finite()([x for _, x in flat])) if flat else []
+        finite = _all_finite()([x for _, x in flat]) if flat else []
+        # One process's copy of each replicated answer (several processes: the others hold
+        # the same; `jax.device_get` refuses arrays spanning other processes' devices).
+        finite = [bool(np.asarray(f.addressable_data(0))) for f in finite]
     return [
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p)
         for (p, _), ok in zip(flat, finite, strict=True)

@@ -72,8 +72,14 @@ def save_params(model: nnx.Module, path: str | os.PathLike, *, dtype: str | None
     handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False, use_zarr3=False)
     checkpointer = ocp.Checkpointer(handler)
     checkpointer.save(path / PARAMS_DIR, args=ocp.args.PyTreeSave(pure), force=True)
-    (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    write_manifest(path)  # sealed: a reader can tell a complete, unaltered checkpoint
+    # With several JAX processes Orbax wrote each one's shards; process 0 writes the rest.
+    if jax.process_index() == 0:
+        (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        write_manifest(path)  # sealed: a reader can tell a complete, unaltered checkpoint
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"simloop params saved {path}")
     return path
 
 

@@ -50,12 +50,15 @@ def build_trainer(
     first ones), starting from `init_params` if given, else from the role's serving weights /
     HF checkpoint, else a random init."""
     from rl.train.mesh import role_meshes
+    from rl.train.multihost import devices_at
     from rl.train.trainer import Trainer
 
     model_cfg, hf_params, weights = model_and_params(role)
     params = hf_params if init_params is None else init_params
-    ids = None if device_ids is None else {"trainer": list(device_ids)}
+    # The plan numbers the job's devices 0..N-1 across all its processes.
+    ids = None if device_ids is None else {"trainer": [d.id for d in devices_at(device_ids)]}
     mesh = role_meshes({"trainer": role.mesh}, device_ids=ids)
+    check_spans_processes(mesh["trainer"])
     trainer = Trainer(
         model_cfg,
         optim,
@@ -74,6 +77,23 @@ def build_trainer(
         # Orbax restores straight into the trainer's placement, so load after building it.
         trainer.reset_params(trainer.load_serving(weights))
     return trainer
+
+
+def check_spans_processes(mesh) -> None:
+    """ValueError unless every process of a multi-process job holds some of the trainer's
+    devices: each runs the same steps, and one without a device of the mesh cannot."""
+    import jax
+
+    have = {d.process_index for d in mesh.devices.flat}
+    missing = sorted(set(range(jax.process_count())) - have)
+    if missing:
+        ids = sorted(d.id for d in mesh.devices.flat)
+        raise ValueError(
+            f"the trainer's {mesh.devices.size} devices (JAX ids {ids}) lie on processes "
+            f"{sorted(have)} only, so processes {missing} of this {jax.process_count()}-process "
+            "job would have nothing to run: plan the trainer's role over every process's "
+            "devices (chips.roles, the model's mesh) or run fewer processes (run.processes)"
+        )
 
 
 def export_weights(trainer, run_dir: str | Path, name: str, ckpt_cfg: CheckpointConfig) -> Path:

@@ -19,6 +19,11 @@ sealed checkpoints and deletes only older ones: the newest verified checkpoint i
 deleted. A checkpoint that fails verification at resume is moved aside to
 `<step>.rejected[-n]` (kept for inspection, out of Orbax's way). Serving exports live beside,
 in `weights/v<version>/` (see `export_path`).
+
+With several JAX processes (`rl.train.multihost`) every process calls save and restore
+together: Orbax writes each process's shards, process 0 alone writes manifests and moves
+rejected checkpoints aside, and barriers keep the others from reading before it has (sealing is
+then done at the next save or wait, not on a background thread).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rl.model.integrity import (
     verify_checkpoint,
     write_manifest,
 )
+from rl.train import multihost
 from rl.train.config import CheckpointConfig
 
 
@@ -103,7 +109,9 @@ class Checkpointer:
         started = self.manager.save(step, args=args, force=force)
         if started:
             self._unsealed.append(step)
-            if self.cfg.async_save:
+            if self.cfg.async_save and multihost.process_count() > 1:
+                pass  # sealed at the next save or wait, all processes together (barriers)
+            elif self.cfg.async_save:
                 self._sealer = threading.Thread(
                     target=self._seal_in_background, name=f"seal-checkpoint-{step}", daemon=True
                 )
@@ -138,13 +146,12 @@ class Checkpointer:
         self.manager.wait_until_finished()
         if not self._unsealed:
             return
-        import jax
-
         committed = set(self.manager.all_steps())
         for step in self._unsealed:
-            if step in committed and jax.process_index() == 0:
+            if step in committed and multihost.is_primary():
                 write_manifest(self.step_dir(step))
         self._unsealed = []
+        multihost.barrier("simloop checkpoint sealed")  # every process sees the manifests
         steps = sorted(self.manager.all_steps())
         sealed = [s for s in steps if (self.step_dir(s) / MANIFEST).is_file()]
         for step in sealed[: -self.cfg.keep]:
@@ -185,7 +192,7 @@ class Checkpointer:
             ) from e
         state = restored["state"]
         check_finite(state, f"checkpoint {where}")
-        if unsealed:
+        if unsealed and multihost.is_primary():
             write_manifest(where)
         return state, dict(restored["extra"] or {}), unsealed
 
@@ -195,6 +202,7 @@ class Checkpointer:
         CheckpointError when step directories exist but none of them is usable."""
         on_disk = sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit()),
                          reverse=True)  # fmt: skip
+        multihost.barrier("simloop checkpoints listed")  # before process 0 moves any aside
         skipped: list[tuple[int, str]] = []
         found = None
         for step in on_disk:
@@ -205,6 +213,7 @@ class Checkpointer:
                 continue
             found = Restored(step, state, extra, skipped, sealed_now)
             break
+        multihost.barrier("simloop checkpoints read")  # no process still reads what moves
         self._set_aside([s for s, _ in skipped])
         if found is None and skipped:
             reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
@@ -215,13 +224,14 @@ class Checkpointer:
         return found
 
     def _set_aside(self, steps: list[int]) -> None:
-        for step in steps:
+        for step in steps if multihost.is_primary() else ():
             src = self.step_dir(step)
             dst, n = self.directory / f"{step}.rejected", 1
             while dst.exists() or dst.is_symlink():
                 dst, n = self.directory / f"{step}.rejected-{n}", n + 1
             os.replace(src, dst)
         if steps:
+            multihost.barrier("simloop checkpoints set aside")
             self.manager.reload()
 
     def wait(self) -> None:

@@ -35,6 +35,7 @@ from rl.data.rundir import MetricsLog
 from rl.model.publish import WeightPublisher
 from rl.train.checkpoint import Checkpointer, export_path
 from rl.train.config import PolicyLossConfig
+from rl.train.multihost import fetch
 from rl.train.rollouts import EpisodeSource, build_rl_batch
 from rl.train.trainer import Trainer
 
@@ -160,7 +161,7 @@ def sft_loop(
             done = step + 1
             saving = ckpt is not None and (done % ckpt_every == 0 or done == steps)
             if done % log_every == 0 or done == steps or saving:
-                pulled = jax.device_get([m for _, m in pending])
+                pulled = fetch([m for _, m in pending])
                 now = time.perf_counter()
                 for (s, _), m in zip(pending, pulled, strict=True):
                     tokens += int(m.get("tokens", 0))
@@ -221,7 +222,7 @@ def greedy_exact_by_group(
         raise ValueError(f"{len(examples)} examples but {len(groups)} group labels")
     hits: list[bool] = []
     for n, batch in padded_batches(examples, batch_size=batch_size, pad_id=pad_id):
-        hits += np.asarray(trainer.greedy_exact(batch))[:n].tolist()
+        hits += np.asarray(fetch(trainer.greedy_exact(batch)))[:n].tolist()
     by: dict[str, list[bool]] = defaultdict(list)
     for group, hit in zip(groups, hits, strict=True):
         by[group].append(hit)

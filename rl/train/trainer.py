@@ -196,7 +196,9 @@ class Trainer:
 
     @property
     def step_count(self) -> int:
-        return int(jax.device_get(self.state["step"]))
+        from rl.train.multihost import fetch
+
+        return int(fetch(self.state["step"]))
 
     def model(self, params: Mapping | None = None) -> Qwen3:
         """An NNX model over `params` (default: the current ones), e.g. to export or decode."""
@@ -305,7 +307,14 @@ class Trainer:
                 f"data-parallel devices x grad_accum {self.optim_cfg.grad_accum}: use a "
                 f"multiple of {dp}"
             )
-        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        if jax.process_count() == 1:
+            return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        # Several processes (multi-host): each holds the same global batch and places only
+        # the rows of its own devices; no process sends another's rows anywhere.
+        return {k: self._global_array(np.asarray(v)) for k, v in batch.items()}
+
+    def _global_array(self, host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, self.batch_sharding, lambda i: host[i])
 
     def step(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """One optimizer step; returns the metrics as device arrays (no host sync)."""
