@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -67,10 +68,29 @@ def worker(args: argparse.Namespace) -> None:
         fetch(trainer.step(b)["loss"])  # synchronous: the step's whole time
         if i >= 2:
             times.append(time.perf_counter() - t)
+    # After the timed steps: compiling the step again to read its program slowed later steps.
+    hlo = trainer._step_fn.lower(trainer.state, trainer.device_batch(batch()), None)
+    text = hlo.compile().as_text()
+    collectives = {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", text))
+                   for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                              "collective-permute")}  # fmt: skip
+    # One small all-reduce, alone: what a collective costs here before any bytes move.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+    ones = np.ones((DEVICES, 256), np.float32)
+    small = jax.make_array_from_callback(ones.shape, rows, lambda i: ones[i])
+    reduce = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    fetch(reduce(small))
+    t = time.perf_counter()
+    for _ in range(50):
+        fetch(reduce(small))
+    allreduce_s = (time.perf_counter() - t) / 50
     if jax.process_index() == 0:
         print("RESULT " + json.dumps({"step_s": statistics.median(times), "steps": times,
-                                      "processes": jax.process_count(),
-                                      "tokens": B * T}), flush=True)  # fmt: skip
+                                      "processes": jax.process_count(), "tokens": B * T,
+                                      "collectives": collectives,
+                                      "small_allreduce_s": allreduce_s}), flush=True)  # fmt: skip
 
 
 def job(processes: int, args: argparse.Namespace) -> dict:
@@ -127,6 +147,16 @@ def main() -> None:
     console.print(table("multi-process SFT (gloo) vs one process", rows))
     ratio = two["step_s"] / one["step_s"]
     console.print(f"2-process / 1-process step time: {ratio:.2f}x")
+    n = sum(two["collectives"].values())
+    per = {k: v for k, v in two["collectives"].items() if v}
+    console.print(
+        f"where: the step's program text holds {n} collectives ({per}; those in the layer "
+        f"scan run once per layer); one small "
+        f"all-reduce alone takes {two['small_allreduce_s'] * 1e3:.2f} ms across processes "
+        f"against {one['small_allreduce_s'] * 1e3:.2f} ms inside one, so the collectives "
+        f"account for about {n * (two['small_allreduce_s'] - one['small_allreduce_s']) * 1e3:.0f}"
+        f" ms of the {(two['step_s'] - one['step_s']) * 1e3:.0f} ms the step gained"
+    )
     if args.json:
         write_json(args.json, "multihost_sft", rows, {"one": one, "two": two})
 
