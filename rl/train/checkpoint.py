@@ -29,6 +29,7 @@ then done at the next save or wait, not on a background thread).
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -154,8 +155,18 @@ class Checkpointer:
         multihost.barrier("simloop checkpoint sealed")  # every process sees the manifests
         steps = sorted(self.manager.all_steps())
         sealed = [s for s in steps if (self.step_dir(s) / MANIFEST).is_file()]
-        for step in sealed[: -self.cfg.keep]:
-            self.manager.delete(step)
+        if multihost.process_count() == 1:
+            for step in sealed[: -self.cfg.keep]:
+                self.manager.delete(step)
+            return
+        # Several processes: process 0 decides and deletes, the others re-read the directory.
+        # (Orbax's own delete makes every process name the same step at once; one that
+        # resumed from a checkpoint process 0 sealed then could list it differently.)
+        if multihost.is_primary():
+            for step in sealed[: -self.cfg.keep]:
+                shutil.rmtree(self.step_dir(step))
+        multihost.barrier("simloop checkpoints rotated")
+        self.manager.reload()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """The state at `step`, placed as `abstract_state`'s shardings say, and its extra,
