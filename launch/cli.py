@@ -206,7 +206,7 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
             return _fail(args.command, "--dry-run --target gke: the pods' processes are "
                          "`simloop gke render`'s plan; this dry run shows the local ones",
                          EXIT_USAGE)  # fmt: skip
-        rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n), os.environ)
+        rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n))
         if rows is None:
             return _fail(args.command, _split_error(cfg, n), EXIT_USAGE)
         print(distributed.format_rows(rows, args.format))

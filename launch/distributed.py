@@ -208,8 +208,7 @@ def _wait(procs: list[subprocess.Popen], logs: Path, grace_s: float) -> int:
     return code if code > 0 else 128 - code
 
 
-def dry_run_rows(argv: Sequence[str], n: int, devices_per_process: int | None,
-                 environ: Mapping[str, str]) -> list[dict] | None:  # fmt: skip
+def dry_run_rows(argv: Sequence[str], n: int, devices_per_process: int | None) -> list[dict] | None:
     """What the local launcher would start: each process's id, host, coordinator, global
     device indices, command and the environment it adds (None: the plan does not split)."""
     cmd = ["python", "-m", "launch", *[a for a in argv if a != "--dry-run"]]

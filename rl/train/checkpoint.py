@@ -110,14 +110,14 @@ class Checkpointer:
         started = self.manager.save(step, args=args, force=force)
         if started:
             self._unsealed.append(step)
-            if self.cfg.async_save and multihost.process_count() > 1:
-                pass  # sealed at the next save or wait, all processes together (barriers)
-            elif self.cfg.async_save:
+            # With several processes an asynchronous save is sealed at the next save or wait,
+            # all processes together (barriers), not on a thread.
+            if self.cfg.async_save and multihost.process_count() == 1:
                 self._sealer = threading.Thread(
                     target=self._seal_in_background, name=f"seal-checkpoint-{step}", daemon=True
                 )
                 self._sealer.start()
-            else:
+            elif not self.cfg.async_save:
                 self._seal()
         return started
 
