@@ -3,7 +3,8 @@ the JAX distributed runtime from it, and a local launcher that starts a job's pr
 this machine (`--run.processes N`).
 
 The contract, the same wherever the processes come from (the local launcher; on a pod slice,
-one process per host started by `simloop tpu-vm run` or a GKE pod):
+one process per host of a trainer role, started by `simloop tpu-vm run --planned` or a GKE pod
+with the values the chip planner gives it, `launch/deploy/chips.py`):
 
     SIMLOOP_COORDINATOR=HOST:PORT     process 0's address; it serves the coordination service
     SIMLOOP_NUM_PROCESSES=N           how many processes the job has

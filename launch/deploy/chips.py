@@ -18,6 +18,14 @@ grid: one process per host, tied together by `TPU_PROCESS_BOUNDS` and
 each placed like a role of its own (own chips, TPU process port, HTTP port and compile cache)
 and numbered by `replica`. `cpu-N` plans N fake devices the same way: tests and the CPU demo run
 the plan that a v6e would.
+
+A trainer role on several hosts is one JAX job of several processes, so each of its processes
+also gets `launch/distributed.py`'s contract: SIMLOOP_COORDINATOR (the group's first host at
+the group's coordinator port), SIMLOOP_NUM_PROCESSES (the group's hosts) and SIMLOOP_PROCESS_ID
+(its rank, = CLOUD_TPU_TASK_ID). Coordinator ports continue after the TPU process ports: the
+k-th such group listens on `tpu_port_base` + (process groups) + k, and the plan is refused when
+those ports meet the servers' HTTP ports. A role on one host gets no contract: a one-process
+job. (`cpu-N` plans are one host; the local launcher sets the contract there.)
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from launch.distributed import ProcessEnv
 
 # Chips per slice -> (x, y) of the slice for the 2D families (v5e, v6e).
 _TOPOLOGY_2D = {
@@ -152,6 +162,12 @@ class ProcessPlan:
     env: dict[str, str] = field(default_factory=dict)
     replica: int = 0
     """Which of its role's replicas (server roles may have several; each its own group)."""
+    hostname: str = "localhost"
+    """Its host's name: the `hostnames` given to the planner, else `localhost` (one host) or
+    `host-<i>`, standing for host i's address."""
+    coordinator: str | None = None
+    """HOST:PORT of its group's JAX coordinator (`SIMLOOP_COORDINATOR`) for a trainer group
+    spanning several hosts; None for a one-process group."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -182,8 +198,10 @@ class ChipPlan:
         for p in self.processes:
             chips = ",".join(map(str, p.chips))
             port = f", http port {p.http_port}" if p.http_port else ""
+            job = (f", process {p.rank} of {p.group_size}, coordinator {p.coordinator}"
+                   if p.coordinator else "")  # fmt: skip
             out.append(f"# {p.role} [{p.kind}] replica {p.replica} host {p.host} rank {p.rank}: "
-                       f"chips {chips}{port}")  # fmt: skip
+                       f"chips {chips}{port}{job}")  # fmt: skip
             out += [f"export {k}={shlex.quote(v)}" for k, v in p.env.items()]
             out.append("")
         return "\n".join(out)
@@ -296,6 +314,8 @@ def plan_chips(
 
     processes: list[ProcessPlan] = []
     http_port, tpu_port = http_port_base, tpu_port_base
+    # One TPU process port per group (unit), then one coordinator port per multi-host trainer.
+    coordinator_port = tpu_port_base + len(units)
     for role, replica in units:
         n, s = roles[role], start[role, replica]
         kind = "serve" if _is_serve(role) else "train"
@@ -309,16 +329,35 @@ def plan_chips(
         port = tpu_port
         tpu_port += 1
         addresses = ",".join(f"{host_name(h)}:{port}" for h, _ in groups)
+        coordinator = None
+        if kind == "train" and len(groups) > 1:
+            coordinator = f"{host_name(groups[0][0])}:{coordinator_port}"
+            coordinator_port += 1
         for rank, (host, chips) in enumerate(groups):
             cache = f"{role}-{replica}" if copies[role] > 1 else role
             env = _env(acc, cache, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir)
+            if coordinator is not None:
+                env.update(ProcessEnv(coordinator, len(groups), rank).environ())
             served = None
             if kind == "serve":
                 served, http_port = http_port, http_port + 1
                 env["SIMLOOP_HTTP_PORT"] = str(served)
             processes.append(ProcessPlan(role, kind, host, chips, bounds, rank, len(groups),
-                                         served, env, replica))  # fmt: skip
+                                         served, env, replica, host_name(host),
+                                         coordinator))  # fmt: skip
+    _check_ports(tpu_port_base, coordinator_port, http_port_base, http_port)
     return ChipPlan(acc, processes)
+
+
+def _check_ports(tpu_first: int, tpu_end: int, http_first: int, http_end: int) -> None:
+    """The TPU process and coordinator ports [tpu_first, tpu_end) and the servers' HTTP ports
+    [http_first, http_end) share each host's network (hostNetwork on GKE): they must not meet."""
+    if http_first < http_end and tpu_first < http_end and http_first < tpu_end:
+        raise PlanError(
+            f"the TPU process and coordinator ports {tpu_first}-{tpu_end - 1} "
+            f"(chips.tpu_port_base={tpu_first}) overlap the servers' HTTP ports "
+            f"{http_first}-{http_end - 1} (chips.http_port_base={http_first}): move one base"
+        )
 
 
 def _env(acc, cache, kind, chips, bounds, pbounds, port, addresses, rank, cache_dir):

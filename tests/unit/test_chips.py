@@ -148,6 +148,56 @@ def test_multi_host_roles_span_whole_hosts_with_one_process_each():
         plan_chips("v6e-32", {"policy_train": 4}, hostnames=["a", "b"])
 
 
+def test_a_trainer_on_several_hosts_is_one_job_with_the_process_contract():
+    """Each process of a multi-host trainer group gets SIMLOOP_COORDINATOR (the group's first
+    host at a port of its own), SIMLOOP_NUM_PROCESSES (its hosts) and SIMLOOP_PROCESS_ID (its
+    rank); one-host roles, trainers included, and servers get none."""
+    names = [f"w{i}.svc" for i in range(8)]
+    roles = {"policy_train": 16, "sim_train": 8, "agent_serve": 4, "sim_serve": 2}
+    plan = plan_chips("v6e-32", roles, hostnames=names)
+    coordinators = {}
+    for role, hosts in (("policy_train", [0, 1, 2, 3]), ("sim_train", [4, 5])):
+        procs = plan.role(role)
+        assert [p.host for p in procs] == hosts
+        assert [p.env["SIMLOOP_PROCESS_ID"] for p in procs] == [str(i) for i in range(len(hosts))]
+        assert {p.env["SIMLOOP_NUM_PROCESSES"] for p in procs} == {str(len(hosts))}
+        (coordinator,) = {p.env["SIMLOOP_COORDINATOR"] for p in procs}
+        assert {p.coordinator for p in procs} == {coordinator}
+        host, port = coordinator.rsplit(":", 1)
+        assert host == names[hosts[0]] == procs[0].hostname
+        assert [p.hostname for p in procs] == [names[h] for h in hosts]
+        # The TPU runtime's view of the group is the same job.
+        assert all(p.env["CLOUD_TPU_TASK_ID"] == p.env["SIMLOOP_PROCESS_ID"] for p in procs)
+        coordinators[role] = int(port)
+    # Its own port: after every group's TPU process port, apart from the HTTP ports.
+    tpu_ports = {int(p.env["TPU_PROCESS_PORT"]) for p in plan.processes}
+    http_ports = {p.http_port for p in plan.processes if p.http_port}
+    assert coordinators == {"policy_train": 8480, "sim_train": 8481}
+    assert not set(coordinators.values()) & (tpu_ports | http_ports)
+    for p in plan.role("agent_serve") + plan.role("sim_serve"):
+        assert p.coordinator is None and not any(k.startswith("SIMLOOP_COORD") for k in p.env)
+        assert "SIMLOOP_PROCESS_ID" not in p.env and "SIMLOOP_NUM_PROCESSES" not in p.env
+    # A trainer that fits one host is a one-process job, on a multi-host slice too.
+    one = plan_chips("v6e-32", {"policy_train": 16, "sim_train": 4})
+    (sim,) = one.role("sim_train")
+    assert sim.coordinator is None and "SIMLOOP_NUM_PROCESSES" not in sim.env
+    # Without host names the first host stands for itself, as in TPU_PROCESS_ADDRESSES.
+    assert {p.coordinator for p in one.role("policy_train")} == {"host-0:8478"}
+    for single in (plan_chips("v6e-8", {"policy_train": 8}), plan_chips("cpu-8", {"x": 8})):
+        assert all(p.coordinator is None for p in single.processes)
+        assert not any("SIMLOOP_COORDINATOR" in p.env for p in single.processes)
+
+
+def test_coordinator_and_tpu_ports_never_meet_the_http_ports():
+    roles = {"policy_train": 16, "sim_train": 8, "agent_serve": 4, "sim_serve": 2}
+    # TPU process ports 9000-9003, coordinators 9004-9005; the servers' from 9005: refused.
+    with pytest.raises(PlanError, match=r"9000-9005 .*overlap the servers' HTTP ports 9005-9006"):
+        plan_chips("v6e-32", roles, tpu_port_base=9000, http_port_base=9005)
+    plan = plan_chips("v6e-32", roles, tpu_port_base=9000, http_port_base=9006)
+    assert [p.http_port for p in plan.processes if p.http_port] == [9006, 9007]
+    plan_chips("v6e-32", {"policy_train": 16}, tpu_port_base=9000, http_port_base=9000)
+
+
 def _legal_sizes(acc):
     sizes = [1]
     while sizes[-1] * 2 <= acc.chips:
@@ -193,6 +243,16 @@ def test_property_every_accepted_plan_is_disjoint_and_fits(acc_name):
         assert len(used) <= acc.chips
         ports = [p.env.get("TPU_PROCESS_PORT", p.role) for p in plan.processes if p.rank == 0]
         assert len(set(ports)) == len(ports)
+        # Multi-host trainer groups (and only those) are jobs with a coordinator of their own.
+        groups = {(p.role, p.replica): p for p in plan.processes if p.rank == 0}
+        coordinators = [p.coordinator for p in groups.values() if p.coordinator]
+        assert len(set(coordinators)) == len(coordinators)
+        assert all(
+            (p.coordinator is not None) == (p.kind == "train" and p.group_size > 1)
+            for p in plan.processes
+        )
+        taken = {p.http_port for p in plan.processes} | set(ports)
+        assert not {int(c.rsplit(":", 1)[1]) for c in coordinators} & taken
     assert accepted >= 10, "the property was checked on too few accepted plans"
 
 
@@ -249,6 +309,22 @@ def test_cli_json_and_env(capsys):
     assert main([*argv, "--format", "env"]) == 0
     out = capsys.readouterr().out
     assert "export TPU_VISIBLE_CHIPS=4,5" in out and "# sim_serve [serve]" in out
+    assert "SIMLOOP_COORDINATOR" not in out  # one host: every role is a one-process job
+    # Multi-host: each trainer process's id, host, coordinator and chips.
+    multi = ["plan-chips", "--accelerator", "v6e-32", "--roles", "policy_train=16,sim_train=8",
+             "--hostnames", ",".join(f"w{i}" for i in range(8))]  # fmt: skip
+    assert main(multi) == 0
+    procs = json.loads(capsys.readouterr().out)
+    sim = [p for p in procs if p["role"] == "sim_train"]
+    assert [(p["rank"], p["host"], p["hostname"], p["coordinator"], p["chips"]) for p in sim] == [
+        (0, 4, "w4", "w4:8479", [0, 1, 2, 3]),
+        (1, 5, "w5", "w4:8479", [0, 1, 2, 3]),
+    ]
+    assert sim[1]["env"]["SIMLOOP_PROCESS_ID"] == "1"
+    assert main([*multi, "--format", "env"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1: chips 0,1,2,3, process 1 of 2, coordinator w4:8479" in out
+    assert "export SIMLOOP_COORDINATOR=w4:8479" in out
     assert main(["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"]) == 2
     assert "not a legal sub-slice" in capsys.readouterr().err
 
