@@ -10,7 +10,6 @@ held-out evaluation of a served policy (`train-agent` before/after RL, `eval-age
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from launch.config.schema import SimloopConfig
@@ -61,54 +60,16 @@ def agent_tasks(cfg: SimloopConfig) -> tuple[list, list]:
     return split_textops(cfg.env.textops, cfg.train_agent.eval.tasks)
 
 
-async def evaluate_agent(
-    cfg: SimloopConfig,
-    out: Path,
-    label: str,
-    version: int | None,
-    clients: dict,
-    renderer,
-    tasks: list,
-    metrics: rundir.MetricsLog,
-    who: str = "train-agent",
-) -> dict:
-    """Evaluate the served policy (`version`) on the held-out tasks in every
-    `train_agent.eval.arms`; results go to `eval.json` (under `label`), `metrics.jsonl` and
-    `trajectories/eval-*`. `who` names the subcommand in the progress lines."""
-    from rl.orchestrator.evaluate import evaluate_policy
-    from rl.orchestrator.storage import TrajectoryWriter
+async def evaluate_agent(cfg: SimloopConfig, out: Path, label: str, version: int | None,
+                         clients, renderer, tasks: list, metrics: rundir.MetricsLog,
+                         who: str = "train-agent") -> dict:  # fmt: skip
+    """The held-out evaluation of the policy `clients["agent"]` serves
+    (`rl.session.evaluate.evaluate_agent`) with the config's settings."""
+    from rl.session.evaluate import evaluate_agent as evaluate
 
-    ecfg = cfg.train_agent.eval
-    title = f"{label} RL" if who == "train-agent" else label
-    policy = "policy" if version is None else f"policy v{version}"
-    saved = rundir.read_evals(out)
-    results = {}
-    for arm in ecfg.arms:
-        writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
-        try:
-            r = await evaluate_policy(
-                cfg.orchestrator,
-                cfg.env.terminal,
-                renderer,
-                job_backends(cfg, clients.get("simulator")),
-                clients["agent"],
-                tasks,
-                arm=arm,
-                samples=ecfg.samples,
-                seed=cfg.run.seed + 1_000_003,
-                version=version,
-                sink=writer.add,
-            )
-        finally:
-            writer.close()
-        results[arm] = r.to_dict()
-        metrics.write({"stage": "eval", "label": label, **results[arm]})
-        kinds = " ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.by_kind.items())
-        print(
-            f"simloop {who}: eval {title}, {arm}: {policy} success "
-            f"{r.success_rate:.3f} over {r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s",
-            flush=True,
-        )
-    saved[label] = results
-    (out / rundir.EVAL).write_text(json.dumps(saved, indent=1))
-    return results
+    return await evaluate(
+        out=out, label=label, version=version, agent=clients["agent"],
+        backends=lambda: job_backends(cfg, clients.get("simulator")), renderer=renderer,
+        tasks=tasks, metrics=metrics, eval_cfg=cfg.train_agent.eval,
+        orchestrator=cfg.orchestrator, terminal=cfg.env.terminal, seed=cfg.run.seed, who=who,
+    )  # fmt: skip

@@ -33,6 +33,7 @@ import numpy as np
 
 from rl.data.rundir import MetricsLog
 from rl.model.publish import WeightPublisher
+from rl.train import multihost
 from rl.train.checkpoint import Checkpointer, export_path
 from rl.train.config import PolicyLossConfig
 from rl.train.multihost import fetch
@@ -81,7 +82,8 @@ class TrainingDiverged(RuntimeError):
 def _check_finite(stage: str, step: int, metrics: dict, ckpt: Checkpointer | None) -> None:
     """TrainingDiverged when the step's loss or gradient norm (whose NaN the update carries
     into every parameter) is not finite."""
-    bad = {k: float(metrics[k]) for k in ("loss", "grad_norm") if k in metrics}
+    bad = {k: float(v) for k, v in fetch({k: metrics[k] for k in ("loss", "grad_norm")
+                                          if k in metrics}).items()}  # fmt: skip
     bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
     if not bad:
         return
@@ -239,8 +241,8 @@ def _step_and_wait(trainer: Trainer, batch: dict) -> dict:
 
 async def rl_loop(
     trainer: Trainer,
-    source: EpisodeSource,
-    publisher: WeightPublisher,
+    source: EpisodeSource | None,
+    publisher: WeightPublisher | None,
     *,
     run_dir: str | Path,
     steps: int,
@@ -257,13 +259,26 @@ async def rl_loop(
     ckpt_every: int = 5,
     progress: bool = True,
     on_log: Callable[[dict], None] | None = None,
+    batch_timeout_s: float = 86400.0,
 ) -> dict[str, Any]:
     """RL until `trainer` has taken `steps` steps. Policy version = `base_version` + step;
     `base_version` must already be served (the caller publishes the starting weights).
 
     Each step: wait for a batch of episodes (the orchestrator keeps sampling meanwhile, up to
     its staleness bound) -> one optimizer step -> export + publish version v -> tell the
-    source v. Blocking device work runs in a thread so rollouts keep flowing."""
+    source v. Blocking device work runs in a thread so rollouts keep flowing.
+
+    With several processes, process 0 alone runs the episodes (`source`) and publishes
+    (`publisher`); the others pass None for both. Process 0's batch reaches every process
+    (`multihost.broadcast`, waiting at most `batch_timeout_s` for it), each places its own rows,
+    all step, export and checkpoint together, and only process 0 writes the log."""
+    multi = multihost.process_count() > 1
+    if (source is None or publisher is None) != (multi and not multihost.is_primary()):
+        raise ValueError(
+            "rl_loop: process 0 (or the only process) needs an episode source and a publisher; "
+            "the other processes of a multi-process job take neither (they receive process "
+            "0's batches)"
+        )
     start = trainer.step_count
     times = {"data_s": 0.0, "step_s": 0.0, "publish_s": 0.0, "checkpoint_s": 0.0}
     pending: list[tuple[int, dict, dict]] = []
@@ -275,11 +290,16 @@ async def rl_loop(
         for step in range(start, steps):
             version = base_version + step
             t = time.perf_counter()
-            episodes = await source.next_batch()
-            data_s = time.perf_counter() - t
+            episodes = await source.next_batch() if source is not None else []
             batch, stats = build_rl_batch(
                 episodes, rows=rows, seq_len=seq_len, cfg=loss_cfg, version=version, pad_id=pad_id
             )
+            if multi:  # process 0's batch, on every process (each places its own rows)
+                batch = await asyncio.to_thread(
+                    multihost.broadcast, batch, name=f"rl batch {step}",
+                    timeout_s=batch_timeout_s,
+                )  # fmt: skip
+            data_s = time.perf_counter() - t
             t = time.perf_counter()
             # Wait for the device work here (in a thread: rollouts keep flowing) so step_s is
             # the step's real cost and export_s the export's alone, not the step's remainder.
@@ -295,15 +315,15 @@ async def rl_loop(
                 path = export_path(run_dir, new_version)
                 await asyncio.to_thread(trainer.export_serving, path, export_dtype)
                 save_s = time.perf_counter() - t
-                report = await publisher.publish(str(path), new_version)
-                publish = {
-                    "export_s": save_s,
-                    "publish_load_s": report.load_s,
-                    "publish_first_token_s": report.first_token_s,
-                    "publish_total_s": time.perf_counter() - t,
-                }
+                publish = {"export_s": save_s}
+                if publisher is not None:  # every process exported; one publishes
+                    report = await publisher.publish(str(path), new_version)
+                    publish["publish_load_s"] = report.load_s
+                    publish["publish_first_token_s"] = report.first_token_s
+                publish["publish_total_s"] = time.perf_counter() - t
                 times["publish_s"] += publish["publish_total_s"]
-            await source.set_version(new_version)
+            if source is not None:
+                await source.set_version(new_version)
             times["data_s"] += data_s
             times["step_s"] += step_s
             pending.append(
@@ -314,7 +334,7 @@ async def rl_loop(
                 )
             )
             if done % log_every == 0 or done == steps:
-                pulled = await asyncio.to_thread(jax.device_get, [m for _, m, _ in pending])
+                pulled = await asyncio.to_thread(fetch, [m for _, m, _ in pending])
                 for (s, _, info), m in zip(pending, pulled, strict=True):
                     record = {
                         "stage": "rl",

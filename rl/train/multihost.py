@@ -89,3 +89,18 @@ def fetch(tree: Any) -> Any:
         return jax.device_get(x)
 
     return jax.tree.map(one, tree)
+
+
+def broadcast(tree: Any, *, name: str, timeout_s: float) -> Any:
+    """Process 0's `tree` of numpy arrays, on every process (a collective: every process
+    calls it, the others with a tree of the same shapes and dtypes, whose values are ignored).
+    First a barrier of at most `timeout_s`: process 0 may take long to have the tree (episodes
+    to run, an evaluation first), and a control-plane wait has a bound of its own where a
+    device collective's may not. One process: `tree` itself."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    barrier(name, timeout_s)
+    out = multihost_utils.broadcast_one_to_all(tree)
+    return jax.tree.map(np.asarray, out)

@@ -366,19 +366,19 @@ def test_a_resumed_loop_logs_every_step_once_and_a_noop_rerun_reports_the_loss(
 def test_resumed_rl_keeps_the_kl_reference_it_started_from(shared, tmp_path):
     from launch.config import load_config
     from launch.config.schema import SimloopConfig
-    from launch.jobs.train_agent import REFERENCE, rl_trainer
-    from rl.data import ByteTokenizer
+    from launch.jobs.train_agent import session
+    from rl.session import REFERENCE
 
     cfg = load_config(SimloopConfig, None, ["--train_agent.loss.kl_coef", "0.1",
                                             "--chips.roles", "{policy_train: 1}"])  # fmt: skip
-    tok = ByteTokenizer()
+    run = session(cfg, tmp_path)
     # The warm-started policy (the agent is tiny() too): not what a rebuilt trainer starts
     # from (its seeded random init).
     warm = jax.tree.map(lambda x: np.asarray(x) + 0.5, shared[1]["params"])
-    started = rl_trainer(cfg, tok, tmp_path, warm, resuming=False)
+    started = run._rl_trainer(warm, resuming=False)
     _assert_state(started.reference, warm)
     # The run is killed; the rerun rebuilds its trainer without the warm start.
-    resumed = rl_trainer(cfg, tok, tmp_path, None, resuming=True)
+    resumed = run._rl_trainer(None, resuming=True)
     _assert_state(resumed.reference, warm)
     assert not np.array_equal(
         np.asarray(jax.tree.leaves(resumed.params)[0]), np.asarray(jax.tree.leaves(warm)[0])
@@ -388,7 +388,7 @@ def test_resumed_rl_keeps_the_kl_reference_it_started_from(shared, tmp_path):
     # A damaged stored reference stops the resume instead of anchoring KL to something else.
     _flip_bit(_largest_file(tmp_path / "weights" / REFERENCE / "params"))
     with pytest.raises(CheckpointError, match="sha256"):
-        rl_trainer(cfg, tok, tmp_path, None, resuming=True)
+        run._rl_trainer(None, resuming=True)
 
 
 # ----- the RL loop: a diverging step or a failed publish stops it --------------------------------

@@ -16,7 +16,7 @@ from launch.config.loading import ConfigError, load_config
 from launch.config.schema import SimloopConfig
 from launch.deploy import gke
 from launch.deploy.chips import PlanError, config_plan, plan_chips
-from launch.jobs.train_agent import Published, VersionTagged
+from rl.session import Published, VersionTagged
 from serving.client import Completion
 
 REPO = Path(__file__).resolve().parents[2]

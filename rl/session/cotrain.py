@@ -1,6 +1,6 @@
-"""The gated arm's simulator side in `simloop train-agent` (`orchestrator.arm: gated`): the
-fidelity router and shadow replays, logged every policy version, and the simulator's
-co-training on the run's real episodes.
+"""The gated arm's simulator side of an RL session (`orchestrator.arm: gated`): the fidelity
+router and shadow replays, logged every policy version, and the simulator's co-training on the
+run's real episodes.
 
 Components (who calls whom): `GatedRun.open()` builds the `FidelityRouter` (whose per-version
 record goes to `metrics.jsonl` as stage `gate`) and the `ShadowReplayer` (its replays stored as
@@ -21,10 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envs.config import SimulatedShellConfig
 from rl.data import rundir
+from rl.data.tokenizer import TokenizerConfig
+from rl.orchestrator.config import GateConfig
+from rl.train.config import OptimConfig, TrainSimConfig
 
 log = logging.getLogger(__name__)
 DRAIN_S = 120.0
@@ -33,21 +39,34 @@ SIM_WEIGHTS = "sim"
 """`weights/sim/v<k>`: the co-trained simulator versions, as published."""
 
 
+@dataclass(frozen=True)
+class SimCoTraining:
+    """What co-training the simulator takes from the job: its SFT settings and original data
+    (`train_sim`), the simulated shell's prompt settings, its tokenizer, and a factory of its
+    trainer on the simulator trainer's chips (`trainer(optim, steps)`)."""
+
+    train_sim: TrainSimConfig
+    simulated: SimulatedShellConfig
+    tokenizer: TokenizerConfig
+    trainer: Callable[[OptimConfig, int], Any]
+
+
 class SimCoTrainer:
     """Continual SFT of the simulator on the run's real episodes (`gate.cotrain_*`)."""
 
-    def __init__(self, cfg, out: Path, publisher, metrics: rundir.MetricsLog, rounds: int):
+    def __init__(self, gate: GateConfig, sim: SimCoTraining, out: Path, publisher,
+                 metrics: rundir.MetricsLog, rounds: int, *, seed: int):  # fmt: skip
         # Absolute: the simulator servers resolve the published path from their own cwd.
-        self.cfg, self.out = cfg, Path(out).absolute()
+        self.sim, self.out = sim, Path(out).absolute()
         self.publisher, self.metrics = publisher, metrics
-        self.gate = cfg.orchestrator.gate
+        self.gate = gate
         self.rounds_planned = rounds
         self.real: list = []
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self._trainer = None
         self._base: list | None = None
-        self._rng = random.Random(cfg.run.seed)
+        self._rng = random.Random(seed)
 
     def add(self, traj) -> None:
         """A real episode of the run: co-training data."""
@@ -56,28 +75,19 @@ class SimCoTrainer:
 
     def _build(self):
         from envs.tasks import is_heldout
-        from launch.config.memory import check_trainer_memory
-        from launch.config.schema import role_model
-        from launch.deploy.chips import trainer_device_ids
         from rl.data import load_tokenizer
         from rl.data.trajectory import canonical_order, load_trajectories
-        from rl.train.build import build_trainer
-        from rl.train.config import OptimConfig
 
-        tcfg = self.cfg.train_sim
+        tcfg = self.sim.train_sim
         base = canonical_order(load_trajectories(tcfg.trajectories)) if tcfg.trajectories else []
         # The simulator's own training split: its held-out tasks stay held out.
         self._base = [t for t in base if not is_heldout(t.task_id, tcfg.heldout_fraction)]
-        self._tok = load_tokenizer(self.cfg.simulator.tokenizer)
-        ids = trainer_device_ids(self.cfg, "simulator")
-        check_trainer_memory(role_model(self.cfg.simulator), ids, "the simulator co-trainer")
+        self._tok = load_tokenizer(self.sim.tokenizer)
         optim = OptimConfig(lr=self.gate.cotrain_lr, warmup_steps=0, min_lr_ratio=1.0,
                             clip_norm=tcfg.optim.clip_norm)  # fmt: skip
-        self._trainer = build_trainer(
-            self.cfg.simulator, self._tok, optim=optim,
-            steps=max(1, self.rounds_planned) * self.gate.cotrain_steps, loss="sft",
-            rules=self.cfg.sharding.rules, seed=self.cfg.run.seed, device_ids=ids,
-        )  # fmt: skip
+        self._trainer = self.sim.trainer(
+            optim, max(1, self.rounds_planned) * self.gate.cotrain_steps
+        )
 
     def _train(self, real: list) -> tuple[Path, dict]:
         """One round (in a thread): SFT steps on `real` + a replay share of the base data."""
@@ -90,8 +100,8 @@ class SimCoTrainer:
         n_base = len(self._base) if g.cotrain_replay >= 1 else round(
             len(real) * g.cotrain_replay / (1 - g.cotrain_replay))  # fmt: skip
         base = self._rng.sample(self._base, min(n_base, len(self._base)))
-        sim = self.cfg.env.shell.simulated
-        data = self.cfg.train_sim.data
+        sim = self.sim.simulated
+        data = self.sim.train_sim.data
         ds, stats = sim_sft_dataset(real + base, self._tok, data, system_prompt=sim.system_prompt,
                                     show_task=sim.show_task,
                                     context_budget=sim.prompt_budget)  # fmt: skip
@@ -99,7 +109,7 @@ class SimCoTrainer:
         s = sft_loop(self._trainer, iter(ds), steps=target, log=self.metrics,
                      stage="sim_cotrain", log_every=g.cotrain_steps, progress=False)  # fmt: skip
         path = self.out / rundir.WEIGHTS / SIM_WEIGHTS / f"v{self.version + 1:04d}"
-        self._trainer.export_serving(path, self.cfg.train_sim.checkpoint.export_dtype)
+        self._trainer.export_serving(path, self.sim.train_sim.checkpoint.export_dtype)
         return path, {"real": len(real), "base": len(base), "examples": stats.examples,
                       "loss": s["last"].get("loss"), "train_s": round(s["wall_s"], 2)}  # fmt: skip
 
@@ -130,13 +140,14 @@ class GatedRun:
     """The router, the shadow replayer and (with `gate.cotrain_every`) the co-trainer of one
     RL run of the gated arm."""
 
-    def __init__(self, cfg, out: Path, renderer, backends, metrics: rundir.MetricsLog, *,
+    def __init__(self, gate: GateConfig, out: Path, renderer, backends,
+                 metrics: rundir.MetricsLog, *, seed: int, sim: SimCoTraining | None = None,
                  sim_publisher=None, steps: int = 0, start_version: int = 1):  # fmt: skip
         from rl.orchestrator.episode import run_replay_episode
         from rl.orchestrator.gate import FidelityRouter, ShadowReplayer
         from rl.orchestrator.storage import TrajectoryWriter
 
-        self.cfg, self.gate, self.metrics = cfg, cfg.orchestrator.gate, metrics
+        self.gate, self.metrics = gate, metrics
         self.router = FidelityRouter(self.gate, sim_version=0, on_step=self._log_step)
         self.writer = TrajectoryWriter(out, prefix="shadow")
         simulated = backends.simulated
@@ -150,8 +161,9 @@ class GatedRun:
                                      remeasure=g.remeasure, sink=self.writer.add)  # fmt: skip
         every = self.gate.cotrain_every
         self.cotrainer = None
-        if every and sim_publisher is not None:
-            self.cotrainer = SimCoTrainer(cfg, out, sim_publisher, metrics, steps // every)
+        if every and sim_publisher is not None and sim is not None:
+            self.cotrainer = SimCoTrainer(gate, sim, out, sim_publisher, metrics, steps // every,
+                                          seed=seed)  # fmt: skip
         self._round: asyncio.Task | None = None
         self._switch_at = 0
         self._start, self.steps = start_version, steps
