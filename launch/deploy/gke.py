@@ -27,8 +27,11 @@ plan puts on its host: each server with its own command (`vllm serve ...` with
 GKE describes the whole slice to every TPU pod (TPU_WORKER_ID and TPU_WORKER_HOSTNAMES on
 multi-host slices); each process gets those, and the host-bounds pair TPU_HOST_BOUNDS /
 TPU_CHIPS_PER_HOST_BOUNDS, set to its own group's values, so libtpu and
-`jax.distributed.initialize()` see the role's process group, not the slice. One-host slices
-address their processes as localhost.
+`jax.distributed.initialize()` see the role's process group, not the slice. A trainer group
+of several hosts also gets the planner's SIMLOOP_COORDINATOR / SIMLOOP_NUM_PROCESSES /
+SIMLOOP_PROCESS_ID (`launch/distributed.py`), which agree with those: the coordinator is the
+group's first pod, TPU_WORKER_HOSTNAMES[0], and the process id is TPU_WORKER_ID. One-host
+slices address their processes as localhost.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ def chip_plan(cfg):
 
 
 def process_env(proc, acc) -> dict[str, str]:
-    """Everything one process starts with: the planner's env, its role, and the slice-wide
-    variables of GKE's TPU webhook narrowed to the process's own group."""
+    """Everything one process starts with: the planner's env (with the multi-process
+    contract for a trainer on several hosts), its role, and the slice-wide variables of GKE's
+    TPU webhook narrowed to the process's own group."""
     env = dict(proc.env)
     env["SIMLOOP_ROLE"] = proc.role
     env["SIMLOOP_REPLICA"] = str(proc.replica)
@@ -96,16 +100,23 @@ def process_env(proc, acc) -> dict[str, str]:
     return env
 
 
-def server_commands(cfg, plan) -> tuple[dict[tuple[str, int], Any], dict[str, list[str]]]:
+def server_commands(cfg, plan, *, hostnames: Sequence[str] | None = None,
+                    run_dir: str | None = None, config_path: str = f"{CONFIG_DIR}/config.yaml",
+                    ) -> tuple[dict[tuple[str, int], Any], dict[str, list[str]]]:  # fmt: skip
     """The planned servers' processes (`launch.deploy.processes.server_processes`, the list
     `--dry-run` prints) by (role, replica), and each model role's server URLs. Servers bind
     to all interfaces on a multi-host slice (the trainer is on another host; hostNetwork on
-    the cluster's private network), to loopback on one host."""
+    the cluster's private network), to loopback on one host. `hostnames`, `run_dir` and
+    `config_path` default to the pods' (`pod_hostname`, `gke.mount_path`, the ConfigMap's
+    config); the TPU VM workers give theirs (`launch.deploy.tpu_worker`)."""
     from launch.deploy.chips import SERVE_ROLE
     from launch.deploy.processes import server_processes, vllm_model_dir
 
     acc = plan.accelerator
-    hostnames = [pod_hostname(cfg.gke.name, h) for h in range(acc.hosts)]
+    if hostnames is None:
+        hostnames = [pod_hostname(cfg.gke.name, h) for h in range(acc.hosts)]
+    if run_dir is None:
+        run_dir = cfg.gke.mount_path
     bind = "0.0.0.0" if acc.hosts > 1 else "127.0.0.1"
     out: dict[tuple[str, int], Any] = {}
     urls: dict[str, list[str]] = {}
@@ -117,13 +128,14 @@ def server_commands(cfg, plan) -> tuple[dict[tuple[str, int], Any], dict[str, li
             vllm_model_dir(cfg, model_role, "/") != Path(role.hf_path or "")
         ):
             raise GkeError(
-                f"{model_role}: vLLM servers on GKE start from {model_role}.hf_path (an HF "
-                f"directory on the volume, e.g. under {cfg.gke.mount_path}); set it, and unset "
+                f"{model_role}: vLLM servers started from the chip plan (GKE pods, TPU VM "
+                f"workers) start from {model_role}.hf_path (an HF directory every host has, "
+                f"e.g. on the volume under {cfg.gke.mount_path}); set it, and unset "
                 f"{model_role}.weights (publish trained weights instead)"
             )
-        procs = server_processes(cfg, model_role, cfg.gke.mount_path, plan=plan,
+        procs = server_processes(cfg, model_role, run_dir, plan=plan,
                                  hostnames=hostnames, bind=bind, fixed_ports=True,
-                                 python="python", config_path=f"{CONFIG_DIR}/config.yaml",
+                                 python="python", config_path=config_path,
                                  publishes=model_role == "agent")  # fmt: skip
         for p in procs:
             out[p.role, p.replica] = p
@@ -135,14 +147,21 @@ def server_commands(cfg, plan) -> tuple[dict[tuple[str, int], Any], dict[str, li
     return out, urls
 
 
-def host_layout(cfg, plan) -> dict[str, Any]:
+def host_layout(cfg, plan, *, hostnames: Sequence[str] | None = None,
+                run_dir: str | None = None, config_path: str = f"{CONFIG_DIR}/config.yaml",
+                ) -> dict[str, Any]:  # fmt: skip
     """`plan.json`: per host (= pod), the processes the launcher starts there. A server's
     `command` is the one `--dry-run` lists for it; trainers run `gke.command`, with the
-    servers' URLs in `SIMLOOP_SERVER_URLS` (so a job connects to them, starting none)."""
+    servers' URLs in `SIMLOOP_SERVER_URLS` (so a job connects to them, starting none), and,
+    in a group of several hosts, their `coordinator` (`SIMLOOP_COORDINATOR`). The keyword
+    arguments are `server_commands`'."""
     from launch.deploy.processes import SERVER_URLS_ENV
 
     acc = plan.accelerator
-    servers, urls = server_commands(cfg, plan)
+    if hostnames is None:
+        hostnames = [pod_hostname(cfg.gke.name, h) for h in range(acc.hosts)]
+    servers, urls = server_commands(cfg, plan, hostnames=hostnames, run_dir=run_dir,
+                                    config_path=config_path)  # fmt: skip
     hosts = []
     for h in range(acc.hosts):
         procs = []
@@ -150,8 +169,9 @@ def host_layout(cfg, plan) -> dict[str, Any]:
             if p.host != h:
                 continue
             proc = {"role": p.role, "kind": p.kind, "replica": p.replica, "rank": p.rank,
-                    "group_size": p.group_size, "chips": list(p.chips),
-                    "http_port": p.http_port, "env": process_env(p, acc)}  # fmt: skip
+                    "group_size": p.group_size, "coordinator": p.coordinator,
+                    "chips": list(p.chips), "http_port": p.http_port,
+                    "env": process_env(p, acc)}  # fmt: skip
             server = servers.get((p.role, p.replica))
             if server is not None:
                 # This machine's checkout is no path in the image, where simloop is installed.
@@ -160,7 +180,7 @@ def host_layout(cfg, plan) -> dict[str, Any]:
             elif p.kind == "train" and urls:
                 proc["env"][SERVER_URLS_ENV] = json.dumps(urls, sort_keys=True)
             procs.append(proc)
-        hosts.append({"index": h, "hostname": pod_hostname(cfg.gke.name, h), "processes": procs})
+        hosts.append({"index": h, "hostname": hostnames[h], "processes": procs})
     return {
         "accelerator": acc.name,
         "tpu": acc.is_tpu,

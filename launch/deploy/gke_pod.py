@@ -20,6 +20,19 @@ role (a `bash -c` case); trainers find the servers in SIMLOOP_SERVER_URLS. Serve
 stopped) and fails as soon as any of its processes fails, which fails the Job and lets JobSet
 restart the slice (up to `gke.max_restarts`). Hosts that only serve keep serving until the
 Job's successPolicy (the hosts that train, all succeeded) ends them.
+
+The process contract on the pods. A trainer role that spans several hosts
+(`configs/gke-v6e-32.yaml`: policy_train on pods 0-3, sim_train on pods 4-5) is one JAX job
+of one process per pod, and each of those processes starts with `launch/distributed.py`'s
+variables, as the local launcher would set them: SIMLOOP_COORDINATOR is the group's first pod
+(its DNS name, `<name>-slice-0-<i>.<name>`) at the group's own port (`chips.tpu_port_base` +
+process groups + k: clear of every TPU process and HTTP port), SIMLOOP_NUM_PROCESSES the
+group's pods, SIMLOOP_PROCESS_ID the pod's rank in the group (0 on the first). `simloop`
+passes exactly those to `jax.distributed.initialize` (nothing is detected from the TPU
+variables), and process 0 alone writes the run directory. TPU_WORKER_ID and
+TPU_WORKER_HOSTNAMES are narrowed to the same group, so libtpu sees the same job. A role on
+one host (every server; a trainer of one host's chips or fewer) gets none of the three: a
+one-process job. The values are in `plan.json`, where `simloop gke render` put them.
 """
 
 from __future__ import annotations
@@ -126,8 +139,10 @@ def launch(
                         return rc
                     time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             chips = ",".join(map(str, proc["chips"]))
+            job = (f", process {proc['rank']} of {proc['group_size']}, coordinator "
+                   f"{proc['coordinator']}" if proc.get("coordinator") else "")  # fmt: skip
             _log(f"host {host_index}: {proc['role']} [{proc['kind']}] rank {proc['rank']}, "
-                 f"chips {chips}")  # fmt: skip
+                 f"chips {chips}{job}")  # fmt: skip
             env = {**os.environ, **proc["env"]}
             argv = list(proc.get("command") or command)
             running.append((proc, subprocess.Popen(argv, env=env,
@@ -173,15 +188,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         index = int(os.environ["JOB_COMPLETION_INDEX"])
         lockfile = LIBTPU_LOCKFILE  # in the pod: nothing else can be using the chips yet
     plan = json.loads(Path(args.plan).read_text())
+    # Kubernetes stops a pod with SIGTERM: pass it on to every process group, then exit.
+    return launch_until_signalled(plan, index, command, lockfile=lockfile, grace_s=args.grace_s,
+                                  signals=(signal.SIGTERM, signal.SIGINT))  # fmt: skip
+
+
+def launch_until_signalled(plan: dict[str, Any], host_index: int, command: Sequence[str], *,
+                           lockfile: str | None, grace_s: float,
+                           signals: Sequence[signal.Signals]) -> int:  # fmt: skip
+    """`launch`, stopping the host's processes (and returning 128 + SIGTERM) when one of
+    `signals` arrives; the previous handlers are restored after."""
     stop = {"requested": False}
 
     def on_signal(signum, frame):
         stop["requested"] = True
 
-    # Kubernetes stops a pod with SIGTERM: pass it on to every process group, then exit.
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.signal(s, on_signal) for s in signals}
     try:
-        return launch(plan, index, command, lockfile=lockfile, grace_s=args.grace_s,
+        return launch(plan, host_index, command, lockfile=lockfile, grace_s=grace_s,
                       should_stop=lambda: stop["requested"])  # fmt: skip
     finally:
         for s, handler in previous.items():

@@ -209,6 +209,13 @@ def test_plan_json_gives_every_host_the_planners_environment(path):
             ]
             if want.http_port:
                 assert got["env"]["SIMLOOP_HTTP_PORT"] == str(want.http_port)
+            if want.coordinator is not None:
+                # The JAX job's contract and the TPU runtime's narrowed view name one group.
+                workers = got["env"]["TPU_WORKER_HOSTNAMES"].split(",")
+                assert got["env"]["SIMLOOP_COORDINATOR"].rsplit(":", 1)[0] == workers[0]
+                assert got["env"]["SIMLOOP_PROCESS_ID"] == got["env"]["TPU_WORKER_ID"]
+                assert got["env"]["SIMLOOP_NUM_PROCESSES"] == str(len(workers))
+                assert got["coordinator"] == got["env"]["SIMLOOP_COORDINATOR"]
 
 
 def test_multi_host_addresses_are_the_jobset_pod_names():
@@ -228,6 +235,77 @@ def test_multi_host_addresses_are_the_jobset_pod_names():
     # ... bound to all interfaces: the trainers run on other hosts.
     servers = [p for h in layout["hosts"] for p in h["processes"] if p["kind"] == "serve"]
     assert all(p["command"][p["command"].index("--host") + 1] == "0.0.0.0" for p in servers)
+
+
+def _contract(env):
+    keys = ("SIMLOOP_COORDINATOR", "SIMLOOP_NUM_PROCESSES", "SIMLOOP_PROCESS_ID")
+    return {k: env[k] for k in keys if k in env}
+
+
+def test_each_pod_of_a_multi_host_trainer_gets_the_process_contract():
+    """policy_train on pods 0-3 and sim_train on pods 4-5 are JAX jobs of 4 and 2 processes:
+    ids 0..N-1 in pod order, one coordinator (the group's first pod, a port of its own);
+    the servers of pods 6-7 get no contract."""
+    cfg, docs = _render(V6E_32)
+    layout = json.loads(docs["ConfigMap"]["data"]["plan.json"])
+    by_role = {}
+    for host in layout["hosts"]:
+        for p in host["processes"]:
+            by_role.setdefault(p["role"], []).append((host["index"], _contract(p["env"])))
+    ports = set()
+    for role, pods in (("policy_train", [0, 1, 2, 3]), ("sim_train", [4, 5])):
+        got = by_role[role]
+        assert [h for h, _ in got] == pods
+        assert [c["SIMLOOP_PROCESS_ID"] for _, c in got] == [str(i) for i in range(len(pods))]
+        assert {c["SIMLOOP_NUM_PROCESSES"] for _, c in got} == {str(len(pods))}
+        (coordinator,) = {c["SIMLOOP_COORDINATOR"] for _, c in got}
+        host, port = coordinator.rsplit(":", 1)
+        assert host == gke.pod_hostname(cfg.gke.name, pods[0])
+        ports.add(int(port))
+    assert len(ports) == 2
+    served = {p["http_port"] for h in layout["hosts"] for p in h["processes"] if p["http_port"]}
+    tpu = {int(p["env"]["TPU_PROCESS_PORT"]) for h in layout["hosts"] for p in h["processes"]}
+    assert not ports & (served | tpu)
+    for role in ("agent_serve", "sim_serve"):
+        assert [c for _, c in by_role[role]] == [{}]
+    # One host: every process is a one-process job.
+    _, single = _render(V6E_8)
+    (host,) = json.loads(single["ConfigMap"]["data"]["plan.json"])["hosts"]
+    assert all(_contract(p["env"]) == {} and p["coordinator"] is None for p in host["processes"])
+
+
+# Prints this process's contract into $OUT/<id>.json (a pod's trainer, run by the pod entry).
+_REPORT = (
+    "import json, os; e = os.environ; "
+    "open(os.path.join(e['OUT'], e['SIMLOOP_PROCESS_ID'] + '.json'), 'w').write(json.dumps("
+    "{k: e[k] for k in ('SIMLOOP_COORDINATOR', 'SIMLOOP_NUM_PROCESSES', 'SIMLOOP_PROCESS_ID', "
+    "'SIMLOOP_ROLE', 'TPU_WORKER_ID')}))"
+)
+
+
+def test_two_pods_of_one_trainer_group_start_one_job(tmp_path):
+    """The pod entry, run as two pods (4 and 5: sim_train of gke-v6e-32) at once, starts each
+    pod's trainer with the same coordinator and process ids 0 and 1."""
+    cfg, docs = _render(V6E_32)
+    plan = tmp_path / "plan.json"
+    plan.write_text(docs["ConfigMap"]["data"]["plan.json"])
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(REPO)}
+    entry = [sys.executable, "-m", "launch.deploy.gke_pod", "--plan", str(plan)]
+    command = ["--", sys.executable, "-c", _REPORT]
+    run = {"env": env, "stderr": subprocess.PIPE, "text": True}
+    pods = [subprocess.Popen([*entry, "--host-index", str(i), *command], **run) for i in (4, 5)]
+    logs = [p.communicate(timeout=120)[1] for p in pods]
+    assert [p.returncode for p in pods] == [0, 0], logs
+    seen = [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
+    coordinator = f"{gke.pod_hostname(cfg.gke.name, 4)}:8481"
+    assert seen == [
+        {"SIMLOOP_COORDINATOR": coordinator, "SIMLOOP_NUM_PROCESSES": "2",
+         "SIMLOOP_PROCESS_ID": str(i), "SIMLOOP_ROLE": "sim_train", "TPU_WORKER_ID": str(i)}
+        for i in range(2)
+    ]  # fmt: skip
+    assert f"process 1 of 2, coordinator {coordinator}" in logs[1]
 
 
 def test_single_host_processes_address_localhost():
