@@ -54,7 +54,9 @@ class ChipsConfig:
     """Server role -> how many processes of `roles[role]` chips each (default 1), e.g.
     `{agent_serve: 2}` with `roles.agent_serve: 1`: two 1-chip agent servers."""
     tpu_port_base: int = 8476
-    """`TPU_PROCESS_PORT` of the first process; each process group gets the next one."""
+    """`TPU_PROCESS_PORT` of the first process; each process group gets the next one, and
+    after those each trainer group spanning several hosts its JAX coordinator's port
+    (`SIMLOOP_COORDINATOR`)."""
     http_port_base: int = 8000
     """HTTP port of the first server; each server gets the next one."""
     cache_dir: str = "/tmp/simloop/xla_cache"
@@ -103,10 +105,18 @@ class TpuVmConfig:
     service_account: str | None = None
     repo_dir: str = "~/simloop"
     """Where the project lives on every worker (`run` commands start there)."""
+    command: list[str] | None = None
+    """What `simloop tpu-vm run --planned` runs for each trainer process of the chip plan
+    (when no command follows `--`), from `repo_dir`, with SIMLOOP_ROLE naming its role, so it
+    may dispatch on it (a `bash -c` case, as `gke.command` does); servers run their own."""
 
     def __post_init__(self) -> None:
         c = "TpuVmConfig"
         _dns_name(c, "name", self.name)
+        if self.command is not None and (
+            not self.command or not all(isinstance(a, str) for a in self.command)
+        ):
+            raise _bad(c, "command", self.command, "a non-empty list of strings, or null")
         if not re.match(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$", str(self.zone)):
             raise _bad(c, "zone", self.zone, "a Cloud zone such as us-east5-b")
         if self.spot and self.reserved:

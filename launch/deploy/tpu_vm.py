@@ -3,6 +3,7 @@
     simloop tpu-vm create --config configs/v6e-8.yaml --tpu_vm.project my-proj --dry-run
     simloop tpu-vm ssh    --config configs/v6e-8.yaml [--worker 1]
     simloop tpu-vm run    --config configs/v6e-8.yaml -- python -m launch demo --out runs/demo
+    simloop tpu-vm run    --config configs/v6e-32.yaml --planned    # the chip plan, per worker
     simloop tpu-vm copy   --config configs/v6e-8.yaml --remote runs/demo --local runs/demo
     simloop tpu-vm delete --config configs/v6e-8.yaml
 
@@ -14,6 +15,32 @@ shell reads is the remote `--command` of `run`, `cd REPO_DIR && CMD...`: each wo
 the repo dir are quoted, so `;`, `$(...)` and quotes stay literal on the workers (for pipes or
 `&&` there, run `-- bash -c '...'`). `copy` accepts plain remote paths only, because older scp
 hands the remote path to a remote shell.
+
+`run` runs its command once on every worker, as given. `run --planned` runs the chip plan
+instead: each worker starts `python -m launch.deploy.tpu_worker` (`launch/deploy/tpu_worker.py`),
+which starts the processes the plan puts on its host, servers with their own commands and each
+trainer with the command after `--` (default `tpu_vm.command`), SIMLOOP_ROLE naming its role.
+The workers read `--config` (and the overrides given here) from their own checkout at
+`tpu_vm.repo_dir`, so give the config's path relative to it.
+
+The process contract on the workers. A trainer role that spans several hosts
+(`configs/v6e-32.yaml`: policy_train on workers 0-3, sim_train on workers 4-5) is one JAX job
+of one process per worker, and each of those processes starts with `launch/distributed.py`'s
+variables, as the local launcher would set them: SIMLOOP_COORDINATOR is the group's first
+worker, by its internal IP address (the metadata server's `worker-network-endpoints`, which
+JAX itself reads on a TPU VM; worker hostnames need not resolve across workers), at the
+group's own port (`chips.tpu_port_base` + process groups + k: clear of every TPU process and
+HTTP port), SIMLOOP_NUM_PROCESSES the group's workers and SIMLOOP_PROCESS_ID the worker's rank
+in the group (0 on the first). `simloop` passes exactly those to `jax.distributed.initialize`
+(nothing is detected from the TPU VM's metadata, which describes the whole slice), and process
+0 alone writes the run directory. The TPU variables (TPU_PROCESS_ADDRESSES, TPU_WORKER_ID,
+TPU_WORKER_HOSTNAMES, the bounds) name the same group. A role on one host (every server; a
+trainer of one host's chips or fewer) gets none of the three: a one-process job.
+`simloop plan-chips --config ... --format env` prints each process's values, `host-<i>`
+standing for worker i's address. The workers share no disk: each process of a trainer group
+reads the job's data on its own worker, and servers on other workers load published weights by
+path, so a multi-host run's data and `--out` belong on storage that every worker mounts at the
+same path.
 """
 
 from __future__ import annotations
@@ -39,6 +66,8 @@ _PLAIN_REMOTE = re.compile(r"^(~/)?[A-Za-z0-9._/+=@,-]+$")
 _WORKER = re.compile(r"^(all|0|[1-9][0-9]*)$")
 # Which action each flag applies to; it is an error anywhere else (not silently ignored).
 _FLAG_ACTIONS = {"worker": ("ssh", "run", "copy"), "remote": ("copy",), "local": ("copy",)}
+WORKER_ENTRY = ("python", "-m", "launch.deploy.tpu_worker")
+"""What `run --planned` starts on every worker, around the trainers' command."""
 
 
 class TpuVmError(ValueError):
@@ -57,6 +86,13 @@ class TpuVmOptions:
     """copy: where it lands here."""
     command: tuple[str, ...] | None = None
     """run: the command's words (what came after `--`)."""
+    planned: bool = False
+    """run: each worker starts its share of the chip plan (`launch.deploy.tpu_worker`), the
+    trainers running `command` (default `tpu_vm.command`)."""
+    config_path: str | None = None
+    """run --planned: the `--config` path, which the workers read relative to `repo_dir`."""
+    overrides: tuple[str, ...] = ()
+    """run --planned: the dotted overrides given here, which the workers apply too."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", help="ssh/copy: worker index (default 0); run: default all")
     p.add_argument("--remote", metavar="DIR", help="copy: directory on worker 0 (under repo_dir)")
     p.add_argument("--local", metavar="DIR", help="copy: where the directory lands here")
+    p.add_argument("--planned", action="store_true",
+                   help="run: each worker starts the chip plan's processes on its host, the "
+                        "trainers running the command (default tpu_vm.command)")  # fmt: skip
     # Filled by `launch.cli.main` with the words after `--` (None when there is no `--`).
     p.set_defaults(remote_command=None)
 
@@ -174,6 +213,25 @@ def _check_flags(action: str, opts: TpuVmOptions) -> None:
             raise TpuVmError(f"--{name} applies to {', '.join(actions)} only, not to {action}")
     if opts.command is not None and action != "run":
         raise TpuVmError(f"only run takes a command after '--' (got one for {action})")
+    if opts.planned and action != "run":
+        raise TpuVmError(f"--planned applies to run only, not to {action}")
+
+
+def _planned_words(cfg: SimloopConfig, opts: TpuVmOptions) -> list[str]:
+    """`run --planned`'s remote command: the worker entry, given the config as here, around the
+    trainers' command."""
+    command = opts.command or cfg.tpu_vm.command
+    if not command:
+        raise TpuVmError(
+            "run --planned needs the trainers' command: after '--' (e.g. -- simloop train-agent "
+            "--config configs/v6e-8.yaml --out runs/NAME) or in tpu_vm.command"
+        )
+    if not opts.config_path:
+        raise TpuVmError(
+            "run --planned needs --config: every worker plans the chips from the same file "
+            "(its path relative to tpu_vm.repo_dir)"
+        )
+    return [*WORKER_ENTRY, "--config", opts.config_path, *opts.overrides, "--", *command]
 
 
 def build_commands(action: str, cfg: SimloopConfig, opts: TpuVmOptions) -> list[list[str]]:
@@ -194,15 +252,14 @@ def build_commands(action: str, cfg: SimloopConfig, opts: TpuVmOptions) -> list[
     if action == "ssh":
         return [[*ssh, f"--worker={_worker(cfg, opts.worker or '0')}"]]
     if action == "run":
-        if not opts.command:
+        words = _planned_words(cfg, opts) if opts.planned else opts.command
+        if not words:
             raise TpuVmError(
                 "run needs the command after '--', e.g. simloop tpu-vm run -- python -m launch "
                 "demo --out runs/demo"
             )
         worker = _worker(cfg, opts.worker or "all")
-        return [
-            [*ssh, f"--worker={worker}", "--command", remote_command(vm.repo_dir, opts.command)]
-        ]
+        return [[*ssh, f"--worker={worker}", "--command", remote_command(vm.repo_dir, words)]]
     if action == "copy":
         if not opts.remote or not opts.local:
             missing = " and ".join(f for f in ("--remote", "--local") if not getattr(opts, f[2:]))
@@ -244,6 +301,7 @@ def next_steps(cfg: SimloopConfig, config_path: str | None) -> str:
         f"--command {shlex.quote(clone)}",
         f"  simloop tpu-vm run{cfg_flag} -- pip install -e '.[tpu]'",
         f"  simloop tpu-vm run{cfg_flag} -- python -m launch train-agent --out runs/NAME ...",
+        f"  simloop tpu-vm run{cfg_flag} --planned   (multi-host: the chip plan, per worker)",
         f"  simloop tpu-vm copy{cfg_flag} --remote runs/NAME --local runs/NAME",
         f"  simloop tpu-vm delete{cfg_flag}    (the VM is billed until it is deleted)",
     ]
@@ -280,6 +338,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         remote=args.remote,
         local=args.local,
         command=tuple(words) if words is not None else None,
+        planned=getattr(args, "planned", False),
+        config_path=args.config,
+        overrides=tuple(getattr(args, "overrides", ())),
     )
     try:
         commands = build_commands(args.action, cfg, opts)

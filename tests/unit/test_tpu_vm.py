@@ -27,7 +27,8 @@ from launch.deploy.tpu_vm import (
     remote_dir,
 )
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tpu_vm"
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden" / "tpu_vm"
 BASE = ["--chips.accelerator", "v6e-8", "--tpu_vm.project", "my-proj"]
 # Executed by a real sh in some tests, so their payloads only create marker files.
 HOSTILE = [
@@ -54,7 +55,9 @@ SCENARIOS = {
     "copy": ["copy", "--remote", "runs/demo", "--local", "runs/demo"],
     "delete": ["delete"],
     "delete_queued": ["delete", "--tpu_vm.queued", "true"],
-}
+    "run_planned": ["run", "--planned", "--config", "configs/v6e-8.yaml", "--", "simloop",
+                    "train-agent", "--config", "configs/v6e-8.yaml", "--out", "runs/v6e-8"],
+}  # fmt: skip
 
 
 def _cfg(*overrides: str) -> SimloopConfig:
@@ -69,7 +72,8 @@ def _cli(capsys, action: str, *rest: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_dry_run_matches_golden(name, capsys):
+def test_dry_run_matches_golden(name, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # `--config configs/...` as the workers read it, from the checkout
     rc, out, err = _cli(capsys, *SCENARIOS[name])
     assert rc == 0, err
     path = GOLDEN / f"{name}.txt"
@@ -97,6 +101,29 @@ def test_dry_run_lines_parse_back_to_the_argv_lists(capsys):
     # Each word is one shell word of the remote command, after `cd REPO_DIR &&`.
     remote = expected[0][expected[0].index("--command") + 1]
     assert shlex.split(remote) == ["cd", "~/simloop", "&&", *words]
+
+
+def test_planned_run_starts_the_worker_entry_with_the_config_as_given_here(capsys, monkeypatch):
+    """Every worker runs `launch.deploy.tpu_worker` with the same config path and overrides
+    around the trainers' command: the one after `--`, else `tpu_vm.command`."""
+    monkeypatch.chdir(REPO)
+    config = "configs/v6e-32.yaml"
+    words = ["simloop", "train-sim", "--config", "$SIMLOOP_CONFIG", *HOSTILE]
+    rc, out, err = _cli(capsys, "run", "--planned", "--config", config, "--", *words)
+    assert rc == 0, err
+    (argv,) = [shlex.split(line) for line in out.splitlines()]
+    assert "--worker=all" in argv
+    remote = shlex.split(argv[argv.index("--command") + 1])
+    assert remote == ["cd", "~/simloop", "&&", "python", "-m", "launch.deploy.tpu_worker",
+                      "--config", config, *BASE, "--", *words]  # fmt: skip
+    own = ["--tpu_vm.command", "[bash, -c, 'exec simloop train-agent']"]
+    rc, out, err = _cli(capsys, "run", "--planned", "--config", config, *own)
+    assert rc == 0, err
+    (argv,) = [shlex.split(line) for line in out.splitlines()]
+    remote = shlex.split(argv[argv.index("--command") + 1])
+    assert remote[remote.index("--") :] == ["--", "bash", "-c", "exec simloop train-agent"]
+    assert remote[remote.index("--config") : remote.index("--")] == ["--config", config, *BASE,
+                                                                     *own]  # fmt: skip
 
 
 def test_words_after_double_dash_are_the_command_not_config_overrides(capsys):
@@ -170,6 +197,9 @@ def test_worker_bounds_follow_the_slice():
         ("ssh", ["--", "ls"], r"only run takes a command after '--'"),
         ("create", ["--tpu_vm.project", "-oProxyCommand=x"], r"tpu_vm.project='-oProxy.*'-'"),
         ("run", ["--tpu_vm.repo_dir", "''", "--", "ls"], r"tpu_vm.repo_dir='' is invalid"),
+        ("run", ["--planned"], r"run --planned needs the trainers' command: after '--'.*tpu_vm"),
+        ("run", ["--planned", "--", "ls"], r"run --planned needs --config: every worker"),
+        ("ssh", ["--planned"], r"--planned applies to run only, not to ssh"),
     ],
 )
 def test_errors_name_what_is_wrong_and_exit_2(capsys, action, rest, message):
