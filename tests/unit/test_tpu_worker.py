@@ -7,9 +7,11 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,32 @@ def test_two_workers_of_one_trainer_group_start_one_job(tmp_path):
          "SIMLOOP_PROCESS_ID": str(i), "SIMLOOP_ROLE": "sim_train", "seed": 7}
         for i in range(2)
     ]  # fmt: skip
+
+
+def test_a_closing_ssh_session_stops_the_workers_processes(tmp_path):
+    """SIGHUP (the terminal of `tpu-vm run --planned` going away) stops the trainer, which
+    runs in a session of its own, and the worker exits 128 + SIGTERM."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(REPO)}
+    trainer = ("import os, time; open(os.path.join(os.environ['OUT'], 'pid'), 'w')"
+               ".write(str(os.getpid())); time.sleep(120)")  # fmt: skip
+    argv = [sys.executable, "-m", "launch.deploy.tpu_worker", "--config", str(V6E_32),
+            "--worker-index", "4", "--worker-addresses", ",".join(ADDRESSES), "--grace-s", "5",
+            "--libtpu-lockfile", "", "--", sys.executable, "-c", trainer]  # fmt: skip
+    worker = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        pid_file = out / "pid"
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            assert worker.poll() is None, worker.communicate()[1]
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        worker.send_signal(signal.SIGHUP)
+        assert worker.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.communicate()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
