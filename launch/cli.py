@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _dispatch(args, cfg)
 
 
-MULTI_PROCESS = ("pretrain-sim", "train-sim")
+MULTI_PROCESS = ("pretrain-sim", "train-sim", "train-agent")
 """The jobs that run as several JAX processes (`launch/distributed.py`)."""
 
 
@@ -201,20 +201,25 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
                      f"{distributed.PROCESSES_ENV}={os.environ.get(distributed.PROCESSES_ENV)}): "
                      f"only {', '.join(MULTI_PROCESS)} run as several JAX processes so far",
                      EXIT_USAGE)  # fmt: skip
-    if getattr(args, "dry_run", False) and args.command in MULTI_PROCESS:
+    # train-agent's own dry run lists its servers too: it shows them for one process
+    if (
+        getattr(args, "dry_run", False)
+        and args.command in MULTI_PROCESS
+        and (n > 1 or args.command != "train-agent")
+    ):
         if getattr(args, "target", "local") != "local":
             return _fail(args.command, "--dry-run --target gke: the pods' processes are "
                          "`simloop gke render`'s plan; this dry run shows the local ones",
                          EXIT_USAGE)  # fmt: skip
-        rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n))
+        rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n, args.command))
         if rows is None:
-            return _fail(args.command, _split_error(cfg, n), EXIT_USAGE)
+            return _fail(args.command, _split_error(cfg, n, args.command), EXIT_USAGE)
         print(distributed.format_rows(rows, args.format))
         return 0
     if penv is None and n > 1:
-        per = _devices_per_process(cfg, n)
+        per = _devices_per_process(cfg, n, args.command)
         if per is None:
-            return _fail(args.command, _split_error(cfg, n), EXIT_USAGE)
+            return _fail(args.command, _split_error(cfg, n, args.command), EXIT_USAGE)
         grace = cfg.run.heartbeat_timeout_s + 30.0
         return distributed.run_local(argv, n, per, getattr(args, "out", None), grace_s=grace)
     if penv is not None and not getattr(args, "dry_run", False):
@@ -222,18 +227,26 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
     return None
 
 
-def _devices_per_process(cfg: SimloopConfig, n: int) -> int | None:
-    """Fake CPU devices for each of `n` local processes: a `cpu-N` plan's N split evenly."""
-    from launch.deploy.chips import parse_accelerator
+JOB_TRAINER = {"train-agent": "policy_train", "train-sim": "sim_train", "pretrain-sim": "sim_train"}
+"""The chip role whose devices a multi-process job's processes hold."""
 
-    acc = cfg.chips.accelerator
-    chips = parse_accelerator(acc).chips if acc.startswith("cpu-") else 0
+
+def _devices_per_process(cfg: SimloopConfig, n: int, command: str) -> int | None:
+    """Fake CPU devices for each of `n` local processes of `command`: its trainer role's chips
+    of a `cpu-N` plan, split evenly (the job's servers are processes of their own, as on a
+    slice, where a trainer's hosts hold its chips and no server's)."""
+    if not cfg.chips.accelerator.startswith("cpu-"):
+        return None
+    chips = cfg.chips.roles.get(JOB_TRAINER[command], 0)
     return chips // n if chips and chips % n == 0 else None
 
 
-def _split_error(cfg: SimloopConfig, n: int) -> str:
-    return (f"run.processes={n} starts local processes over a cpu-N chip plan whose N they "
-            f"split evenly; chips.accelerator is {cfg.chips.accelerator!r}")  # fmt: skip
+def _split_error(cfg: SimloopConfig, n: int, command: str) -> str:
+    role = JOB_TRAINER[command]
+    return (f"run.processes={n} starts local processes that split the chips of "
+            f"chips.roles.{role} of a cpu-N plan evenly, but chips.accelerator is "
+            f"{cfg.chips.accelerator!r} and chips.roles.{role} is "
+            f"{cfg.chips.roles.get(role)}")  # fmt: skip
 
 
 def _fail(command: str, message: str, code: int) -> int:

@@ -472,9 +472,19 @@ def trainer_device_ids(cfg, model_role: str, device_count: int | None = None) ->
     (a process there sees only its own chips) or when the plan has no such role."""
     if cfg.chips.accelerator.startswith("cpu-") and TRAIN_ROLE[model_role] in cfg.chips.roles:
         plan = config_plan(cfg)
-        if device_count is None:
-            import jax
+        import jax
 
+        if jax.process_count() > 1:
+            # A multi-process job is the trainer alone (its servers are processes of their
+            # own): its processes' devices together are the role's, as on a TPU slice.
+            want = cfg.chips.roles[TRAIN_ROLE[model_role]]
+            if jax.device_count() != want:
+                raise PlanError(
+                    f"the job's {jax.process_count()} processes hold {jax.device_count()} "
+                    f"devices but chips.roles.{TRAIN_ROLE[model_role]} is {want}"
+                )
+            return None
+        if device_count is None:
             device_count = jax.device_count()
         if device_count < plan.accelerator.chips:
             raise PlanError(

@@ -154,3 +154,55 @@ def test_a_killed_process_ends_the_job_and_the_rerun_resumes(data, tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming at step {done[-1]}" in again.stdout
     assert [s for s, _ in losses(out)] == list(range(1, steps + 1))
+
+
+# ----- RL: process 0 runs the episodes, every process trains ----------------------------------
+
+
+def train_agent(out: Path, *, processes: int) -> list[str]:
+    """Two RL steps of 8 episodes (2 tasks x 4) in the real shell after a one-step warm start
+    on 4 scripted demonstrations; the policy trainer holds 8 devices, the agent server one."""
+    return [
+        sys.executable, "-m", "launch", "train-agent", "--config", str(CONFIG), "--out", str(out),
+        "--chips.accelerator", "cpu-16", "--chips.roles", "{policy_train: 8, agent_serve: 1}",
+        "--agent.mesh", "{fsdp: 8}", "--orchestrator.arm", "real",
+        "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
+        "--train_agent.steps", "2", "--train_agent.warm_start.steps", "1",
+        "--train_agent.warm_start.num_demos", "4", "--train_agent.eval.tasks", "0",
+        "--train_agent.checkpoint.every_steps", "1", "--run.processes", str(processes),
+    ]  # fmt: skip
+
+
+def episodes(out: Path) -> list[tuple[str, str]]:
+    rows = []
+    for path in sorted((out / "trajectories").glob("rl-*.jsonl")):
+        for line in path.read_text().splitlines():
+            t = json.loads(line)
+            rows.append((t["group_id"], t["task_id"]))
+    return sorted(rows)
+
+
+def test_rl_with_two_processes_runs_each_episode_once_and_publishes_each_version_once(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = run(train_agent(one, processes=1))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = run(train_agent(two, processes=2))
+    log1 = two / "processes" / "process-1.log"
+    assert r2.returncode == 0, r2.stderr[-3000:] + log1.read_text()[-3000:]
+    # The same episodes, each once: 2 steps x 8 slots, the same groups of the same tasks.
+    assert len(episodes(two)) == 16
+    assert episodes(two) == episodes(one)
+    # The demonstrations were collected once, by process 0, and read by both.
+    demos = (two / "trajectories" / "demos.jsonl").read_text().splitlines()
+    assert 0 < len(demos) <= 4
+    # One metrics line per RL step (process 1 writes none), each with its publish.
+    rl = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r.get("stage") == "rl" and "event" not in r]
+    assert [r["step"] for r in rl] == [1, 2]
+    assert all("publish_load_s" in r for r in rl)
+    # The agent server loaded versions 1 (the start), 2 and 3, each once.
+    log = (two / "logs" / "agent-server.log").read_text()
+    served = [int(x.split("serving weights version ")[1].split()[0])
+              for x in log.splitlines() if "serving weights version" in x]  # fmt: skip
+    assert served == [1, 2, 3]
+    assert "simloop train-agent:" in log1.read_text()

@@ -65,14 +65,17 @@ def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp
                                                                      monkeypatch):  # fmt: skip
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the CLI sets it
     common = ["--config", "configs/demo_cpu.yaml", "--out", str(tmp_path)]
-    assert main(["train-sim", *common, "--run.processes", "2", "--dry-run", "--format",
-                 "json"]) == 0  # fmt: skip
+    # The processes split the trainer role's chips (its servers are processes of their own).
+    assert main(["train-sim", *common, "--run.processes", "2", "--dry-run", "--format", "json",
+                 "--chips.roles", "{sim_train: 8}"]) == 0  # fmt: skip
     rows = json.loads(capsys.readouterr().out)["processes"]
     assert [r["process_id"] for r in rows] == [0, 1]
     assert [r["devices"] for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert rows[1]["env"]["SIMLOOP_PROCESS_ID"] == "1" and rows[0]["coordinator"]
     assert "--dry-run" not in rows[0]["command"]
     assert main(["train-sim", *common, "--run.processes", "3", "--dry-run"]) == 2
-    assert "split evenly" in capsys.readouterr().err
-    assert main(["train-agent", *common, "--run.processes", "2"]) == 2
-    assert "only pretrain-sim, train-sim run as several JAX processes" in capsys.readouterr().err
+    assert "split the chips of chips.roles.sim_train" in capsys.readouterr().err
+    assert main(["demo", *common, "--run.processes", "2"]) == 2
+    assert "only pretrain-sim, train-sim, train-agent run as several JAX processes" in (
+        capsys.readouterr().err
+    )
