@@ -44,6 +44,7 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "serve": ("the OpenAI/vLLM-compatible inference server (JAX engine)", False),
     "plan-chips": ("plan TPU chip partitions and per-process environments", False),
     "gke": ("render GKE JobSet manifests from a config", False),
+    "rehearse": ("a TPU config's whole job on CPU: every pod's processes, tiny models", True),
     "tpu-vm": ("create / ssh / run / copy / delete TPU VMs through gcloud", False),
     "e2b": ("E2B sandbox housekeeping: `sweep` kills orphaned simloop sandboxes", False),
     "config": ("validate a config with its overrides and print it resolved", False),
@@ -72,6 +73,7 @@ MODULES: dict[str, str] = {
     "serve": "launch.jobs.serve",
     "plan-chips": "launch.deploy.chips",
     "gke": "launch.deploy.gke",
+    "rehearse": "launch.deploy.rehearse",
     "tpu-vm": "launch.deploy.tpu_vm",
     "e2b": "launch.jobs.e2b_sweep",
 }
@@ -79,7 +81,7 @@ MODULES: dict[str, str] = {
 DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware", "harness",
            "pretrain-sim", "train-sim")  # fmt: skip
 # commands whose module adds flags of its own (`add_arguments(parser)`)
-OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b")
+OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b", "rehearse")
 # The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 TRACEBACK_ENV = "SIMLOOP_TRACEBACK"

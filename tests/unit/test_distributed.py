@@ -79,3 +79,15 @@ def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp
     assert "only pretrain-sim, train-sim, train-agent run as several JAX processes" in (
         capsys.readouterr().err
     )
+
+
+def test_rehearse_rebases_the_pod_paths_and_refuses_a_cpu_plan(tmp_path, capsys):
+    from launch.deploy.rehearse import _rebase
+
+    root = tmp_path / "fs"
+    text = "--out /ckpt/runs/x --config /config/config.yaml /ckptx /mnt/ckpt a/ckpt/b"
+    got = _rebase(text, ["/config", "/ckpt", "/mnt"], root)
+    assert got == (f"--out {root}/ckpt/runs/x --config {root}/config/config.yaml /ckptx "
+                   f"{root}/mnt/ckpt a/ckpt/b")  # fmt: skip
+    assert main(["rehearse", "--config", "configs/demo_cpu.yaml", "--out", str(tmp_path)]) == 2
+    assert "rehearse takes a TPU config" in capsys.readouterr().err
