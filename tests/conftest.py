@@ -42,10 +42,12 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 LONG_FILES = (  # longest first (seconds in a suite run on 2 cores, 2026-11-25)
     "test_train_agent.py",  # ~520
     "test_demo.py",  # ~300
+    "test_multihost.py",  # ~250 (SFT and RL as two processes, a killed process)
     "test_entry_points.py",  # ~290 (the bench smoke runs)
     "test_rollout_e2e.py",  # ~190
     "test_train_cli.py",  # ~150
     "test_harness.py",  # ~135 (mini-swe-agent and train-agent through the middleware)
+    "test_rehearse.py",  # ~135 (gke-v6e-32's eight pods on CPU)
     "test_pretrain_sim.py",  # ~105
     "test_replica_restart.py",  # ~90
     "test_vllm_backend_e2e.py",  # ~80
