@@ -40,6 +40,7 @@ from typing import Any
 
 from launch.jobs.errors import JobError  # no imports of its own: free at start-up
 from rl.data.rundir import CONFIG, LOGS
+from serving.lifetime import child_env
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class LocalServer:
         cmd = serve_command(role, run_dir, port=port, extra_args=extra_args)
         log = log_path.open("w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True, env=server_env(env))  # fmt: skip
+                                start_new_session=True,
+                                env=child_env(server_env(env)))  # fmt: skip
         deadline = time.monotonic() + timeout_s
         url = None
         while url is None:

@@ -140,6 +140,9 @@ def _source_model(args: argparse.Namespace, cfg: SimloopConfig):
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
+    from serving.lifetime import die_with_parent
+
+    die_with_parent()  # a server a job started ends with that job
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

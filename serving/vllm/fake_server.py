@@ -504,6 +504,9 @@ def _engine_config(args: argparse.Namespace, model_cfg):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)  # exits 2 on a bad flag, before anything heavy is imported
+    from serving.lifetime import die_with_parent
+
+    die_with_parent()  # started by a job (not by a pod entry): it ends with that job
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
                         datefmt="%m-%d %H:%M:%S")  # fmt: skip

@@ -261,7 +261,8 @@ def test_dry_run_target_gke_is_exactly_what_the_pods_start(capsys):
 
 def test_gke_render_needs_an_hf_path_for_vllm_servers():
     cfg = load_config(SimloopConfig, GKE_V6E_8, ["--simulator.hf_path", "null"])
-    with pytest.raises(gke.GkeError, match="simulator: vLLM servers started from the chip plan .GKE pods, TPU VM workers. start from simulator.hf_path"):
+    want = r"simulator: vLLM servers started from the chip plan \(GKE pods, TPU VM workers\) start"
+    with pytest.raises(gke.GkeError, match=want):
         gke.render(cfg)
 
 
