@@ -21,7 +21,8 @@ command and environment the pod would give it. Only what a CPU cannot be changes
 It exits 0 when every training host did (the serving-only hosts are then stopped, as the
 JobSet's success policy does) and checks that the run directories hold real training steps,
 real episodes and published weight versions; the first failing host ends the rehearsal, with
-its log named. Logs: `--out/pods/host-<i>.log`; what each run directory holds:
+its log named. `--dry-run [--format json]` prints every pod and its processes instead, and
+writes nothing. Logs: `--out/pods/host-<i>.log`; what each run directory holds:
 `--out/rehearse.json`. A TPU VM config's hosts run through the same pod entry, with the plan
 `simloop tpu-vm run --planned`'s worker entry makes (`gke.host_layout`, SIMLOOP_CONFIG set).
 """
@@ -73,6 +74,11 @@ WAIT_S = 1500.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=WAIT_S,
                    help=f"stop the rehearsal after this long (default {WAIT_S:.0f})")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   help="print every pod's processes (command, environment), start nothing "
+                        "and write nothing")  # fmt: skip
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="--dry-run output: one process per line, or JSON")  # fmt: skip
 
 
 def _target(config_path: str | None) -> str:
@@ -125,7 +131,8 @@ def _free_base(n: int) -> int:
     raise JobError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
-def rehearsal_config(cfg: SimloopConfig, out: Path, target: str) -> tuple[SimloopConfig, Path]:
+def rehearsal_config(cfg: SimloopConfig, out: Path, target: str, *,
+                     write: bool = True) -> tuple[SimloopConfig, Path]:  # fmt: skip
     """The config as rehearsed (see the module docstring), written where the pods read it
     (`out/fs/config/config.yaml`); returns it, loaded back from there, and its path."""
     from launch.config import load_config
@@ -156,6 +163,12 @@ def rehearsal_config(cfg: SimloopConfig, out: Path, target: str) -> tuple[Simloo
         prefixes.append(cfg.gke.mount_path)
     text = _rebase(dump_config(cfg), prefixes, fs)
     path = _rebase(f"{CONFIG_DIR}/config.yaml", prefixes, fs)
+    if not write:
+        import yaml
+
+        from launch.config.loading import build_config
+
+        return build_config(SimloopConfig, yaml.safe_load(text)), Path(path)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
     for p in prefixes:
@@ -238,12 +251,17 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not command:
         raise UsageError(f"{target}: the config names no trainer command "
                          f"({'gke' if target == 'gke' else 'tpu_vm'}.command)")  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    rcfg, config_path = rehearsal_config(cfg, out, target)
-    work = out / "work"
-    work.mkdir(exist_ok=True)
     prefixes = ["/config", "/mnt", "/ckpt"] + ([cfg.gke.mount_path] if target == "gke" else [])
     command = [_rebase(w, prefixes, out / "fs") for w in command]
+    work = out / "work"
+    if getattr(args, "dry_run", False):
+        rcfg, config_path = rehearsal_config(cfg, out, target, write=False)
+        plan_path = out / "fs" / "config" / "plan.json"
+        print(_dry_run(layout(rcfg, config_path, work), plan_path, command, args.format))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    rcfg, config_path = rehearsal_config(cfg, out, target)
+    work.mkdir(exist_ok=True)
     _models(rcfg)
     if "sim_train" in rcfg.chips.roles:  # the simulator's trainer reads them
         _trajectories(rcfg)
@@ -259,6 +277,35 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     print(f"simloop rehearse: {args.config} ({target}, {len(lay['hosts'])} hosts) exited 0 in "
           f"{time.monotonic() - began:.0f} s: {json.dumps(summary)}", flush=True)  # fmt: skip
     return 0
+
+
+def _pod_argv(plan_path: Path, host: int, command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "launch.deploy.gke_pod", "--plan", str(plan_path),
+            "--host-index", str(host), "--", *command]  # fmt: skip
+
+
+def _dry_run(lay: dict, plan_path: Path, command: list[str], fmt: str) -> str:
+    """Every pod (its entry's argv) and every process it would start (role, rank, chips,
+    coordinator, command, environment)."""
+    pods = []
+    for h in lay["hosts"]:
+        procs = [{"role": p["role"], "kind": p["kind"], "rank": p["rank"],
+                  "coordinator": p["coordinator"], "chips": p["chips"],
+                  "command": list(p.get("command") or command), "env": p["env"]}
+                 for p in h["processes"]]  # fmt: skip
+        pods.append({"host": h["index"], "pod": _pod_argv(plan_path, h["index"], command),
+                     "processes": procs})  # fmt: skip
+    if fmt == "json":
+        return json.dumps({"pods": pods}, indent=1)
+    lines = []
+    for pod in pods:
+        lines.append(f"pod {pod['host']}: {' '.join(pod['pod'])}")
+        for p in pod["processes"]:
+            job = f" process {p['rank']} coordinator {p['coordinator']}" if p["coordinator"] else ""
+            lines.append(f"  {p['role']} [{p['kind']}] chips {p['chips']}{job}: "
+                         + " ".join(f"{k}={v}" for k, v in sorted(p["env"].items()))
+                         + " " + " ".join(p["command"]))  # fmt: skip
+    return "\n".join(lines)
 
 
 def _run_pods(lay: dict, plan_path: Path, command: list[str], out: Path, work: Path,
@@ -281,8 +328,7 @@ def _run_pods(lay: dict, plan_path: Path, command: list[str], out: Path, work: P
             i = h["index"]
             f = open(logs / f"host-{i}.log", "wb")  # noqa: SIM115 (closed below)
             files.append(f)
-            argv = [sys.executable, "-m", "launch.deploy.gke_pod", "--plan", str(plan_path),
-                    "--host-index", str(i), "--", *command]  # fmt: skip
+            argv = _pod_argv(plan_path, i, command)
             pods[i] = subprocess.Popen(argv, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT,
                                        start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + timeout_s

@@ -91,3 +91,18 @@ def test_rehearse_rebases_the_pod_paths_and_refuses_a_cpu_plan(tmp_path, capsys)
                    f"{root}/mnt/ckpt a/ckpt/b")  # fmt: skip
     assert main(["rehearse", "--config", "configs/demo_cpu.yaml", "--out", str(tmp_path)]) == 2
     assert "rehearse takes a TPU config" in capsys.readouterr().err
+
+
+def test_rehearse_dry_run_lists_every_pod_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["rehearse", "--config", "configs/gke-v6e-32.yaml", "--out", str(out),
+                 "--dry-run", "--format", "json"]) == 0  # fmt: skip
+    pods = json.loads(capsys.readouterr().out)["pods"]
+    assert [p["host"] for p in pods] == list(range(8)) and not out.exists()
+    procs = [(p["host"], q) for p in pods for q in p["processes"]]
+    policy = [(h, q) for h, q in procs if q["role"] == "policy_train"]
+    assert [(h, q["rank"]) for h, q in policy] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert len({q["coordinator"] for _, q in policy}) == 1
+    assert all(q["env"]["XLA_FLAGS"].endswith(f"={len(q['chips'])}") for _, q in procs)
+    servers = [q for _, q in procs if q["kind"] == "serve"]
+    assert servers and all("serving.vllm.fake_server" in q["command"] for q in servers)
