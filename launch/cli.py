@@ -201,7 +201,10 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
     if (penv is not None or n > 1) and args.command not in MULTI_PROCESS:
         return _fail(args.command, f"runs as one process (run.processes={n}, "
                      f"{distributed.PROCESSES_ENV}={os.environ.get(distributed.PROCESSES_ENV)}): "
-                     f"only {', '.join(MULTI_PROCESS)} run as several JAX processes so far",
+                     f"only {', '.join(MULTI_PROCESS)} run as several JAX processes"
+                     + (" (the demo is a one-machine CPU experiment: run its stages' jobs, "
+                        "train-sim and train-agent, with --run.processes instead)"
+                        if args.command == "demo" else ""),
                      EXIT_USAGE)  # fmt: skip
     # train-agent's own dry run lists its servers too: it shows them for one process
     if (

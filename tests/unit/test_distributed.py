@@ -76,9 +76,9 @@ def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp
     assert main(["train-sim", *common, "--run.processes", "3", "--dry-run"]) == 2
     assert "split the chips of chips.roles.sim_train" in capsys.readouterr().err
     assert main(["demo", *common, "--run.processes", "2"]) == 2
-    assert "only pretrain-sim, train-sim, train-agent run as several JAX processes" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "only pretrain-sim, train-sim, train-agent run as several JAX processes" in err
+    assert "one-machine CPU experiment" in err
 
 
 def test_rehearse_rebases_the_pod_paths_and_refuses_a_cpu_plan(tmp_path, capsys):
