@@ -66,6 +66,8 @@ OVERRIDES: dict[str, Any] = {
     "vllm.start_stagger_s": 0.0,
 }
 """What the rehearsal shrinks, besides the models; batch sizes are set from the meshes."""
+PORTS = 64
+"""Ports a rehearsal reserves for its servers, and as many for the TPU and coordinator ports."""
 DEMOS = 16
 """Scripted episodes in real bash that stand in for the simulator's real trajectories."""
 WAIT_S = 1500.0
@@ -108,6 +110,13 @@ def _mesh_rows(mesh) -> int:
     return mesh.data * mesh.fsdp
 
 
+def _pod_prefixes(cfg: SimloopConfig, target: str) -> list[str]:
+    """The absolute paths of a pod's file system that the rehearsal moves under `out/fs`."""
+    from launch.deploy.gke import CONFIG_DIR
+
+    return [CONFIG_DIR, "/mnt", "/ckpt"] + ([cfg.gke.mount_path] if target == "gke" else [])
+
+
 def _free_base(n: int) -> int:
     """The first of `n` consecutive ports free on 127.0.0.1 now."""
     import random
@@ -134,9 +143,11 @@ def _free_base(n: int) -> int:
 def rehearsal_config(cfg: SimloopConfig, out: Path, target: str, *,
                      write: bool = True) -> tuple[SimloopConfig, Path]:  # fmt: skip
     """The config as rehearsed (see the module docstring), written where the pods read it
-    (`out/fs/config/config.yaml`); returns it, loaded back from there, and its path."""
-    from launch.config import load_config
-    from launch.config.loading import dump_config
+    (`out/fs/config/config.yaml`) unless `write` is false; returns it, read back from that
+    text, and its path."""
+    import yaml
+
+    from launch.config.loading import build_config, dump_config
     from launch.deploy.gke import CONFIG_DIR
     from rl.data.tokenizer import TokenizerConfig
     from rl.model.config import tiny
@@ -154,26 +165,19 @@ def rehearsal_config(cfg: SimloopConfig, out: Path, target: str, *,
     cfg = _set(cfg, "orchestrator.batch_size", batch)
     cfg = _set(cfg, "train_sim.data.batch_size", _mesh_rows(cfg.simulator.mesh))
     cfg = _set(cfg, "vllm.command", [sys.executable, "-m", "serving.vllm.fake_server", "serve"])
-    n_ports = 64
-    cfg = _set(cfg, "chips.http_port_base", _free_base(n_ports))
-    cfg = _set(cfg, "chips.tpu_port_base", _free_base(n_ports))
+    base = _free_base(2 * PORTS)  # one free range: the HTTP ports, then the TPU/coordinator ones
+    cfg = _set(cfg, "chips.http_port_base", base)
+    cfg = _set(cfg, "chips.tpu_port_base", base + PORTS)
     fs = out / "fs"
-    prefixes = [CONFIG_DIR, "/mnt", "/ckpt"]
-    if target == "gke":
-        prefixes.append(cfg.gke.mount_path)
+    prefixes = _pod_prefixes(cfg, target)
     text = _rebase(dump_config(cfg), prefixes, fs)
-    path = _rebase(f"{CONFIG_DIR}/config.yaml", prefixes, fs)
-    if not write:
-        import yaml
-
-        from launch.config.loading import build_config
-
-        return build_config(SimloopConfig, yaml.safe_load(text)), Path(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(text)
-    for p in prefixes:
-        Path(_rebase(p, prefixes, fs)).mkdir(parents=True, exist_ok=True)
-    return load_config(SimloopConfig, path), Path(path)
+    path = Path(_rebase(f"{CONFIG_DIR}/config.yaml", prefixes, fs))
+    if write:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        for p in prefixes:
+            Path(_rebase(p, prefixes, fs)).mkdir(parents=True, exist_ok=True)
+    return build_config(SimloopConfig, yaml.safe_load(text)), path
 
 
 def _models(cfg: SimloopConfig) -> None:
@@ -251,8 +255,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not command:
         raise UsageError(f"{target}: the config names no trainer command "
                          f"({'gke' if target == 'gke' else 'tpu_vm'}.command)")  # fmt: skip
-    prefixes = ["/config", "/mnt", "/ckpt"] + ([cfg.gke.mount_path] if target == "gke" else [])
-    command = [_rebase(w, prefixes, out / "fs") for w in command]
+    command = [_rebase(w, _pod_prefixes(cfg, target), out / "fs") for w in command]
     work = out / "work"
     if getattr(args, "dry_run", False):
         rcfg, config_path = rehearsal_config(cfg, out, target, write=False)

@@ -192,12 +192,14 @@ def session(cfg: SimloopConfig, out: Path):
     else:
         tasks, eval_tasks = agent_tasks(cfg)
 
-    def sim_trainer(optim, steps: int):
-        return _trainer(cfg, "simulator", load_tokenizer(cfg.simulator.tokenizer), optim=optim,
-                        steps=steps, loss="sft")  # fmt: skip
+    cotrain = None
+    if cfg.orchestrator.arm == "gated":
+        sim_tok = load_tokenizer(cfg.simulator.tokenizer)
 
-    cotrain = SimCoTraining(cfg.train_sim, cfg.env.shell.simulated, cfg.simulator.tokenizer,
-                            sim_trainer)  # fmt: skip
+        def sim_trainer(optim, steps: int):
+            return _trainer(cfg, "simulator", sim_tok, optim=optim, steps=steps, loss="sft")
+
+        cotrain = SimCoTraining(cfg.train_sim, cfg.env.shell.simulated, sim_tok, sim_trainer)
     harness = HarnessSetup(cfg.harness, lambda agent, written: running_middleware(
         cfg, out, agent, on_written=written))  # fmt: skip
     return RLSession(

@@ -28,7 +28,7 @@ from typing import Any
 
 from envs.config import SimulatedShellConfig
 from rl.data import rundir
-from rl.data.tokenizer import TokenizerConfig
+from rl.data.tokenizer import Tokenizer
 from rl.orchestrator.config import GateConfig
 from rl.train.config import OptimConfig, TrainSimConfig
 
@@ -42,12 +42,12 @@ SIM_WEIGHTS = "sim"
 @dataclass(frozen=True)
 class SimCoTraining:
     """What co-training the simulator takes from the job: its SFT settings and original data
-    (`train_sim`), the simulated shell's prompt settings, its tokenizer, and a factory of its
-    trainer on the simulator trainer's chips (`trainer(optim, steps)`)."""
+    (`train_sim`), the simulated shell's prompt settings, its tokenizer (loaded), and a factory
+    of its trainer on the simulator trainer's chips (`trainer(optim, steps)`)."""
 
     train_sim: TrainSimConfig
     simulated: SimulatedShellConfig
-    tokenizer: TokenizerConfig
+    tokenizer: Tokenizer
     trainer: Callable[[OptimConfig, int], Any]
 
 
@@ -75,14 +75,13 @@ class SimCoTrainer:
 
     def _build(self):
         from envs.tasks import is_heldout
-        from rl.data import load_tokenizer
         from rl.data.trajectory import canonical_order, load_trajectories
 
         tcfg = self.sim.train_sim
         base = canonical_order(load_trajectories(tcfg.trajectories)) if tcfg.trajectories else []
         # The simulator's own training split: its held-out tasks stay held out.
         self._base = [t for t in base if not is_heldout(t.task_id, tcfg.heldout_fraction)]
-        self._tok = load_tokenizer(self.sim.tokenizer)
+        self._tok = self.sim.tokenizer
         optim = OptimConfig(lr=self.gate.cotrain_lr, warmup_steps=0, min_lr_ratio=1.0,
                             clip_norm=tcfg.optim.clip_norm)  # fmt: skip
         self._trainer = self.sim.trainer(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from serving.lifetime import child_env
 from serving.vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
@@ -213,8 +214,6 @@ def clear_stale_libtpu_lock(path: str | os.PathLike = LIBTPU_LOCKFILE) -> bool:
 def default_spawn(argv: list[str], env: dict[str, str], log_file: IO[bytes]) -> ProcessHandle:
     """Start `argv` in its own session, so stopping it also stops the engine processes it
     forks."""
-    from serving.lifetime import child_env
-
     # vLLM itself ignores SIMLOOP_PARENT_PID; simloop's fake vLLM ends with its job.
     return subprocess.Popen(argv, env=child_env(env), stdout=log_file, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
