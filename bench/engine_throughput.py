@@ -14,8 +14,9 @@
     .venv/bin/python bench/engine_throughput.py
     .venv/bin/python bench/engine_throughput.py --quick      # smaller, for a smoke test
 
-Targets (DESIGN.md §7, issue 23): >= 5x HF at tiny and >= 2x at 50M, >= 10x sequential, >= 2x
-on the 10-turn session; the long pool within 1.2x of the short one (tokens/s ratio >= 0.83).
+Targets (docs/architecture.md §7, issue 23): >= 5x HF at tiny and >= 2x at 50M, >= 10x
+sequential, >= 2x on the 10-turn session; the long pool within 1.2x of the short one (tokens/s
+ratio >= 0.83).
 """
 
 from __future__ import annotations

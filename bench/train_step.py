@@ -12,7 +12,7 @@
     .venv/bin/python bench/train_step.py
     .venv/bin/python bench/train_step.py --quick      # smaller, for a smoke test
 
-Targets (DESIGN.md §7): a compiled step with MFU reported against a measured peak; async
+Targets (docs/architecture.md §7): a compiled step with MFU reported against a measured peak; async
 (S=2) wall-clock <= 0.7x sync (S=0) under straggler-heavy episode lengths.
 """
 

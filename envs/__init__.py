@@ -1,5 +1,5 @@
 """Shells (local, E2B, simulated), the terminal env, task suites, rewards and fidelity metrics
-(DESIGN.md §3).
+(docs/architecture.md §3).
 
 - `envs.shell`: the `Shell` protocol, `Observation`, `TaskSetup`, output capping.
 - `envs.local` (`LocalShell`), `envs.e2b` (`E2BShell`, `sweep`), `envs.simulated`

@@ -82,7 +82,8 @@ DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middlewa
            "pretrain-sim", "train-sim")  # fmt: skip
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b", "rehearse")
-# The embedded default (DESIGN §6): `simloop demo` without --config runs the CPU demo's config.
+# The embedded default (docs/architecture.md §6): `simloop demo` without --config runs the CPU
+# demo's config.
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
 TRACEBACK_ENV = "SIMLOOP_TRACEBACK"
 

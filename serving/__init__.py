@@ -1,2 +1,2 @@
 """Decoding behind one HTTP API: the JAX engine, the aiohttp server, the async client, and the
-vllm-tpu launcher (DESIGN.md §2, §4)."""
+vllm-tpu launcher (docs/architecture.md §2, §4)."""

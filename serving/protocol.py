@@ -1,4 +1,5 @@
-"""The OpenAI/vLLM-compatible request and response shapes (DESIGN.md §4), without aiohttp.
+"""The OpenAI/vLLM-compatible request and response shapes (docs/architecture.md §4), without
+aiohttp.
 
 Parsing turns a JSON body into a validated `CompletionRequest` or raises `ApiError` naming the
 field and what is allowed; the builders turn engine outputs into OpenAI-shaped dicts. simloop

@@ -3,8 +3,9 @@
     simloop serve --preset tiny --port 8000
     curl -s localhost:8000/v1/completions -d '{"prompt": "hi", "max_tokens": 8}'
 
-Routes (DESIGN.md §4): `POST /v1/completions`, `POST /v1/chat/completions` (both with SSE
-streaming), `GET /v1/models`, `GET /health`, `GET /metrics`, and the bearer-token admin routes
+Routes (docs/architecture.md §4): `POST /v1/completions`, `POST /v1/chat/completions` (both
+with SSE streaming), `GET /v1/models`, `GET /health`, `GET /metrics`, and the bearer-token
+admin routes
 `POST /admin/load_weights` and `GET /admin/version`, and the persistent KV sessions
 (`/v1/sessions`, `.../{id}/generate`, `.../{id}/rewind`, `DELETE .../{id}`). Every error is
 OpenAI-shaped JSON, aiohttp's own answers to malformed requests too (`serving.connections`), a 4xx

@@ -37,7 +37,7 @@ def _dns_name(cls: str, name: str, value: object, max_len: int = 40) -> None:
 
 @dataclass(frozen=True)
 class ChipsConfig:
-    """How the chips of an accelerator are split between roles (DESIGN.md §5).
+    """How the chips of an accelerator are split between roles (docs/architecture.md §5).
 
     Roles ending in `_serve` are inference servers (an HTTP port and their own compile cache
     each); the others are trainers. `cpu-N` plans N fake CPU devices the same way, which is

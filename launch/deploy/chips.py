@@ -1,5 +1,5 @@
 """The chip partition planner: which chips of a TPU slice (or fake CPU devices) each role gets,
-and the environment every process needs to see only its own (DESIGN.md §5).
+and the environment every process needs to see only its own (docs/architecture.md §5).
 
     simloop plan-chips --accelerator v6e-8 --roles policy_train=4,agent_serve=2,sim_serve=2
     simloop plan-chips --accelerator v6e-8 --roles policy_train=4,agent_serve=1,sim_serve=1 \

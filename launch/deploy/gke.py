@@ -1,5 +1,5 @@
 """`simloop gke render`: the Kubernetes manifests that run a simloop job on a GKE TPU slice, and
-the pod entry (`gke_pod`) that starts each host's share of the chip plan (DESIGN.md §5).
+the pod entry (`gke_pod`) that starts each host's share of the chip plan (docs/architecture.md §5).
 
     simloop gke render --config configs/gke-v6e-32.yaml > jobset.yaml
     simloop gke render --config configs/gke-v6e-8.yaml --output jobset.yaml

@@ -1,5 +1,5 @@
 """The GKE pod entry: start this TPU host's share of the chip plan (`simloop gke render` puts
-it in every pod of the JobSet; DESIGN.md §5).
+it in every pod of the JobSet; docs/architecture.md §5).
 
 How a pod finds its processes. Kubernetes sets JOB_COMPLETION_INDEX in every pod of an
 Indexed Job; with one Job per JobSet that index is the TPU host index 0 .. hosts-1 (JobSet

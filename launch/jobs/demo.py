@@ -1,4 +1,5 @@
-"""`simloop demo`: the whole pipeline (DESIGN.md §1) on CPU with tiny models, in minutes.
+"""`simloop demo`: the whole pipeline (docs/architecture.md §1) on CPU with tiny models, in
+minutes.
 
     simloop demo --out runs/demo                     # configs/demo_cpu.yaml, ~15 min on 2 cores
     simloop demo --config configs/demo_cpu.yaml --out runs/demo --quick   # ~3 min, CI-sized

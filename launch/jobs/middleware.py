@@ -1,5 +1,5 @@
 """`simloop middleware`: Anthropic Messages and OpenAI chat for unmodified agent harnesses, in
-front of an agent server, writing token-exact trajectories (DESIGN.md §9).
+front of an agent server, writing token-exact trajectories (docs/architecture.md §9).
 
     simloop middleware --config configs/demo_cpu.yaml --out runs/mw --middleware.port 8300
     simloop middleware --config configs/v6e-8.yaml --out runs/mw \\

@@ -367,7 +367,7 @@ def _section_tail(metrics: list[dict]) -> str:
         active = list(m["active_per_turn"]) + [None] * (width - len(m["active_per_turn"]))
         body.append([m.get("stage", "?"), m.get("arm", "–"), m.get("episodes")] + active)
     return ('<p class="note">Episodes still running at each turn index: the tail of a batch '
-            "(DESIGN §8, stragglers).</p>" + _table(header, body))  # fmt: skip
+            "(docs/architecture.md §8, stragglers).</p>" + _table(header, body))  # fmt: skip
 
 
 def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: list[dict]) -> str:

@@ -1,5 +1,6 @@
-"""The run directory every subcommand writes (DESIGN §4): its file names, in one place, and the
-metrics log that jobs, trainers and the orchestrator append to (mirrored to TensorBoard and, when
+"""The run directory every subcommand writes (docs/architecture.md §4): its file names, in one
+place, and the metrics log that jobs, trainers and the orchestrator append to (mirrored to
+TensorBoard and, when
 `configure_wandb` turned it on, W&B: `rl.data.metrics_sinks`).
 
     <run>/config.yaml  metrics.jsonl  eval.json  fidelity.json  summary.json  report.html

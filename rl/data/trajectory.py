@@ -1,5 +1,5 @@
-"""The trajectory: one episode, the unit every stage trades (DESIGN.md §4), with its validator,
-JSON form and atomic JSONL shards.
+"""The trajectory: one episode, the unit every stage trades (docs/architecture.md §4), with its
+validator, JSON form and atomic JSONL shards.
 
 A trajectory holds the episode's turns as text (what the agent wrote, the command, the real
 observation and return code) and its token view for training. Token-view conventions:

@@ -1,7 +1,7 @@
 """Weight publishing: after a trainer saves version v, make the inference servers serve it.
 
-Trainers and servers meet only here and in checkpoints (DESIGN §3): `rl/train` knows the
-`WeightPublisher` Protocol; implementations that speak HTTP live with the servers
+Trainers and servers meet only here and in checkpoints (docs/architecture.md §3): `rl/train`
+knows the `WeightPublisher` Protocol; implementations that speak HTTP live with the servers
 (`serving/publisher.py`: the JAX engine's `/admin/load_weights`; `serving/vllm`: vllm-tpu's
 worker extension over `/collective_rpc`). `InMemoryPublisher` is the test double.
 """

@@ -100,7 +100,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """The policy-gradient loss (DESIGN §8: sampler/trainer mismatch, stragglers)."""
+    """The policy-gradient loss (docs/architecture.md §8: sampler/trainer mismatch, stragglers)."""
 
     advantage: str = "grpo"
     """`grpo`: reward minus the group mean (divided by the group std when `std_norm`);

@@ -1,4 +1,5 @@
-"""vllm-tpu as simloop's inference server (DESIGN.md §5): start it, and publish weights to it.
+"""vllm-tpu as simloop's inference server (docs/architecture.md §5): start it, and publish
+weights to it.
 
     launcher          `vllm serve` per serving process of the chip plan, health-checked
     worker_extension  `OrbaxWeightLoader`, loaded into vLLM's workers (`--worker-extension-cls`)

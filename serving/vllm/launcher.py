@@ -7,7 +7,7 @@
     stop_servers(servers)
 
 Each server is one `vllm serve` process, pinned to its chips by the plan's environment
-(DESIGN §5), with simloop's worker extension and `VLLM_SERVER_DEV_MODE=1` so that
+(docs/architecture.md §5), with simloop's worker extension and `VLLM_SERVER_DEV_MODE=1` so that
 `serving.vllm.publisher` can swap weights over `/collective_rpc`. A stale libtpu lockfile is
 cleared first; servers start `start_stagger_s` apart and must answer `GET /health` with 200
 within `health_timeout_s`. A server that exits or times out stops all of them and raises
@@ -92,8 +92,9 @@ def build_vllm_command(
     """The `vllm serve` argv for one server process (`cfg.command` first): tensor-parallel
     over all its chips.
 
-    `host` defaults to loopback (DESIGN §4): dev mode exposes `/collective_rpc`, which runs
-    methods on the workers without authentication; bind wider only on a private network."""
+    `host` defaults to loopback (docs/architecture.md §4): dev mode exposes `/collective_rpc`,
+    which runs methods on the workers without authentication; bind wider only on a private
+    network."""
     if process.http_port is None:
         raise ValueError(f"process of role {process.role!r} has no http_port: not a server")
     if not process.chips:
