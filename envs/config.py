@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl.data.trajectory import TRIAL_REWARDS  # the trajectory records which one it ran under
+
 TEXTOPS_OPS = ("reverse", "upper", "sort", "count", "write_read")
 STRING_OPS = ("reverse", "upper", "sort", "count")
 """The textops operations on a word that the utility grammar writes commands for."""
@@ -40,7 +42,6 @@ DEFAULT_TRIAL_FEEDBACK_TEMPLATE = (
     "starting state. Try again."
 )
 TRIAL_FEEDBACK_FIELDS = ("trial", "trials", "outcome", "verdict", "submission")
-TRIAL_REWARDS = ("first_success", "per_trial")
 
 DEFAULT_FORMAT_ERROR_TEMPLATE = """Format error: {reason}
 

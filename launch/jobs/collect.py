@@ -91,7 +91,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
             renderer,
             job_backends(cfg),
             client=client,
-            sink=sink,
+            sinks=(sink,),
         )
         try:
             await runner.run(episodes)

@@ -175,7 +175,7 @@ def gating_summary(out: Path) -> dict[str, Any]:
                     "episodes": sum(by_arm.values())}  # fmt: skip
     units: dict[str, Counter] = defaultdict(Counter)
     for t in episodes(out / "gated", "rl"):
-        units[str(t.meta.get("gate_unit", "?"))][t.arm] += 1
+        units[t.gate_unit or "?"][t.arm] += 1
     got["gated"]["sim_share_by_family"] = {
         u: round(c["closed_loop"] / sum(c.values()), 4) for u, c in sorted(units.items())
     }

@@ -110,8 +110,8 @@ async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
                 writer.add(traj)
                 progress.advance(bar)
 
-            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer,
-                                   job_backends(cfg, clients["simulator"]), sink=sink)  # fmt: skip
+            backends = job_backends(cfg, clients["simulator"])
+            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, backends, sinks=(sink,))
             try:
                 replays = await runner.run([], replay=trajs)
             finally:

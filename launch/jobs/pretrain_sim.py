@@ -76,11 +76,11 @@ def transcripts(path: Path, cfg: Any, n: int, *, offset: int, concurrency: int) 
         )
         for j, (turn, cmd) in enumerate(zip(turns, res.case.commands, strict=True)):
             trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-{j}", turns=[turn],
-                                    meta={"kind": cmd.kind}, **common))  # fmt: skip
+                                    task_kind=cmd.kind, **common))  # fmt: skip
         if res.case.session and len(turns) > 1:
             trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-s",
                                     turns=turns[: cfg.session_turns],
-                                    meta={"kind": "session"}, **common))  # fmt: skip
+                                    task_kind="session", **common))  # fmt: skip
     write_jsonl(path, trajs)
     return trajs
 
@@ -198,12 +198,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         examples, n_drill = examples + extra, extra_stats.examples
     short = [e for e in examples if len(e["tokens"]) <= p.short_data.seq_len + 1]
     evals, kinds = labelled_sim_examples(
-        [t for t in held if t.meta.get("kind") != "session"], lambda t: t.meta["kind"], tok,
+        [t for t in held if t.task_kind != "session"], lambda t: t.task_kind, tok,
         max_len=p.data.seq_len + 1, **prompt,
     )  # fmt: skip
     # A session's later commands, each after the turns before it: the "session" row.
     later, _ = labelled_sim_examples(
-        [t for t in held if t.meta.get("kind") == "session"], lambda t: "session", tok,
+        [t for t in held if t.task_kind == "session"], lambda t: "session", tok,
         min_turn=1, max_len=p.data.seq_len + 1, **prompt,
     )  # fmt: skip
     evals, kinds = evals + later, kinds + ["session"] * len(later)

@@ -100,7 +100,7 @@ async def _rollout(cfg: SimloopConfig, out: Path, args) -> dict:
                 progress.update(bar, advance=1, description=text)
 
             runner = RolloutRunner(ocfg, cfg.env.terminal, agent_renderer, backends,
-                                   client=clients.get("agent"), sink=sink)  # fmt: skip
+                                   client=clients.get("agent"), sinks=(sink,))  # fmt: skip
             try:
                 await runner.run(tasks, replay=replay)
             finally:

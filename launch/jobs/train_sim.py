@@ -124,21 +124,21 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
 
 
 def weighted_by_kind(trajs: list, weights: dict[str, int] | None) -> list:
-    """Each trajectory as many times as `weights` gives its `meta.task_kind` (once when not
+    """Each trajectory as many times as `weights` gives its `task_kind` (once when not
     named), in place: the canonical order stays, the dataset's shuffle mixes the copies."""
     if not weights:
         return trajs
-    return [t for t in trajs for _ in range(weights.get(str(t.meta.get("task_kind")), 1))]
+    return [t for t in trajs for _ in range(weights.get(str(t.task_kind), 1))]
 
 
 def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):
     """An `sft_loop` hook that scores the held-out trajectories' examples every
-    `tcfg.eval_every` steps (greedy exact match by `meta.task_kind`) into `log`."""
+    `tcfg.eval_every` steps (greedy exact match by `task_kind`) into `log`."""
     from rl.data.datasets import labelled_sim_examples
     from rl.train.loop import greedy_exact_by_group
 
     examples, kinds = labelled_sim_examples(
-        trajs, lambda t: str(t.meta.get("task_kind") or "all"), tok,
+        trajs, lambda t: t.task_kind or "all", tok,
         max_len=tcfg.data.seq_len + 1, **prompt,
     )  # fmt: skip
     if not examples:

@@ -18,6 +18,11 @@ observation and return code) and its token view for training. Token-view convent
 Multi-trial episodes (`env.terminal.trials` > 1) list their `trials`: consecutive turn ranges
 `[start_turn, end_turn)` covering every turn, each with its own reward, status and the hash of
 the workspace it started from. A single-trial episode has none (as before trials existed).
+
+What code decides on is a typed field (`group_index`, `admitted_version`, `task_kind`,
+`trial_reward`, `gate_unit`, `replica_down`, `exclusion`); `meta` is provenance only (nothing
+branches on it) and may not hold those names. Schema 1 files kept them in `meta`: the loader
+moves them onto the fields (`_upgrade_v1`).
 """
 
 from __future__ import annotations
@@ -37,11 +42,31 @@ from rl.data.chat import ROLES, ChatRenderer, Message, generation_prompt
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the control flags are typed fields, no longer `meta` keys (schema 1 still loads)."""
 ARMS = ("real", "replay", "closed_loop", "mixed", "imported")
 STATUSES = ("ok", "truncated", "aborted", "timeout", "error")
 SOURCES = ("sampler", "rendered")
 ENV_ROLES = ("user", "tool", "system")
+TRIAL_REWARDS = ("first_success", "per_trial")
+"""How a multi-trial episode's `reward` and advantages read its trials (`env.terminal`)."""
+EXCLUSION_KINDS = ("masked_group", "dropped", "stale", "unreplayable", "earlier_segment",
+                   "over_rows")  # fmt: skip
+"""Why the trainer does not train on an episode: `masked_group`, a sibling of its group failed
+(group-relative advantages need every sibling); `dropped`, it failed and is left out alone
+(`orchestrator.failed_sibling: drop_episode`); `stale`, its group was admitted more than
+`max_staleness` versions before the trainer; `unreplayable`, its tokens cannot be replayed in
+one training forward (a compacted session the server recomputed uncompacted); `earlier_segment`,
+a harness rollout's earlier segment under `reward_mode: last_segment`; `over_rows`, the batch
+had more segments than rows."""
+CONTROL_FIELDS = ("group_index", "admitted_version", "task_kind", "trial_reward", "gate_unit",
+                  "replica_down", "exclusion")  # fmt: skip
+CONTROL_META_KEYS = (*CONTROL_FIELDS, "masked", "masked_reason", "dropped", "stale")
+"""Names `meta` may not hold: the typed fields, and the schema 1 keys the loader maps onto
+them (a harness's `meta` naming one is refused, so no file can mean two things)."""
+_LEGACY_MIRROR = ("group_index",)
+"""Fields also written into the file's `meta` (schema 2 readers drop the copy): raw-JSON readers
+written against schema 1 (tests/integration/test_train_agent.py) read `meta.group_index`."""
 
 _CONTAINERS = (
     ("group_id", str),
@@ -93,6 +118,23 @@ class Turn:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Exclusion:
+    """Why the trainer leaves an episode out; the episode is still stored, marked."""
+
+    kind: str
+    """One of `EXCLUSION_KINDS`."""
+    reason: str
+    """What happened, in words (for the run's reader; no code parses it)."""
+
+    def __post_init__(self):
+        if self.kind not in EXCLUSION_KINDS:
+            raise ValueError(f"exclusion.kind={self.kind!r} is invalid: one of "
+                             f"{list(EXCLUSION_KINDS)}")  # fmt: skip
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError(f"exclusion.reason={self.reason!r} is invalid: a non-empty string")
+
+
 @dataclass
 class Trial:
     """One attempt of a multi-trial episode: `turns[start_turn:end_turn]`."""
@@ -138,6 +180,8 @@ class Trajectory:
     tokenizer: str | None = None
     """Which tokenizer produced `token_ids` (e.g. `byte`, or an HF path)."""
     meta: dict[str, Any] = field(default_factory=dict)
+    """Provenance only (where it came from, what a harness reported): nothing decides on it,
+    and it may not hold a name of `CONTROL_META_KEYS`."""
     trials: list[Trial] = field(default_factory=list)
     """Multi-trial episodes: the attempts, in order (empty for a single trial)."""
     kv_epochs: list[dict[str, Any]] = field(default_factory=list)
@@ -149,12 +193,33 @@ class Trajectory:
     """Segments of one harness rollout (`simloop middleware`) share it: `loss.aggregation:
     rollout_mean` weighs every rollout equally, however many segments it split into. Empty:
     the episode is its own rollout."""
+    group_index: int | None = None
+    """Position in its group (the canonical order sorts by it); None outside a sampled group."""
+    admitted_version: int | None = None
+    """The trainer's version when admission let the episode start (the staleness bound is
+    checked against it); None when no admission controller ran it."""
+    task_kind: str | None = None
+    """The task's kind (`Task.kind`, e.g. a textops operation), what fidelity and SFT weights
+    group by; None when unknown."""
+    trial_reward: str | None = None
+    """Multi-trial episodes: one of `TRIAL_REWARDS`, how `reward` and advantages read the trials
+    (`per_trial`: per-trial advantages); None for a single trial."""
+    gate_unit: str | None = None
+    """The `gated` arm's routing unit of the task; None outside that arm."""
+    replica_down: str | None = None
+    """The server replica (URL) that went down under the episode, which aborted it."""
+    exclusion: Exclusion | None = None
+    """Why the trainer leaves it out (the first decision that did); None: trainable, as far as
+    the orchestrator knows (the trainer still skips unusable statuses)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = plain(self)
         for turn in data["turns"]:
             if turn["token_span"] is not None:
                 turn["token_span"] = list(turn["token_span"])
+        for name in _LEGACY_MIRROR:
+            if data[name] is not None:
+                data["meta"] = {**data["meta"], name: data[name]}
         return {"schema": SCHEMA_VERSION, **data}
 
     @classmethod
@@ -164,8 +229,19 @@ class Trajectory:
             raise ValueError(f"a trajectory must be a JSON object, got {type(data).__name__}")
         data = dict(data)
         schema = data.pop("schema", None)
-        if schema != SCHEMA_VERSION:
-            raise ValueError(f"schema={schema!r} is invalid: this simloop reads {SCHEMA_VERSION}")
+        if schema == 1:
+            data = _upgrade_v1(data)
+        elif schema == SCHEMA_VERSION:
+            data = _drop_mirror(data)
+        else:
+            raise ValueError(f"schema={schema!r} is invalid: this simloop reads 1 and "
+                             f"{SCHEMA_VERSION}")  # fmt: skip
+        exclusion = data.get("exclusion")
+        if exclusion is not None:
+            if not isinstance(exclusion, Mapping):
+                raise ValueError(f"exclusion={exclusion!r} is invalid: "
+                                 '{"kind": ..., "reason": ...} or null')  # fmt: skip
+            data["exclusion"] = Exclusion(**_known(Exclusion, dict(exclusion), "exclusion"))
         raw_turns = data.get("turns", [])
         if not isinstance(raw_turns, list):
             raise ValueError(f"turns={type(raw_turns).__name__} is invalid: a list")
@@ -192,6 +268,63 @@ def _known(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}")
     return data
+
+
+_LEGACY_DROPPED = (
+    ("reward_mode last_segment", "earlier_segment"),
+    ("the server forgot", "unreplayable"),
+    ("the batch had more segments", "over_rows"),
+)
+"""Schema 1 wrote `meta.dropped` as True (a failed episode, `drop_episode`) or as one of these
+reasons; the kind each maps to."""
+
+
+def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema 1 record with its control flags moved from `meta` onto the typed fields."""
+    meta = data.get("meta")
+    if not isinstance(meta, dict):
+        return data  # validation names the bad `meta`
+    meta, data = dict(meta), dict(data)
+    for name in ("group_index", "admitted_version", "task_kind", "trial_reward", "gate_unit",
+                 "replica_down"):  # fmt: skip
+        if name in meta:
+            data[name] = meta.pop(name)
+    if "kind" in meta and data.get("task_kind") is None:  # `simloop pretrain-sim`'s command kind
+        data["task_kind"] = meta.pop("kind")
+    if "unit" in meta and meta.get("shadow"):  # a gated run's shadow replay
+        data["gate_unit"] = meta.pop("unit")
+    if data.get("task_kind") == "":
+        data["task_kind"] = None
+    masked, masked_reason = meta.pop("masked", None), meta.pop("masked_reason", None)
+    dropped, stale = meta.pop("dropped", None), meta.pop("stale", None)
+    exclusion = None
+    if masked:
+        exclusion = {"kind": "masked_group", "reason": masked_reason or "a sibling failed"}
+    elif isinstance(dropped, str) and dropped.strip():
+        kind = next((k for prefix, k in _LEGACY_DROPPED if dropped.startswith(prefix)), "dropped")
+        exclusion = {"kind": kind, "reason": dropped}
+    elif dropped:
+        exclusion = {"kind": "dropped", "reason": "it failed (orchestrator.failed_sibling: "
+                     f"drop_episode): {data.get('reason') or data.get('status')}"}  # fmt: skip
+    elif stale:
+        exclusion = {"kind": "stale", "reason": f"admitted {stale} versions before the trainer"}
+    if exclusion is not None:
+        data["exclusion"] = exclusion
+    data["meta"] = meta
+    return data
+
+
+def _drop_mirror(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema 2 record without the `_LEGACY_MIRROR` copies in `meta` (each must agree)."""
+    meta = data.get("meta")
+    if not isinstance(meta, dict) or not any(k in meta for k in _LEGACY_MIRROR):
+        return data
+    meta = dict(meta)
+    for name in _LEGACY_MIRROR:
+        if name in meta and meta.pop(name) != data.get(name):
+            raise ValueError(f"meta[{name!r}]={data['meta'][name]!r} is invalid: "
+                             f"the copy of {name}={data.get(name)!r}")  # fmt: skip
+    return {**data, "meta": meta}
 
 
 def _turn_from_dict(data: Any, i: int) -> Turn:
@@ -294,11 +427,35 @@ def validate(traj: Trajectory) -> None:
         fail("source", traj.source, f"one of {list(SOURCES)}")
     if traj.arm == "imported" and traj.source != "rendered":
         fail("source", traj.source, "'rendered' for the imported arm (no sampler made its ids)")
+    _validate_control(traj, fail)
     for i, turn in enumerate(traj.turns):
         _validate_turn(traj, turn, i, fail)
     _validate_trials(traj, fail)
     _validate_tokens(traj, fail)
     _validate_kv_epochs(traj, fail)
+
+
+def _validate_control(traj: Trajectory, fail) -> None:
+    for name in ("group_index", "admitted_version"):
+        value = getattr(traj, name)
+        if value is not None and not (_is_int(value) and value >= 0):
+            fail(name, value, "an integer >= 0 or null")
+    for name in ("task_kind", "gate_unit", "replica_down"):
+        value = getattr(traj, name)
+        if value is not None and not (isinstance(value, str) and value):
+            fail(name, value, "a non-empty string or null")
+    if traj.trial_reward is not None and traj.trial_reward not in TRIAL_REWARDS:
+        fail("trial_reward", traj.trial_reward, f"one of {list(TRIAL_REWARDS)} or null")
+    if traj.replica_down is not None and traj.status != "aborted":
+        fail("replica_down", traj.replica_down, f"null when status is {traj.status!r} (a replica "
+             "that went down aborts the episode)")  # fmt: skip
+    if traj.exclusion is not None and not isinstance(traj.exclusion, Exclusion):
+        fail("exclusion", traj.exclusion, "an Exclusion(kind, reason) or null")
+    control = sorted(set(traj.meta) & set(CONTROL_META_KEYS))
+    if control:
+        fail(f"meta[{control[0]!r}]", traj.meta[control[0]], "not in meta: control flags are "
+             "typed fields (group_index, admitted_version, task_kind, trial_reward, gate_unit, "
+             "replica_down, exclusion); meta is provenance only")  # fmt: skip
 
 
 def _validate_kv_epochs(traj: Trajectory, fail) -> None:
@@ -570,7 +727,7 @@ def canonical_order(trajectories: Iterable[Trajectory]) -> list[Trajectory]:
     trainer that reads them in this order sees the same data stream in every run."""
 
     def key(t: Trajectory) -> tuple:
-        index = t.meta.get("group_index")
-        return (t.task_id, t.group_id, index if isinstance(index, int) else -1, to_json_line(t))
+        index = t.group_index if t.group_index is not None else -1
+        return (t.task_id, t.group_id, index, to_json_line(t))
 
     return sorted(trajectories, key=key)

@@ -1,7 +1,9 @@
 """The rollout buffer: live rollouts as the RL trainer's episode source (bounded staleness).
 
 Components: `RolloutBuffer.start()` runs `RolloutRunner.run(tasks)` as a background task; the
-runner delivers whole groups to the buffer's queue (and to an optional writer);
+runner delivers whole groups to its sinks, one of them the queue the buffer reads (the caller
+builds the runner with `sinks=(writer.add, queue.put_nowait)` and hands the buffer `queue=`;
+the buffer never rewires a runner);
 `next_batch()` hands the trainer `batch_size` episodes in which every generated token is at
 most S versions older than the trainer (admission bounds staleness only when an episode
 starts: stragglers beyond the bound are dropped, by whole group, and counted);
@@ -20,7 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from envs.tasks import Task
-from rl.data.trajectory import Trajectory
+from rl.data.trajectory import Exclusion, Trajectory
 from rl.orchestrator.runner import RolloutRunner
 
 CLOSE_GRACE_S = 15.0
@@ -41,7 +43,12 @@ def task_stream(tasks: Sequence[Task], groups: int, seed: int) -> list[Task]:
 
 
 class RolloutBuffer:
-    """`EpisodeSource` (rl/train/rollouts.py) over a `RolloutRunner`."""
+    """`EpisodeSource` (rl/train/rollouts.py) over a `RolloutRunner` that delivers into
+    `queue` (one of the runner's sinks is `queue.put_nowait`).
+
+    Without `queue` (the older form, still used by bench/train_step.py), the buffer runs a copy
+    of `runner` (`with_sinks`: same client, admission and metrics) that delivers to the runner's
+    sinks, then `sink`, then a queue of its own; `runner` itself is left as it was."""
 
     def __init__(
         self,
@@ -49,6 +56,7 @@ class RolloutBuffer:
         tasks: Sequence[Task],
         *,
         steps: int,
+        queue: asyncio.Queue[Trajectory] | None = None,
         seed: int = 0,
         sink: Callable[[Trajectory], None] | None = None,
         batch_timeout_s: float | None = None,
@@ -61,6 +69,17 @@ class RolloutBuffer:
             )
         if cfg.max_staleness is None:
             raise ValueError("RL needs orchestrator.max_staleness (0 = synchronous)")
+        if queue is None:
+            queue = asyncio.Queue()
+            runner = runner.with_sinks(*runner.sinks, *([sink] if sink else []), queue.put_nowait)
+        elif sink is not None:
+            raise ValueError(
+                "sink= goes with the older form (no queue=): give the runner "
+                "its sinks, RolloutRunner(..., sinks=(sink, queue.put_nowait))"
+            )
+        elif queue.put_nowait not in runner.sinks:
+            raise ValueError("the runner does not deliver to the buffer's queue: build it with "
+                             "RolloutRunner(..., sinks=(..., queue.put_nowait))")  # fmt: skip
         self.runner, self.batch_size = runner, cfg.batch_size
         groups_per_batch = cfg.batch_size // cfg.group_size
         # Enough groups for every step plus, with S > 0, what the staleness bound lets start
@@ -69,15 +88,9 @@ class RolloutBuffer:
         # real shells).
         extra = cfg.max_staleness + 1 if cfg.max_staleness else 0
         self.tasks = task_stream(tasks, (steps + extra) * groups_per_batch, seed)
-        self.sink, self.batch_timeout_s = sink, batch_timeout_s
-        self._queue: asyncio.Queue[Trajectory] = asyncio.Queue()
+        self.batch_timeout_s = batch_timeout_s
+        self._queue = queue
         self._task: asyncio.Task | None = None
-        runner.sink = self._deliver
-
-    def _deliver(self, traj: Trajectory) -> None:
-        if self.sink is not None:
-            self.sink(traj)
-        self._queue.put_nowait(traj)
 
     @property
     def admission(self):
@@ -130,16 +143,19 @@ class RolloutBuffer:
         """Admission bounds staleness when an episode starts; a straggler can still finish
         after newer episodes filled later batches. Such a group is not trained on (dropped
         whole: group-relative advantages need every sibling): it is counted in
-        `metrics.dropped_stale`, marked `meta.stale` (in memory: the writer stored it when it
-        finished) and its admission slots are given back. The servers serve the trainer's
+        `metrics.dropped_stale`, marked with a `stale` exclusion (in memory: the writer stored
+        it when it finished) and its admission slots are given back. The servers serve the trainer's
         version before it moves on (the trainer publishes, then calls `set_version`), so an
         episode's tokens are no older than its admission and the bound holds for every token."""
         now, bound = self.admission.version, self.admission.max_staleness
-        worst = max(now - t.meta.get("admitted_version", now) for t in group)
+        worst = max(now - (now if t.admitted_version is None else t.admitted_version)
+                    for t in group)  # fmt: skip
         if worst <= bound:
             return False
+        stale = Exclusion("stale", f"its group was admitted {worst} versions before the "
+                          f"trainer's {now}; max_staleness={bound}")  # fmt: skip
         for traj in group:
-            traj.meta["stale"] = worst
+            traj.exclusion = traj.exclusion or stale
             await self.admission.release()  # its place goes to a fresh episode
         self.runner.metrics.dropped_stale += len(group)
         log.info("dropped %d episode(s) of group %s: admitted %d versions ago, max_staleness=%d",

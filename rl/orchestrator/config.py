@@ -80,9 +80,10 @@ class OrchestratorConfig:
     group_size: int = 1
     """Episodes per task (group-relative advantages)."""
     failed_sibling: str = "mask_group"
-    """When an episode of a group ends in error/aborted/timeout: `mask_group` marks the whole
-    group `meta.masked` (the trainer skips it: advantages need every sibling); `drop_episode`
-    marks only that episode. Nothing is ever deleted: masked trajectories are still written."""
+    """When an episode of a group ends in error/aborted/timeout: `mask_group` excludes the whole
+    group (`exclusion.kind` `masked_group`: the trainer skips it, advantages need every
+    sibling); `drop_episode` excludes only that episode (`dropped`). Nothing is ever deleted:
+    excluded trajectories are still written."""
     mixed_real_fraction: float = 0.25
     """`mixed` arm: share of groups run in the real shell."""
     gate: GateConfig = field(default_factory=GateConfig)

@@ -12,7 +12,7 @@ shell; each turn keeps the real and the simulated observation side by side.
 Every abnormal end is a `status` with a `reason`: a server that keeps failing (`error`), a
 request timeout or the episode's wall-clock guard (`timeout`), a full context (`truncated`),
 cancellation at shutdown or a server replica that went down under the episode (`aborted`,
-`meta.replica_down` names it). A partial episode is never marked `ok`.
+`replica_down` names it). A partial episode is never marked `ok`.
 
 Each episode runs in a `serving.pool.pinned` scope: a `ReplicaPool` handed in as the agent
 client (or behind the simulated shell) keeps all of the episode's requests on one replica.
@@ -32,7 +32,7 @@ from envs.fidelity import compare_observations
 from envs.tasks import Task
 from envs.terminal import TrialEnv
 from rl.data.chat import ChatRenderer, Message
-from rl.data.trajectory import Trajectory, Trial, Turn, render_token_view
+from rl.data.trajectory import Exclusion, Trajectory, Trial, Turn, render_token_view
 from rl.orchestrator.config import OrchestratorConfig
 from serving.pool import Affinity, pinned
 
@@ -114,8 +114,8 @@ async def run_agent_episode(
         task_id=spec.task.id, arm=spec.arm, env_backend=spec.env_backend, status="aborted",
         reason="not started", group_id=spec.group_id, instruction=spec.task.instruction,
         setup_files=dict(spec.task.setup.files), tokenizer=type(renderer.tokenizer).__name__,
-        meta={"group_index": spec.index, "admitted_version": spec.admitted_version,
-              "task_kind": spec.task.kind},
+        group_index=spec.index, admitted_version=spec.admitted_version,
+        task_kind=spec.task.kind,
     )  # fmt: skip
     result = EpisodeResult(traj)
     env = TrialEnv(spec.task, shell_factory, terminal)
@@ -138,7 +138,7 @@ async def run_agent_episode(
         traj.reward = traj.reward if traj.status == "truncated" else None
     if terminal.trials > 1:
         traj.trials = _trials(env.trials, traj)
-        traj.meta["trial_reward"] = terminal.trial_reward  # how `reward` and advantages read
+        traj.trial_reward = terminal.trial_reward
     return result
 
 
@@ -248,10 +248,11 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
             if session.reopened:
                 result.trajectory.meta["session_reopened"] = session.reopened
             if session.recomputed_compacted:
-                result.trajectory.meta["dropped"] = (
+                result.trajectory.exclusion = result.trajectory.exclusion or Exclusion(
+                    "unreplayable",
                     "the server forgot the agent's compacted session mid-episode; reopened, "
                     "it recomputed the earlier tokens uncompacted, which one training forward "
-                    "cannot replay"
+                    "cannot replay",
                 )
             await asyncio.shield(session.close())
 
@@ -352,7 +353,7 @@ def _blame_replica(traj: Trajectory, affinity: Affinity) -> None:
     if affinity.failures and traj.status in ("error", "timeout", "aborted"):
         down = affinity.failures[0]
         traj.status, traj.reason = "aborted", str(down)
-        traj.meta["replica_down"] = down.url or "no live replica"
+        traj.replica_down = down.url or "no live replica"
 
 
 def _append_env(traj: Trajectory, ids: list[int]) -> None:
@@ -378,8 +379,7 @@ async def run_replay_episode(
         setup_files=dict(real.setup_files), prompt=list(real.prompt), source="rendered",
         behavior_logprobs=None, policy_version=None,
         tokenizer=type(renderer.tokenizer).__name__,
-        meta={"replayed": real.task_id, **({"task_kind": real.meta["task_kind"]}
-                                           if real.meta.get("task_kind") else {})},
+        task_kind=real.task_kind, meta={"replayed": real.task_id},
     )  # fmt: skip
     result = EpisodeResult(traj)
     sims = []

@@ -131,7 +131,8 @@ async def evaluate_policy(
     cfg = dataclasses.replace(
         ocfg, arm=arm, group_size=samples, max_staleness=None, seed=seed, mixed_real_fraction=0.0
     )
-    runner = RolloutRunner(cfg, terminal, renderer, backends, client=client, sink=sink)
+    runner = RolloutRunner(cfg, terminal, renderer, backends, client=client,
+                           sinks=() if sink is None else (sink,))  # fmt: skip
     began = time.perf_counter()
     episodes = await runner.run(list(tasks))
     result = score(episodes, tasks, arm, version)
@@ -169,7 +170,7 @@ def replay_fidelity(
     rates (cap hit, think leak, repetition, empty, malformed) next to the same rates of the
     real observations, and pair metrics by prompt length, by depth (the turns of the session
     before the command: the same axis whether or not the simulator's context was compacted or
-    cut), by command and by the replayed task's kind (`meta.task_kind`, e.g. the textops
+    cut), by command and by the replayed task's kind (`task_kind`, e.g. the textops
     operation)."""
     from envs.fidelity import (
         Hygiene,
@@ -204,8 +205,8 @@ def replay_fidelity(
             if isinstance(tokens, int):
                 keyed.append((tokens, m))
             by_command[command_key(turn.command or "")].append(m)
-            if traj.meta.get("task_kind"):
-                by_kind[str(traj.meta["task_kind"])].append(m)
+            if traj.task_kind:
+                by_kind[traj.task_kind].append(m)
     ranked = sorted(by_command.items(), key=lambda kv: -len(kv[1]))
     commands = {k: summarize_pairs(v) for k, v in ranked[:top_commands]}
     rest = [m for _, v in ranked[top_commands:] for m in v]

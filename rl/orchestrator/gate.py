@@ -255,8 +255,8 @@ class ShadowReplayer:
         if traj.arm != REAL or traj.status not in ("ok", "truncated") or not traj.turns:
             return
         unit = unit_of(task, self.router.cfg.unit)
-        step = traj.meta.get("admitted_version")
-        step = int(step) if isinstance(step, int) else (self.router.policy_version or 0)
+        step = traj.admitted_version
+        step = step if step is not None else (self.router.policy_version or 0)
         recent = self._recent[unit]
         recent.append((traj, task, step))
         if len(recent) > 4 * max(self.remeasure_n, 1):  # bounded: keep the latest, canonically
@@ -270,7 +270,7 @@ class ShadowReplayer:
 
         def key(item):
             traj, _, step = item
-            return (step, traj.group_id, traj.meta.get("group_index", 0), traj.task_id)
+            return (step, traj.group_id, traj.group_index or 0, traj.task_id)
 
         return sorted(recent, key=key)[-n:]
 
@@ -304,8 +304,8 @@ class ShadowReplayer:
             version = self.router.sim_version
             result = await self.replay(traj, task)
         replayed = result.trajectory
-        replayed.meta.update(shadow=True, sim_version=version, unit=unit,
-                             admitted_version=step)  # fmt: skip
+        replayed.gate_unit, replayed.admitted_version = unit, step
+        replayed.meta.update(shadow=True, sim_version=version)
         if replayed.status != "ok":
             self.failed += 1
             log.warning("shadow replay of %s ended %s: %s", traj.task_id, replayed.status,

@@ -44,6 +44,7 @@ from envs.backends import ShellFactory
 from envs.rewards import RewardContext, get_reward
 from envs.swe import upload_commands
 from envs.tasks import Task
+from rl.data.trajectory import Exclusion
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ class HarnessSource:
     trainer waits: synchronous RL), then hands over the trajectories the middleware wrote for
     them: its sink calls `collect`. A rollout may have split into several segments; when the
     batch holds more than `rows`, the earliest segments of the rollouts with the most are
-    marked `dropped` (kept on disk, not trained) and counted in `dropped_segments`."""
+    excluded (`over_rows`: kept on disk, not trained) and counted in `dropped_segments`."""
 
     def __init__(self, runner: HarnessRunner, tasks: list[Task], *, group_size: int,
                  groups: int, rows: int, steps: int, seed: int) -> None:  # fmt: skip
@@ -413,18 +414,19 @@ class HarnessSource:
 
 
 def fit_rows(trajectories: list, rows: int) -> int:
-    """Mark segments `dropped` until at most `rows` remain trainable: each time the earliest
-    remaining segment of the rollout with the most. Returns how many were marked."""
+    """Exclude segments (`over_rows`) until at most `rows` remain trainable: each time the
+    earliest remaining segment of the rollout with the most. Returns how many were excluded."""
     live: dict[str, list] = {}
     for t in trajectories:
-        if not t.meta.get("dropped"):
+        if t.exclusion is None:
             live.setdefault(t.rollout_id or str(id(t)), []).append(t)
     count = sum(len(v) for v in live.values())
     marked = 0
     while count > rows:
         longest = max(live.values(), key=len)
         victim = longest.pop(0)
-        victim.meta["dropped"] = f"the batch had more segments than its {rows} rows"
+        victim.exclusion = Exclusion("over_rows", f"the batch had more segments than its {rows} "
+                                     "rows")  # fmt: skip
         count -= 1
         marked += 1
     return marked

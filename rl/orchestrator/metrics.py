@@ -47,8 +47,8 @@ class RolloutMetrics:
         self.episodes += 1
         self.statuses[traj.status] += 1
         self.arms[traj.arm] += 1
-        if traj.meta.get("replica_down"):
-            self.replica_down[traj.meta["replica_down"]] += 1
+        if traj.replica_down:
+            self.replica_down[traj.replica_down] += 1
         if traj.reward is not None and traj.status in ("ok", "truncated"):
             self.rewards.append(float(traj.reward))
         for t in result.timings:

@@ -12,9 +12,12 @@ The `gated` arm decides each group's shell when the group is admitted
 `ShadowReplayer`, which measures the simulator on it in the background.
 
 Failed siblings: when an episode of a group ends `error`/`aborted`/`timeout`, the configured
-policy marks either the whole group (`meta.masked = True`, the default: group-relative
-advantages need every sibling) or that episode alone (`meta.dropped = True`). Trajectories are
-always delivered, marked, never silently dropped.
+policy excludes either the whole group (`exclusion.kind = "masked_group"`, the default:
+group-relative advantages need every sibling) or that episode alone (`"dropped"`). Trajectories
+are always delivered, marked, never silently dropped.
+
+Sinks: the runner hands every trajectory to each of the `sinks` it was built with, in order
+(storage first, then e.g. `RolloutBuffer`'s queue); nothing replaces them later.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from envs.backends import Backends
 from envs.config import TerminalConfig
 from envs.tasks import Task
 from rl.data.chat import ChatRenderer
-from rl.data.trajectory import Trajectory
+from rl.data.trajectory import Exclusion, Trajectory
 from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.episode import (
@@ -56,12 +59,14 @@ class RolloutRunner:
         client: AgentClient | None = None,
         admission: AdmissionController | None = None,
         metrics: RolloutMetrics | None = None,
-        sink: Callable[[Trajectory], None] | None = None,
+        sinks: Sequence[Callable[[Trajectory], None]] = (),
         router: FidelityRouter | None = None,
         shadow: ShadowReplayer | None = None,
     ):
         self.cfg, self.terminal, self.renderer = cfg, terminal, renderer
-        self.backends, self.client, self.sink = backends, client, sink
+        self.backends, self.client = backends, client
+        self.sinks = tuple(sinks)
+        """Where each trajectory goes, in order; fixed at construction."""
         self.router, self.shadow = router, shadow
         self.admission = admission or AdmissionController(cfg.batch_size, cfg.max_staleness)
         self.metrics = metrics or RolloutMetrics()
@@ -72,6 +77,13 @@ class RolloutRunner:
         self._sim = asyncio.Semaphore(cfg.max_concurrent_simulated)
         self._rng = random.Random(cfg.seed)
         self._check()
+
+    def with_sinks(self, *sinks: Callable[[Trajectory], None]) -> RolloutRunner:
+        """A new runner like this one (the same config, client, admission, metrics, router and
+        shadow) that delivers to `sinks`; this one is left as it was."""
+        return RolloutRunner(self.cfg, self.terminal, self.renderer, self.backends,
+                             client=self.client, admission=self.admission, metrics=self.metrics,
+                             sinks=sinks, router=self.router, shadow=self.shadow)  # fmt: skip
 
     def _check(self) -> None:
         arm, b = self.cfg.arm, self.backends
@@ -149,15 +161,17 @@ class RolloutRunner:
         failed = [t for t in trajs if t.status in FAILED]
         if failed:
             if self.cfg.failed_sibling == "mask_group":
+                masked = Exclusion("masked_group", f"{len(failed)} sibling(s) failed: "
+                                   f"{failed[0].reason}")  # fmt: skip
                 for t in trajs:
-                    t.meta["masked"] = True
-                    t.meta["masked_reason"] = f"{len(failed)} sibling(s) failed: {failed[0].reason}"
+                    t.exclusion = t.exclusion or masked
             else:
                 for t in failed:
-                    t.meta["dropped"] = True
+                    t.exclusion = t.exclusion or Exclusion("dropped", f"it ended {t.status}: "
+                                                           f"{t.reason}")  # fmt: skip
         for t in trajs:
             if self.router is not None:
-                t.meta["gate_unit"] = unit_of(task, self.router.cfg.unit)
+                t.gate_unit = unit_of(task, self.router.cfg.unit)
                 self.router.result(task, t.arm, t.reward if t.status not in FAILED else None)
             if self.shadow is not None:
                 self.shadow.observe(t, task)
@@ -201,8 +215,8 @@ class RolloutRunner:
         return [result.trajectory]
 
     def _deliver(self, traj: Trajectory) -> None:
-        if self.sink is not None:
-            self.sink(traj)
+        for sink in self.sinks:
+            sink(traj)
 
 
 def _task_of(traj: Trajectory) -> Task:

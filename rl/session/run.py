@@ -283,13 +283,15 @@ class RLSession:
                     gated = GatedRun(ocfg.gate, out, self.renderer, backends, metrics,
                                      seed=self.seed, sim=self.cotrain, sim_publisher=sim_pub,
                                      steps=remaining, start_version=start_version)  # fmt: skip
+                writer = TrajectoryWriter(out, prefix="rl")
+                queue: asyncio.Queue = asyncio.Queue()  # the runner delivers, the buffer reads
+                store = gated.sink(writer.add) if gated else writer.add
                 runner = RolloutRunner(ocfg, self.terminal, self.renderer, backends, client=agent,
+                                       sinks=(store, queue.put_nowait),
                                        router=gated and gated.router,
                                        shadow=gated and gated.shadow)  # fmt: skip
-                writer = TrajectoryWriter(out, prefix="rl")
-                buffer = RolloutBuffer(runner, self.tasks, steps=remaining,
+                buffer = RolloutBuffer(runner, self.tasks, queue=queue, steps=remaining,
                                        seed=self.seed + start_version,
-                                       sink=gated.sink(writer.add) if gated else writer.add,
                                        batch_timeout_s=ocfg.episode_timeout_s * 2)  # fmt: skip
                 if gated:
                     buffer = gated.buffer(buffer)

@@ -174,7 +174,7 @@ class TrainSimConfig:
     heldout_fraction: float = 0.1
     """Share of trajectories (by task id hash) held out of training for `eval-sim`."""
     kind_weights: dict[str, int] | None = None
-    """How many times each training trajectory of a task kind (`meta.task_kind`, e.g. a
+    """How many times each training trajectory of a task kind (`task_kind`, e.g. a
     textops operation) is in the data, e.g. `{count: 2}`: more rows of the kind the simulator
     finds hardest. Kinds not named (and trajectories without a kind) count once; None: all
     once. The held-out trajectories are never repeated."""

@@ -79,7 +79,7 @@ def trial_advantages(
     group that reached trial k (GRPO/Dr.GRPO as `group_advantages`), on that trial's turns'
     generated tokens. Other episodes are not in the result (one advantage per episode)."""
     rows = [i for i, t in enumerate(episodes)
-            if t.trials and t.meta.get("trial_reward") == "per_trial"]  # fmt: skip
+            if t.trials and t.trial_reward == "per_trial"]  # fmt: skip
     keys, rewards, where = [], [], []
     for i in rows:
         t = episodes[i]
@@ -128,10 +128,8 @@ def _reward(t: Trajectory, cfg: PolicyLossConfig) -> float | None:
 
 
 def _skip_reason(t: Trajectory, cfg: PolicyLossConfig) -> str | None:
-    if t.meta.get("masked"):
-        return "masked_group"
-    if t.meta.get("dropped"):
-        return "dropped"
+    if t.exclusion is not None:
+        return t.exclusion.kind
     if t.status not in USABLE:
         return f"status_{t.status}"
     if _reward(t, cfg) is None:

@@ -53,7 +53,7 @@ from aiohttp import web
 
 from rl.data.chat import ChatRenderer
 from rl.data.tools import parse_assistant
-from rl.data.trajectory import STATUSES, Trajectory
+from rl.data.trajectory import CONTROL_META_KEYS, STATUSES, Trajectory
 from serving.client import ClientError, InferenceClient
 from serving.middleware import formats
 from serving.middleware.chain import Rollout, SegmentsExceeded
@@ -610,6 +610,11 @@ def _finish_fields(body: dict[str, Any]) -> dict[str, Any]:
     meta = body.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise HTTPFailure(400, "meta must be a JSON object", "meta")
+    control = sorted(set(meta or ()) & set(CONTROL_META_KEYS))
+    if control:
+        raise HTTPFailure(400, f"meta[{control[0]!r}] is invalid: meta is provenance only; the "
+                          f"trajectory's control fields ({', '.join(CONTROL_META_KEYS)}) are "
+                          "not the harness's to set", "meta")  # fmt: skip
     if meta:
         fields["meta"] = meta
     return fields

@@ -33,7 +33,7 @@ from typing import Any
 
 from rl.data.chat import ChatRenderer, Message
 from rl.data.tools import assistant_text
-from rl.data.trajectory import Trajectory, Turn
+from rl.data.trajectory import Exclusion, Trajectory, Turn
 from serving.middleware.config import REWARD_MODES
 from serving.middleware.formats import Conversation, Msg, Reply
 
@@ -215,7 +215,8 @@ class Rollout:
                      meta: dict[str, Any] | None = None) -> list[Trajectory]:  # fmt: skip
         """One trajectory per segment that sampled anything. `all_segments`: each carries the
         reward; `last_segment`: only the last trains, earlier ones are kept for inspection
-        and marked `dropped` (the RL batch skips them)."""
+        and excluded as `earlier_segment` (the RL batch skips them). `meta` is the harness's
+        provenance, merged into each segment's."""
         if reward_mode not in REWARD_MODES:
             raise ValueError(f"reward_mode={reward_mode!r} is invalid: one of {list(REWARD_MODES)}")
         if self.failure and status == "ok":
@@ -228,14 +229,16 @@ class Rollout:
                      for t in seg.turns]  # fmt: skip
             extra: dict[str, Any] = {"segment": k, "segments": len(used), "api": self.api,
                                      "reward_mode": reward_mode, **(meta or {})}  # fmt: skip
+            exclusion = None
             if reward_mode == "last_segment" and k < len(used) - 1:
-                extra["dropped"] = "reward_mode last_segment: only the last segment trains"
+                exclusion = Exclusion("earlier_segment", "reward_mode last_segment: only the "
+                                      "last segment trains")  # fmt: skip
             out.append(Trajectory(
                 task_id=task_id or self.id, arm="real", env_backend="harness", status=status,  # type: ignore[arg-type]
                 reason=reason, reward=reward, group_id=group_id, prompt=list(seg.prompt),
                 turns=turns, source="sampler", token_ids=list(seg.token_ids),
                 loss_mask=list(seg.loss_mask), behavior_logprobs=list(seg.logprobs),
                 policy_version=list(seg.versions), tokenizer=tokenizer, meta=extra,
-                rollout_id=self.id,
+                rollout_id=self.id, exclusion=exclusion,
             ))  # fmt: skip
         return out

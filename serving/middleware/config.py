@@ -19,7 +19,7 @@ class MiddlewareConfig:
     with a 400 naming this limit, and its trajectories are written `truncated`."""
     reward_mode: str = "all_segments"
     """`all_segments`: every segment of a rollout carries its reward; `last_segment`: only the
-    last one trains (earlier ones are written, marked `dropped`)."""
+    last one trains (earlier ones are written, excluded as `earlier_segment`)."""
     enable_thinking: bool = False
     """Render the generation prompt with Qwen3's thinking on (False: the empty think block)."""
     default_max_tokens: int = 1024

@@ -104,18 +104,19 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
             assert len(t.turns) == TURNS + 1 or t.status != "ok", (mode, t.status, t.reason)
             if mode == "turn, answer lost":  # retried, not failed, and not reopened
                 assert t.status in ("ok", "truncated"), (t.status, t.reason)
-                assert not {"session_reopened", "dropped"} & set(t.meta), t.meta
+                assert "session_reopened" not in t.meta and t.exclusion is None, t.meta
             if "forgotten" in mode:
                 assert t.meta.get("session_reopened", 0) >= 1, t.meta
-                assert ("dropped" in t.meta) == (mode == "turn, forgotten"), t.meta
+                unreplayable = t.exclusion is not None and t.exclusion.kind == "unreplayable"
+                assert unreplayable == (mode == "turn, forgotten"), t.exclusion
             if mode.startswith("none"):
                 assert t.kv_epochs == []
             else:  # compacted at least once: a later epoch that kept less than it had seen
                 assert len(t.kv_epochs) >= 2, (mode, t.kv_epochs)
         if mode == "turn, forgotten":
             _, stats = build_rl_batch(trajs, rows=4, seq_len=CONTEXT, cfg=loss, version=0)
-            assert stats.used == 0 and stats.skipped == {"dropped": 4}
-            trajs = [dataclasses.replace(t, meta={}) for t in trajs]  # to show they differ
+            assert stats.used == 0 and stats.skipped == {"unreplayable": 4}
+            trajs = [dataclasses.replace(t, exclusion=None) for t in trajs]  # to show they differ
         batch, stats = build_rl_batch(trajs, rows=4, seq_len=CONTEXT, cfg=loss, version=0)
         assert stats.used == 4 and stats.truncated_rows == 0
         assert ("kv_epoch" in batch) == (not mode.startswith("none"))

@@ -6,6 +6,8 @@ simulator version closes every gate until it has been measured itself."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from envs.config import LocalShellConfig, SimulatedShellConfig, TerminalConfig, TextopsConfig
@@ -80,7 +82,7 @@ async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays
     arms = {}
     for t in second:
         arms.setdefault(kinds[t.task_id], []).append(t.arm)
-        assert t.meta["gate_unit"] == kinds[t.task_id]
+        assert t.gate_unit == kinds[t.task_id]
     assert set(arms["reverse"]) == {"real"}
     # upper's gate opened after the first batch: of the groups since, the j-th goes real while
     # fewer than floor(0.25 j) have (the 4th, the 8th), the rest to the simulator.
@@ -113,14 +115,16 @@ async def test_gated_groups_take_whole_batches_under_synchronous_rl():
     gate = GateConfig(threshold=0.75, real_min=0.25)
     router = FidelityRouter(gate)
     cfg = OrchestratorConfig(arm="gated", group_size=2, batch_size=4, max_staleness=0, gate=gate)
+    queue: asyncio.Queue = asyncio.Queue()
     runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=_local, simulated=_simulated),
-                           client=FakeAgentClient(tasks), router=router)  # fmt: skip
-    buffer = RolloutBuffer(runner, tasks, steps=3, seed=0, batch_timeout_s=60.0)
+                           client=FakeAgentClient(tasks), router=router,
+                           sinks=(queue.put_nowait,))  # fmt: skip
+    buffer = RolloutBuffer(runner, tasks, queue=queue, steps=3, seed=0, batch_timeout_s=60.0)
     await buffer.start(1)
     try:
         for version in (1, 2, 3):
             batch = await buffer.next_batch()
-            assert len(batch) == 4 and {t.meta["admitted_version"] for t in batch} == {version}
+            assert len(batch) == 4 and {t.admitted_version for t in batch} == {version}
             assert len({t.group_id for t in batch}) == 2  # two whole groups
             await buffer.set_version(version + 1)
     finally:

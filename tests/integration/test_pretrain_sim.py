@@ -46,7 +46,7 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "24/24 workspaces in real bash" in done.stdout
     drill = load_trajectories([out / "trajectories" / "grammar-drill.jsonl"])
-    assert len(drill) == 4 * 6 and {t.meta["kind"] for t in drill} == {"count"}
+    assert len(drill) == 4 * 6 and {t.task_kind for t in drill} == {"count"}
     assert all("| tr -cd '" in t.turns[0].command for t in drill)
     assert "+ 24 drill examples" in done.stdout  # they fit the rows: all of them train
     train = load_trajectories([out / "trajectories" / "grammar-train.jsonl"])
@@ -54,7 +54,7 @@ def test_pretrain_sim_collects_trains_scores_and_resumes(tmp_path):
     assert {t.env_backend for t in train + held} == {"local"}
     assert not {t.task_id for t in train} & {t.task_id for t in held}
     assert all(t.turns[0].exit_code is not None for t in train)
-    sessions = [t for t in held if t.meta["kind"] == "session"]
+    sessions = [t for t in held if t.task_kind == "session"]
     assert len(sessions) == 6 and all(len(t.turns) == 3 for t in sessions)
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r.get("stage") == "pretrain_sim_eval"]

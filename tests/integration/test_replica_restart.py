@@ -98,7 +98,7 @@ async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_th
             # Round 1: SIGKILL replica 0 while both replicas have requests in flight.
             writer = TrajectoryWriter(out)
             runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, job_backends(cfg),
-                                   client=pool, sink=writer.add)  # fmt: skip
+                                   client=pool, sinks=(writer.add,))  # fmt: skip
             rollout = asyncio.create_task(runner.run(tasks), name="round-1")
             both_busy = lambda: doomed.in_flight > 0 and keep.in_flight > 0  # noqa: E731
             assert await wait_until(lambda: both_busy() or rollout.done(), timeout_s=60)
@@ -113,7 +113,7 @@ async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_th
             aborted = [t for t in trajs if t.status == "aborted"]
             assert aborted, [t.status for t in trajs]
             for t in aborted:  # only the dead replica's episodes, each naming it
-                assert t.meta["replica_down"] == doomed.url and doomed.url in t.reason, t.reason
+                assert t.replica_down == doomed.url and doomed.url in t.reason, t.reason
             assert {t.status for t in trajs if t not in aborted} <= {"ok", "truncated"}
             assert len(aborted) < len(trajs)  # the other replica's episodes finished
 

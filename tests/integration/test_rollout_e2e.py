@@ -97,7 +97,7 @@ async def test_killed_agent_server_fails_in_flight_episodes_then_the_run_recover
             ocfg, TerminalConfig(max_turns=3, max_format_errors=3),
             ChatRenderer(ByteTokenizer()),
             Backends(real=lambda task: LocalShell(LocalShellConfig(), setup=task.setup)),
-            client=client, admission=admission, sink=delivered.append,
+            client=client, admission=admission, sinks=(delivered.append,),
         )  # fmt: skip
         job = asyncio.create_task(runner.run(tasks), name="rollout")
         assert await wait_until(lambda: runner.metrics.active == 8, 120), "8 in flight"

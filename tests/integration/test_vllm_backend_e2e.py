@@ -71,7 +71,7 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
         for line in f.read_text().splitlines():
             t = json.loads(line)
             mine = {v for v, m in zip(t["policy_version"], t["loss_mask"], strict=True) if m}
-            assert mine <= {t["meta"]["admitted_version"]}, (mine, t["meta"])
+            assert mine <= {t["admitted_version"]}, (mine, t["admitted_version"])
             versions |= mine
     assert {1, 2, 3} <= versions, versions
 

@@ -235,9 +235,8 @@ def test_train_sim_kind_weights_repeat_a_kinds_trajectories_in_place():
     from rl.data.trajectory import Trajectory
 
     def traj(i, kind):
-        meta = {"task_kind": kind} if kind else {}
         return Trajectory(task_id=f"t{i}", arm="real", env_backend="local", status="ok",
-                          reward=0.0, meta=meta)  # fmt: skip
+                          reward=0.0, task_kind=kind)  # fmt: skip
 
     trajs = [traj(0, "count"), traj(1, "sort"), traj(2, None), traj(3, "count")]
     assert weighted_by_kind(trajs, None) is trajs

@@ -17,9 +17,8 @@ from rl.data.trajectory import Trajectory, Turn, load_trajectories, write_jsonl
 
 def _traj(task: str, *, arm: str = "real", reward: float = 0.0, status: str = "ok",
           reason: str | None = None, unit: str | None = None) -> Trajectory:  # fmt: skip
-    meta = {"gate_unit": unit} if unit else {}
     return Trajectory(task_id=task, arm=arm, env_backend="local", status=status, reason=reason,
-                      reward=reward, meta=meta)  # fmt: skip
+                      reward=reward, gate_unit=unit)  # fmt: skip
 
 
 def _evals(run, name: str, wins: dict[str, list[int]]) -> None:

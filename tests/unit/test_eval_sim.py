@@ -84,7 +84,7 @@ def test_replay_fidelity_by_the_replayed_tasks_operation():
     a = _replay("a", [_turn("tr | rev", "cba", "cba"), _turn("tr | rev", "ab", "ba")])
     b = _replay("b", [_turn("tr | tr", "ABC", "ABC")])
     c = _replay("c", [_turn("ls", "f", "f")])  # imported: no task kind, counted overall only
-    a.meta["task_kind"], b.meta["task_kind"] = "reverse", "upper"
+    a.task_kind, b.task_kind = "reverse", "upper"
     fid = replay_fidelity([a, b, c])
     assert {k: (v["count"], v["exact_masked"]) for k, v in fid["by_kind"].items()} == {
         "reverse": (2, 0.5), "upper": (1, 1.0)}  # fmt: skip

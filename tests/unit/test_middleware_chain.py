@@ -323,8 +323,8 @@ def test_trajectories_per_segment_and_reward_modes():
         to_json_line(t)  # validates: masks equal the turns' spans, logprobs where sampled
         assert t.rollout_id == "rollout-7" and t.reward == 0.5 and t.source == "sampler"
     assert [t.meta["segment"] for t in all_] == [0, 1] and all_[0].task_id == "t1"
-    assert not any("dropped" in t.meta for t in all_)
-    assert "dropped" in last[0].meta and "dropped" not in last[1].meta
+    assert not any(t.exclusion for t in all_)
+    assert last[0].exclusion.kind == "earlier_segment" and last[1].exclusion is None
     assert all_[0].turns[0].info["finish_reason"] == "length"
 
 
@@ -345,3 +345,15 @@ def test_middleware_config_refuses_bad_limits_and_admin_listeners(fields, needle
 
     with pytest.raises(ValueError, match=re.escape(needle)):
         MiddlewareConfig(**fields)
+
+
+def test_a_harness_meta_cannot_set_a_control_field():
+    """`meta` from the harness is provenance: a key the trainer would decide on is refused at
+    the boundary (400 naming it), never written into a trajectory."""
+    from serving.middleware.app import HTTPFailure, _finish_fields
+
+    ok = _finish_fields({"reward": 1.0, "meta": {"harness": "command", "kind": "x"}})
+    assert ok["meta"] == {"harness": "command", "kind": "x"}
+    for key in ("dropped", "exclusion", "group_index"):
+        with pytest.raises(HTTPFailure, match=rf"meta\['{key}'\] is invalid: meta is provenance"):
+            _finish_fields({"reward": 1.0, "meta": {key: True, "harness": "command"}})

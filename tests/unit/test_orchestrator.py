@@ -41,7 +41,7 @@ async def test_real_arm_solves_textops_and_keeps_tokens_verbatim(tmp_path):
     client = FakeAgentClient(tasks, version=3)
     writer = TrajectoryWriter(tmp_path, shard_size=3)
     runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=client, sink=writer.add)  # fmt: skip
+                           Backends(real=_local), client=client, sinks=(writer.add,))  # fmt: skip
     trajs = await runner.run(tasks)
     writer.close()
     assert len(trajs) == 8
@@ -96,7 +96,7 @@ async def test_trajectories_come_back_in_task_order_whatever_finishes_first():
             delivered[traj.task_id].set()
 
     runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=Gated(tasks), sink=sink)  # fmt: skip
+                           Backends(real=_local), client=Gated(tasks), sinks=(sink,))  # fmt: skip
     job = asyncio.create_task(runner.run(tasks), name="rollout")
     # One group at a time, the last task's first: each gate opens once the group before it
     # was delivered, so the finishing order is the reverse of the task order on any machine.
@@ -117,8 +117,9 @@ async def test_failed_sibling_masks_the_group_with_a_reason():
     good = [t for t in trajs if t.task_id == tasks[1].id]
     for t in bad:
         validate(t)
-        assert t.status == "error" and "503" in t.reason and t.meta["masked"]
-    assert all(t.status == "ok" and "masked" not in t.meta for t in good)
+        assert t.status == "error" and "503" in t.reason
+        assert t.exclusion.kind == "masked_group" and "2 sibling(s) failed" in t.exclusion.reason
+    assert all(t.status == "ok" and t.exclusion is None for t in good)
 
 
 async def test_drop_episode_policy_marks_only_the_failed_one():
@@ -126,7 +127,19 @@ async def test_drop_episode_policy_marks_only_the_failed_one():
     client = FakeAgentClient(tasks, fail_task=tasks[0].id)
     cfg = OrchestratorConfig(arm="real", group_size=2, failed_sibling="drop_episode")
     trajs = await _runner(cfg, client, real=_local).run(tasks)
-    assert all(t.meta.get("dropped") and "masked" not in t.meta for t in trajs)
+    assert all(t.exclusion.kind == "dropped" and "503" in t.exclusion.reason for t in trajs)
+
+
+async def test_the_runner_hands_every_trajectory_to_each_sink_in_order():
+    tasks = _tasks(2)
+    calls = []
+    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
+                           Backends(real=_local), client=FakeAgentClient(tasks),
+                           sinks=(lambda t: calls.append(("a", id(t))),
+                                  lambda t: calls.append(("b", id(t)))))  # fmt: skip
+    trajs = await runner.run(tasks)
+    assert len(trajs) == 4 and sorted(calls) == sorted((k, id(t)) for t in trajs for k in "ab")
+    assert [k for k, _ in calls] == ["a", "b"] * 4  # each trajectory to `a`, then to `b`
 
 
 async def test_wall_clock_guard_ends_in_timeout():
@@ -229,7 +242,7 @@ async def test_a_shell_that_raises_mid_turn_keeps_the_reply_in_its_turn():
 
     runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
                            Backends(real=lambda task: Breaks(LocalShellConfig(), setup=task.setup)),
-                           client=FakeAgentClient(tasks), sink=sink)  # fmt: skip
+                           client=FakeAgentClient(tasks), sinks=(sink,))  # fmt: skip
     trajs = await runner.run(tasks)
     assert len(writer_got) == len(trajs) == 4
     for t in trajs:
@@ -276,7 +289,8 @@ async def test_shutdown_cancellation_yields_aborted_trajectories():
 
     got = []
     runner = RolloutRunner(OrchestratorConfig(arm="real"), TERMINAL, RENDERER,
-                           Backends(real=_local), client=Hangs(tasks), sink=got.append)  # fmt: skip
+                           Backends(real=_local), client=Hangs(tasks),
+                           sinks=(got.append,))  # fmt: skip
     job = asyncio.create_task(runner.run(tasks), name="rollout")
     await until(asked, job)  # both shells are up and both episodes are mid-request
     job.cancel()

@@ -7,6 +7,7 @@ last line skipped with a warning)."""
 import asyncio
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -69,9 +70,10 @@ async def test_async_run_trains_no_token_older_than_s_and_counts_dropped_straggl
         return Straggler(task) if first else TextopsAnswerShell(task)
 
     delivered: list[Trajectory] = []
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=shell), client=client)
-    buf = RolloutBuffer(runner, tasks, steps=steps, seed=3, sink=delivered.append,
-                        batch_timeout_s=10)  # fmt: skip
+    queue: asyncio.Queue = asyncio.Queue()
+    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=shell), client=client,
+                           sinks=(delivered.append, queue.put_nowait))  # fmt: skip
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=steps, seed=3, batch_timeout_s=10)
     assert len({t.id for t in buf.tasks}) == len(buf.tasks)  # one group per task id
     straggler_group = f"g0-{buf.tasks[0].id}"
     trained, staleness = [], []
@@ -97,31 +99,33 @@ async def test_async_run_trains_no_token_older_than_s_and_counts_dropped_straggl
     mixed = {v for t in ours for v in t.policy_version if v is not None}
     assert mixed == {0, 2}  # sampled before and after the trainer moved on
     assert straggler_group not in {t.group_id for t in trained}
-    assert all(t.meta["stale"] in (2, 3) for t in ours)  # drawn by step 3 or 4: beyond S
+    stale = [re.search(r"admitted (\d+) versions before", t.exclusion.reason) for t in ours]
+    assert all(t.exclusion.kind == "stale" for t in ours)
+    assert all(int(m[1]) in (2, 3) for m in stale)  # drawn by step 3 or 4: beyond S
     # Every delivered episode that exceeded the bound when its batch was drawn was dropped.
     assert buf.dropped_stale == runner.metrics.summary()["dropped_stale"] == len(ours) == 2
-    assert {id(t) for t in delivered if "stale" in t.meta} == {id(t) for t in ours}
+    assert {id(t) for t in delivered if t.exclusion} == {id(t) for t in ours}
 
 
 async def test_a_group_with_one_stale_sibling_is_dropped_whole():
     """Siblings are admitted one by one and can straddle a version: the group is dropped
     whole, never split (a batch keeps whole groups: advantages are relative to siblings)."""
     cfg = OrchestratorConfig(arm="real", group_size=2, batch_size=2, max_staleness=1)
+    queue: asyncio.Queue = asyncio.Queue()
     runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell),
-                           client=FakeAgentClient([]))  # fmt: skip
+                           client=FakeAgentClient([]), sinks=(queue.put_nowait,))  # fmt: skip
 
     def episode(group, admitted):
-        meta = {"admitted_version": admitted}
         return Trajectory(task_id=group, arm="real", env_backend="local", status="ok",
-                          reward=1.0, group_id=group, meta=meta)  # fmt: skip
+                          reward=1.0, group_id=group, admitted_version=admitted)  # fmt: skip
 
     async def run(tasks, **_):
         for traj in (episode("old", 0), episode("old", 1), episode("new", 2), episode("new", 2)):
-            runner.sink(traj)
+            queue.put_nowait(traj)  # as the runner delivers
         return []
 
     runner.run = run
-    buf = RolloutBuffer(runner, _tasks(1), steps=1)
+    buf = RolloutBuffer(runner, _tasks(1), queue=queue, steps=1)
     await buf.start(0)
     await runner.admission.set_version(2)
     batch = await asyncio.wait_for(buf.next_batch(), 5)
@@ -206,7 +210,8 @@ async def test_killed_simulator_ends_its_episodes_with_a_reason_and_the_rest_fin
         delivered = []
         runner = RolloutRunner(cfg, TERMINAL, RENDERER,
                                Backends(real=RealAfterTheKill, simulated=simulated),
-                               client=FakeAgentClient(tasks), sink=delivered.append)  # fmt: skip
+                               client=FakeAgentClient(tasks),
+                               sinks=(delivered.append,))  # fmt: skip
         job = asyncio.create_task(runner.run(tasks), name="rollout")
 
         async def held() -> int:

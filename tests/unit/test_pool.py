@@ -563,7 +563,7 @@ async def test_a_replica_killed_mid_episode_aborts_only_its_episodes(servers):
         validate(t)
         if t.status == "aborted":
             assert t.reason.startswith(f"replica {doomed.url} down:")
-            assert t.meta["replica_down"] == doomed.url and t.reward is None
+            assert t.replica_down == doomed.url and t.reward is None
             assert len(t.turns) == 1  # played its first turn there, nothing was moved
         else:
             assert t.status == "ok" and t.reward == 1.0, (t.status, t.reason)
@@ -602,16 +602,16 @@ async def test_a_dead_simulator_replica_aborts_the_episodes_pinned_to_it(servers
     for t in trajs:
         validate(t)
         if t in down:  # the simulated shell reported a shell error: the replica is blamed
-            assert t.reason.startswith(f"replica {dead} down:") and t.meta["replica_down"] == dead
+            assert t.reason.startswith(f"replica {dead} down:") and t.replica_down == dead
         else:
-            assert t.status == "ok" and "replica_down" not in t.meta
+            assert t.status == "ok" and t.replica_down is None
     assert runner.metrics.summary()["replica_down"] == {dead: len(down)}
     # Arm (c) replays through a simulator pool: the first replay lands on the dead replica.
     async with _sim_pool(dead, sim) as pool:
         runner = RolloutRunner(OrchestratorConfig(arm="replay"), TERMINAL, RENDERER,
                                Backends(simulated=_simulated_on(pool)))  # fmt: skip
         replays = await runner.run(tasks, replay=[t for t in trajs if t.status == "ok"])
-    assert replays[0].status == "aborted" and replays[0].meta["replica_down"] == dead
+    assert replays[0].status == "aborted" and replays[0].replica_down == dead
     assert replays[0].reason.startswith(f"replica {dead} down:")
     assert all(t.status == "ok" for t in replays[1:])
 

@@ -1,6 +1,7 @@
 """The rollout buffer: live rollouts as the trainer's episode source. Admission by staleness
 bound (S = 0: exactly one batch per version), batches of whole groups, the seeded task stream,
-failing agents, a crashed rollout task, the batch timeout, bounded close, and the sink.
+failing agents, a crashed rollout task, the batch timeout, bounded close, and the sinks (the
+runner's own, which the buffer reads through its queue and never rewires).
 
 Episodes run `FakeAgentClient` (plays textops) against an in-memory shell, so no process starts.
 """
@@ -47,8 +48,17 @@ def _cfg(**kw) -> OrchestratorConfig:
     return OrchestratorConfig(**{**base, **kw})
 
 
-def _runner(cfg, client) -> RolloutRunner:
-    return RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell), client=client)
+def _runner(cfg, client, *sinks) -> tuple[RolloutRunner, asyncio.Queue]:
+    """A runner delivering to `sinks`, then to the returned queue (the buffer's)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell),
+                           client=client, sinks=(*sinks, queue.put_nowait))  # fmt: skip
+    return runner, queue
+
+
+def _buffer(cfg, client, tasks, *sinks, **kw) -> RolloutBuffer:
+    runner, queue = _runner(cfg, client, *sinks)
+    return RolloutBuffer(runner, tasks, queue=queue, **kw)
 
 
 def _first_turns(client: FakeAgentClient) -> int:
@@ -64,9 +74,7 @@ def _whole_groups(batch, group_size: int, buffer: RolloutBuffer) -> set[str]:
     for t in batch:
         g = int(t.group_id.split("-", 1)[0][1:])  # "g{index}-{task id}"
         assert buffer.tasks[g].id == t.task_id
-    assert sorted(t.meta["group_index"] for t in batch) == sorted(
-        list(range(group_size)) * len(sizes)
-    )
+    assert sorted(t.group_index for t in batch) == sorted(list(range(group_size)) * len(sizes))
     return set(sizes)
 
 
@@ -80,9 +88,10 @@ def _pending_tasks() -> list[asyncio.Task]:
 async def test_synchronous_buffer_starts_exactly_one_batch_per_version():
     tasks = _tasks(4)
     client = FakeAgentClient(tasks)
-    runner = _runner(_cfg(max_staleness=0), client)
     seen = []
-    buf = RolloutBuffer(runner, tasks, steps=2, seed=0, sink=seen.append, batch_timeout_s=10)
+    runner, queue = _runner(_cfg(max_staleness=0), client, seen.append)
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=2, seed=0, batch_timeout_s=10)
+    assert runner.sinks == (seen.append, queue.put_nowait)  # the buffer left them as built
     await buf.start(0)
     try:
         assert await wait_until(lambda: len(seen) == 4)
@@ -95,14 +104,14 @@ async def test_synchronous_buffer_starts_exactly_one_batch_per_version():
         for t in first:
             validate(t)
             assert t.status == "ok" and t.reward == 1.0, (t.status, t.reason)
-            assert t.meta["admitted_version"] == 0
+            assert t.admitted_version == 0 and t.exclusion is None
         assert runner.admission.started == 4 and _first_turns(client) == 4
 
         await buf.set_version(1)
         second = await buf.next_batch()
         assert len(second) == 4 and runner.admission.started == 8 and _first_turns(client) == 8
         assert len(_whole_groups(second, 2, buf) | groups) == 4  # new groups
-        assert all(t.meta["admitted_version"] == 1 for t in second)
+        assert all(t.admitted_version == 1 for t in second)
         assert [id(t) for t in seen] == [id(t) for t in first + second]  # the sink saw all
 
         # steps=2 at S=0 plans exactly two batches: after the last step nothing more starts
@@ -119,8 +128,8 @@ async def test_synchronous_buffer_starts_exactly_one_batch_per_version():
 async def test_staleness_one_lets_two_batches_start_before_the_first_step():
     tasks = _tasks(4)
     client = FakeAgentClient(tasks)
-    runner = _runner(_cfg(max_staleness=1), client)
-    buf = RolloutBuffer(runner, tasks, steps=1, seed=0, batch_timeout_s=10)
+    runner, queue = _runner(_cfg(max_staleness=1), client)
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=1, seed=0, batch_timeout_s=10)
     assert len(buf.tasks) == (1 + 1 + 1) * 2  # (steps + S + 1) batches of 2 groups
     await buf.start(0)
     try:
@@ -128,32 +137,63 @@ async def test_staleness_one_lets_two_batches_start_before_the_first_step():
         await asyncio.sleep(0.1)
         assert runner.admission.started == 8 and _first_turns(client) == 8
         assert len(_whole_groups(first, 2, buf) | _whole_groups(second, 2, buf)) == 4
-        assert all(t.meta["admitted_version"] == 0 for t in first + second)
+        assert all(t.admitted_version == 0 for t in first + second)
         await buf.set_version(1)
         third = await buf.next_batch()
         assert runner.admission.started == 12
-        assert all(t.meta["admitted_version"] == 1 for t in third)
+        assert all(t.admitted_version == 1 for t in third)
     finally:
         await buf.close()
 
 
 def test_batch_size_must_hold_whole_groups():
     tasks = _tasks(2)
-    runner = _runner(_cfg(group_size=2, batch_size=5), FakeAgentClient(tasks))
+    runner, queue = _runner(_cfg(group_size=2, batch_size=5), FakeAgentClient(tasks))
     with pytest.raises(ValueError, match=r"batch_size=5.*group_size=2"):
-        RolloutBuffer(runner, tasks, steps=1)
+        RolloutBuffer(runner, tasks, queue=queue, steps=1)
 
 
 def test_rl_needs_a_staleness_bound():
     tasks = _tasks(2)
-    runner = _runner(_cfg(max_staleness=None), FakeAgentClient(tasks))
+    runner, queue = _runner(_cfg(max_staleness=None), FakeAgentClient(tasks))
     with pytest.raises(ValueError, match="max_staleness"):
-        RolloutBuffer(runner, tasks, steps=1)
+        RolloutBuffer(runner, tasks, queue=queue, steps=1)
+
+
+def test_the_buffer_refuses_a_runner_that_does_not_deliver_to_its_queue():
+    tasks = _tasks(2)
+    runner, mine = _runner(_cfg(), FakeAgentClient(tasks))
+    other: asyncio.Queue = asyncio.Queue()
+    with pytest.raises(ValueError, match=r"sinks=\(\.\.\., queue\.put_nowait\)"):
+        RolloutBuffer(runner, tasks, queue=other, steps=1)
+    assert len(runner.sinks) == 1 and other.put_nowait not in runner.sinks  # nothing rewired
+    with pytest.raises(ValueError, match="sink= goes with the older form"):
+        RolloutBuffer(runner, tasks, queue=mine, steps=1, sink=print)
+
+
+async def test_the_older_form_runs_a_copy_that_keeps_the_runners_own_sinks():
+    """`RolloutBuffer(runner, tasks, sink=...)` without a queue (bench/train_step.py): the
+    buffer runs a copy sharing admission and metrics; the caller's runner and its sinks stay
+    as built, and its own sink still sees every episode (the old buffer replaced it)."""
+    tasks = _tasks(2)
+    own, extra = [], []
+    runner, _ = _runner(_cfg(), FakeAgentClient(tasks), own.append)
+    before = runner.sinks
+    buf = RolloutBuffer(runner, tasks, steps=1, sink=extra.append, batch_timeout_s=10)
+    assert runner.sinks == before and buf.runner is not runner
+    assert buf.admission is runner.admission and buf.runner.metrics is runner.metrics
+    await buf.start(0)
+    try:
+        batch = await buf.next_batch()
+    finally:
+        await buf.close()
+    assert [id(t) for t in own] == [id(t) for t in extra] and len(batch) == 4
+    assert {id(t) for t in batch} <= {id(t) for t in own}
 
 
 async def test_next_batch_before_start_is_an_error():
     tasks = _tasks(2)
-    buf = RolloutBuffer(_runner(_cfg(), FakeAgentClient(tasks)), tasks, steps=1)
+    buf = _buffer(_cfg(), FakeAgentClient(tasks), tasks, steps=1)
     with pytest.raises(RuntimeError, match="start"):
         await buf.next_batch()
 
@@ -187,8 +227,7 @@ def test_task_stream_is_deterministic_by_seed():
 
 def test_buffer_draws_its_groups_from_the_seeded_stream():
     tasks = _tasks(3)
-    runner = _runner(_cfg(max_staleness=2), FakeAgentClient(tasks))
-    buf = RolloutBuffer(runner, tasks, steps=4, seed=11)
+    buf = _buffer(_cfg(max_staleness=2), FakeAgentClient(tasks), tasks, steps=4, seed=11)
     want = task_stream(tasks, (4 + 2 + 1) * 2, seed=11)
     assert [t.id for t in buf.tasks] == [t.id for t in want]
 
@@ -199,8 +238,7 @@ def test_buffer_draws_its_groups_from_the_seeded_stream():
 async def test_an_agent_that_always_fails_still_delivers_masked_groups():
     tasks = _tasks(1)
     client = FakeAgentClient(tasks, fail_task=tasks[0].id)  # every request raises a 503
-    runner = _runner(_cfg(), client)
-    buf = RolloutBuffer(runner, tasks, steps=1, batch_timeout_s=10)
+    buf = _buffer(_cfg(), client, tasks, steps=1, batch_timeout_s=10)
     await buf.start(0)
     try:
         batch = await buf.next_batch()
@@ -210,20 +248,20 @@ async def test_an_agent_that_always_fails_still_delivers_masked_groups():
     for t in batch:
         validate(t)
         assert t.status == "error" and "503" in t.reason
-        assert t.meta["masked"] and "failed" in t.meta["masked_reason"]
+        assert t.exclusion.kind == "masked_group" and "failed" in t.exclusion.reason
     assert client.calls == 4  # one failed request per episode
 
 
 async def test_a_crashed_rollout_task_surfaces_from_next_batch():
     tasks = _tasks(2)
-    runner = _runner(_cfg(), FakeAgentClient(tasks))
+    runner, queue = _runner(_cfg(), FakeAgentClient(tasks))
 
     async def crash(tasks, **_):
         await asyncio.sleep(0.05)  # next_batch is already waiting
         raise KeyError("rollout bookkeeping broke")
 
     runner.run = crash
-    buf = RolloutBuffer(runner, tasks, steps=1, batch_timeout_s=30)
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=1, batch_timeout_s=30)
     await buf.start(0)
     started = time.perf_counter()
     with pytest.raises(KeyError, match="bookkeeping"):
@@ -240,8 +278,7 @@ async def test_a_failing_sink_crashes_the_rollout_and_next_batch_raises_it():
     def full_disk(traj):
         raise OSError("No space left on device")
 
-    buf = RolloutBuffer(_runner(_cfg(), FakeAgentClient(tasks)), tasks, steps=1, sink=full_disk,
-                        batch_timeout_s=30)  # fmt: skip
+    buf = _buffer(_cfg(), FakeAgentClient(tasks), tasks, full_disk, steps=1, batch_timeout_s=30)
     await buf.start(0)
     started = time.perf_counter()
     with pytest.raises(OSError, match="No space left"):
@@ -255,8 +292,7 @@ async def test_batch_timeout_when_nothing_arrives_then_close_is_bounded():
     tasks = _tasks(2)
     client = HangingClient()
     seen = []
-    buf = RolloutBuffer(_runner(_cfg(), client), tasks, steps=1, sink=seen.append,
-                        batch_timeout_s=0.2)  # fmt: skip
+    buf = _buffer(_cfg(), client, tasks, seen.append, steps=1, batch_timeout_s=0.2)
     await buf.start(0)
     started = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"no episode arrived within 0.2s \(0/4"):
@@ -276,7 +312,7 @@ async def test_batch_timeout_when_nothing_arrives_then_close_is_bounded():
 async def test_close_gives_up_after_the_grace_period(monkeypatch):
     monkeypatch.setattr(buffer_module, "CLOSE_GRACE_S", 0.3)
     tasks = _tasks(2)
-    runner = _runner(_cfg(), FakeAgentClient(tasks))
+    runner, queue = _runner(_cfg(), FakeAgentClient(tasks))
     release = asyncio.Event()
 
     async def stubborn(tasks, **_):
@@ -288,7 +324,7 @@ async def test_close_gives_up_after_the_grace_period(monkeypatch):
         return []
 
     runner.run = stubborn
-    buf = RolloutBuffer(runner, tasks, steps=1)
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=1)
     await buf.start(0)
     await asyncio.sleep(0.05)
     started = time.perf_counter()
@@ -301,9 +337,9 @@ async def test_close_gives_up_after_the_grace_period(monkeypatch):
 async def test_starting_at_a_later_version_still_admits_one_batch_at_s0():
     tasks = _tasks(4)
     client = FakeAgentClient(tasks)
-    runner = _runner(_cfg(max_staleness=0), client)
     seen = []
-    buf = RolloutBuffer(runner, tasks, steps=2, seed=0, sink=seen.append, batch_timeout_s=10)
+    runner, queue = _runner(_cfg(max_staleness=0), client, seen.append)
+    buf = RolloutBuffer(runner, tasks, queue=queue, steps=2, seed=0, batch_timeout_s=10)
     await buf.start(1)  # as launch/train.py does: the starting policy is version 1
     try:
         assert await wait_until(lambda: len(seen) >= 4)

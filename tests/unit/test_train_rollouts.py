@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rl.data.trajectory import Trajectory, Turn, validate
+from rl.data.trajectory import Exclusion, Trajectory, Turn, validate
 from rl.train.config import PolicyLossConfig
 from rl.train.rollouts import (
     BatchStats,
@@ -89,7 +89,7 @@ def make_traj(
     status="ok",
     reason=None,
     versions=None,
-    meta=None,
+    exclusion=None,
     first_id=10,
 ):
     """A valid sampler trajectory: `prompt_len` prompt ids, then per turn `n` generated ids
@@ -129,7 +129,7 @@ def make_traj(
         behavior_logprobs=logp,
         policy_version=version,
         tokenizer="byte",
-        meta=dict(meta or {}),
+        exclusion=exclusion,
     )
     validate(t)
     return t
@@ -212,8 +212,9 @@ def test_staleness_stats_over_generated_tokens():
 def test_skip_reasons_are_counted_and_rows_hold_only_usable_episodes():
     good = [make_traj(reward=float(i % 2), group="g", first_id=10 + 50 * i) for i in range(3)]
     bad = [
-        make_traj(meta={"masked": True}),
-        make_traj(meta={"dropped": True}),
+        make_traj(exclusion=Exclusion("masked_group", "a sibling failed")),
+        make_traj(exclusion=Exclusion("dropped", "it failed")),
+        make_traj(exclusion=Exclusion("stale", "admitted 3 versions before the trainer")),
         make_traj(status="error", reason="agent server 503", reward=None),
         make_traj(status="aborted", reason="shutdown", reward=0.0),
         make_traj(status="truncated", reason="turn limit", reward=None),
@@ -223,13 +224,14 @@ def test_skip_reasons_are_counted_and_rows_hold_only_usable_episodes():
     rendered.source, rendered.behavior_logprobs, rendered.policy_version = "rendered", None, None
     validate(rendered)
     episodes = [bad[0], good[0], bad[1], bad[2], good[1], bad[3], bad[4], rendered, bad[5]]
-    episodes.append(good[2])
+    episodes += [bad[6], good[2]]
     overlong_filtering = dataclasses.replace(CFG, truncated_reward=None)
     batch, stats = build_rl_batch(episodes, rows=4, seq_len=16, cfg=overlong_filtering, version=0)
-    assert stats.episodes == 10 and stats.used == 3
+    assert stats.episodes == 11 and stats.used == 3
     assert stats.skipped == {
         "masked_group": 1,
         "dropped": 1,
+        "stale": 1,
         "status_error": 1,
         "status_aborted": 1,
         "no_reward": 1,
@@ -264,13 +266,14 @@ def test_too_many_usable_episodes_raise():
     with pytest.raises(ValueError, match="3 usable episodes do not fit in 2 rows"):
         build_rl_batch(eps, rows=2, seq_len=16, cfg=CFG, version=0)
     # Unusable extras do not count against the rows.
-    eps[2].meta["dropped"] = True
+    eps[2].exclusion = Exclusion("over_rows", "the batch had more segments than its 2 rows")
     _, stats = build_rl_batch(eps, rows=2, seq_len=16, cfg=CFG, version=0)
     assert stats.used == 2
 
 
 def test_no_usable_episodes_gives_an_all_padding_batch():
-    batch, stats = build_rl_batch([make_traj(meta={"masked": True})], rows=2, seq_len=4,
+    masked = make_traj(exclusion=Exclusion("masked_group", "a sibling failed"))
+    batch, stats = build_rl_batch([masked], rows=2, seq_len=4,
                                   cfg=CFG, version=0)  # fmt: skip
     assert stats.used == 0 and stats.skipped == {"masked_group": 1}
     assert all(not v.any() for v in batch.values())

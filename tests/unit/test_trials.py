@@ -168,7 +168,7 @@ async def test_scripted_agents_bound_in_context_adaptation(adapt):
     for t in trajs:
         validate(t)
         assert len({x.workspace_hash for x in t.trials}) == 1
-        assert t.meta["trial_reward"] == "first_success"
+        assert t.trial_reward == "first_success"
 
 
 async def test_multi_trial_trajectories_keep_one_token_stream_and_train_per_trial():
