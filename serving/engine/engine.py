@@ -1,13 +1,23 @@
 """The continuous-batching JAX inference engine.
 
-Components:
-- a pool of `num_slots` sequence slots, one KV-cache row each (`rl.model.KVCache`);
-- three jitted device functions with static shapes: `decode` (one token for every slot, with
-  sampling fused in), `prefill` (up to `prefill_batch` prompt chunks, padded to a bucket), and
-  `copy` (clone slot rows, for prefix reuse and `n` samples);
-- a scheduler that runs in the asyncio event loop: between device steps it admits waiting
-  sequences into slots, picks prefill chunks, applies aborts and weight swaps, and delivers
-  tokens. Device work runs in a worker thread so the loop keeps serving HTTP meanwhile.
+The `Engine` keeps the scheduler loop and the jitted device functions, and owns three
+components it calls through their methods (none of them calls the engine or another's
+private state):
+- `SlotTable` (`serving.engine.slots`): what each of the `num_slots` KV-cache rows holds
+  (`rl.model.KVCache`), who runs in it, and where a new sequence is best seated;
+- `SessionTable` (`serving.engine.sessions`): persistent sessions pinned to slots, their
+  compaction planning and their eviction, through the slot table;
+- `Speculator` (`serving.engine.speculate`, when `speculate` > 0): guesses and whether a
+  step verifies them.
+Requests, sequences and sessions are plain records (`serving.engine.state`).
+
+The jitted device functions have static shapes: `decode` (one token for every slot, with
+sampling fused in), `prefill` (up to `prefill_batch` prompt chunks, padded to a bucket),
+`copy` (clone slot rows, for prefix reuse and `n` samples), `compact` and `probe` (a
+session's gather of kept keys and its `turn` scoring) and `verify` (guesses, checked in one
+call). The scheduler runs in the asyncio event loop: between device steps it admits waiting
+sequences into slots, picks prefill chunks, applies aborts and weight swaps, and delivers
+tokens. Device work runs in a worker thread so the loop keeps serving HTTP meanwhile.
 
 A prompt's last token is never prefilled: it is the first decode step's input, so prefill
 needs no LM head, every first token is sampled by the same decode step as all later ones, and
@@ -16,9 +26,6 @@ needs no LM head, every first token is sampled by the same decode step as all la
 Prefix reuse: a slot keeps the tokens whose keys it holds after its sequence finishes. A new
 prompt that extends them (the next turn of an episode) takes that slot over and only prefills
 the new suffix; a prompt sharing a prefix with a busy slot copies its row instead.
-
-Sessions (`serving.engine.sessions`) pin a slot to a caller between calls and compact it;
-speculative decoding (`serving.engine.speculate`) verifies guessed tokens in one call.
 """
 
 from __future__ import annotations
@@ -33,8 +40,7 @@ import os
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +52,22 @@ from rl.model.integrity import check_finite
 from rl.model.params_io import abstract, load_params_like
 from rl.model.state_tree import pure_dict, with_values
 from rl.model.transformer import KVCache, Qwen3, as_bits, from_bits, held_block_size, write_kv
+from serving.compaction import SessionCompaction
 from serving.config import INT64_MAX, MAX_N, EngineConfig, SamplingParams
 from serving.engine.errors import EngineBusy, EngineError
 from serving.engine.sampling import sample
-from serving.engine.sessions import Session, SessionsMixin
-from serving.engine.slots import SlotsMixin
-from serving.engine.speculate import Lookup, SpeculateMixin
+from serving.engine.sessions import SessionTable
+from serving.engine.slots import SlotTable, index_prefilling
+from serving.engine.speculate import Speculator
+from serving.engine.state import (
+    Request,
+    RequestHandle,
+    Seq,
+    SequenceOutput,
+    Session,
+    TokenEvent,
+    check_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,108 +76,7 @@ LAST = 4
 slot's last sampled token: the next call's input when it is dispatched ahead."""
 
 
-@dataclass
-class SequenceOutput:
-    """One finished (or aborted) sample."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    versions: list[int]
-    """Weight version that produced each token."""
-    text: str
-    finish_reason: str
-    """`stop`, `length` or `abort`."""
-    prompt_tokens: int
-    cached_tokens: int
-    """Prompt tokens whose KV was reused rather than prefilled."""
-    queue_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass
-class TokenEvent:
-    """A token as it is generated (for streaming)."""
-
-    index: int
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]]
-    version: int
-
-
-@dataclass(eq=False)
-class _Seq:
-    request: _Request
-    index: int
-    prompt: list[int]
-    max_tokens: int
-    slot: int | None = None
-    pending: list[int] = field(default_factory=list)
-    next_input: int = 0
-    cached: int = 0
-    admitted_at: float = 0.0
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tops: list[list[tuple[int, float]]] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    output: SequenceOutput | None = None
-    lookup: Lookup | None = None
-    guess: list[int] | None = None
-    """Its guessed next tokens at the step now running (`serving.engine.speculate`)."""
-
-
-@dataclass(eq=False)
-class _Request:
-    id: str
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    session: Session | None = None
-    seqs: list[_Seq] = field(default_factory=list)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: asyncio.Future | None = None
-    created: float = field(default_factory=time.perf_counter)
-
-
-class RequestHandle:
-    """What `Engine.submit` returns: stream tokens and/or await the outputs."""
-
-    def __init__(self, engine: Engine, request: _Request):
-        self._engine, self._request = engine, request
-
-    @property
-    def id(self) -> str:
-        return self._request.id
-
-    async def result(self) -> list[SequenceOutput]:
-        try:
-            return await asyncio.shield(self._request.done)
-        except asyncio.CancelledError:
-            self._engine.abort(self.id)
-            raise
-
-    async def stream(self) -> AsyncIterator[TokenEvent | SequenceOutput]:
-        """Token events as they come, then each sequence's `SequenceOutput` as it finishes;
-        ends after the last sequence. Cancelling the consumer aborts the request."""
-        remaining = len(self._request.seqs)
-        try:
-            while remaining:
-                event = await self._request.events.get()
-                if isinstance(event, BaseException):
-                    remaining = 0
-                    raise event
-                if isinstance(event, SequenceOutput):
-                    remaining -= 1
-                yield event
-        finally:
-            if remaining:
-                self._engine.abort(self.id)
-
-
-class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
+class Engine:
     """`engine = Engine(model, tokenizer, EngineConfig()); await engine.start()`, then
     `await engine.submit(prompt_ids, SamplingParams(...)).result()`."""
 
@@ -176,20 +91,10 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         # bf16 held as uint16 bits (`as_bits`): XLA:CPU copies bf16 arguments at every call
         self._state = commit(as_bits(state))
         self._cache = commit(KVCache.create(self.model_cfg, cfg.num_slots, cfg.max_seq_len))
-        b = cfg.num_slots
-        self._lengths = np.zeros(b, np.int32)
-        self._shift = np.zeros(b, np.int32)
-        """Logical position minus cache index of a slot's next token (compacted sessions)."""
-        self._slot_tokens: list[list[int]] = [[] for _ in range(b)]
-        self._slot_owner: list[_Seq | None] = [None] * b
-        self._slot_used = np.zeros(b, np.float64)
-        self._slot_version = np.full(b, -1, np.int64)
-        """Weight version a slot's KV was computed with: only the current one is reused."""
-        self._waiting: deque[_Seq] = deque()
-        self._pending_copies: list[tuple[int, int]] = []
-        self._pending_compactions: list[tuple[int, list[int]]] = []
-        self._pending_probes: list[tuple[Session, int, int, list[int]]] = []
-        self._requests: dict[str, _Request] = {}
+        self._vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
+        """Ids past the tokenizer's vocabulary are embedding rows with no token."""
+        self._waiting: deque[Seq] = deque()
+        self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -207,16 +112,16 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         self.block_reads: collections.Counter[tuple[str, int]] = collections.Counter()
         """Device calls per (step kind, blocks of held keys read): how much of the cache the
         steps touched (`HELD_BLOCK` positions a block; 0: none, e.g. a prompt's first chunk)."""
-        self._slot_session: list[Session | None] = [None] * b
-        """The session a slot is pinned to (between its calls too)."""
-        self.sessions: dict[str, Session] = {}
+        self.slots = SlotTable(cfg.num_slots)
+        self.session_table = SessionTable(cfg, self.slots, self.stats, self._vocab)
+        self.speculator = Speculator(cfg, self.stats) if cfg.speculate else None
         self._build_functions()
 
     # ----- device functions ------------------------------------------------------------------
 
     def _build_functions(self) -> None:
         graphdef, num_top = self._graphdef, self.cfg.max_top_logprobs
-        valid_vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
+        valid_vocab = self._vocab
 
         def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
                    top_k_B, seed_B, index_B, counter_B, want_top, *, steps):  # fmt: skip
@@ -299,6 +204,47 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             sub = KVCache(k=k, v=v, lengths=jnp.zeros(slots_P.shape, jnp.int32))
             return model.attention_mass(tokens_PT, sub, start_P, num_P, shift_P)
 
+        k = self.cfg.speculate + 1  # a verify call's inputs per slot
+
+        def verify(state, cache, lengths_B, shift_B, tokens_BK, active_B, temp_B, top_p_B,
+                   top_k_B, seed_B, index_B, counter_B, want_top):  # fmt: skip
+            """Every active slot's input token and its guesses (`tokens_BK`, [B, K]) run as one
+            chunk after its held keys; a token is sampled at each position, as decode would
+            with the key of the sequence's token `counter + j` (`serving.engine.speculate`).
+            -> (tokens, logprobs, top ids, top logprobs [K, B, ...] like a K-step decode, kept
+            guesses [B]); the keys of all K inputs are written (those past the kept ones are
+            never read: the slot's length moves past the kept ones only)."""
+            self.traces["verify"] += 1
+            model = nnx.merge(graphdef, from_bits(state))
+            b = lengths_B.shape[0]
+            rows_B = jnp.arange(b, dtype=jnp.int32)
+            held_B = jnp.where(active_B, lengths_B, 0)
+            num_B = jnp.where(active_B, k, 0).astype(jnp.int32)
+            h_BKD, k_new, v_new, index_BK, valid_BK = model.extend_chunk(
+                tokens_BK, (cache.k, cache.v), held_B, num_B, shift_B, rows_B=rows_B
+            )
+            logits_NV = model.logits(h_BKD).reshape(b * k, -1)
+
+            def per_position(x_B):
+                return jnp.repeat(x_B, k)
+
+            counter_N = (counter_B[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]).reshape(-1)
+            token_N, logp_N, top_ids_NT, top_logp_NT = sample(
+                logits_NV, per_position(temp_B), per_position(top_p_B), per_position(top_k_B),
+                per_position(seed_B), per_position(index_B), counter_N, num_top, valid_vocab,
+                want_top,
+            )  # fmt: skip
+            token_BK = token_N.reshape(b, k)
+            hits_BK = (token_BK[:, :-1] == tokens_BK[:, 1:]).astype(jnp.int32)
+            kept_B = jnp.sum(jnp.cumprod(hits_BK, axis=1), axis=1)
+            cache = write_kv(cache, rows_B, index_BK, k_new, v_new, valid_BK)
+
+            def steps_first(x_N):  # [B*K, ...] -> [K, B, ...], a K-step decode's layout
+                return jnp.swapaxes(x_N.reshape(b, k, *x_N.shape[1:]), 0, 1)
+
+            outs = tuple(steps_first(x) for x in (token_N, logp_N, top_ids_NT, top_logp_NT))
+            return cache, (*outs, kept_B)
+
         self._compact_fn = jax.jit(compact, donate_argnums=(0,))
         self._probe_fn = jax.jit(probe)
         self._decode = {
@@ -307,7 +253,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         }
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._copy = jax.jit(copy, donate_argnums=(0,))
-        self._build_verify(graphdef, num_top, valid_vocab)
+        self._verify = jax.jit(verify, donate_argnums=(1,)) if self.cfg.speculate else None
 
     def warmup(self) -> None:
         """Compile every shape a request uses, so no request triggers a compile. A compacting
@@ -327,10 +273,34 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             for _ in range(2 if self.cfg.overlap else 1):  # then fed its own device tokens
                 self._cache, out = decode(self._state, self._cache, zeros_b, zeros_b, tokens, *idle)
                 tokens = out[LAST]
-        self._warm_verify((zeros_b, zeros_b, zeros_b, *idle))
+        if self.speculator is not None:
+            self.speculator.calibrate(*self._time_verify((zeros_b, zeros_b, zeros_b, *idle)))
         jax.block_until_ready(self._cache.k)
         # The finiteness check every weight reload runs (rl.model.integrity), compiled now.
         check_finite(self._served_params(), "the served weights")
+
+    def _time_verify(self, decode_args: tuple) -> tuple[float, dict[int, float]]:
+        """Compile `verify`, then time it and each decode call (the fastest of five each,
+        every slot active and holding a quarter of its room, up to 256 keys, of no one's
+        tokens: the host's lengths stay 0, so nothing reads them) -> (verify seconds, decode
+        seconds by steps)."""
+        _, shift, tokens_B, active, *rest = decode_args
+        k = self.cfg.speculate + 1
+        room = self.cfg.max_seq_len - max(k, *self._decode)
+        lengths = np.full(len(tokens_B), max(0, min(256, room // 4)), np.int32)
+        tokens_BK = np.zeros((len(tokens_B), k), np.int32)
+        rest = (np.ones_like(active), *rest)
+
+        calls = [(self._verify, tokens_BK), *((d, tokens_B) for d in self._decode.values())]
+        best = [float("inf")] * len(calls)
+        for round_ in range(6):  # in turn, so a slow spell falls on all; round 0 compiles
+            for i, (fn, tokens) in enumerate(calls):
+                start = time.perf_counter()
+                self._cache, out = fn(self._state, self._cache, lengths, shift, tokens, *rest)
+                jax.block_until_ready(out)
+                if round_:
+                    best[i] = min(best[i], time.perf_counter() - start)
+        return best[0], dict(zip(self._decode, best[1:], strict=True))
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -384,7 +354,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         s = self.cfg.max_seq_len
         if not prompt:
             raise EngineError("prompt is empty: give at least one token", "prompt")
-        self._check_ids(prompt, "prompt")
+        check_ids(prompt, "prompt", self._vocab)
         if len(prompt) >= s:
             raise EngineError(f"prompt has {len(prompt)} tokens; the context is {s} tokens and "
                               "at least one must be left to generate", "prompt")  # fmt: skip
@@ -394,14 +364,6 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                               f"has {len(prompt)} tokens of {s}, so at most {room}",
                               "max_tokens")  # fmt: skip
         return self._enqueue(prompt, params, n=n, room=room, request_id=request_id)
-
-    def _check_ids(self, ids: list[int], name: str) -> None:
-        # Ids past the tokenizer's vocabulary are embedding rows with no token (never sampled).
-        vocab = min(self.model_cfg.vocab_size, self.tokenizer.vocab_size)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {vocab})", name)  # fmt: skip
 
     def _enqueue(self, prompt: list[int], params: SamplingParams, *, n: int, room: int,
                  request_id: str | None = None,
@@ -425,7 +387,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         if not params.ignore_eos:
             stop_ids.add(self.tokenizer.eos_id)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        request = _Request(
+        request = Request(
             id=request_id or f"req-{next(self._ids)}",
             params=params,
             seed=seed % (2**31),
@@ -435,12 +397,12 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         )
         if request.id in self._requests:
             raise EngineError(f"request id {request.id!r} is already in flight", "request_id")
-        request.seqs = [_Seq(request, i, prompt, max_tokens) for i in range(n)]
+        request.seqs = [Seq(request, i, prompt, max_tokens) for i in range(n)]
         self._requests[request.id] = request
         self._waiting.extend(request.seqs)
         self.stats["requests"] += 1
         self._wake.set()
-        return RequestHandle(self, request)
+        return RequestHandle(request, self.abort)
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, *, n: int = 1
@@ -452,6 +414,65 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         if request_id in self._requests:
             self._aborts.add(request_id)
             self._wake.set()
+
+    # ----- sessions (`serving.engine.sessions`) ----------------------------------------------
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        """The open sessions by id (and those gone, until their next call hears why)."""
+        return self.session_table.sessions
+
+    def open_session(
+        self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
+    ) -> Session:
+        """A new, empty session (its slot is taken at its first call). At the limit, sessions
+        that expired or were evicted are forgotten first to make room."""
+        return self.session_table.open(ttl_s, compaction)
+
+    def forget_gone_sessions(self, session_ids=None) -> int:
+        """Forget the sessions (of `session_ids`, else all) that expired or were evicted:
+        their next call gets 404 instead of 409. Returns how many were forgotten."""
+        return self.session_table.forget_gone(session_ids)
+
+    def session(self, session_id: str) -> Session:
+        """The open session `session_id`; SessionError 404 if unknown, 409 (once, then it is
+        forgotten) if it expired or was evicted."""
+        return self.session_table.get(session_id)
+
+    async def session_submit(self, session_id: str, append: Sequence[int],
+                             params: SamplingParams) -> RequestHandle:  # fmt: skip
+        """Append `append` to the session and generate from it: the session is compacted
+        first (its mode), then only tokens whose KV the slot does not hold are prefilled.
+        One call at a time per session."""
+        session = await self.session_table.ready(session_id)
+        append = [int(t) for t in append]
+        tokens, params, room = self.session_table.prepare_call(session, append, params)
+        handle = self._enqueue(tokens, params, n=1, room=room, session=session)
+        session.busy, session.last_used = True, time.monotonic()
+        return handle
+
+    def rewind_session(self, session_id: str, to: int) -> Session:
+        """Drop everything after logical position `to` (a retry from a turn boundary); the
+        slot keeps the keys of the first `to` tokens that it holds."""
+        return self.session_table.rewind(session_id, to)
+
+    def close_session(self, session_id: str) -> None:
+        """Forget the session and free its slot (a call in flight is aborted)."""
+        session = self.session_table.close(session_id)
+        for request in list(self._requests.values()):
+            if request.session is session:
+                self.abort(request.id)
+
+    def session_kv_tokens(self, session: Session) -> int:
+        """Keys the session's slot holds (0 without a slot)."""
+        return self.session_table.kv_tokens(session)
+
+    def session_epoch(self, session: Session) -> dict:
+        """What the session's next tokens see: `{"start": s, "kept": [[a, b), ...]}` — the
+        kept positions (all before s) and every token from s on."""
+        return self.session_table.epoch(session)
+
+    # ----- weights ---------------------------------------------------------------------------
 
     async def load_weights(self, path: str | os.PathLike, version: int) -> int:
         """Load a params checkpoint (rl.model.params_io) and serve it as `version`, which must
@@ -500,7 +521,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
 
     def reset_prefix_cache(self) -> None:
         """Forget every slot's cached prefix: no later prompt reuses KV computed so far."""
-        self._slot_version[:] = -1
+        self.slots.forget_prefixes()
 
     # ----- metrics ---------------------------------------------------------------------------
 
@@ -510,7 +531,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
 
     @property
     def active_slots(self) -> int:
-        return sum(o is not None for o in self._slot_owner)
+        return self.slots.active()
 
     # ----- the loop --------------------------------------------------------------------------
 
@@ -583,14 +604,68 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                 self.stats["aborted"] += 1
         self._aborts.clear()
 
+    def _admit(self) -> None:
+        """Give waiting sequences slots (FIFO). A sibling waits for its leader's prefill, and
+        so does a sequence whose prompt starts like one being prefilled (the samples of an RL
+        group, arriving together as separate requests): its prefix is then copied."""
+        skipped: deque[Seq] = deque()
+        prefilling = self.slots.prefilling_by_head() if self.cfg.prefix_reuse else None
+        while self._waiting:
+            seq = self._waiting.popleft()
+            leader = seq.request.seqs[0]
+            if seq is not leader and (leader.slot is None or leader.pending):
+                skipped.append(seq)
+                continue
+            if (prefilling is not None and seq is leader
+                    and self.slots.gains_by_waiting(seq, prefilling, self.version)):  # fmt: skip
+                skipped.append(seq)  # a sequence seated before it is prefilling its prefix
+                continue
+            if not self._place(seq):
+                skipped.append(seq)
+                skipped.extend(self._waiting)
+                self._waiting.clear()
+                break
+            if prefilling is not None:  # those after it may wait for its prefill
+                index_prefilling(prefilling, seq)
+        self._waiting = skipped
+
+    def _place(self, seq: Seq) -> bool:
+        """Seat `seq`: a session's call in its own slot, else the slot the slot table picks
+        (taking the least recently used idle session's when every slot is taken). False when
+        no slot is free."""
+        session = seq.request.session
+        if session is not None and session.slot is not None:
+            self.session_table.seat(seq, session, self.version)  # its own: pinned, idle
+        else:
+            self.session_table.expire()
+            want = seq.prompt[:-1]
+            best, best_len = None, 0
+            if self.cfg.prefix_reuse and want:
+                best, best_len = self.slots.longest_prefix(want, self.version)
+            idle = self.slots.idle()
+            free = [s for s in idle if self.slots.session[s] is None]
+            if not free:
+                slot = self.session_table.evict_for(idle)
+                if slot is None:
+                    return False
+                free = [slot]
+            slot, cached = self.slots.choose(free, best, best_len, len(want))
+            if session is not None:
+                self.session_table.pin(session, slot)
+            self.slots.seat(seq, slot, want, cached, self.version)
+        self.stats["prompt_tokens"] += len(seq.prompt)
+        self.stats["cached_tokens"] += seq.cached
+        return True
+
     def _plan(self):
         """Host-side inputs of the next device step, or None when there is nothing to do."""
         b, p, chunk = self.cfg.num_slots, self.cfg.prefill_batch, self.cfg.prefill_chunk
-        copies, self._pending_copies = self._pending_copies, []
-        compactions, self._pending_compactions = self._pending_compactions, []
-        probes, self._pending_probes = self._pending_probes[:p], self._pending_probes[p:]
-        prefilling = [s for s in self._slot_owner if s is not None and s.pending][:p]
-        decoding = [s for s in self._slot_owner if s is not None and not s.pending]
+        owner, lengths, shift = self.slots.owner, self.slots.lengths, self.slots.shift
+        copies = self.slots.take_copies()
+        compactions = self.session_table.take_compactions()
+        probes = self.session_table.take_probes(p)
+        prefilling = [s for s in owner if s is not None and s.pending][:p]
+        decoding = [s for s in owner if s is not None and not s.pending]
         if not copies and not compactions and not probes and not prefilling and not decoding:
             return None
 
@@ -600,7 +675,7 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             for i, (s, d) in enumerate(copies[start : start + p]):
                 src[i], dst[i] = s, d
             copy_args.append((src, dst))
-        side = self._session_step_args(compactions, probes)
+        side = self.session_table.step_args(compactions, probes)
 
         plan = bool(copies or compactions or probes or prefilling)  # busy: keep the step short
         prefill_args, chunks = None, []
@@ -615,9 +690,9 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                 slots[i], num_new[i] = seq.slot, len(part)
                 tokens[i, : len(part)] = part
                 chunks.append((seq, part))
-            prefill_args = (self._lengths.copy(), self._shift.copy(), slots, tokens, num_new)
+            prefill_args = (lengths.copy(), shift.copy(), slots, tokens, num_new)
             for seq, part in chunks:  # lengths after the prefill, before the decode
-                self._lengths[seq.slot] += len(part)
+                lengths[seq.slot] += len(part)
 
         decode_args, steps = None, self._steps(decoding, plan)
         if decoding:
@@ -631,9 +706,10 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                 temp[i], top_p[i], top_k[i] = prm.temperature, prm.top_p, prm.top_k
                 seed[i], index[i], counter[i] = seq.request.seed, seq.index, len(seq.generated)
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
-            tokens, steps = self._speculated(decoding, tokens, steps)  # or a verify call's
-            decode_args = (self._lengths.copy(), self._shift.copy(), tokens, active, temp, top_p,
-                           top_k, seed, index, counter, want_top)  # fmt: skip
+            if self.speculator is not None:  # a verify call's inputs and tokens, if it pays
+                tokens, steps = self.speculator.inputs(decoding, tokens, steps, lengths)
+            decode_args = (lengths.copy(), shift.copy(), tokens, active, temp, top_p, top_k, seed,
+                           index, counter, want_top)  # fmt: skip
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
 
     def _count_reads(self, kind: str, held: np.ndarray) -> None:
@@ -642,16 +718,16 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         size = held_block_size(self.cfg.max_seq_len)
         self.block_reads[kind, -(-int(held.max(initial=0)) // size)] += 1
 
-    def _steps(self, decoding: list[_Seq], busy: bool) -> int:
+    def _steps(self, decoding: list[Seq], busy: bool) -> int:
         """Decode several tokens per device call while the batch is stable: nothing to
         prefill or copy, nobody waiting for a free slot, and room in every active slot."""
         k = self.cfg.decode_steps
         if k == 1 or busy or not decoding:
             return 1
-        if self._waiting and any(o is None for o in self._slot_owner):
+        if self._waiting and self.slots.any_idle():
             return 1
-        room = self.cfg.max_seq_len
-        if any(self._lengths[s.slot] + k > room for s in decoding):
+        room, lengths = self.cfg.max_seq_len, self.slots.lengths
+        if any(lengths[s.slot] + k > room for s in decoding):
             return 1
         return k
 
@@ -689,13 +765,15 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
         copy_args, side, prefill_args, _, decode_args, decoding, steps = plan
         if out is None or copy_args or prefill_args is not None or side[0] or side[1]:
             return None
-        if decode_args[2].ndim == 2 or not self._ahead_ok():  # a verify call, or one may pay
+        if decode_args[2].ndim == 2:  # a verify call
             return None
-        if self._pending_copies or self._pending_compactions or self._pending_probes:
+        if self.speculator is not None and not self.speculator.ahead_ok():  # one may pay
+            return None
+        if self.slots.has_copies() or self.session_table.has_work():
             return None
         if self._waiting or self._aborts or self._closing:
             return None
-        owners = [o for o in self._slot_owner if o is not None]
+        owners = [o for o in self.slots.owner if o is not None]
         if len(owners) != len(decoding) or any(o.finish_reason is not None or o.pending
                                                for o in owners):  # fmt: skip
             return None
@@ -715,15 +793,16 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
     def _deliver(self, plan, result, version: int) -> None:
         _, (_, probes, _), _, chunks, _, decoding, steps = plan
         out, mass = result
+        held, lengths = self.slots.tokens, self.slots.lengths
         for i, (session, *_) in enumerate(probes):
-            self._probe_done(session, mass[i])
+            self.session_table.probe_done(session, mass[i])
         for seq, part in chunks:
-            self._slot_tokens[seq.slot].extend(part)
+            held[seq.slot].extend(part)
             del seq.pending[: len(part)]
         if out is None:
             return
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, kept_B = out  # host lists (`_fetch`)
-        start = {seq: len(seq.generated) for seq in decoding} if self._verify else None
+        start = {seq: len(seq.generated) for seq in decoding} if self.speculator else None
         for seq in decoding:
             i = seq.slot
             k = seq.request.params.logprobs
@@ -731,8 +810,8 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
             for j in range(steps if kept_B is None else kept_B[i] + 1):
                 if seq.finish_reason is not None:  # finished, or aborted while the step ran
                     break
-                self._lengths[i] += 1
-                self._slot_tokens[i].append(seq.next_input)
+                lengths[i] += 1
+                held[i].append(seq.next_input)
                 tok = token_SB[j][i]
                 top = []
                 if k:
@@ -748,33 +827,33 @@ class Engine(SlotsMixin, SessionsMixin, SpeculateMixin):
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     self._finish(seq, reason)
-        self._observe_guesses(decoding, start, kept_B is not None)
+        if self.speculator is not None:
+            self.speculator.observe(decoding, start, kept_B is not None)
 
-    def _stop_reason(self, seq: _Seq, tok: int) -> str | None:
+    def _stop_reason(self, seq: Seq, tok: int) -> str | None:
         if tok in seq.request.stop_ids:
             return "stop"
         if seq.request.params.stop and self._stop_string_at(seq) is not None:
             return "stop"
         if len(seq.generated) >= seq.max_tokens:
             return "length"
-        if self._lengths[seq.slot] + 1 > self.cfg.max_seq_len:
+        if self.slots.lengths[seq.slot] + 1 > self.cfg.max_seq_len:
             return "length"
         return None
 
-    def _stop_string_at(self, seq: _Seq) -> int | None:
+    def _stop_string_at(self, seq: Seq) -> int | None:
         text = self.tokenizer.decode(seq.generated)
         hits = [text.find(s) for s in seq.request.params.stop if s in text]
         return min(hits) if hits else None
 
-    def _finish(self, seq: _Seq, reason: str) -> None:
+    def _finish(self, seq: Seq, reason: str) -> None:
         seq.finish_reason = reason
         if seq.slot is not None:
-            self._slot_owner[seq.slot] = None
-            self._slot_used[seq.slot] = time.perf_counter()
+            self.slots.release(seq.slot)
         elif seq in self._waiting:
             self._waiting.remove(seq)
-        if seq.request.session is not None:
-            self._session_finished(seq, reason)
+        if seq.request.session is not None and self.session_table.finished(seq, reason):
+            self._wake.set()  # its `turn` scoring probes wait for a step
         ids = seq.generated
         body = ids[:-1] if ids and reason == "stop" and ids[-1] in seq.request.stop_ids else ids
         text = self.tokenizer.decode(body)

@@ -82,7 +82,7 @@ async def _started(cfg: EngineConfig, verify_cost: float | None) -> Engine:
     eng = Engine(make_model(0), TOK, cfg)
     await eng.start()
     if verify_cost is not None:
-        eng._verify_cost = dict.fromkeys(eng._verify_cost, verify_cost)
+        eng.speculator.verify_cost = dict.fromkeys(eng.speculator.verify_cost, verify_cost)
     return eng
 
 
