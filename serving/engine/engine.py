@@ -415,28 +415,21 @@ class Engine:
             self._aborts.add(request_id)
             self._wake.set()
 
-    # ----- sessions (`serving.engine.sessions`) ----------------------------------------------
+    # ----- sessions: `SessionTable`'s API, as the server calls it ----------------------------
 
     @property
     def sessions(self) -> dict[str, Session]:
         """The open sessions by id (and those gone, until their next call hears why)."""
         return self.session_table.sessions
 
-    def open_session(
-        self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
-    ) -> Session:
-        """A new, empty session (its slot is taken at its first call). At the limit, sessions
-        that expired or were evicted are forgotten first to make room."""
+    def open_session(self, ttl_s: float | None = None,
+                     compaction: SessionCompaction | None = None) -> Session:  # fmt: skip
         return self.session_table.open(ttl_s, compaction)
 
     def forget_gone_sessions(self, session_ids=None) -> int:
-        """Forget the sessions (of `session_ids`, else all) that expired or were evicted:
-        their next call gets 404 instead of 409. Returns how many were forgotten."""
         return self.session_table.forget_gone(session_ids)
 
     def session(self, session_id: str) -> Session:
-        """The open session `session_id`; SessionError 404 if unknown, 409 (once, then it is
-        forgotten) if it expired or was evicted."""
         return self.session_table.get(session_id)
 
     async def session_submit(self, session_id: str, append: Sequence[int],
@@ -452,8 +445,6 @@ class Engine:
         return handle
 
     def rewind_session(self, session_id: str, to: int) -> Session:
-        """Drop everything after logical position `to` (a retry from a turn boundary); the
-        slot keeps the keys of the first `to` tokens that it holds."""
         return self.session_table.rewind(session_id, to)
 
     def close_session(self, session_id: str) -> None:
@@ -464,12 +455,9 @@ class Engine:
                 self.abort(request.id)
 
     def session_kv_tokens(self, session: Session) -> int:
-        """Keys the session's slot holds (0 without a slot)."""
         return self.session_table.kv_tokens(session)
 
     def session_epoch(self, session: Session) -> dict:
-        """What the session's next tokens see: `{"start": s, "kept": [[a, b), ...]}` — the
-        kept positions (all before s) and every token from s on."""
         return self.session_table.epoch(session)
 
     # ----- weights ---------------------------------------------------------------------------
@@ -861,18 +849,5 @@ class Engine:
             cut = self._stop_string_at(seq)
             if cut is not None:
                 text = text[:cut]
-        now = time.perf_counter()
-        created = seq.request.created
-        output = SequenceOutput(
-            index=seq.index, token_ids=list(ids), logprobs=seq.logprobs, top_logprobs=seq.tops,
-            versions=seq.versions, text=text, finish_reason=reason,
-            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached,
-            queue_s=(seq.admitted_at or now) - created, total_s=now - created,
-        )  # fmt: skip
-        seq.output = output
-        request = seq.request
-        request.events.put_nowait(output)
-        if all(s.finish_reason is not None for s in request.seqs):
-            self._requests.pop(request.id, None)
-            if not request.done.done():
-                request.done.set_result([s.output for s in request.seqs])
+        if seq.request.conclude(seq, text):
+            self._requests.pop(seq.request.id, None)

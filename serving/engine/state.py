@@ -178,6 +178,25 @@ class Request:
     done: asyncio.Future | None = None
     created: float = field(default_factory=time.perf_counter)
 
+    def conclude(self, seq: Seq, text: str) -> bool:
+        """Hand out the `SequenceOutput` of `seq`, which just finished (`finish_reason` set)
+        with the completion `text`; -> whether that was the request's last sequence (its
+        outputs are then the result)."""
+        now = time.perf_counter()
+        seq.output = SequenceOutput(
+            index=seq.index, token_ids=list(seq.generated), logprobs=seq.logprobs,
+            top_logprobs=seq.tops, versions=seq.versions, text=text,
+            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt),
+            cached_tokens=seq.cached, queue_s=(seq.admitted_at or now) - self.created,
+            total_s=now - self.created,
+        )  # fmt: skip
+        self.events.put_nowait(seq.output)
+        if any(s.finish_reason is None for s in self.seqs):
+            return False
+        if not self.done.done():
+            self.done.set_result([s.output for s in self.seqs])
+        return True
+
 
 class RequestHandle:
     """What `Engine.submit` returns: stream tokens and/or await the outputs."""
