@@ -189,25 +189,19 @@ class SessionTable:
     def seat(self, seq: Seq, session: Session, version: int) -> None:
         """Seat a session's call in its own (pinned, idle) slot: only the tokens past what the
         slot has seen are pending; positions continue from the session's logical length."""
-        slots, slot = self.slots, session.slot
-        fresh = slots.version[slot] == version
+        slot = session.slot
+        fresh = self.slots.version[slot] == version
         if not fresh and not session.compactions:
             # Never compacted: its KV can be recomputed under the new weights, as any prefix.
-            slots.truncate(slot, 0)
-        frontier = self._frontier(session)
-        slots.owner[slot] = seq
-        slots.used[slot] = time.perf_counter()
-        if fresh or not session.compactions:
-            slots.version[slot] = version
-        slots.shift[slot] = frontier - int(slots.lengths[slot])
-        seq.slot, seq.cached = slot, frontier
-        seq.pending = seq.prompt[frontier:-1]
-        seq.next_input = seq.prompt[-1]
-        seq.admitted_at = time.perf_counter()
+            self.slots.truncate(slot, 0)
+        # Of the current weights from now on, unless compacted KV of older ones stays on.
+        current = fresh or not session.compactions
+        self.slots.resume(seq, slot, self._frontier(session), version if current else None)
 
     def pin(self, session: Session, slot: int) -> None:
         """`slot` is the session's from now on (its first call was seated there)."""
-        session.slot, self.slots.session[slot] = slot, session
+        session.slot = slot
+        self.slots.pin(slot, session)
 
     def expire(self) -> None:
         """Unpin the sessions idle past their TTL."""
@@ -352,9 +346,6 @@ class SessionTable:
     def _unpin(self, session: Session, gone: str | None) -> None:
         slot = session.slot
         if slot is not None and self.slots.session[slot] is session:
-            self.slots.session[slot] = None
-            if session.compactions:
-                # Compacted keys are no prefix of any prompt: nobody may reuse them.
-                self.slots.forget(slot)
-            self.slots.shift[slot] = 0
+            # Compacted keys are no prefix of any prompt: nobody may reuse them.
+            self.slots.unpin(slot, forget=bool(session.compactions))
         session.slot, session.gone = None, gone

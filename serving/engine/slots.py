@@ -5,8 +5,9 @@ prefix another sequence is prefilling right now.
 
 A slot holds the KV of the last sequence that ran there (`tokens`, of the weights `version`)
 until another takes it; a session pins its own (`session`; `serving.engine.sessions` decides
-when). The engine reads `lengths` and `shift` into its device calls and changes a slot only
-through the methods here.
+when). Anyone may read the per-slot arrays (the engine copies `lengths` and `shift` into its
+device calls); they change through the methods here, except on the engine's hot path: a
+device step's prefill chunks and sampled tokens go straight onto `lengths` and `tokens`.
 """
 
 from __future__ import annotations
@@ -130,6 +131,20 @@ class SlotTable:
         seq.next_input = seq.prompt[-1]
         seq.admitted_at = time.perf_counter()
 
+    def resume(self, seq: Seq, slot: int, frontier: int, version: int | None) -> None:
+        """Seat a session's call `seq` in the session's own `slot`: its prompt from logical
+        position `frontier` on (what the slot has not seen) is pending, and its positions go
+        on from there; the slot's KV is of `version` from now on (None: it stays as it was)."""
+        self.owner[slot] = seq
+        self.used[slot] = time.perf_counter()
+        if version is not None:
+            self.version[slot] = version
+        self.shift[slot] = frontier - int(self.lengths[slot])
+        seq.slot, seq.cached = slot, frontier
+        seq.pending = seq.prompt[frontier:-1]
+        seq.next_input = seq.prompt[-1]
+        seq.admitted_at = time.perf_counter()
+
     def release(self, slot: int) -> None:
         """The sequence in `slot` finished: the slot keeps its KV for reuse."""
         self.owner[slot] = None
@@ -148,11 +163,19 @@ class SlotTable:
         self.tokens[slot] = [physical[i] for i in rows]
         self.lengths[slot] = len(rows)
 
-    def forget(self, slot: int) -> None:
-        """`slot`'s KV is nobody's prefix any more (compacted keys): nobody may reuse it."""
-        self.version[slot] = -1
-        self.tokens[slot] = []
-        self.lengths[slot] = 0
+    def pin(self, slot: int, session: Session) -> None:
+        """`slot` is `session`'s between its calls too: nobody else is seated there."""
+        self.session[slot] = session
+
+    def unpin(self, slot: int, forget: bool) -> None:
+        """`slot` is nobody's any more; with `forget`, its KV is nobody's prefix either
+        (compacted keys), so it is dropped."""
+        self.session[slot] = None
+        if forget:
+            self.version[slot] = -1
+            self.tokens[slot] = []
+            self.lengths[slot] = 0
+        self.shift[slot] = 0
 
     def forget_prefixes(self) -> None:
         """No later prompt reuses the KV any slot holds now."""
