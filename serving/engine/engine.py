@@ -790,7 +790,9 @@ class Engine:
         if out is None:
             return
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, kept_B = out  # host lists (`_fetch`)
-        start = {seq: len(seq.generated) for seq in decoding} if self.speculator else None
+        start = None  # where each sequence's tokens of this step begin, for the speculator
+        if self.speculator is not None:
+            start = {seq: len(seq.generated) for seq in decoding}
         for seq in decoding:
             i = seq.slot
             k = seq.request.params.logprobs
