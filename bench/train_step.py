@@ -220,11 +220,11 @@ async def rl_arm(trainer: Trainer, init_state, staleness: int, a: SimpleNamespac
         max_concurrent_episodes=4 * a.batch_size, max_concurrent_real=4 * a.batch_size,
         seed=a.seed,
     )  # fmt: skip
+    delivered, queue = [], asyncio.Queue()
     runner = RolloutRunner(ocfg, TERMINAL, ChatRenderer(tok), Backends(real=TextopsAnswerShell),
-                           client=agent)  # fmt: skip
-    delivered = []
+                           client=agent, sinks=(delivered.append, queue.put_nowait))  # fmt: skip
     tasks = generate_textops(TextopsConfig(num_tasks=64, seed=a.seed))
-    buffer = RolloutBuffer(runner, tasks, steps=a.steps, seed=a.seed, sink=delivered.append,
+    buffer = RolloutBuffer(runner, tasks, steps=a.steps, seed=a.seed, queue=queue,
                            batch_timeout_s=120.0)  # fmt: skip
     # As `simloop train-agent` starts: the initial weights are served as version 1.
     await publisher.publish(str(run_dir / "initial"), 1)

@@ -64,10 +64,6 @@ CONTROL_FIELDS = ("group_index", "admitted_version", "task_kind", "trial_reward"
 CONTROL_META_KEYS = (*CONTROL_FIELDS, "masked", "masked_reason", "dropped", "stale")
 """Names `meta` may not hold: the typed fields, and the schema 1 keys the loader maps onto
 them (a harness's `meta` naming one is refused, so no file can mean two things)."""
-_LEGACY_MIRROR = ("group_index",)
-"""Fields also written into the file's `meta` (schema 2 readers drop the copy): raw-JSON readers
-written against schema 1 (tests/integration/test_train_agent.py) read `meta.group_index`."""
-
 _CONTAINERS = (
     ("group_id", str),
     ("instruction", str),
@@ -217,9 +213,6 @@ class Trajectory:
         for turn in data["turns"]:
             if turn["token_span"] is not None:
                 turn["token_span"] = list(turn["token_span"])
-        for name in _LEGACY_MIRROR:
-            if data[name] is not None:
-                data["meta"] = {**data["meta"], name: data[name]}
         return {"schema": SCHEMA_VERSION, **data}
 
     @classmethod
@@ -231,9 +224,7 @@ class Trajectory:
         schema = data.pop("schema", None)
         if schema == 1:
             data = _upgrade_v1(data)
-        elif schema == SCHEMA_VERSION:
-            data = _drop_mirror(data)
-        else:
+        elif schema != SCHEMA_VERSION:
             raise ValueError(f"schema={schema!r} is invalid: this simloop reads 1 and "
                              f"{SCHEMA_VERSION}")  # fmt: skip
         exclusion = data.get("exclusion")
@@ -312,19 +303,6 @@ def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
         data["exclusion"] = exclusion
     data["meta"] = meta
     return data
-
-
-def _drop_mirror(data: dict[str, Any]) -> dict[str, Any]:
-    """A schema 2 record without the `_LEGACY_MIRROR` copies in `meta` (each must agree)."""
-    meta = data.get("meta")
-    if not isinstance(meta, dict) or not any(k in meta for k in _LEGACY_MIRROR):
-        return data
-    meta = dict(meta)
-    for name in _LEGACY_MIRROR:
-        if name in meta and meta.pop(name) != data.get(name):
-            raise ValueError(f"meta[{name!r}]={data['meta'][name]!r} is invalid: "
-                             f"the copy of {name}={data.get(name)!r}")  # fmt: skip
-    return {**data, "meta": meta}
 
 
 def _turn_from_dict(data: Any, i: int) -> Turn:

@@ -203,11 +203,9 @@ def test_eval_agent_reproduces_the_after_rl_evaluation(trained, tmp_path):
     again, before = per_task_success(run, "eval"), per_task_success(out, "after")
     assert len(again) == REEVAL_TASKS and again == {k: before[k] for k in again}
     assert result["real"]["success_rate"] == sum(again.values()) / REEVAL_TASKS
-    first = {
-        (t["task_id"], t["meta"]["group_index"]): t["token_ids"] for t in episodes(out, "after")
-    }
+    first = {(t["task_id"], t["group_index"]): t["token_ids"] for t in episodes(out, "after")}
     for t in episodes(run, "eval"):
-        assert t["token_ids"] == first[(t["task_id"], t["meta"]["group_index"])]
+        assert t["token_ids"] == first[(t["task_id"], t["group_index"])]
     for arm in ("real", "closed_loop"):
         actions = result[arm]["actions"]
         assert abs(sum(actions.values()) - 1) < 1e-9 and list(actions.values()) == sorted(

@@ -299,16 +299,15 @@ def test_typed_fields_round_trip_through_json_and_jsonl(tmp_path):
     assert line["exclusion"] == {"kind": "unreplayable",
                                  "reason": "the server recomputed the session"}  # fmt: skip
     assert (line["group_index"], line["admitted_version"], line["task_kind"]) == (3, 7, "reverse")
-    # The one copy kept in meta for readers of the raw JSON written against schema 1.
-    assert line["meta"] == {"env_status": "submitted", "group_index": 3}
+    assert line["meta"] == {"env_status": "submitted"}  # provenance only
     assert Trajectory.from_dict(line) == traj
     assert traj.meta == {"env_status": "submitted"}  # writing left the trajectory alone
     aborted = sampled()
     aborted.status, aborted.reason, aborted.replica_down = "aborted", "replica down", "http://r:1"
     write_jsonl(tmp_path / "s.jsonl", [traj, aborted])
     assert read_jsonl(tmp_path / "s.jsonl") == [traj, aborted]
-    with pytest.raises(ValueError, match=r"meta\['group_index'\]=4 is invalid: the copy of "
-                       r"group_index=3"):  # fmt: skip
+    # A schema 2 record naming a control field in meta means two things: refused.
+    with pytest.raises(ValueError, match=r"meta\['group_index'\]=4 is invalid"):
         Trajectory.from_dict({**line, "meta": {"group_index": 4}})
 
 
