@@ -265,7 +265,7 @@ def _dispatch(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     the hardware cannot hold) ends in one line naming it and exit 2 (1 for a job that could
     not do its work), never a traceback; set SIMLOOP_TRACEBACK=1 to see one anyway."""
     from launch.deploy.chips import PlanError
-    from launch.jobs.errors import JobError
+    from launch.errors import JobError
 
     try:
         if SUBCOMMANDS[args.command][1]:  # its metrics log: W&B too when run.wandb says so

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.jobs.errors import JobError  # no imports of its own: free at start-up
+from launch.errors import JobError  # no imports of its own: free at start-up
 from rl.data.rundir import CONFIG, LOGS
 from serving.lifetime import child_env
 

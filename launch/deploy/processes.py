@@ -153,7 +153,7 @@ def print_dry_run(args, cfg, job: str, roles: Sequence[str], publishes: Sequence
     exactly as `simloop gke render` puts them in its plan (the job is `gke.command`)."""
     if getattr(args, "target", "local") == "gke":
         from launch.deploy.gke import gke_processes
-        from launch.jobs.errors import UsageError
+        from launch.errors import UsageError
 
         if job not in cfg.gke.command:
             raise UsageError(

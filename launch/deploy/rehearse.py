@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config.schema import SimloopConfig
-from launch.jobs.errors import JobError, UsageError
+from launch.errors import JobError, UsageError
 
 OVERRIDES: dict[str, Any] = {
     "orchestrator.group_size": 2,

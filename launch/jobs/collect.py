@@ -20,7 +20,7 @@ from pathlib import Path
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
-from launch.jobs.errors import UsageError
+from launch.errors import UsageError
 from rl.data import rundir
 
 

@@ -38,7 +38,7 @@ from launch.config import ConfigError, load_config, write_config
 from launch.config.schema import SimloopConfig
 from launch.deploy.chips import cpu_device_flag
 from launch.deploy.processes import print_processes
-from launch.jobs.errors import JobError, UsageError
+from launch.errors import JobError, UsageError
 from rl.data import rundir
 
 STAGES = ("collect", "sim", "eval_sim", "agent", "agent_real", "trials")

@@ -113,7 +113,7 @@ def _weak_sim(args, path: Path, wiring: list[str], steps: int, wrong: list[str],
 
     cfg = demo.stage_config(args, wiring)
     if not cfg.simulator.weights:
-        from launch.jobs.errors import UsageError
+        from launch.errors import UsageError
 
         raise UsageError("demo.gating_sim_steps=0 takes the simulator as it is: set "
                          "simulator.weights (the demo config's pretrained one)")  # fmt: skip
@@ -144,7 +144,7 @@ def _misreported(collected: str, out: Path, ops: list[str]) -> int:
         rewritten.append(dataclasses.replace(t, turns=turns))
         changed += n
     if not changed:
-        from launch.jobs.errors import JobError
+        from launch.errors import JobError
 
         raise JobError(f"demo.gating_wrong_ops={ops}: no collected command ran them (nothing "
                        "to misreport)")  # fmt: skip

@@ -11,7 +11,7 @@ import asyncio
 import os
 
 from launch.config.schema import SimloopConfig
-from launch.jobs.errors import UsageError
+from launch.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ def check_servers(cfg: SimloopConfig, roles: list[str]) -> None:
     """UsageError (exit 2, before anything starts) when a server this job would start for
     `roles` cannot hold what is sent to it or does not fit this machine's memory."""
     from launch.config.schema import check_local_servers
-    from launch.jobs.errors import UsageError
+    from launch.errors import UsageError
 
     try:
         check_local_servers(cfg, roles)
@@ -31,7 +31,7 @@ def check_servers(cfg: SimloopConfig, roles: list[str]) -> None:
 def job_backends(cfg: SimloopConfig, simulator_client=None):
     """The config's real shell and, with a simulator client, the simulated one."""
     from envs.backends import shell_backends
-    from launch.jobs.errors import UsageError
+    from launch.errors import UsageError
     from serving.compaction import SessionCompaction
 
     try:

@@ -24,8 +24,8 @@ from typing import Any
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
 from launch.deploy.processes import print_dry_run
+from launch.errors import UsageError
 from launch.jobs.episodes import check_servers
-from launch.jobs.errors import UsageError
 from rl.data import rundir
 
 LABEL = "eval"

@@ -32,8 +32,8 @@ from pathlib import Path
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
 from launch.deploy.processes import print_dry_run
+from launch.errors import UsageError
 from launch.jobs.episodes import check_servers
-from launch.jobs.errors import UsageError
 from rl.data import rundir
 
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
     from envs.backends import shell_backends
     from launch.deploy.local import role_clients
-    from launch.jobs.errors import JobError
+    from launch.errors import JobError
     from launch.jobs.middleware import running_middleware
     from rl.orchestrator.harness import HarnessRunner, HarnessUnavailable, pick_launcher
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
-from launch.jobs.errors import EXIT_FAILED, EXIT_USAGE
+from launch.errors import EXIT_FAILED, EXIT_USAGE
 from rl.data import rundir
 from rl.data.importers import FORMATS, PATTERNS, ImportConfig, import_files
 from rl.data.trajectory import write_jsonl

@@ -34,7 +34,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
-from launch.jobs.errors import UsageError
+from launch.errors import UsageError
 from rl.data import rundir
 
 TRAIN_FILE, EVAL_FILE = "grammar-train.jsonl", "grammar-eval.jsonl"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig, role_model
-from launch.jobs.errors import JobError, UsageError
+from launch.errors import JobError, UsageError
 from rl.data import rundir
 
 

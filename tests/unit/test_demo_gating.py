@@ -135,7 +135,7 @@ def test_misreported_collection_drops_the_token_view_it_no_longer_matches(tmp_pa
     assert a.turns[0].observation == "bpne" and a.source == "rendered" and a.token_ids == []
     assert a.turns[0].token_span is None and a.reward == 1.0
     assert b.turns[0].observation == "enpb" and b.token_ids == [5, 6, 7]  # untouched
-    from launch.jobs.errors import JobError
+    from launch.errors import JobError
 
     with pytest.raises(JobError, match="no collected command ran them"):
         _misreported(str(tmp_path / "in"), tmp_path / "out2", ["sort"])
