@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rl import validate
 from rl.data.chat import ChatRenderer
 from rl.data.sim_format import format_observation, kept_history, render_sim_messages
 from rl.data.tokenizer import IM_END, Tokenizer
@@ -66,20 +67,11 @@ class DatasetConfig:
     no end-of-turn is taught where the real output does not end."""
 
     def __post_init__(self) -> None:
-        for name, low in (("seq_len", 2), ("batch_size", 1), ("seed", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"DatasetConfig.{name}={value!r} is invalid: an integer >= {low}")
-        epochs = self.num_epochs
-        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
-            raise ValueError(
-                f"DatasetConfig.num_epochs={epochs!r} is invalid: an integer >= 1 or null"
-            )
-        code = self.missing_exit_code
-        if code is not None and (not isinstance(code, int) or isinstance(code, bool)):
-            raise ValueError(
-                f"DatasetConfig.missing_exit_code={code!r} is invalid: an integer or null"
-            )
+        validate.integer(self, "seq_len", low=2)
+        validate.integer(self, "batch_size", low=1)
+        validate.integer(self, "seed", low=0)
+        validate.integer(self, "num_epochs", low=1, optional=True)
+        validate.integer(self, "missing_exit_code", optional=True)
 
 
 @dataclass

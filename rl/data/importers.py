@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rl import validate
 from rl.data.chat import ChatRenderer, Message
 from rl.data.importers_common import (
     Item,
@@ -105,14 +106,9 @@ class ImportConfig:
     """Trajectories per JSONL shard under `<out>/trajectories/`."""
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"ImportConfig.format={self.format!r} is invalid: one of {FORMATS}")
-        think = self.enable_thinking
-        if not isinstance(think, bool):
-            raise ValueError(f"ImportConfig.enable_thinking={think!r} is invalid: true or false")
-        size = self.shard_size
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-            raise ValueError(f"ImportConfig.shard_size={size!r} is invalid: a positive integer")
+        validate.one_of(self, "format", FORMATS, allowed=f"one of {FORMATS}")
+        validate.boolean(self, "enable_thinking")
+        validate.positive_int(self, "shard_size")
 
 
 @dataclass

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from rl import validate
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -191,8 +193,7 @@ class TokenizerConfig:
     """Directory (or tokenizer.json file) for `kind: hf`."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("byte", "hf"):
-            raise ValueError(f"TokenizerConfig.kind={self.kind!r} is invalid: 'byte' or 'hf'")
+        validate.one_of(self, "kind", ("byte", "hf"), allowed="'byte' or 'hf'")
         if self.kind == "hf" and not self.path:
             raise ValueError("TokenizerConfig.path is required when kind is 'hf'")
 

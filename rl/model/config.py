@@ -10,15 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from rl import validate
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 # HF `architectures` values we can load, and the attention-bias layout each implies.
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM")
-
-
-def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,8 @@ class ModelConfig:
     """HF `architectures[0]` written by save_hf."""
 
     def __post_init__(self) -> None:
-        for name in (
+        validate.positive_int(
+            self,
             "vocab_size",
             "hidden_size",
             "intermediate_size",
@@ -72,25 +70,22 @@ class ModelConfig:
             "num_heads",
             "num_kv_heads",
             "head_dim",
-        ):
-            value = getattr(self, name)
-            _check(isinstance(value, int) and value > 0, name, value, "a positive integer")
-        _check(
+        )
+        validate.require(
             self.num_heads % self.num_kv_heads == 0,
+            self,
             "num_kv_heads",
-            self.num_kv_heads,
             f"must divide num_heads={self.num_heads}",
         )
-        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
-        _check(self.rope_theta > 0, "rope_theta", self.rope_theta, "must be > 0")
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _check(self.param_dtype in DTYPES, "param_dtype", self.param_dtype, f"one of {DTYPES}")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        _check(
-            self.architecture in SUPPORTED_ARCHITECTURES,
+        validate.require(self.head_dim % 2 == 0, self, "head_dim", "must be even (RoPE pairs)")
+        validate.positive(self, "rope_theta", "rms_norm_eps", allowed="must be > 0")
+        validate.one_of(self, "param_dtype", DTYPES, allowed=f"one of {DTYPES}")
+        validate.one_of(self, "dtype", DTYPES, allowed=f"one of {DTYPES}")
+        validate.one_of(
+            self,
             "architecture",
-            self.architecture,
-            f"one of {SUPPORTED_ARCHITECTURES}",
+            SUPPORTED_ARCHITECTURES,
+            allowed=f"one of {SUPPORTED_ARCHITECTURES}",
         )
 
     @property
@@ -361,11 +356,13 @@ class ShardingConfig:
                 axes = [axes]
             if axes is None:
                 axes = []
-            if not isinstance(axes, list | tuple) or any(a not in MESH_AXES for a in axes):
-                raise ValueError(
-                    f"ShardingConfig.rules[{name!r}]={axes!r} is invalid: a list of mesh axes "
-                    f"drawn from {list(MESH_AXES)} (empty for replicated)"
-                )
+            validate.require(
+                isinstance(axes, list | tuple) and all(a in MESH_AXES for a in axes),
+                self,
+                f"rules[{name!r}]",
+                f"a list of mesh axes drawn from {list(MESH_AXES)} (empty for replicated)",
+                value=axes,
+            )
             if len(set(axes)) != len(axes):
                 raise ValueError(f"ShardingConfig.rules[{name!r}]={axes!r} repeats a mesh axis")
             merged[name] = list(axes)
@@ -384,10 +381,7 @@ class MeshConfig:
     """Megatron-style tensor parallelism within heads / MLP."""
 
     def __post_init__(self) -> None:
-        for name in MESH_AXES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MeshConfig.{name}={value!r} is invalid: a positive integer")
+        validate.positive_int(self, *MESH_AXES)
 
     @property
     def shape(self) -> tuple[int, int, int]:

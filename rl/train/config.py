@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rl import validate
 from rl.data.datasets import DatasetConfig
 from rl.data.tokenizer import TokenizerConfig
 from rl.model.config import MeshConfig, ModelConfig, tiny
@@ -17,22 +18,6 @@ from rl.model.config import MeshConfig, ModelConfig, tiny
 ADVANTAGES = ("grpo", "drgrpo")
 AGGREGATIONS = ("token_mean", "seq_mean", "rollout_mean")
 LOSSES = ("sft", "policy")
-
-
-def _bad(cls: str, name: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
-
-
-def _int(cls: str, obj: object, name: str, low: int) -> None:
-    v = getattr(obj, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise _bad(cls, name, v, f"an integer >= {low}")
-
-
-def _num(cls: str, obj: object, name: str, low: float, *, strict: bool = False) -> None:
-    v = getattr(obj, name)
-    if isinstance(v, bool) or not isinstance(v, int | float) or (v <= low if strict else v < low):
-        raise _bad(cls, name, v, f"a number {'>' if strict else '>='} {low}")
 
 
 @dataclass(frozen=True)
@@ -81,21 +66,14 @@ class OptimConfig:
     gradients combined exactly as one big batch would weigh them."""
 
     def __post_init__(self) -> None:
-        c = "OptimConfig"
-        _num(c, self, "lr", 0.0, strict=True)
-        _int(c, self, "warmup_steps", 0)
-        if self.decay_steps is not None:
-            _int(c, self, "decay_steps", 1)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise _bad(c, "min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
-        _num(c, self, "weight_decay", 0.0)
-        for name in ("b1", "b2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise _bad(c, name, getattr(self, name), "a number in [0, 1)")
-        _num(c, self, "eps", 0.0, strict=True)
-        if self.clip_norm is not None:
-            _num(c, self, "clip_norm", 0.0, strict=True)
-        _int(c, self, "grad_accum", 1)
+        validate.number(self, "lr", "eps", low=0.0, low_open=True)
+        validate.integer(self, "warmup_steps", low=0)
+        validate.integer(self, "decay_steps", low=1, optional=True, allowed="an integer >= 1")
+        validate.fraction(self, "min_lr_ratio")
+        validate.number(self, "weight_decay", low=0.0)
+        validate.number(self, "b1", "b2", low=0, high=1, high_open=True)
+        validate.number(self, "clip_norm", low=0.0, low_open=True, optional=True)
+        validate.integer(self, "grad_accum", low=1)
 
 
 @dataclass(frozen=True)
@@ -129,17 +107,11 @@ class PolicyLossConfig:
     (`drgrpo` overrides all three, see `advantage`.)"""
 
     def __post_init__(self) -> None:
-        c = "PolicyLossConfig"
-        if self.advantage not in ADVANTAGES:
-            raise _bad(c, "advantage", self.advantage, f"one of {list(ADVANTAGES)}")
-        if self.aggregation not in AGGREGATIONS:
-            raise _bad(c, "aggregation", self.aggregation, f"one of {list(AGGREGATIONS)}")
-        if not 0.0 <= self.eps_low < 1.0:
-            raise _bad(c, "eps_low", self.eps_low, "a number in [0, 1)")
-        _num(c, self, "eps_high", 0.0)
-        if self.tis_cap is not None:
-            _num(c, self, "tis_cap", 1.0)
-        _num(c, self, "kl_coef", 0.0)
+        validate.one_of(self, "advantage", ADVANTAGES)
+        validate.one_of(self, "aggregation", AGGREGATIONS)
+        validate.number(self, "eps_low", low=0, high=1, high_open=True)
+        validate.number(self, "eps_high", "kl_coef", low=0.0)
+        validate.number(self, "tis_cap", low=1.0, optional=True)
 
 
 @dataclass(frozen=True)
@@ -158,11 +130,13 @@ class CheckpointConfig:
     """Also write HF safetensors (for vLLM) next to the serving weights."""
 
     def __post_init__(self) -> None:
-        c = "CheckpointConfig"
-        _int(c, self, "every_steps", 1)
-        _int(c, self, "keep", 1)
-        if self.export_dtype not in ("float32", "bfloat16", "float16"):
-            raise _bad(c, "export_dtype", self.export_dtype, "float32, bfloat16 or float16")
+        validate.integer(self, "every_steps", "keep", low=1)
+        validate.one_of(
+            self,
+            "export_dtype",
+            ("float32", "bfloat16", "float16"),
+            allowed="float32, bfloat16 or float16",
+        )
 
 
 @dataclass(frozen=True)
@@ -192,23 +166,27 @@ class TrainSimConfig:
     `metrics.jsonl`): the simulator's fidelity learning curve by operation."""
 
     def __post_init__(self) -> None:
-        c = "TrainSimConfig"
-        _int(c, self, "steps", 1)
-        _int(c, self, "log_every", 1)
-        _int(c, self, "eval_every", 0)
-        if self.eval_every % self.log_every:
-            raise _bad(
-                c, "eval_every", self.eval_every, f"a multiple of log_every ({self.log_every})"
-            )
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            raise _bad(c, "heldout_fraction", self.heldout_fraction, "a number in [0, 1)")
+        validate.integer(self, "steps", "log_every", low=1)
+        validate.integer(self, "eval_every", low=0)
+        validate.require(
+            self.eval_every % self.log_every == 0,
+            self,
+            "eval_every",
+            f"a multiple of log_every ({self.log_every})",
+        )
+        validate.number(self, "heldout_fraction", low=0, high=1, high_open=True)
         w = self.kind_weights
-        if w is not None and not (
-            isinstance(w, dict)
-            and all(isinstance(k, str) and k for k in w)
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in w.values())
-        ):
-            raise _bad(c, "kind_weights", w, "a mapping from task kinds to integers >= 1")
+        validate.require(
+            w is None
+            or (
+                isinstance(w, dict)
+                and all(isinstance(k, str) and k for k in w)
+                and all(validate.is_int(v) and v >= 1 for v in w.values())
+            ),
+            self,
+            "kind_weights",
+            "a mapping from task kinds to integers >= 1",
+        )
 
 
 @dataclass(frozen=True)
@@ -230,10 +208,9 @@ class WarmStartConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self) -> None:
-        _int("WarmStartConfig", self, "steps", 0)
-        _int("WarmStartConfig", self, "num_demos", 1)
-        if not 0.0 <= self.noise <= 1.0:
-            raise _bad("WarmStartConfig", "noise", self.noise, "a number in [0, 1]")
+        validate.integer(self, "steps", low=0)
+        validate.integer(self, "num_demos", low=1)
+        validate.fraction(self, "noise")
 
 
 @dataclass(frozen=True)
@@ -252,14 +229,16 @@ class AgentEvalConfig:
     policy (the demo's real-shell RL arm starts from the simulator arm's warm start)."""
 
     def __post_init__(self) -> None:
-        c = "AgentEvalConfig"
-        _int(c, self, "tasks", 0)
-        _int(c, self, "samples", 1)
-        if not isinstance(self.before, bool):
-            raise _bad(c, "before", self.before, "true or false")
+        validate.integer(self, "tasks", low=0)
+        validate.integer(self, "samples", low=1)
+        validate.boolean(self, "before")
         allowed = ("real", "closed_loop")
-        if not self.arms or any(a not in allowed for a in self.arms):
-            raise _bad(c, "arms", self.arms, f"a non-empty list drawn from {list(allowed)}")
+        validate.require(
+            self.arms and all(a in allowed for a in self.arms),
+            self,
+            "arms",
+            f"a non-empty list drawn from {list(allowed)}",
+        )
 
 
 @dataclass(frozen=True)
@@ -288,11 +267,7 @@ class TrainAgentConfig:
     (`harness`) through `simloop middleware`, graded in a clean sandbox."""
 
     def __post_init__(self) -> None:
-        c = "TrainAgentConfig"
-        if self.tasks not in ("textops", "swe"):
-            raise _bad(c, "tasks", self.tasks, "'textops' or 'swe'")
-        _int(c, self, "steps", 0)
-        _int(c, self, "publish_every", 1)
-        _int(c, self, "log_every", 1)
-        if self.seq_len is not None:
-            _int(c, self, "seq_len", 2)
+        validate.one_of(self, "tasks", ("textops", "swe"), allowed="'textops' or 'swe'")
+        validate.integer(self, "steps", low=0)
+        validate.integer(self, "publish_every", "log_every", low=1)
+        validate.integer(self, "seq_len", low=2, optional=True, allowed="an integer >= 2")
