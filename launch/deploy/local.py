@@ -164,15 +164,12 @@ def write_vllm_model(cfg, role: str, model_dir: Path) -> None:
     """An HF directory of `role`'s current weights for `vllm serve` to start from
     (`rl.model.hf_io.save_hf`), with the HF tokenizer's files copied in when the role has one
     (real vLLM needs them; the fake server falls back to the byte tokenizer without)."""
-    import argparse
-    import dataclasses
     import shutil
 
-    from launch.jobs.serve import build_model
     from rl.model.hf_io import save_hf
+    from rl.model.loading import ModelSource
 
-    serve_cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, role=role))
-    model, _, _ = build_model(argparse.Namespace(model=None, preset=None), serve_cfg)
+    model = ModelSource.of_role(getattr(cfg, role)).build(seed=cfg.run.seed)
     save_hf(model.cfg, model, model_dir)
     tok = getattr(cfg, role).tokenizer
     if tok.kind == "hf":

@@ -103,40 +103,23 @@ def _read_token_file(path: str) -> str:
 
 
 def build_model(args: argparse.Namespace, cfg: SimloopConfig):
-    """-> (model, tokenizer, name) per --model / --preset / the config's role, in --dtype."""
-    from rl.model import with_dtype
-
-    model, tokenizer, name = _source_model(args, cfg)
-    dtype = getattr(args, "dtype", None)
-    return (model if dtype is None else with_dtype(model, dtype)), tokenizer, name
-
-
-def _source_model(args: argparse.Namespace, cfg: SimloopConfig):
-    from flax import nnx
-
+    """-> (model, tokenizer, name) per --model / --preset / the config's role, in --dtype
+    (`rl.model.loading`, the loader trainers use too)."""
     from rl.data.tokenizer import ByteTokenizer, hf_dir_tokenizer, load_tokenizer
-    from rl.model import Qwen3, load_hf, preset
+    from rl.model.config import preset
+    from rl.model.loading import ModelSource
 
-    role = getattr(cfg, cfg.serve.role)
     if args.model:
-        _, model = load_hf(args.model, dtype=getattr(args, "dtype", None))
-        return model, hf_dir_tokenizer(args.model), Path(args.model).name
-    if args.preset:
-        model = Qwen3(preset(args.preset), rngs=nnx.Rngs(cfg.run.seed))
-        return model, ByteTokenizer(), args.preset
-    tokenizer = load_tokenizer(role.tokenizer)
-    if role.weights:
-        from rl.model.params_io import load_params, read_model_config
-
-        model = Qwen3(read_model_config(role.weights), rngs=nnx.Rngs(cfg.run.seed))
-        state = nnx.state(model, nnx.Param)
-        nnx.replace_by_pure_dict(state, load_params(role.weights, model))
-        nnx.update(model, state)
-    elif role.hf_path:
-        _, model = load_hf(role.hf_path)
+        source = ModelSource.of_dir(args.model)
+        tokenizer, name = hf_dir_tokenizer(args.model), Path(args.model).name
+    elif args.preset:
+        source = ModelSource(architecture=preset(args.preset))
+        tokenizer, name = ByteTokenizer(), args.preset
     else:
-        model = Qwen3(role.model, rngs=nnx.Rngs(cfg.run.seed))
-    return model, tokenizer, cfg.serve.role
+        role = getattr(cfg, cfg.serve.role)
+        source = ModelSource.of_role(role)
+        tokenizer, name = load_tokenizer(role.tokenizer), cfg.serve.role
+    return source.build(seed=cfg.run.seed, dtype=getattr(args, "dtype", None)), tokenizer, name
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:

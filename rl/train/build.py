@@ -1,6 +1,6 @@
 """Building a role's trainer from its config (`RoleConfig`: architecture, HF checkpoint or
-serving weights, sub-mesh) and exporting what it trained: what `simloop train-sim` and
-`simloop train-agent` share.
+serving weights, read by `rl.model.loading` as servers read them; sub-mesh) and exporting what
+it trained: what `simloop train-sim` and `simloop train-agent` share.
 
     trainer = build_trainer(cfg.simulator, tok, optim=..., steps=..., loss="sft",
                             rules=cfg.sharding.rules, seed=cfg.run.seed, device_ids=ids)
@@ -13,23 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rl.data.rundir import WEIGHTS
+from rl.model.loading import ModelSource
 from rl.train.config import CheckpointConfig, RoleConfig
-
-
-def model_and_params(role: RoleConfig):
-    """(architecture, host params from `hf_path` or None, serving `weights` dir or None)."""
-    if role.weights:
-        from rl.model.params_io import read_model_config
-
-        return read_model_config(role.weights), None, role.weights
-    if role.hf_path:
-        from flax import nnx
-
-        from rl.model import load_hf
-
-        cfg, model = load_hf(role.hf_path)
-        return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), None
-    return role.model, None, None
 
 
 def build_trainer(
@@ -53,7 +38,8 @@ def build_trainer(
     from rl.train.multihost import devices_at
     from rl.train.trainer import Trainer
 
-    model_cfg, hf_params, weights = model_and_params(role)
+    source = ModelSource.of_role(role)
+    model_cfg, hf_params = source.trainer_start()
     params = hf_params if init_params is None else init_params
     # The plan numbers the job's devices 0..N-1 across all its processes.
     ids = None if device_ids is None else {"trainer": [d.id for d in devices_at(device_ids)]}
@@ -73,9 +59,9 @@ def build_trainer(
         init_params=params,
         reference=reference,
     )
-    if params is None and weights is not None:
+    if params is None and source.weights is not None:
         # Orbax restores straight into the trainer's placement, so load after building it.
-        trainer.reset_params(trainer.load_serving(weights))
+        trainer.reset_params(trainer.load_serving(source.weights))
     return trainer
 
 
