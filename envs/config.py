@@ -7,8 +7,8 @@ Imports no JAX (and not the e2b SDK), so configs validate instantly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from rl import validate
 from rl.data.trajectory import TRIAL_REWARDS  # the trajectory records which one it ran under
 
 TEXTOPS_OPS = ("reverse", "upper", "sort", "count", "write_read")
@@ -53,25 +53,6 @@ Reply with EXACTLY ONE bash code block, like this:
 
 To finish, use a block whose command is `submit <answer>`, or whose first line is \
 `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`."""
-
-
-def _check(cls: str, name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
-
-
-def _positive_int(cls: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        _check(cls, name, value, ok, "a positive integer")
-
-
-def _positive_number(cls: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        _check(cls, name, value, ok, "a positive number")
 
 
 @dataclass(frozen=True)
@@ -126,9 +107,7 @@ class LocalShellConfig:
     """Extra environment variables for commands (the parent's environment is never passed)."""
 
     def __post_init__(self) -> None:
-        cls = "LocalShellConfig"
-        _positive_int(
-            cls,
+        validate.positive_int(
             self,
             "max_output_bytes",
             "kill_after_output_bytes",
@@ -140,25 +119,27 @@ class LocalShellConfig:
             "tmpfs_bytes",
             "disk_bytes",
         )
-        _positive_number(cls, self, "drain_grace_s", "setup_timeout_s")
+        validate.positive(self, "drain_grace_s", "setup_timeout_s")
         base = self.uid_base
-        ok = isinstance(base, int) and not isinstance(base, bool)
-        ok = ok and (base == 0 or (base >= 1000 and base + self.uid_count < 2**32 - 1))
-        _check(cls, "uid_base", base, ok, "0 (off), or a uid >= 1000 with room for uid_count")
-        _check(
-            cls,
-            "kill_after_output_bytes",
-            self.kill_after_output_bytes,
+        validate.require(
+            validate.is_int(base)
+            and (base == 0 or (base >= 1000 and base + self.uid_count < 2**32 - 1)),
+            self,
+            "uid_base",
+            "0 (off), or a uid >= 1000 with room for uid_count",
+        )
+        validate.require(
             self.kill_after_output_bytes >= self.max_output_bytes,
+            self,
+            "kill_after_output_bytes",
             f"at least max_output_bytes ({self.max_output_bytes})",
         )
-        _check(cls, "user", self.user, isinstance(self.user, str) and bool(self.user), "a name")
-        _check(
-            cls,
-            "env",
-            self.env,
+        validate.text(self, "user", allowed="a name")
+        validate.require(
             isinstance(self.env, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()),
+            self,
+            "env",
             "a mapping of strings to strings",
         )
 
@@ -197,19 +178,16 @@ class E2BConfig:
     """Timeout of each task setup command."""
 
     def __post_init__(self) -> None:
-        cls = "E2BConfig"
-        _check(cls, "template", self.template, bool(self.template), "a template id or name")
-        _check(cls, "api_key_env", self.api_key_env, bool(self.api_key_env), "a variable name")
-        _check(
-            cls,
-            "workdir",
-            self.workdir,
+        validate.require(self.template, self, "template", "a template id or name")
+        validate.require(self.api_key_env, self, "api_key_env", "a variable name")
+        validate.require(
             isinstance(self.workdir, str) and self.workdir.startswith("/"),
+            self,
+            "workdir",
             "an absolute path",
         )
-        _positive_int(cls, self, "sandbox_timeout_s", "max_concurrent", "max_output_bytes")
-        _positive_number(
-            cls,
+        validate.positive_int(self, "sandbox_timeout_s", "max_concurrent", "max_output_bytes")
+        validate.positive(
             self,
             "creation_rate_per_s",
             "request_timeout_s",
@@ -217,8 +195,7 @@ class E2BConfig:
             "max_backoff_s",
             "setup_timeout_s",
         )
-        ok = isinstance(self.retries, int) and not isinstance(self.retries, bool)
-        _check(cls, "retries", self.retries, ok and self.retries >= 0, "an integer >= 0")
+        validate.integer(self, "retries", low=0)
 
 
 @dataclass(frozen=True)
@@ -273,43 +250,39 @@ class SimulatedShellConfig:
     `max_context_tokens` rule. Needs `sessions: true`."""
 
     def __post_init__(self) -> None:
-        cls = "SimulatedShellConfig"
-        _positive_int(cls, self, "max_tokens", "repetition_min_lines")
-        _positive_number(cls, self, "request_timeout_s")
-        t = self.temperature
-        ok = isinstance(t, int | float) and not isinstance(t, bool) and t >= 0
-        _check(cls, "temperature", t, ok, "a number >= 0")
-        for name in ("max_context_tokens", "max_history_turns"):
-            if getattr(self, name) is not None:
-                _positive_int(cls, self, name)
-        if self.max_context_tokens is not None:
-            _check(
-                cls,
-                "max_context_tokens",
-                self.max_context_tokens,
-                self.max_context_tokens > self.max_tokens,
-                f"greater than max_tokens ({self.max_tokens})",
-            )
-        if self.max_prompt_tokens is not None:
-            _positive_int(cls, self, "max_prompt_tokens")
-            context = self.max_context_tokens
-            _check(cls, "max_prompt_tokens", self.max_prompt_tokens,
-                   context is not None and self.max_prompt_tokens + self.max_tokens <= context,
-                   "set only with max_context_tokens, and at most max_context_tokens - "
-                   f"max_tokens ({context} - {self.max_tokens})")  # fmt: skip
-        s = self.seed
-        _check(cls, "seed", s, s is None or (isinstance(s, int) and s >= 0), "None or int >= 0")
-        share = self.repetition_max_line_share
-        _check(cls, "repetition_max_line_share", share, 0 < share <= 1, "a number in (0, 1]")
-        comp = self.repetition_min_compression
-        _check(cls, "repetition_min_compression", comp, 0 <= comp < 1, "a number in [0, 1)")
-        _check(cls, "sessions", self.sessions, isinstance(self.sessions, bool), "true or false")
-        mode = self.session_compaction.get("mode", "none") if isinstance(
-            self.session_compaction, dict) else None  # fmt: skip
-        _check(cls, "session_compaction", self.session_compaction, mode is not None,
-               "a mapping of compaction settings")  # fmt: skip
-        _check(cls, "session_compaction", self.session_compaction,
-               mode == "none" or self.sessions, "only with sessions: true")  # fmt: skip
+        validate.positive_int(self, "max_tokens", "repetition_min_lines")
+        validate.positive(self, "request_timeout_s")
+        validate.number(self, "temperature", low=0)
+        validate.positive_int(
+            self, "max_context_tokens", "max_history_turns", "max_prompt_tokens", optional=True
+        )
+        validate.require(
+            self.max_context_tokens is None or self.max_context_tokens > self.max_tokens,
+            self,
+            "max_context_tokens",
+            f"greater than max_tokens ({self.max_tokens})",
+        )
+        context = self.max_context_tokens
+        validate.require(
+            self.max_prompt_tokens is None
+            or (context is not None and self.max_prompt_tokens + self.max_tokens <= context),
+            self,
+            "max_prompt_tokens",
+            "set only with max_context_tokens, and at most max_context_tokens - "
+            f"max_tokens ({context} - {self.max_tokens})",
+        )
+        validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
+        validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
+        validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
+        validate.boolean(self, "sessions")
+        compaction = self.session_compaction
+        mode = compaction.get("mode", "none") if isinstance(compaction, dict) else None
+        validate.require(
+            mode is not None, self, "session_compaction", "a mapping of compaction settings"
+        )
+        validate.require(
+            mode == "none" or self.sessions, self, "session_compaction", "only with sessions: true"
+        )
 
     @property
     def prompt_budget(self) -> int | None:
@@ -338,13 +311,7 @@ class ShellConfig:
     simulated: SimulatedShellConfig = field(default_factory=SimulatedShellConfig)
 
     def __post_init__(self) -> None:
-        _check(
-            "ShellConfig",
-            "backend",
-            self.backend,
-            self.backend in SHELL_BACKENDS,
-            f"one of {list(SHELL_BACKENDS)}",
-        )
+        validate.one_of(self, "backend", SHELL_BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -390,9 +357,7 @@ class TerminalConfig:
     """`first_success`: the factor per extra trial (LaMer uses 0.6)."""
 
     def __post_init__(self) -> None:
-        cls = "TerminalConfig"
-        _positive_int(
-            cls,
+        validate.positive_int(
             self,
             "max_turns",
             "max_observation_chars",
@@ -400,18 +365,15 @@ class TerminalConfig:
             "max_format_errors",
             "trials",
         )
-        _positive_number(cls, self, "command_timeout_s")
-        t = self.turns_per_trial
-        ok = t is None or (isinstance(t, int) and not isinstance(t, bool) and t >= 1)
-        _check(cls, "turns_per_trial", t, ok, "None or an integer >= 1")
-        t = self.trial_timeout_s
-        ok = t is None or (isinstance(t, int | float) and not isinstance(t, bool) and t > 0)
-        _check(cls, "trial_timeout_s", t, ok, "None or a number of seconds > 0")
-        _check(cls, "trial_reward", self.trial_reward, self.trial_reward in TRIAL_REWARDS,
-               f"one of {list(TRIAL_REWARDS)}")  # fmt: skip
-        d = self.trial_discount
-        ok = isinstance(d, int | float) and not isinstance(d, bool) and 0 < d <= 1
-        _check(cls, "trial_discount", d, ok, "a number in (0, 1]")
+        validate.positive(self, "command_timeout_s")
+        validate.integer(
+            self, "turns_per_trial", low=1, optional=True, allowed="None or an integer >= 1"
+        )
+        validate.positive(
+            self, "trial_timeout_s", optional=True, allowed="None or a number of seconds > 0"
+        )
+        validate.one_of(self, "trial_reward", TRIAL_REWARDS)
+        validate.number(self, "trial_discount", low=0, high=1, low_open=True)
         template = self.trial_feedback_template
         ok = isinstance(template, str)
         if ok:
@@ -420,16 +382,21 @@ class TerminalConfig:
             except (KeyError, IndexError, ValueError):
                 ok = False
         fields = ", ".join("{" + k + "}" for k in TRIAL_FEEDBACK_FIELDS)
-        _check(cls, "trial_feedback_template", template, ok,
-               f"a string whose only fields are {fields}")  # fmt: skip
+        validate.require(
+            ok, self, "trial_feedback_template", f"a string whose only fields are {fields}"
+        )
         for name, keys in (
             ("observation_template", ("{output}", "{exit_code}")),
             ("prompt_template", ("{instruction}",)),
             ("format_error_template", ("{reason}",)),
         ):
             value = getattr(self, name)
-            ok = isinstance(value, str) and all(k in value for k in keys)
-            _check(cls, name, value, ok, f"a string containing {' and '.join(keys)}")
+            validate.require(
+                isinstance(value, str) and all(k in value for k in keys),
+                self,
+                name,
+                f"a string containing {' and '.join(keys)}",
+            )
 
 
 @dataclass(frozen=True)
@@ -455,24 +422,21 @@ class TextopsConfig:
     with several trials (`env.terminal.trials`) can adapt, and a good one fails at most once."""
 
     def __post_init__(self) -> None:
-        cls = "TextopsConfig"
-        _positive_int(cls, self, "num_tasks", "min_len", "max_len")
-        ok = isinstance(self.seed, int) and self.seed >= 0
-        _check(cls, "seed", self.seed, ok, "an integer >= 0")
+        validate.positive_int(self, "num_tasks", "min_len", "max_len")
+        validate.integer(self, "seed", low=0)
         ops = self.ops
-        ok = isinstance(ops, list | tuple) and bool(ops) and all(o in TEXTOPS_OPS for o in ops)
-        _check(cls, "ops", ops, ok, f"a non-empty list drawn from {list(TEXTOPS_OPS)}")
-        _check(
-            cls,
-            "max_len",
-            self.max_len,
-            self.max_len >= self.min_len,
-            f"at least min_len ({self.min_len})",
+        validate.require(
+            isinstance(ops, list | tuple) and ops and all(o in TEXTOPS_OPS for o in ops),
+            self,
+            "ops",
+            f"a non-empty list drawn from {list(TEXTOPS_OPS)}",
         )
-        for name in ("from_file_prob", "hidden_op_prob"):
-            p = getattr(self, name)
-            ok = isinstance(p, int | float) and not isinstance(p, bool) and 0 <= p <= 1
-            _check(cls, name, p, ok, "a probability in [0, 1]")
+        validate.require(
+            self.max_len >= self.min_len, self, "max_len", f"at least min_len ({self.min_len})"
+        )
+        validate.fraction(
+            self, "from_file_prob", "hidden_op_prob", allowed="a probability in [0, 1]"
+        )
 
 
 @dataclass(frozen=True)
@@ -537,11 +501,13 @@ class GrammarConfig:
                     for v in w.values()
                 )
             )
-            if not ok or not any(w.get(op, 1.0) > 0 for op in STRING_OPS):
-                raise ValueError(
-                    f"GrammarConfig.op_weights={w!r} is invalid: a mapping from operations in "
-                    f"{list(STRING_OPS)} to weights >= 0, not all of them 0"
-                )
+            validate.require(
+                ok and any(w.get(op, 1.0) > 0 for op in STRING_OPS),
+                self,
+                "op_weights",
+                f"a mapping from operations in {list(STRING_OPS)} to weights >= 0, not all of "
+                "them 0",
+            )
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(
                 f"GrammarConfig: min_len={self.min_len}, max_len={self.max_len} is invalid: "
@@ -550,16 +516,11 @@ class GrammarConfig:
         probs = ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob",
                  "typo_prob", "program_typo_prob", "count_present_prob",
                  "count_near_miss_prob")  # fmt: skip
-        for name in probs:
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"GrammarConfig.{name}={value!r} is invalid: within [0, 1]")
-        if self.commands_per_case < 1:
-            raise ValueError(
-                f"GrammarConfig.commands_per_case={self.commands_per_case!r} is invalid: >= 1"
-            )
-        if not 2 <= self.session_turns <= max(2, self.commands_per_case):
-            raise ValueError(
-                f"GrammarConfig.session_turns={self.session_turns!r} is invalid: from 2 to "
-                f"commands_per_case ({self.commands_per_case})"
-            )
+        validate.fraction(self, *probs, allowed="within [0, 1]")
+        validate.integer(self, "commands_per_case", low=1, allowed=">= 1")
+        validate.require(
+            2 <= self.session_turns <= max(2, self.commands_per_case),
+            self,
+            "session_turns",
+            f"from 2 to commands_per_case ({self.commands_per_case})",
+        )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl import validate
+
 ARMS = ("real", "replay", "closed_loop", "mixed", "gated")
 GATE_UNITS = ("kind", "family")
 FAILED_SIBLING_POLICIES = ("mask_group", "drop_episode")
@@ -47,25 +49,13 @@ class GateConfig:
     """Learning rate of the co-training rounds (a constant one: continual SFT)."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"GateConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
-
-        if self.unit not in GATE_UNITS:
-            raise bad("unit", f"one of {list(GATE_UNITS)}")
-        for name in ("threshold", "real_min", "cotrain_replay"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise bad(name, "a number in [0, 1]")
-        if not 0.5 <= self.confidence < 1:
-            raise bad("confidence", "a number in [0.5, 1)")
-        if not self.half_life_steps > 0:
-            raise bad("half_life_steps", "a number > 0")
-        if not self.cotrain_lr > 0:
-            raise bad("cotrain_lr", "a number > 0")
-        for name, low in (("shadow_concurrency", 1), ("remeasure", 0), ("cotrain_every", 0),
-                          ("cotrain_steps", 1)):  # fmt: skip
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise bad(name, f"an integer >= {low}")
+        validate.one_of(self, "unit", GATE_UNITS)
+        validate.fraction(self, "threshold", "real_min", "cotrain_replay")
+        validate.number(self, "confidence", low=0.5, high=1, high_open=True)
+        validate.number(self, "half_life_steps", "cotrain_lr", low=0, low_open=True)
+        validate.integer(self, "shadow_concurrency", low=1)
+        validate.integer(self, "remeasure", "cotrain_every", low=0)
+        validate.integer(self, "cotrain_steps", low=1)
 
 
 @dataclass(frozen=True)
@@ -131,43 +121,41 @@ class OrchestratorConfig:
         return self.sessions and self.session_compaction.get("mode", "none") != "none"
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"OrchestratorConfig.{name}={getattr(self, name)!r} is invalid: "
-                              f"{allowed}")  # fmt: skip
-
-        if self.arm not in ARMS:
-            raise bad("arm", f"one of {list(ARMS)}")
+        validate.one_of(self, "arm", ARMS)
         if self.session_compaction:
             from serving.client import SessionCompaction
 
             try:
                 mode = SessionCompaction.from_json(self.session_compaction).mode
             except (TypeError, ValueError) as e:
-                raise bad("session_compaction", str(e)) from None
-            if mode != "none" and not self.sessions:
-                raise bad("session_compaction", "only with sessions: true (compaction acts on "
-                          "a session's KV)")  # fmt: skip
-        if self.failed_sibling not in FAILED_SIBLING_POLICIES:
-            raise bad("failed_sibling", f"one of {list(FAILED_SIBLING_POLICIES)}")
-        for name in ("group_size", "max_concurrent_episodes", "max_concurrent_simulated",
-                     "max_concurrent_real", "max_tokens_per_turn", "max_context_tokens",
-                     "batch_size"):  # fmt: skip
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "a positive integer")
-        for name in ("episode_timeout_s", "request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise bad(name, "a number > 0")
-        if not 0 <= self.mixed_real_fraction <= 1:
-            raise bad("mixed_real_fraction", "a number in [0, 1]")
-        if self.temperature < 0:
-            raise bad("temperature", "a number >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-        if self.max_staleness is not None and (
-            not isinstance(self.max_staleness, int) or self.max_staleness < 0
-        ):
-            raise bad("max_staleness", "null or an integer >= 0")
-        if self.max_tokens_per_turn >= self.max_context_tokens:
-            raise bad("max_tokens_per_turn", f"less than max_context_tokens "
-                      f"({self.max_context_tokens})")  # fmt: skip
+                raise validate.invalid(self, "session_compaction", str(e)) from None
+            validate.require(
+                mode == "none" or self.sessions,
+                self,
+                "session_compaction",
+                "only with sessions: true (compaction acts on a session's KV)",
+            )
+        validate.one_of(self, "failed_sibling", FAILED_SIBLING_POLICIES)
+        validate.positive_int(
+            self,
+            "group_size",
+            "max_concurrent_episodes",
+            "max_concurrent_simulated",
+            "max_concurrent_real",
+            "max_tokens_per_turn",
+            "max_context_tokens",
+            "batch_size",
+        )
+        validate.number(self, "episode_timeout_s", "request_timeout_s", low=0, low_open=True)
+        validate.fraction(self, "mixed_real_fraction")
+        validate.number(self, "temperature", low=0)
+        validate.number(self, "top_p", low=0, high=1, low_open=True)
+        validate.integer(
+            self, "max_staleness", low=0, optional=True, allowed="null or an integer >= 0"
+        )
+        validate.require(
+            self.max_tokens_per_turn < self.max_context_tokens,
+            self,
+            "max_tokens_per_turn",
+            f"less than max_context_tokens ({self.max_context_tokens})",
+        )

@@ -44,6 +44,7 @@ from envs.backends import ShellFactory
 from envs.rewards import RewardContext, get_reward
 from envs.swe import upload_commands
 from envs.tasks import Task
+from rl import validate
 from rl.data.trajectory import Exclusion
 
 log = logging.getLogger(__name__)
@@ -94,22 +95,18 @@ class HarnessConfig:
     """`simloop harness`: rollouts per task."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            value = getattr(self, name)
-            return ValueError(f"HarnessConfig.{name}={value!r} is invalid: {allowed}")
-
-        if self.kind not in HARNESSES:
-            raise bad("kind", f"one of {list(HARNESSES)}")
-        if self.kind == "command" and not self.command:
-            raise bad("command", "a command line when kind is 'command'")
-        for name in ("step_limit", "max_tokens", "concurrency", "samples"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "an integer >= 1")
-        for name in ("wall_s", "grade_timeout_s", "finish_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise bad(name, "a number of seconds > 0")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise bad("temperature", "a number in [0, 2]")
+        validate.one_of(self, "kind", HARNESSES)
+        validate.require(
+            self.kind != "command" or self.command,
+            self,
+            "command",
+            "a command line when kind is 'command'",
+        )
+        validate.integer(self, "step_limit", "max_tokens", "concurrency", "samples", low=1)
+        validate.positive(
+            self, "wall_s", "grade_timeout_s", "finish_timeout_s", allowed="a number of seconds > 0"
+        )
+        validate.number(self, "temperature", low=0, high=2)
 
 
 @dataclass(frozen=True)
