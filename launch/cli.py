@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name in OWN_FLAGS:
             importlib.import_module(MODULES[name]).add_arguments(p)
         if name in DRY_RUN:
-            from launch.deploy.processes import add_dry_run_arguments
+            from launch.deploy.dry_run import add_dry_run_arguments
 
             add_dry_run_arguments(p)
     return parser

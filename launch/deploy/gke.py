@@ -236,7 +236,7 @@ def _admin_token_env(cfg, plan) -> list[dict[str, Any]]:
     """SIMLOOP_ADMIN_TOKEN from `gke.admin_token_secret` when the plan starts JAX servers (their
     /admin routes need it, and the trainer publishes with it); GkeError when it is unset."""
     from launch.deploy.chips import SERVE_ROLE
-    from launch.deploy.local import ADMIN_TOKEN_ENV
+    from launch.deploy.processes import ADMIN_TOKEN_ENV
 
     jax_roles = [m for m, serve in SERVE_ROLE.items()
                  if plan.role(serve) and cfg.serve.backend_of(m) == "jax"]  # fmt: skip

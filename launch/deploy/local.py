@@ -1,7 +1,8 @@
 """The local launcher: the servers of jobs that need one and were not given one
 (`agent.server_url` / `simulator.server_url` unset): `simloop serve` subprocesses (backend
-`jax`), or `vllm serve` per planned replica through `serving.vllm.launcher` (backend `vllm`;
-`launch/deploy/processes.py` lists them, as `--dry-run` prints them).
+`jax`), or `vllm serve` per planned replica through `serving.vllm.launcher` (backend `vllm`).
+The commands and environments come from the plan, `launch/deploy/processes.py`, the same list
+`--dry-run` prints.
 
     async with role_clients(cfg, run_dir, ["agent", "simulator"], who="eval-agent") as clients:
         await clients["agent"].complete(...)   # configured URL, or a local server, healthy
@@ -31,21 +32,26 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from launch.deploy.processes import (
+    ADMIN_TOKEN_ENV,
+    SERVER_URLS_ENV,
+    local_server_args,
+    serve_command,
+    server_processes,
+    vllm_model_dir,
+)
 from launch.errors import JobError  # no imports of its own: free at start-up
-from rl.data.rundir import CONFIG, LOGS
+from rl.data.rundir import LOGS
 from serving.lifetime import child_env
 
 log = logging.getLogger(__name__)
 
-ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
-"""Where `simloop serve` reads its admin token (or `--admin-token-file`)."""
 LISTENING = re.compile(r"listening on (http://[\w.\-]+:\d+)")
 
 
@@ -130,34 +136,6 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve_command(role: str, run_dir: str | os.PathLike, *, port: int = 0,
-                  extra_args: Sequence[str] = (), python: str = sys.executable,
-                  config_path: str | None = None) -> list[str]:  # fmt: skip
-    """The `simloop serve` argv of a local server for `role` (its config: the run
-    directory's, or `config_path`)."""
-    config = config_path or str(Path(run_dir) / CONFIG)
-    return [python, "-m", "launch", "serve", "--config", config, "--role", role,
-            "--port", str(port), *extra_args]  # fmt: skip
-
-
-def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = None, *,
-                      publishes: bool = False) -> list[str]:  # fmt: skip
-    """`simloop serve` flags of a job's local server for `role`. Its KV cache holds one context
-    (decode attends over the whole cache): the agent's episode context
-    (`orchestrator.max_context_tokens`), the simulator's prompt
-    (`env.shell.simulated.max_context_tokens`, when set). With `admin_token` (or `publishes`)
-    the server accepts weight loads from under the run directory (a trainer publishes policy
-    versions)."""
-    if role == "agent":
-        args = ["--max-seq-len", str(cfg.orchestrator.max_context_tokens)]
-    else:
-        n = cfg.env.shell.simulated.max_context_tokens
-        args = [] if n is None else ["--max-seq-len", str(n)]
-    if admin_token is not None or publishes:  # the token goes in the environment
-        args += ["--checkpoint-root", str(Path(run_dir).absolute())]
-    return args
 
 
 def write_vllm_model(cfg, role: str, model_dir: Path) -> None:
@@ -322,7 +300,6 @@ async def role_clients(
     on every path. `admin_token` goes to the local jax servers of `admin_roles` (the agent's; the
     simulator's too when a co-trainer publishes to it); vLLM servers take weights over
     `/collective_rpc` instead."""
-    from launch.deploy.processes import SERVER_URLS_ENV
     from serving.client import ClientConfig, InferenceClient
 
     run_dir = Path(run_dir)
@@ -398,8 +375,6 @@ async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token
                      timeout_s: float):  # fmt: skip
     """Start `role`'s planned `simloop serve` processes, stopped when `stack` closes. ->
     (servers, `start(index, closing)`: that replica's process again, on its port)."""
-    from launch.deploy.processes import server_processes
-
     token = admin_token
     servers: list[LocalServer] = []
     stack.push_async_callback(asyncio.to_thread, lambda: [s.stop() for s in servers])
@@ -438,7 +413,6 @@ async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack):
     staggered, `/health`-gated, log tail on failure), stopped when `stack` closes. ->
     (servers, `start(index, closing)`: that replica's process again, on its chips and port)."""
     from launch.deploy.chips import SERVE_ROLE, config_plan
-    from launch.deploy.processes import vllm_model_dir
     from serving.vllm.launcher import ServedModel, VllmLaunchError, launch_servers, stop_servers
 
     procs = config_plan(cfg).role(SERVE_ROLE[role])

@@ -1,8 +1,9 @@
-"""The processes a job starts, as one list: `--dry-run` prints it, the local launcher starts
-the servers in it (`launch/deploy/local.py`), and `simloop gke render` puts each server's
-command into its pod's plan (`launch/deploy/gke.py`).
+"""The processes a job starts, as one list (the plan; nothing here starts or prints one):
+`--dry-run` prints it (`launch/deploy/dry_run.py`), the local launcher starts the servers in
+it (`launch/deploy/local.py`), and `simloop gke render` puts each server's command into its
+pod's plan (`launch/deploy/gke.py`).
 
-    simloop train-agent --config configs/v6e-8.yaml --dry-run --format json
+    procs = job_processes(cfg, "train-agent", ["agent", "simulator"], run_dir)
 
 A job's list holds, for every model role it needs a server for (`<role>.server_url` unset),
 one entry per planned replica of the role's server (`agent_serve`, `sim_serve`): with
@@ -14,21 +15,22 @@ when it starts, not through this list.
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from launch.deploy.chips import SERVE_ROLE, ChipPlan, ProcessPlan, config_plan, server_env
+from rl.data.rundir import CONFIG
 
+ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
+"""Where `simloop serve` reads its admin token (or `--admin-token-file`); never a flag."""
 SERVER_URLS_ENV = "SIMLOOP_SERVER_URLS"
 """JSON `{role: [url, ...]}`: servers someone else started (the GKE pod entry); a job whose
 environment has it connects to them instead of starting its own."""
 TRAIN_JOB_ROLE = {"train-agent": "policy_train", "train-sim": "sim_train"}
 """Jobs that train -> the chip-plan role their own process runs as."""
-DRY_RUN_OUT = "RUN_DIR"
-"""The run directory a dry run without `--out` shows."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,34 @@ def vllm_model_dir(cfg, model_role: str, run_dir: str | Path) -> Path:
     return Path(run_dir) / "serving" / f"{model_role}-hf"
 
 
+def serve_command(role: str, run_dir: str | os.PathLike, *, port: int = 0,
+                  extra_args: Sequence[str] = (), python: str = sys.executable,
+                  config_path: str | None = None) -> list[str]:  # fmt: skip
+    """The `simloop serve` argv of a local server for `role` (its config: the run
+    directory's, or `config_path`)."""
+    config = config_path or str(Path(run_dir) / CONFIG)
+    return [python, "-m", "launch", "serve", "--config", config, "--role", role,
+            "--port", str(port), *extra_args]  # fmt: skip
+
+
+def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = None, *,
+                      publishes: bool = False) -> list[str]:  # fmt: skip
+    """`simloop serve` flags of a job's local server for `role`. Its KV cache holds one context
+    (decode attends over the whole cache): the agent's episode context
+    (`orchestrator.max_context_tokens`), the simulator's prompt
+    (`env.shell.simulated.max_context_tokens`, when set). With `admin_token` (or `publishes`)
+    the server accepts weight loads from under the run directory (a trainer publishes policy
+    versions)."""
+    if role == "agent":
+        args = ["--max-seq-len", str(cfg.orchestrator.max_context_tokens)]
+    else:
+        n = cfg.env.shell.simulated.max_context_tokens
+        args = [] if n is None else ["--max-seq-len", str(n)]
+    if admin_token is not None or publishes:  # the token goes in the environment
+        args += ["--checkpoint-root", str(Path(run_dir).absolute())]
+    return args
+
+
 def server_processes(cfg, model_role: str, run_dir: str | Path, *, plan: ChipPlan | None = None,
                      hostnames: Sequence[str] | None = None, bind: str = "127.0.0.1",
                      fixed_ports: bool = False, python: str = sys.executable,
@@ -98,8 +128,6 @@ def server_processes(cfg, model_role: str, run_dir: str | Path, *, plan: ChipPla
             build_vllm_command(model_dir, p, cfg.vllm, served_model_name=model_role, host=bind),
             build_vllm_env(p, base_env={}), p.http_port, "serve", model_role,
         ) for p in planned]  # fmt: skip
-    from launch.deploy.local import local_server_args, serve_command
-
     out = []
     for p in planned or [None]:
         port = p.http_port if (p is not None and fixed_ports) else None
@@ -135,44 +163,3 @@ def job_processes(cfg, job: str, roles: Sequence[str], run_dir: str | Path,
         return [*out, PlannedProcess(job, 0, "localhost", command, {}, None, "job")]
     return out + [PlannedProcess(p.role, p.replica, host_name(plan, p.host), command,
                                  dict(p.env), None, "train") for p in trainers]  # fmt: skip
-
-
-def add_dry_run_arguments(p) -> None:
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the processes this job would start, start nothing")  # fmt: skip
-    p.add_argument("--format", choices=["text", "json"], default="text",
-                   help="--dry-run output: one process per line, or JSON")  # fmt: skip
-    p.add_argument("--target", choices=["local", "gke"], default="local",
-                   help="--dry-run: the processes this machine would start, or those the "
-                        "GKE pods of the config start (`simloop gke render`'s plan)")  # fmt: skip
-
-
-def print_dry_run(args, cfg, job: str, roles: Sequence[str], publishes: Sequence[str] = ()) -> int:
-    """`--dry-run`: print `job_processes` (text, or `{"processes": [...]}` with
-    `--format json`) and return 0. With `--target gke`, the processes the GKE pods start,
-    exactly as `simloop gke render` puts them in its plan (the job is `gke.command`)."""
-    if getattr(args, "target", "local") == "gke":
-        from launch.deploy.gke import gke_processes
-        from launch.errors import UsageError
-
-        if job not in cfg.gke.command:
-            raise UsageError(
-                f"--target gke: the pods run gke.command {' '.join(cfg.gke.command)!r}, not "
-                f"`simloop {job}`; dry-run that job (or set gke.command)"
-            )
-        return print_processes(args, [(None, p) for p in gke_processes(cfg)])
-    procs = job_processes(cfg, job, roles, args.out or DRY_RUN_OUT, publishes=publishes)
-    return print_processes(args, [(None, p) for p in procs])
-
-
-def print_processes(args, procs: Sequence[tuple[str | None, PlannedProcess]]) -> int:
-    """Print `(stage, process)` pairs as `--format` says (a stage, when given, prefixes the
-    line and is a `stage` key in JSON) and return 0."""
-    if args.format == "json":
-        keys = ("role", "replica", "host", "command", "env", "port")
-        rows = [{**({"stage": st} if st else {}), **{k: asdict(p)[k] for k in keys}}
-                for st, p in procs]  # fmt: skip
-        print(json.dumps({"processes": rows}, indent=1))
-    else:
-        print("\n".join(f"{st}: {p.line()}" if st else p.line() for st, p in procs))
-    return 0

@@ -37,7 +37,7 @@ from typing import Any
 from launch.config import ConfigError, load_config, write_config
 from launch.config.schema import SimloopConfig
 from launch.deploy.chips import cpu_device_flag
-from launch.deploy.processes import print_processes
+from launch.deploy.dry_run import print_processes
 from launch.errors import JobError, UsageError
 from rl.data import rundir
 
@@ -125,7 +125,8 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
     that need them, one stage after another, then the demo's own process (it runs every
     trainer and the orchestrator, on the plan's devices). Stages that start nothing (collect,
     train-sim) list nothing."""
-    from launch.deploy.processes import DRY_RUN_OUT, PlannedProcess, job_processes
+    from launch.deploy.dry_run import DRY_RUN_OUT
+    from launch.deploy.processes import PlannedProcess, job_processes
     from launch.jobs.train_agent import _publishes, _roles
 
     out = Path(args.out or DRY_RUN_OUT)

@@ -23,7 +23,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig
-from launch.deploy.processes import print_dry_run
+from launch.deploy.dry_run import print_dry_run
 from launch.errors import UsageError
 from rl.data import rundir
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from launch.config import write_config
 from launch.config.schema import SimloopConfig, role_model
-from launch.deploy.processes import print_dry_run
+from launch.deploy.dry_run import print_dry_run
 from launch.errors import JobError, UsageError
 from launch.jobs.episodes import check_servers
 

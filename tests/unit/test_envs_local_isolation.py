@@ -22,7 +22,7 @@ import envs.local as local_mod
 from envs.config import LocalShellConfig
 from envs.local import LocalShell, detect_isolation, sweep_stale_workspaces
 from envs.shell import ShellError
-from launch.deploy.local import local_server_args
+from launch.deploy.processes import local_server_args
 from launch.jobs import serve
 from tests.fakes import wait_until
 from tests.unit.test_envs_local import needs_command_user, procs_running
