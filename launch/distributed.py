@@ -40,6 +40,9 @@ PROCESS_ID_ENV = "SIMLOOP_PROCESS_ID"
 LOGS = "processes"
 """`<run>/processes/process-<i>.log`: the output of the local launcher's processes 1..N-1
 (process 0 writes to the terminal); `<run>/processes/pids`: `<i> <pid>` per process."""
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+"""The XLA flag that gives a CPU process its fake devices (a local process here, a `cpu-N`
+plan's process in `launch/deploy/chips.py`)."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +121,19 @@ def local_environments(n: int, devices_per_process: int, environ: Mapping[str, s
     # port None: a free one now; 0: shown as `127.0.0.1:PORT` (a dry run picks none)
     """The environment of each of `n` local processes: the contract, and XLA_FLAGS giving each
     `devices_per_process` fake CPU devices (the user's other XLA flags kept)."""
-    from launch.deploy.chips import DEVICE_COUNT_FLAG, merge_xla_flags
-
     coordinator = "127.0.0.1:PORT" if port == 0 else f"127.0.0.1:{port or free_port()}"
     flags = merge_xla_flags(environ.get("XLA_FLAGS", ""),
                             f"{DEVICE_COUNT_FLAG}={devices_per_process}")  # fmt: skip
     return [{**environ, **ProcessEnv(coordinator, n, i).environ(), "XLA_FLAGS": flags,
              "JAX_PLATFORMS": "cpu"} for i in range(n)]  # fmt: skip
+
+
+def merge_xla_flags(inherited: str, planned: str) -> str:
+    """A planned process's XLA_FLAGS: the plan's (its fake-device count) after the ones the
+    user set for the whole run (dumps, optimisation levels), whose own device count, if any,
+    the plan replaces."""
+    kept = [f for f in inherited.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, *planned.split()])
 
 
 def run_local(argv: Sequence[str], n: int, devices_per_process: int, out: Path | None, *,

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from launch.distributed import ProcessEnv
+from launch.distributed import DEVICE_COUNT_FLAG, ProcessEnv
 
 # Chips per slice -> (x, y) of the slice for the 2D families (v5e, v6e).
 _TOPOLOGY_2D = {
@@ -518,17 +518,6 @@ def server_env(proc: ProcessPlan) -> dict[str, str]:
     return {k: v for k, v in proc.env.items() if k != "SIMLOOP_HTTP_PORT"}
 
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def merge_xla_flags(inherited: str, planned: str) -> str:
-    """A planned process's XLA_FLAGS: the plan's (its fake-device count) after the ones the
-    user set for the whole run (dumps, optimisation levels), whose own device count, if any,
-    the plan replaces."""
-    kept = [f for f in inherited.split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    return " ".join([*kept, *planned.split()])
-
-
 def cpu_device_flag(cfg, environ: Mapping[str, str]) -> str | None:
     """The XLA_FLAGS value that gives this process the fake devices of a `cpu-N` plan, or None
     (not a CPU plan, or XLA_FLAGS already chooses a device count)."""
@@ -536,4 +525,4 @@ def cpu_device_flag(cfg, environ: Mapping[str, str]) -> str | None:
     if not cfg.chips.accelerator.startswith("cpu-") or "device_count" in flags:
         return None
     n = parse_accelerator(cfg.chips.accelerator).chips
-    return f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return f"{flags} {DEVICE_COUNT_FLAG}={n}".strip()

@@ -69,7 +69,7 @@ def server_env(env: dict[str, str] | None) -> dict[str, str]:
     if env is None:
         merged = inherited
     else:
-        from launch.deploy.chips import merge_xla_flags
+        from launch.distributed import merge_xla_flags
 
         planned = dict(env)
         if "XLA_FLAGS" in planned:

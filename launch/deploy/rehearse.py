@@ -221,8 +221,9 @@ def _trajectories(cfg: SimloopConfig) -> None:
 def layout(cfg: SimloopConfig, config_path: Path, work: Path) -> dict[str, Any]:
     """`plan.json` as the pods get it, every host at 127.0.0.1, and each process with as many
     fake CPU devices as it has chips."""
-    from launch.deploy.chips import DEVICE_COUNT_FLAG, config_plan
+    from launch.deploy.chips import config_plan
     from launch.deploy.gke import host_layout
+    from launch.distributed import DEVICE_COUNT_FLAG
 
     hosts = _accelerator(cfg).hosts
     names = ["127.0.0.1"] * hosts

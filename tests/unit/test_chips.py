@@ -276,7 +276,7 @@ def test_cpu_plans_give_device_ids_and_server_device_counts():
 
 
 def test_a_planned_server_keeps_the_users_xla_flags_but_the_plans_device_count():
-    from launch.deploy.chips import merge_xla_flags
+    from launch.distributed import merge_xla_flags
 
     user = "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8 --xla_cpu_x=1"
     planned = "--xla_force_host_platform_device_count=1"
