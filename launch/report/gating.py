@@ -10,6 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from launch.report.charts import bar_chart, line_chart
+from launch.report.fidelity import fidelity_section
+from launch.report.markup import document, fmt, missing, table
 from launch.report.rundir import find, read_json
 from rl.data import rundir
 
@@ -17,8 +19,6 @@ ARMS = ("real_only", "ungated", "gated")
 
 
 def gating_body(run_dir: Path, summary: dict) -> list[str]:
-    from launch.report.page import _f, _missing, _section_fidelity, _table
-
     g = summary.get("gating") or {}
     if not g or "missing" in g:
         why = g.get("missing", "no gating block in summary.json")
@@ -45,7 +45,7 @@ def gating_body(run_dir: Path, summary: dict) -> list[str]:
         "the threshold; the real episodes co-train it). Success is measured in the real shell "
         "on the same held-out tasks and seeds.</p>",
         bar_chart("real-shell success after RL (95% CI)", bars, intervals=intervals),
-        _table(
+        table(
             [
                 "arm",
                 "real-shell success",
@@ -57,21 +57,21 @@ def gating_body(run_dir: Path, summary: dict) -> list[str]:
             ],
             rows,
         ),  # fmt: skip
-        f"<p>The gated arm ran {_f(g['gated_real_share'], 2)} of real-only's real-shell "
+        f"<p>The gated arm ran {fmt(g['gated_real_share'], 2)} of real-only's real-shell "
         "episodes. Simulator share by operation: "
         + ", ".join(f"{html.escape(k)} {v:.2f}" for k, v in share.items())
         + ".</p>",
         "<p>Acceptance: "
-        + ", ".join(f"{html.escape(k)}: <b>{_f(v)}</b>" for k, v in acc.items())
+        + ", ".join(f"{html.escape(k)}: <b>{fmt(v)}</b>" for k, v in acc.items())
         + "</p>",  # fmt: skip
         "<h2>The gate over time</h2>",
         *_gate_over_time(g.get("gate_history") or []),
         "<h2>The weak simulator's fidelity (arm c, held out)</h2>",
         _weak_simulator(g.get("weak_simulator") or {}),
-        _section_fidelity(read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))),
+        fidelity_section(read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))),
     ]
     if not g.get("gate_history"):
-        out.append(_missing("gate records", "the gated arm's metrics.jsonl"))
+        out.append(missing("gate records", "the gated arm's metrics.jsonl"))
     return out
 
 
@@ -92,8 +92,6 @@ def _weak_simulator(weak: dict) -> str:
 
 
 def _gate_over_time(history: list[dict]) -> list[str]:
-    from launch.report.page import _table
-
     gates = [r for r in history if r.get("stage") == "gate"]
     rounds = [r for r in history if r.get("stage") == "sim_cotrain_round"]
     if not gates:
@@ -122,7 +120,7 @@ def _gate_over_time(history: list[dict]) -> list[str]:
         line_chart("simulator share of the groups routed", dict(share), xlabel="policy version"),
         line_chart("live fidelity (shadow exact match)", dict(fid), xlabel="policy version"),
         "<p>At the last policy version, per operation:</p>",
-        _table(
+        table(
             [
                 "operation",
                 "fidelity",
@@ -137,7 +135,7 @@ def _gate_over_time(history: list[dict]) -> list[str]:
         "<p>Simulator versions seen by the router: " + html.escape(", ".join(changes)) + "</p>",
     ]
     if rounds:
-        out.append(_table(["co-training round at policy version", "simulator version",
+        out.append(table(["co-training round at policy version", "simulator version",
                            "real episodes", "original episodes", "loss", "train s",
                            "publish s"],
                           [[r.get("step"), r.get("sim_version"), r.get("real"), r.get("base"),
@@ -146,15 +144,11 @@ def _gate_over_time(history: list[dict]) -> list[str]:
     return out
 
 
-def gating_page(run_dir: Path, summary: dict, css: str) -> str:
+def gating_page(run_dir: Path, summary: dict) -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     walls = summary.get("stages_wall_s") or {}
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in walls.items() if v is not None)
     head = (f"<h1>simloop report: the gating experiment</h1><p class='note'>"
             f"{html.escape(str(run_dir.resolve()))} · {stamp} · stage walls: {html.escape(wall)}"
             f" · total {summary.get('wall_s', 0):.0f} s</p>")  # fmt: skip
-    return (
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        "<title>simloop report: gating</title><style>" + css + "</style></head><body>"
-        + head + "".join(gating_body(run_dir, summary)) + "</body></html>"
-    )  # fmt: skip
+    return document("simloop report: gating", head + "".join(gating_body(run_dir, summary)))

@@ -14,12 +14,12 @@ import argparse
 import datetime
 import html
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from launch.config.schema import SimloopConfig
 from launch.report.charts import bar_chart, line_chart
+from launch.report.fidelity import fidelity_section
+from launch.report.markup import document, fmt, interval, missing, pre_block, table
 from launch.report.rundir import find, read_evals, read_json, read_metrics, trajectories
 from rl.data import rundir
 
@@ -36,80 +36,33 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
-# ----- HTML -------------------------------------------------------------------------------------
-
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
-max-width:1100px;color:#222;line-height:1.45;padding:0 16px}
-h1{margin-bottom:4px} h2{border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
-table{border-collapse:collapse;margin:8px 0 16px} td,th{border:1px solid #ddd;padding:4px 8px;
-text-align:right;font-variant-numeric:tabular-nums} th{background:#f5f5f5}
-td:first-child,th:first-child{text-align:left}
-.chart{margin:6px 12px 6px 0;font-size:11px;font-family:inherit} .chart .ct{font-size:13px;
-font-weight:600} .chart .frame{fill:none;stroke:#999} .chart .grid{stroke:#eee}
-.chart .ci{stroke:#222;stroke-width:1.5;fill:none} .chart .small{font-size:10px}
-.charts{display:flex;flex-wrap:wrap}
-.note{color:#555;font-size:14px} .missing{color:#a33}
-pre{background:#f7f7f7;border:1px solid #e3e3e3;padding:6px;margin:0;white-space:pre-wrap;
-word-break:break-all;font-size:12px;max-height:220px;overflow:auto}
-.side{display:grid;grid-template-columns:1fr 1fr 1fr;gap:8px;margin:10px 0 18px}
-.side h4{margin:0 0 4px;font-size:13px} .ok{color:#1a7f37} .bad{color:#b42318}
-"""
-
-
-def _f(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return html.escape(str(v))
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{_f(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _missing(what: str, how: str) -> str:
-    return (
-        f'<p class="missing">No {html.escape(what)} in this run directory ({html.escape(how)}).</p>'
-    )
-
-
-def _pre(text: str | None) -> str:
-    return f"<pre>{html.escape(text if text is not None else '(none)')}</pre>"
-
-
 def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
     if summary is None:
-        return _missing(rundir.SUMMARY, "written by `simloop demo`")
+        return missing(rundir.SUMMARY, "written by `simloop demo`")
     walls = [*summary.get("stages_wall_s", {}).items(), ("total", summary.get("wall_s"))]
     rows = [[name, None if wall is None else f"{wall:.0f}"] for name, wall in walls]
     stages = summary.get("stages", {})
     c, sim, ag = stages.get("collect", {}), stages.get("sim", {}), stages.get("agent", {})
     rl = summary.get("rl", {})
     items = [
-        f"collect: {_f(c.get('episodes'))} scripted episodes in the real shell "
-        f"(scripted success {_f(c.get('success_rate'), 2)})",
-        f"train-sim: {_f(sim.get('steps'))} SFT steps, final loss {_f(sim.get('loss'))}, "
-        f"{_f(sim.get('heldout_tasks'))} tasks held out",
-        f"eval-sim: {_f(summary['fidelity'].get('observations'))} held-out observations "
+        f"collect: {fmt(c.get('episodes'))} scripted episodes in the real shell "
+        f"(scripted success {fmt(c.get('success_rate'), 2)})",
+        f"train-sim: {fmt(sim.get('steps'))} SFT steps, final loss {fmt(sim.get('loss'))}, "
+        f"{fmt(sim.get('heldout_tasks'))} tasks held out",
+        f"eval-sim: {fmt(summary['fidelity'].get('observations'))} held-out observations "
         "replayed (arm c)",
-        f"train-agent: warm start {_f(ag.get('warm_start', {}).get('steps'))} steps, then "
-        f"{_f(rl.get('steps'))} RL steps in arm <b>{_f(rl.get('arm'))}</b> "
-        f"(batch reward {_f(rl.get('reward_first'))} → {_f(rl.get('reward_last'))})",
+        f"train-agent: warm start {fmt(ag.get('warm_start', {}).get('steps'))} steps, then "
+        f"{fmt(rl.get('steps'))} RL steps in arm <b>{fmt(rl.get('arm'))}</b> "
+        f"(batch reward {fmt(rl.get('reward_first'))} → {fmt(rl.get('reward_last'))})",
     ]
     return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
-            + _table(["stage", "wall (s)"], rows))  # fmt: skip
+            + table(["stage", "wall (s)"], rows))  # fmt: skip
 
 
 def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: list[dict]) -> str:
     t = (summary or {}).get("thesis")
     if not t:
-        return _missing("the deciding experiment", "`simloop demo` with demo.real_rl (default)")
+        return missing("the deciding experiment", "`simloop demo` with demo.real_rl (default)")
     if "missing" in t:
         why = html.escape(t["missing"])
         return f'<p class="missing">The deciding experiment is incomplete: {why}.</p>'
@@ -141,24 +94,21 @@ def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: lis
     )
     return (
         f'<p class="note">One warm-started agent; RL with the same number of episodes '
-        f"({_f(t['rl_in_sim']['episodes'])} in the simulator, {_f(t['rl_in_real']['episodes'])} "
+        f"({fmt(t['rl_in_sim']['episodes'])} in the simulator, {fmt(t['rl_in_real']['episodes'])} "
         f"in the real shell); all three evaluated in the <b>real shell</b> on the same "
-        f"{_f(t.get('eval_tasks'))} held-out tasks with the same sampling seeds "
-        f"({_f(t['eval_episodes'])} episodes each). Intervals: {html.escape(t['ci95_method'])}, "
+        f"{fmt(t.get('eval_tasks'))} held-out tasks with the same sampling seeds "
+        f"({fmt(t['eval_episodes'])} episodes each). Intervals: {html.escape(t['ci95_method'])}, "
         "95%.</p>"
         + '<div class="charts">'
         + bar_chart("Real-shell success (95% intervals)", bars, intervals=intervals)
         + curves + "</div>"
-        + _table(["policy", "real-shell success", "95% interval", "gain over warm start",
-                  "95% interval"], [[r[0], r[1], _ci(r[2]), r[3], _ci(r[4])] for r in rows])
-        + f"<p>RL in the simulator minus RL in the real shell: {_f(t['sim_minus_real'])} "
-        f"(95% interval {_ci(ci['sim_minus_real'])}). In the simulator itself the RL-in-sim "
-        f"policy succeeds {_f(t['rl_in_sim'].get('sim'))}.</p><ul>{verdicts}</ul>"
+        + table(["policy", "real-shell success", "95% interval", "gain over warm start",
+                 "95% interval"],
+                [[r[0], r[1], interval(r[2]), r[3], interval(r[4])] for r in rows])
+        + f"<p>RL in the simulator minus RL in the real shell: {fmt(t['sim_minus_real'])} "
+        f"(95% interval {interval(ci['sim_minus_real'])}). In the simulator itself the RL-in-sim "
+        f"policy succeeds {fmt(t['rl_in_sim'].get('sim'))}.</p><ul>{verdicts}</ul>"
     )  # fmt: skip
-
-
-def _ci(v: Any) -> str:
-    return f"[{v[0]:.3f}, {v[1]:.3f}]" if isinstance(v, list | tuple) and len(v) == 2 else "–"
 
 
 def _runs(record: dict) -> list[dict]:
@@ -181,10 +131,10 @@ def _pretraining(pre: dict) -> str:
     """'by <command>: N examples [and D of its drill], S steps, W s' for each pretraining
     run, oldest first."""
     return "; then ".join(
-        f"by <code>{html.escape(str(r.get('command')))}</code>: {_f(r.get('examples'))} "
+        f"by <code>{html.escape(str(r.get('command')))}</code>: {fmt(r.get('examples'))} "
         f"real-bash examples of a utility grammar"
-        + (f" and {_f(r['drill_examples'])} of its drill" if r.get("drill_examples") else "")
-        + f", {_f(r.get('steps'))} steps, {_f(r.get('wall_s'), 0)} s"
+        + (f" and {fmt(r['drill_examples'])} of its drill" if r.get("drill_examples") else "")
+        + f", {fmt(r.get('steps'))} steps, {fmt(r.get('wall_s'), 0)} s"
         for r in _runs(pre)
     )
 
@@ -198,13 +148,13 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
         pre = sim.get("pretrained_on") or {}
         ft = sim.get("fine_tuned_on") or {}
         out.append(
-            f'<p class="note">The simulator: {_f(sim.get("params"))} parameters '
-            f"({_f(sim.get('layers'))} layers, width {_f(sim.get('hidden'))}, "
-            f"{_f(sim.get('heads'))} heads, byte tokens), started from "
+            f'<p class="note">The simulator: {fmt(sim.get("params"))} parameters '
+            f"({fmt(sim.get('layers'))} layers, width {fmt(sim.get('hidden'))}, "
+            f"{fmt(sim.get('heads'))} heads, byte tokens), started from "
             f"<code>{html.escape(str(sim.get('started_from')))}</code>"
             + (f" (pretrained {_pretraining(pre)})" if pre else "")
-            + f", then fine-tuned {_f(sim.get('fine_tune_steps'))} steps on "
-            f"{_f(ft.get('examples'))} examples from the collected real trajectories. Every "
+            + f", then fine-tuned {fmt(sim.get('fine_tune_steps'))} steps on "
+            f"{fmt(ft.get('examples'))} examples from the collected real trajectories. Every "
             "simulated observation is written by this model from its context.</p>"
         )  # fmt: skip
     charts = []
@@ -225,46 +175,6 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
                                  {k[6:]: _series(ev, k) for k in keys}))  # fmt: skip
     if charts:
         out.append('<div class="charts">' + "".join(charts) + "</div>")
-    return "".join(out)
-
-
-def _section_fidelity(fid: dict | None) -> str:
-    if fid is None:
-        return _missing(
-            rundir.FIDELITY, "written by `simloop eval-sim` / the demo's eval_sim stage"
-        )
-    p, h, r = fid["pairs"], fid["hygiene"], fid["real_hygiene"]
-    out = [
-        f'<p class="note">{_f(p.get("count"))} simulated observations of held-out real commands '
-        "(the real session so far in the prompt), each compared with the real one. "
-        "Masked: timestamps, PIDs, addresses and temp names replaced before comparing.</p>",
-        _table(
-            ["exact", "exact (masked)", "return-code agreement", "similarity", "length ratio"],
-            [
-                [
-                    p.get("exact"),
-                    p.get("exact_masked"),
-                    p.get("exit_code_agreement"),
-                    p.get("similarity"),
-                    p.get("length_ratio_geomean"),
-                ]
-            ],
-        ),  # fmt: skip
-        "<h3>Hygiene (rates)</h3>",
-    ]
-    names = ["cap_hit", "think_leak", "repetition", "empty", "malformed"]
-    out.append(_table([""] + [n.replace("_", " ") for n in names],
-                      [["simulated"] + [h.get(n) for n in names],
-                       ["real"] + [r.get(n) for n in names]]))  # fmt: skip
-    for key, title, first in (("by_kind", "By operation (the replayed task's)", "operation"),
-                              ("by_context", "By context length (prompt tokens)", "prompt tokens"),
-                              ("by_depth", "By depth (turns before the command)", "turns"),
-                              ("by_command", "By command", "command")):  # fmt: skip
-        out.append(f"<h3>{title}</h3>")
-        rows = [[k, v.get("count"), v.get("exact_masked"), v.get("exit_code_agreement"),
-                 v.get("similarity")] for k, v in fid.get(key, {}).items()]  # fmt: skip
-        out.append(_table([first, "observations", "exact (masked)", "return code", "similarity"],
-                          rows))  # fmt: skip
     return "".join(out)
 
 
@@ -292,13 +202,13 @@ def _section_training(metrics: list[dict], sim_metrics: list[dict]) -> str:
         line_chart("Agent warm start: SFT loss", {"loss": _series(ws, "loss")}),
         line_chart("Simulator: SFT loss", {"loss": _series(sim, "loss")}),
     ]
-    note = "" if rl else _missing("RL steps", "written by `simloop train-agent`")
+    note = "" if rl else missing("RL steps", "written by `simloop train-agent`")
     return note + '<div class="charts">' + "".join(charts) + "</div>"
 
 
 def _section_success(evals: dict | None, summary: dict | None) -> str:
     if not evals:
-        return _missing(rundir.EVAL, "`simloop train-agent` with train_agent.eval.tasks > 0")
+        return missing(rundir.EVAL, "`simloop train-agent` with train_agent.eval.tasks > 0")
     arms = sorted({arm for label in evals.values() for arm in label})
     label = {"real": "real shell", "closed_loop": "simulator"}
     groups = {label.get(a, a): {k: evals.get(k, {}).get(a, {}).get("success_rate")
@@ -314,10 +224,11 @@ def _section_success(evals: dict | None, summary: dict | None) -> str:
                 )
     gap = (summary or {}).get("transfer_gap", {})
     gap_text = (f'<p class="note">Transfer gap (success in the simulator minus success in the '
-                f"real shell): before RL {_f(gap.get('before'))}, after RL "
-                f"{_f(gap.get('after'))}.</p>") if gap else ""  # fmt: skip
-    table = _table(["shell", "when", "policy version", "episodes", "success", "by operation"], rows)
-    return (bar_chart("Held-out success before and after RL", groups) + gap_text + table
+                f"real shell): before RL {fmt(gap.get('before'))}, after RL "
+                f"{fmt(gap.get('after'))}.</p>") if gap else ""  # fmt: skip
+    listing = table(["shell", "when", "policy version", "episodes", "success", "by operation"],
+                    rows)  # fmt: skip
+    return (bar_chart("Held-out success before and after RL", groups) + gap_text + listing
             + _trials(evals, arms, label) + _actions(evals, arms, label))  # fmt: skip
 
 
@@ -337,7 +248,7 @@ def _trials(evals: dict, arms: list[str], label: dict[str, str]) -> str:
         '<h3>Several trials per episode</h3><p class="note">A failed attempt resets the '
         "workspace and tells the agent why (the checker's verdict); the adaptation delta is "
         "success by trial 2 minus success by trial 1.</p>"
-        + _table(["shell", "when", "success", "adaptation delta", "turns per trial"], rows)
+        + table(["shell", "when", "success", "adaptation delta", "turns per trial"], rows)
     )
 
 
@@ -353,13 +264,13 @@ def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10)
     rows = [[cmd] + [d.get(cmd, 0.0) for d in dists] for cmd in top_actions(dists, top)]
     header = ["command (programs)"] + [f"{label.get(a, a)}, {k} RL" for a, k in cols]
     return (f'<p class="note">The agent\'s commands in each evaluation (top {top}, share of all '
-            "commands it ran).</p>" + _table(header, rows))  # fmt: skip
+            "commands it ran).</p>" + table(header, rows))  # fmt: skip
 
 
 def _section_tail(metrics: list[dict]) -> str:
     rows = [m for m in metrics if "active_per_turn" in m]
     if not rows:
-        return _missing("rollout metrics", "written by rollout, collect and train-agent jobs")
+        return missing("rollout metrics", "written by rollout, collect and train-agent jobs")
     width = max(len(m["active_per_turn"]) for m in rows)
     header = ["job", "arm", "episodes"] + [f"turn {i + 1}" for i in range(width)]
     body = []
@@ -367,7 +278,7 @@ def _section_tail(metrics: list[dict]) -> str:
         active = list(m["active_per_turn"]) + [None] * (width - len(m["active_per_turn"]))
         body.append([m.get("stage", "?"), m.get("arm", "–"), m.get("episodes")] + active)
     return ('<p class="note">Episodes still running at each turn index: the tail of a batch '
-            "(docs/architecture.md §8, stragglers).</p>" + _table(header, body))  # fmt: skip
+            "(docs/architecture.md §8, stragglers).</p>" + table(header, body))  # fmt: skip
 
 
 def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: list[dict]) -> str:
@@ -382,27 +293,27 @@ def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: lis
                            else '<span class="bad">differs</span>')  # fmt: skip
                 out.append(
                     f'<div class="side"><div><h4>command (task {html.escape(traj["task_id"])})'
-                    f"</h4>{_pre(turn.get('command'))}</div><div><h4>real (rc "
-                    f"{_f(turn.get('exit_code'))})</h4>{_pre(turn.get('observation'))}</div>"
-                    f"<div><h4>simulated (rc {_f(turn.get('sim_exit_code'))}) {verdict}</h4>"
-                    f"{_pre(turn.get('sim_observation'))}</div></div>"
+                    f"</h4>{pre_block(turn.get('command'))}</div><div><h4>real (rc "
+                    f"{fmt(turn.get('exit_code'))})</h4>{pre_block(turn.get('observation'))}</div>"
+                    f"<div><h4>simulated (rc {fmt(turn.get('sim_exit_code'))}) {verdict}</h4>"
+                    f"{pre_block(turn.get('sim_observation'))}</div></div>"
                 )
     else:
-        out.append(_missing("replayed episodes", "`simloop eval-sim` writes trajectories/replay-*"))
+        out.append(missing("replayed episodes", "`simloop eval-sim` writes trajectories/replay-*"))
     if agent_real or agent_sim:
         out.append("<h3>The trained agent, same tasks, real shell vs simulator</h3>")
         by_task = {t["task_id"]: t for t in agent_sim}
         for real in agent_real[:SAMPLE_EPISODES]:
             sim = by_task.get(real["task_id"])
-            cells = [f"<div><h4>task</h4>{_pre(real.get('instruction'))}</div>"]
+            cells = [f"<div><h4>task</h4>{pre_block(real.get('instruction'))}</div>"]
             for name, t in (("real shell", real), ("simulator", sim)):
                 if t is None:
-                    cells.append(f"<div><h4>{name}</h4>{_pre(None)}</div>")
+                    cells.append(f"<div><h4>{name}</h4>{pre_block(None)}</div>")
                     continue
                 text = "\n".join(f"$ {u.get('command')}\n{u.get('observation') or ''}"
                                  for u in t.get("turns", []))  # fmt: skip
-                cells.append(f"<div><h4>{name}: reward {_f(t.get('reward'), 1)}</h4>"
-                             f"{_pre(text)}</div>")  # fmt: skip
+                cells.append(f"<div><h4>{name}: reward {fmt(t.get('reward'), 1)}</h4>"
+                             f"{pre_block(text)}</div>")  # fmt: skip
             out.append('<div class="side">' + "".join(cells) + "</div>")
     return "".join(out)
 
@@ -415,7 +326,7 @@ def write_report(run_dir: str | Path) -> Path:
         from launch.report.gating import gating_page
 
         path = run_dir / rundir.REPORT
-        path.write_text(gating_page(run_dir, summary, CSS), encoding="utf-8")
+        path.write_text(gating_page(run_dir, summary), encoding="utf-8")
         return path
     fid = read_json(find(run_dir, rundir.FIDELITY, ("eval_sim",)))
     agent_dir = run_dir / "agent" if (run_dir / "agent").is_dir() else run_dir
@@ -451,16 +362,11 @@ def write_report(run_dir: str | Path) -> Path:
                    ["real"], {"real": "real shell (stage trials/)"})]
           if summary and summary.get("trials") else []),
         "<h2>The simulator</h2>", _section_simulator(summary, sim_metrics, pretrain),
-        "<h2>Simulator fidelity (arm c)</h2>", _section_fidelity(fid),
+        "<h2>Simulator fidelity (arm c)</h2>", fidelity_section(fid),
         "<h2>Training curves</h2>", _section_training(metrics, sim_metrics),
         "<h2>Active episodes per turn</h2>", _section_tail(tail_metrics),
         "<h2>Sample episodes side by side</h2>", _section_samples(replays, agent_real, agent_sim),
     ]  # fmt: skip
-    page = (
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        "<title>simloop report</title><style>" + CSS + "</style></head><body>"
-        + "".join(body) + "</body></html>"
-    )  # fmt: skip
     path = run_dir / rundir.REPORT
-    path.write_text(page, encoding="utf-8")
+    path.write_text(document("simloop report", "".join(body)), encoding="utf-8")
     return path
