@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from rl import validate
 from serving.compaction import SessionCompaction  # also the orchestrator's (via the client)
 
 
@@ -49,14 +50,15 @@ class ClientConfig:
     """Sent as `Authorization: Bearer` on API calls (vLLM's --api-key)."""
 
     def __post_init__(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"ClientConfig.base_url={self.base_url!r} is invalid: an http(s) URL")
-        if self.timeout_s <= 0:
-            raise ValueError(f"ClientConfig.timeout_s={self.timeout_s!r} is invalid: > 0")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"ClientConfig.max_retries={self.max_retries!r} is invalid: >= 0")
-        if self.max_connections < 1:
-            raise ValueError(f"ClientConfig.max_connections={self.max_connections!r}: >= 1")
+        validate.require(
+            isinstance(self.base_url, str) and self.base_url.startswith(("http://", "https://")),
+            self,
+            "base_url",
+            "an http(s) URL",
+        )
+        validate.positive(self, "timeout_s", allowed="> 0")
+        validate.integer(self, "max_retries", low=0, allowed=">= 0")
+        validate.integer(self, "max_connections", low=1, allowed=">= 1")
 
 
 class ClientError(Exception):

@@ -29,6 +29,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from rl import validate
+
 MODES = ("none", "markovian", "turn", "budget")
 
 
@@ -45,22 +47,26 @@ class SessionCompaction:
     """`budget`: the most keys a call may hold (required for that mode)."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"compaction.{name}={getattr(self, name)!r} is invalid: {allowed}")
-
-        if self.mode not in MODES:
-            raise bad("mode", f"one of {list(MODES)}")
-        n = self.n_protect_turns
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise bad("n_protect_turns", "an integer >= 1")
-        r = self.keep_ratio
-        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r <= 1:
-            raise bad("keep_ratio", "a number in (0, 1]")
-        b = self.kv_budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise bad("kv_budget", "an integer >= 1 (keys a call may hold)")
-        if self.mode == "budget" and b is None:
-            raise bad("kv_budget", "required by mode 'budget': the most keys a call may hold")
+        # Named as the request's JSON object names it (`compaction`), not by this class.
+        where = "compaction"
+        validate.one_of(self, "mode", MODES, owner=where)
+        validate.integer(self, "n_protect_turns", low=1, owner=where)
+        validate.number(self, "keep_ratio", low=0, high=1, low_open=True, owner=where)
+        validate.integer(
+            self,
+            "kv_budget",
+            low=1,
+            optional=True,
+            allowed="an integer >= 1 (keys a call may hold)",
+            owner=where,
+        )
+        validate.require(
+            self.mode != "budget" or self.kv_budget is not None,
+            self,
+            "kv_budget",
+            "required by mode 'budget': the most keys a call may hold",
+            owner=where,
+        )
 
     @classmethod
     def from_json(cls, obj: object) -> SessionCompaction:

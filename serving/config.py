@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rl import validate
+
 MAX_N = 64
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -72,33 +74,40 @@ class EngineConfig:
     """A session idle this long is closed (its next call is told so); per session `ttl_s`."""
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> ValueError:
-            return ValueError(
-                f"EngineConfig.{field}={getattr(self, field)!r} is invalid: {allowed}"
-            )
-
-        for name in ("num_slots", "max_seq_len", "prefill_batch", "default_max_tokens",
-                     "max_waiting", "decode_steps", "max_sessions"):  # fmt: skip
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise bad(name, "a positive integer")
+        validate.positive_int(
+            self,
+            "num_slots",
+            "max_seq_len",
+            "prefill_batch",
+            "default_max_tokens",
+            "max_waiting",
+            "decode_steps",
+            "max_sessions",
+        )
         chunk = self.prefill_chunk
-        if not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1):
-            raise bad("prefill_chunk", "a power of two >= 16")
-        if not isinstance(self.speculate, int) or not 0 <= self.speculate <= 32:
-            raise bad("speculate", "an integer in [0, 32] (0: off)")
-        if not isinstance(self.speculate_ngram, int) or not 1 <= self.speculate_ngram <= 8:
-            raise bad("speculate_ngram", "an integer in [1, 8]")
-        if self.max_tokens_cap is not None and (
-            not isinstance(self.max_tokens_cap, int) or self.max_tokens_cap < 1
-        ):
-            raise bad("max_tokens_cap", "null or a positive integer")
-        if not isinstance(self.max_top_logprobs, int) or not 0 <= self.max_top_logprobs <= 100:
-            raise bad("max_top_logprobs", "an integer in [0, 100]")
-        if self.max_seq_len < 2:
-            raise bad("max_seq_len", ">= 2")
-        t = self.session_ttl_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= MAX_TTL_S:
-            raise bad("session_ttl_s", f"seconds in (0, {MAX_TTL_S}]")
+        validate.require(
+            validate.is_int(chunk) and chunk >= 16 and not chunk & (chunk - 1),
+            self,
+            "prefill_chunk",
+            "a power of two >= 16",
+        )
+        validate.integer(
+            self, "speculate", low=0, high=32, allowed="an integer in [0, 32] (0: off)"
+        )
+        validate.integer(self, "speculate_ngram", low=1, high=8)
+        validate.positive_int(
+            self, "max_tokens_cap", optional=True, allowed="null or a positive integer"
+        )
+        validate.integer(self, "max_top_logprobs", low=0, high=100)
+        validate.integer(self, "max_seq_len", low=2, allowed=">= 2")
+        validate.number(
+            self,
+            "session_ttl_s",
+            low=0,
+            high=MAX_TTL_S,
+            low_open=True,
+            allowed=f"seconds in (0, {MAX_TTL_S}]",
+        )
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -130,32 +139,48 @@ class SamplingParams:
     """Alternatives to return per token besides the sampled one's logprob."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens={self.max_tokens!r} is invalid: an integer >= 1")
+        # A request's fields, named as the API names them: no class in the message.
+        where = ""
+        validate.integer(
+            self, "max_tokens", low=1, optional=True, allowed="an integer >= 1", owner=where
+        )
         # Every bound is what the engine's float32 / int32 device arrays can hold: nothing
         # a request carries may overflow inside the scheduler loop.
         t = self.temperature
-        if not isinstance(t, int | float) or not (
-            t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE
-        ):
-            raise ValueError(f"temperature={t!r} is invalid: 0 (greedy) or a number in "
-                             f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")  # fmt: skip
-        if not isinstance(self.top_p, int | float) or not MIN_TOP_P <= self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} is invalid: a number in [{MIN_TOP_P}, 1]")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: 0 (off) or a positive integer "
-                             f"<= {INT32_MAX}")  # fmt: skip
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed={self.seed!r} is invalid: an integer >= 0")
-        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 100:
-            raise ValueError(f"logprobs={self.logprobs!r} is invalid: an integer in [0, 100]")
-        if any(not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={list(self.stop_token_ids)!r} is invalid: token "
-                             f"ids in [0, {INT32_MAX}]")  # fmt: skip
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop={list(self.stop)!r} is invalid: non-empty strings")
+        validate.require(
+            validate.is_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+            self,
+            "temperature",
+            f"0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]",
+            owner=where,
+        )
+        validate.number(self, "top_p", low=MIN_TOP_P, high=1, owner=where)
+        validate.integer(
+            self,
+            "top_k",
+            low=0,
+            high=INT32_MAX,
+            allowed=f"0 (off) or a positive integer <= {INT32_MAX}",
+            owner=where,
+        )
+        validate.integer(self, "seed", low=0, optional=True, allowed="an integer >= 0", owner=where)
+        validate.integer(self, "logprobs", low=0, high=100, owner=where)
+        validate.require(
+            all(validate.is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+            self,
+            "stop_token_ids",
+            f"token ids in [0, {INT32_MAX}]",
+            value=list(self.stop_token_ids),
+            owner=where,
+        )
+        validate.require(
+            all(isinstance(s, str) and s for s in self.stop),
+            self,
+            "stop",
+            "non-empty strings",
+            value=list(self.stop),
+            owner=where,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -211,31 +236,28 @@ class ServerConfig:
     of an unknown session, so no other client can drive or close it."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(
-                f"ServerConfig.port={self.port!r} is invalid: an integer in [0, 65535]"
-            )
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
-            raise ValueError(f"ServerConfig.max_body_bytes={self.max_body_bytes!r} is invalid: "
-                             "an integer >= 1024")  # fmt: skip
-        for name in ("shutdown_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "idle_timeout_s"):  # fmt: skip
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
-                raise ValueError(f"ServerConfig.{name}={v!r} is invalid: seconds in (0, 3600]")
-        if (isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int)
-                or not 1 <= self.max_connections <= 1_000_000):  # fmt: skip
-            raise ValueError(f"ServerConfig.max_connections={self.max_connections!r} is "
-                             "invalid: an integer in [1, 1000000]")  # fmt: skip
-        cap = self.max_sessions_per_client
-        if isinstance(cap, bool) or not isinstance(cap, int) or not 1 <= cap <= 1_000_000:
-            raise ValueError(f"ServerConfig.max_sessions_per_client={cap!r} is invalid: an "
-                             "integer in [1, 1000000]")  # fmt: skip
-        if self.client_identity not in CLIENT_IDENTITIES:
-            raise ValueError(f"ServerConfig.client_identity={self.client_identity!r} is "
-                             f"invalid: one of {list(CLIENT_IDENTITIES)}")  # fmt: skip
-        if not isinstance(self.session_tokens, bool):
-            raise ValueError(f"ServerConfig.session_tokens={self.session_tokens!r} is invalid: "
-                             "true or false")  # fmt: skip
+        validate.integer(self, "port", low=0, high=65535)
+        validate.integer(self, "max_body_bytes", low=1024)
+        validate.number(
+            self,
+            "shutdown_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "idle_timeout_s",
+            low=0,
+            high=3600,
+            low_open=True,
+            allowed="seconds in (0, 3600]",
+        )
+        validate.integer(
+            self,
+            "max_connections",
+            "max_sessions_per_client",
+            low=1,
+            high=1_000_000,
+            allowed="an integer in [1, 1000000]",
+        )
+        validate.one_of(self, "client_identity", CLIENT_IDENTITIES)
+        validate.boolean(self, "session_tokens")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("ServerConfig.admin_token is too short: use at least 8 characters")

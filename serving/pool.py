@@ -53,6 +53,7 @@ from typing import Any
 
 import aiohttp
 
+from rl import validate
 from rl.model.publish import PublishReport, WeightPublisher
 from serving.client import (
     BadAnswer,
@@ -97,18 +98,11 @@ class PoolConfig:
     than a loaded replica decodes. With the defaults, 1024 tokens keep a 120 s cap; 64 get 36 s."""
 
     def __post_init__(self) -> None:
-        for name in ("health_interval_s", "health_timeout_s", "timeout_base_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"PoolConfig.{name}={getattr(self, name)!r} is invalid: > 0")
-        for name in ("health_failures", "answer_failures"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PoolConfig.{name}={value!r} is invalid: an integer >= 1")
-        if not self.timeout_per_token_s >= 0:
-            raise ValueError(f"PoolConfig.timeout_per_token_s={self.timeout_per_token_s!r} is "
-                             "invalid: >= 0")  # fmt: skip
-        if self.wait_live_s < 0:
-            raise ValueError(f"PoolConfig.wait_live_s={self.wait_live_s!r} is invalid: >= 0")
+        validate.positive(
+            self, "health_interval_s", "health_timeout_s", "timeout_base_s", allowed="> 0"
+        )
+        validate.integer(self, "health_failures", "answer_failures", low=1)
+        validate.number(self, "timeout_per_token_s", "wait_live_s", low=0, allowed=">= 0")
 
     def timeout_for(self, max_tokens: int | None, cap: float) -> float:
         """The timeout of a completion of `max_tokens` whose caller allows `cap` seconds."""

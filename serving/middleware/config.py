@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rl import validate
+
 REWARD_MODES = ("all_segments", "last_segment")
 
 
@@ -55,44 +57,34 @@ class MiddlewareConfig:
     """The model name the APIs report when a request names none."""
 
     def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            value = getattr(self, name)
-            return ValueError(f"MiddlewareConfig.{name}={value!r} is invalid: {allowed}")
-
-        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise bad("port", "an integer in [0, 65535]")
-        if not isinstance(self.segments_max, int) or self.segments_max < 1:
-            raise bad("segments_max", "an integer >= 1")
-        if self.reward_mode not in REWARD_MODES:
-            raise bad("reward_mode", f"one of {list(REWARD_MODES)}")
-        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
-            raise bad("default_max_tokens", "an integer >= 1")
-        if self.max_tokens_cap is not None and (
-            not isinstance(self.max_tokens_cap, int) or self.max_tokens_cap < 1
-        ):
-            raise bad("max_tokens_cap", "an integer >= 1 or null")
-        for name in ("request_timeout_s", "rollout_ttl_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
-                raise bad(name, "a number of seconds > 0")
-        if self.admin_token is not None and not (
-            isinstance(self.admin_token, str) and self.admin_token
-        ):
-            raise bad("admin_token", "a non-empty string or null")
-        if not isinstance(self.max_rollouts, int) or self.max_rollouts < 1:
-            raise bad("max_rollouts", "an integer >= 1")
-        if not isinstance(self.max_waiting_requests, int) or self.max_waiting_requests < 0:
-            raise bad("max_waiting_requests", "an integer >= 0")
+        validate.integer(self, "port", low=0, high=65535)
+        validate.integer(self, "segments_max", "default_max_tokens", "max_rollouts", low=1)
+        validate.one_of(self, "reward_mode", REWARD_MODES)
+        validate.integer(self, "max_tokens_cap", low=1, optional=True)
+        validate.positive(
+            self, "request_timeout_s", "rollout_ttl_s", allowed="a number of seconds > 0"
+        )
+        validate.text(self, "admin_token", optional=True, allowed="a non-empty string or null")
+        validate.integer(self, "max_waiting_requests", low=0)
         if self.admin_port is not None:
-            if not isinstance(self.admin_port, int) or not 0 <= self.admin_port < 65536:
-                raise bad("admin_port", "an integer in [0, 65535] or null")
-            if self.admin_port and self.admin_port == self.port:
-                raise bad("admin_port", "another port than `port` (the API listener's)")
-            if self.admin_socket is not None:
-                raise bad("admin_port", "null when admin_socket is set (one admin listener)")
-        if self.admin_socket is not None and not (
-            isinstance(self.admin_socket, str) and 0 < len(self.admin_socket.encode()) < 108
-        ):
-            raise bad("admin_socket", "a path of 1-107 bytes (a Unix socket's limit) or null")
-        if not isinstance(self.admin_host, str) or not self.admin_host:
-            raise bad("admin_host", "a non-empty host name or address")
+            validate.integer(self, "admin_port", low=0, high=65535, optional=True)
+            validate.require(
+                not self.admin_port or self.admin_port != self.port,
+                self,
+                "admin_port",
+                "another port than `port` (the API listener's)",
+            )
+            validate.require(
+                self.admin_socket is None,
+                self,
+                "admin_port",
+                "null when admin_socket is set (one admin listener)",
+            )
+        socket = self.admin_socket
+        validate.require(
+            socket is None or (isinstance(socket, str) and 0 < len(socket.encode()) < 108),
+            self,
+            "admin_socket",
+            "a path of 1-107 bytes (a Unix socket's limit) or null",
+        )
+        validate.text(self, "admin_host", allowed="a non-empty host name or address")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _bad(name: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"VllmConfig.{name}={value!r} is invalid: {allowed}")
+from rl import validate
 
 
 @dataclass(frozen=True)
@@ -39,21 +37,27 @@ class VllmConfig:
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.command, list)
-            or not self.command
-            or not all(isinstance(a, str) and a for a in self.command)
-        ):
-            raise _bad("command", self.command, "a non-empty list of non-empty strings")
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int):
-            raise _bad("max_model_len", self.max_model_len, "a positive integer")
-        if self.max_model_len < 16:
-            raise _bad("max_model_len", self.max_model_len, "a positive integer >= 16")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise _bad("gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
-        for name, low, top in (("speculate", 0, 32), ("speculate_ngram", 1, 8)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
-                raise _bad(name, value, f"an integer in [{low}, {top}]")
-        if self.start_stagger_s < 0 or self.health_timeout_s <= 0:
-            raise _bad("health_timeout_s", self.health_timeout_s, "stagger >= 0, timeout > 0")
+        validate.require(
+            isinstance(self.command, list)
+            and self.command
+            and all(isinstance(a, str) and a for a in self.command),
+            self,
+            "command",
+            "a non-empty list of non-empty strings",
+        )
+        validate.integer(self, "max_model_len", allowed="a positive integer")
+        validate.integer(self, "max_model_len", low=16, allowed="a positive integer >= 16")
+        validate.number(
+            self, "gpu_memory_utilization", low=0, high=1, low_open=True, allowed="in (0, 1]"
+        )
+        validate.integer(self, "speculate", low=0, high=32)
+        validate.integer(self, "speculate_ngram", low=1, high=8)
+        validate.require(
+            validate.is_number(self.start_stagger_s)
+            and validate.is_number(self.health_timeout_s)
+            and self.start_stagger_s >= 0
+            and self.health_timeout_s > 0,
+            self,
+            "health_timeout_s",
+            "stagger >= 0, timeout > 0",
+        )
