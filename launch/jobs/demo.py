@@ -4,7 +4,8 @@ minutes.
     simloop demo --out runs/demo                     # configs/demo_cpu.yaml, ~15 min on 2 cores
     simloop demo --config configs/demo_cpu.yaml --out runs/demo --quick   # ~3 min, CI-sized
 
-Stages, each a run directory of its own under `--out`, each the same code as its subcommand:
+Stages, each a run directory of its own under `--out`, each the same code as its subcommand
+(the table: `launch/jobs/demo_stages.py`, which `--dry-run` plans from too):
 
 1. `collect/`    a scripted, noisy agent in real shells (LocalShell) -> real trajectories
 2. `sim/`        simulator SFT on them (tasks split off for evaluation: `heldout_tasks.json`)
@@ -21,8 +22,9 @@ Stages, each a run directory of its own under `--out`, each the same code as its
 7. `summary.json` (`thesis`: the deciding experiment, recomputed from the stored episodes)
    and `report.html` at the top of `--out`
 
-A finished stage leaves `stage.json`; running the same command again skips finished stages and
-resumes an interrupted one from its checkpoints.
+`--experiment gating` runs the gating experiment's table instead (`launch/jobs/demo_gating.py`
+says what it measures). A finished stage leaves `stage.json`; running the same command again
+skips finished stages and resumes an interrupted one from its checkpoints.
 """
 
 from __future__ import annotations
@@ -34,41 +36,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch.config import ConfigError, load_config, write_config
+from launch.config import ConfigError
 from launch.config.schema import SimloopConfig
 from launch.deploy.chips import cpu_device_flag
-from launch.deploy.dry_run import print_processes
+from launch.deploy.dry_run import DRY_RUN_OUT, print_processes
 from launch.errors import JobError, UsageError
+from launch.jobs.demo_stages import (
+    Stage,
+    gating_stages,
+    run_stages,
+    stage_config,
+    stage_servers,
+    thesis_stages,
+)
 from rl.data import rundir
 
-STAGES = ("collect", "sim", "eval_sim", "agent", "agent_real", "trials")
+
+def _gating(args: argparse.Namespace) -> bool:
+    return getattr(args, "experiment", "thesis") == "gating"
 
 
-def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
-    """The config of one stage: the file, `--quick`'s overrides, the stage's wiring (paths
-    from earlier stages), then the user's overrides (which win)."""
-    return load_config(SimloopConfig, args.config,
-                       args.quick_overrides + stage_overrides + args.overrides)  # fmt: skip
-
-
-def _read_stage(path: Path) -> dict | None:
-    f = path / rundir.STAGE
-    return json.loads(f.read_text()) if f.exists() else None
-
-
-def _write_stage(path: Path, record: dict) -> None:
-    (path / rundir.STAGE).write_text(json.dumps(record, indent=1))
-
-
-def _finished(console, k: int, name: str, text: str, path: Path,
-              total: int = len(STAGES)) -> dict | None:  # fmt: skip
-    """Announce stage `k` of `total`; its `stage.json` record when it already finished (then
-    skipped)."""
-    console.rule(f"[bold]{k}/{total} {name}[/]: {text}")
-    record = _read_stage(path)
-    if record is not None:
-        console.print(f"simloop demo: {name} done: skipped (delete {path} to redo it)")
-    return record
+def _stages(args: argparse.Namespace) -> list[Stage]:
+    """The experiment's table, from the demo's config."""
+    base = stage_config(args, [])
+    return gating_stages(base) if _gating(args) else thesis_stages(base)
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
@@ -86,23 +77,18 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rl.train.loop import TrainingDiverged
     from serving.publisher import PublishError
 
-    gating = getattr(args, "experiment", "thesis") == "gating"
+    gating = _gating(args)
     try:
-        if gating:
-            from launch.jobs.demo_gating import run_gating
-
-            stages = run_gating(args, out, console)
-        else:
-            stages = _run_stages(args, out, console)
+        stages = run_stages(args, out, console, _stages(args))
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from e
     except (TrainingDiverged, PublishError) as e:  # as train-agent says it: one line, exit 1
         raise JobError(f"{e}; the stage stopped (its last checkpoint is kept)") from e
     if gating:
-        from launch.jobs.demo_gating import gating_summary, print_gating, timed_stages
+        from launch.jobs.demo_gating import gating_summary, print_gating
 
         summary = {"experiment": "gating", "config": args.config, "quick": bool(args.quick),
-                   "gating": gating_summary(out), "stages_wall_s": timed_stages(stages),
+                   "gating": gating_summary(out), "stages_wall_s": stage_walls(stages),
                    "stages": stages}  # fmt: skip
     else:
         summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
@@ -122,46 +108,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[str, Any]]:
     """`(stage, process)` for every process `simloop demo` starts: the servers of the stages
-    that need them, one stage after another, then the demo's own process (it runs every
-    trainer and the orchestrator, on the plan's devices). Stages that start nothing (collect,
-    train-sim) list nothing."""
-    from launch.deploy.dry_run import DRY_RUN_OUT
-    from launch.deploy.processes import PlannedProcess, job_processes
-    from launch.jobs.train_agent import _publishes, _roles
+    that need them, one stage after another (`demo_stages.stage_servers`, from the same table
+    the run follows), then the demo's own process (it runs every trainer and the orchestrator,
+    on the plan's devices). Stages that start nothing (collect, train-sim) list nothing."""
+    from launch.deploy.processes import PlannedProcess
 
     out = Path(args.out or DRY_RUN_OUT)
-    base = stage_config(args, [])
-    agent = stage_config(
-        args,
-        [
-            "--orchestrator.arm",
-            base.demo.rl_arm,
-            "--train_agent.eval.arms",
-            json.dumps(list(base.demo.eval_arms)),
-        ],
-    )
-    stages = [("eval_sim", "eval-sim", base, ["simulator"]),
-              ("agent", "train-agent", agent, _roles(agent))]  # fmt: skip
-    if getattr(args, "experiment", "thesis") == "gating":
-        from launch.jobs.demo_gating import ARMS, arm_flags
-
-        stages = [("eval_sim", "eval-sim", base, ["simulator"])]
-        for arm in ARMS:
-            c = stage_config(args, arm_flags(base)[arm][0] + ["--train_agent.eval.arms",
-                                                                json.dumps(["real"])])  # fmt: skip
-            stages.append((arm, "train-agent", c, _roles(c)))
-    elif base.demo.real_rl:
-        real = stage_config(
-            args, ["--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"])]
-        )
-        stages.append(("agent_real", "train-agent", real, _roles(real)))
-    if base.demo.trials and getattr(args, "experiment", "thesis") != "gating":
-        trials = stage_config(args, trials_wiring(base))
-        stages.append(("trials", "train-agent", trials, _roles(trials)))
-    procs = []
-    for stage, job, cfg_, roles in stages:
-        planned = job_processes(cfg_, job, roles, out / stage, publishes=_publishes(cfg_))
-        procs += [(stage, p) for p in planned if p.kind == "serve"]  # the rest: this process
+    procs = stage_servers(args, _stages(args), out)
     command = [
         sys.executable,
         "-m",
@@ -172,7 +125,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
         "--out",
         str(out),
         *(["--quick"] if args.quick else []),
-        *(["--experiment", "gating"] if getattr(args, "experiment", "") == "gating" else []),
+        *(["--experiment", "gating"] if _gating(args) else []),
         *args.overrides,
     ]
     env = {}
@@ -182,221 +135,9 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
     return procs + [("demo", PlannedProcess("demo", 0, "localhost", command, env, None, "job"))]
 
 
-def _run_stages(args: argparse.Namespace, out: Path, console) -> dict[str, dict]:
-    stages: dict[str, dict] = {}
-    dirs = {name: out / name for name in STAGES}
-    collect_dir, sim_dir = dirs["collect"], dirs["sim"]
-    trajectories = str(collect_dir / rundir.TRAJECTORIES)
-    weights = str(sim_dir / rundir.WEIGHTS / "final")
-
-    # 1. collect
-    stages["collect"] = _finished(
-        console, 1, "collect", "scripted noisy agent in the real shell", collect_dir
-    ) or _collect(args, collect_dir)
-
-    # 2. train-sim (its token cap for later stages follows the real observations)
-    sim_wiring = ["--train_sim.trajectories", json.dumps([trajectories])]
-    cap = stages["collect"].get("sim_max_tokens")
-    if cap is not None:
-        sim_wiring += ["--env.shell.simulated.max_tokens", str(cap)]
-    stages["sim"] = _finished(
-        console, 2, "train-sim", "simulator SFT on the real trajectories", sim_dir
-    ) or _train_sim(args, sim_dir, sim_wiring)
-
-    # 3. eval-sim, arm (c)
-    wired = sim_wiring + ["--simulator.weights", weights]
-    stages["eval_sim"] = _finished(
-        console, 3, "eval-sim", "arm (c): held-out real commands vs the simulator", dirs["eval_sim"]
-    ) or _eval_sim(
-        args,
-        dirs["eval_sim"],
-        wired
-        + [
-            "--eval_sim.trajectories",
-            json.dumps([trajectories]),
-            "--eval_sim.heldout_tasks",
-            str(sim_dir / rundir.HELDOUT_TASKS),
-        ],  # fmt: skip
-    )
-
-    # 4. train-agent: warm start, RL in the simulator, evaluation in both shells
-    base = stage_config(args, wired)
-    agent_wiring = wired + [
-        "--orchestrator.arm", base.demo.rl_arm,
-        "--train_agent.eval.arms", json.dumps(list(base.demo.eval_arms)),
-    ]  # fmt: skip
-    stages["agent"] = _finished(
-        console, 4, "train-agent", f"SFT warm start, then RL ({base.demo.rl_arm})", dirs["agent"]
-    ) or _train_agent(args, dirs["agent"], agent_wiring)
-
-    # 5. the control arm: RL in the real shell from the same warm start, same episodes
-    if base.demo.real_rl:
-        warm = dirs["agent"] / rundir.WEIGHTS / "warm_start"
-        real_wiring = wired + [
-            "--agent.weights", str(warm),
-            "--train_agent.warm_start.steps", "0",
-            "--orchestrator.arm", "real",
-            "--train_agent.eval.arms", json.dumps(["real"]),
-            "--train_agent.eval.before", "false",  # measured in stage 4, same policy and seeds
-        ]  # fmt: skip
-        stages["agent_real"] = _finished(
-            console, 5, "train-agent", "the control: RL in the real shell, same warm start",
-            dirs["agent_real"],
-        ) or _train_agent(args, dirs["agent_real"], real_wiring)  # fmt: skip
-
-    # 6. optional: several trials per episode, on tasks only feedback explains
-    if base.demo.trials:
-        stages["trials"] = _finished(
-            console, 6, "train-agent", f"{base.demo.trials} trials per episode, hidden operations",
-            dirs["trials"],
-        ) or _train_agent(args, dirs["trials"], wired + trials_wiring(base))  # fmt: skip
-    return stages
-
-
-def trials_wiring(base: SimloopConfig) -> list[str]:
-    """The `trials` stage's overrides: K trials, the demo's `trials_overrides`, the real shell."""
-    return [
-        "--env.terminal.trials", str(base.demo.trials), *base.demo.trials_overrides,
-        "--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"]),
-    ]  # fmt: skip
-
-
-def _collect(args, path: Path) -> dict:
-    import asyncio
-
-    from launch.jobs.collect import collect
-
-    cfg = stage_config(args, [])
-    write_config(cfg, path)
-    began = time.perf_counter()
-    summary = asyncio.run(collect(cfg, path))
-    record = {"wall_s": round(time.perf_counter() - began, 1), **_pick(
-        summary, "episodes", "status", "success_rate")}  # fmt: skip
-    if cfg.demo.sim_max_tokens_from_data:
-        record["sim_max_tokens"] = _suggest_cap(cfg, path / rundir.TRAJECTORIES)
-    print(f"simloop demo: collected {summary['episodes']} episodes {summary['status']} "
-          f"(scripted success {summary['success_rate']:.2f})"
-          + (f"; simulator token cap {record['sim_max_tokens']}" if "sim_max_tokens" in record
-             else ""))  # fmt: skip
-    _write_stage(path, record)
-    return record
-
-
-def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
-    """`env.shell.simulated.max_tokens` from the real observations' token lengths (in the
-    simulator's format, with its end-of-turn token; `demo.sim_max_tokens_quantile` of them),
-    at most what the simulator's context (`env.shell.simulated.max_context_tokens`) leaves
-    beside a prompt: beside `max_prompt_tokens` when set, else half of it."""
-    from envs.fidelity import suggest_max_tokens
-    from rl.data import load_tokenizer
-    from rl.data.sim_format import format_observation
-    from rl.data.trajectory import load_trajectories
-
-    tok = load_tokenizer(cfg.simulator.tokenizer)
-    lengths = [
-        len(tok.encode(format_observation(t.observation, t.exit_code or 0))) + 1
-        for traj in load_trajectories([trajectories])
-        for t in traj.turns
-        if t.observation is not None
-    ]
-    cap = suggest_max_tokens(lengths, quantile=cfg.demo.sim_max_tokens_quantile)
-    sim = cfg.env.shell.simulated
-    context = sim.max_context_tokens
-    if context is None:
-        return cap
-    room = context // 2 if sim.max_prompt_tokens is None else context - sim.max_prompt_tokens
-    if cap > room:
-        print(
-            f"simloop demo: the observations suggest a simulator token cap of {cap}; it is "
-            f"clamped to {room}, what the simulator's {context}-token context leaves beside "
-            "its prompt"
-        )
-        cap = room
-    return cap
-
-
-def _train_sim(args, path: Path, wiring: list[str], extra: dict | None = None) -> dict:
-    """Run train-sim as a stage; its `stage.json` record (with `extra` merged in)."""
-    from launch.jobs import train_sim
-
-    cfg = stage_config(args, wiring)
-    began = time.perf_counter()
-    rc = train_sim.run(argparse.Namespace(out=str(path)), cfg)
-    if rc != 0:
-        raise JobError(f"train-sim failed (exit {rc})")
-    losses = [r for r in rundir.read_metrics(path / rundir.METRICS)
-              if r.get("stage") == "sim_sft" and "loss" in r]  # fmt: skip
-    last = losses[-1] if losses else {}
-    heldout = json.loads((path / rundir.HELDOUT_TASKS).read_text())
-    record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
-              "loss": last.get("loss"), "weights": str(path / rundir.WEIGHTS / "final"),
-              "heldout_tasks": len(heldout),
-              "simulator": describe_simulator(cfg, path), **(extra or {})}  # fmt: skip
-    _write_stage(path, record)
-    return record
-
-
-_PRETRAIN_KEYS = ("examples", "drill_examples", "steps", "wall_s", "command", "exact", "textops")
-
-
-def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
-    """What the report says the simulator is: its size, where it started, what it saw."""
-    from rl.model.params_io import read_model_config
-
-    model = read_model_config(sim_dir / rundir.WEIGHTS / "final")
-    start = cfg.simulator.weights
-    pretrained = rundir.read_json(Path(start) / "pretrain_sim.json") if start else None
-    examples = [r for r in rundir.read_metrics(sim_dir / rundir.METRICS)
-                if r.get("stage") == "train_sim_data"]  # fmt: skip
-    return {
-        "params": model.num_params(),
-        "layers": model.num_layers,
-        "hidden": model.hidden_size,
-        "heads": model.num_heads,
-        "started_from": start or "random initialisation",
-        "pretrained_on": None if not pretrained else {
-            **{k: pretrained.get(k) for k in _PRETRAIN_KEYS},
-            "lineage": [{k: r.get(k) for k in _PRETRAIN_KEYS}
-                        for r in pretrained.get("lineage") or []],
-        },
-        "fine_tuned_on": examples[-1] if examples else None,
-        "fine_tune_steps": cfg.train_sim.steps,
-    }  # fmt: skip
-
-
-def _eval_sim(args, path: Path, wiring: list[str]) -> dict:
-    from launch.jobs.eval_sim import eval_sim, print_fidelity, select_trajectories
-
-    cfg = stage_config(args, wiring)
-    trajs = select_trajectories(cfg)
-    if not trajs:
-        raise JobError("no held-out real trajectory to replay for eval-sim")
-    write_config(cfg, path)
-    began = time.perf_counter()
-    result = eval_sim(cfg, path, trajs)
-    print_fidelity(result)
-    record = {"wall_s": round(time.perf_counter() - began, 1), "trajectories": len(trajs)}
-    _write_stage(path, record)
-    return record
-
-
-def _train_agent(args, path: Path, wiring: list[str]) -> dict:
-    import asyncio
-
-    from launch.jobs.train_agent import train_agent
-
-    cfg = stage_config(args, wiring)
-    write_config(cfg, path)
-    began = time.perf_counter()
-    summary = asyncio.run(train_agent(cfg, path))
-    record = {"wall_s": round(time.perf_counter() - began, 1), "rl_arm": cfg.orchestrator.arm,
-              **summary}  # fmt: skip
-    _write_stage(path, record)
-    return record
-
-
-def _pick(d: dict, *keys: str) -> dict:
-    return {k: d[k] for k in keys if k in d}
+def stage_walls(stages: dict[str, dict]) -> dict[str, float | None]:
+    """Each stage's wall time, in the order they ran."""
+    return {name: record.get("wall_s") for name, record in stages.items()}
 
 
 # ----- summary.json -----------------------------------------------------------------------------
@@ -469,7 +210,7 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
             "reward_last": rl.get("reward_last"),
         },
         "trials": _trials_summary(out, stages),
-        "stages_wall_s": {name: stages[name].get("wall_s") for name in STAGES if name in stages},
+        "stages_wall_s": stage_walls(stages),
         "stages": stages,
     }
 

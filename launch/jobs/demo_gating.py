@@ -20,6 +20,8 @@ in? From one warm-started agent, three RL runs with the same steps and episodes:
 Each arm is evaluated in the real shell on the same held-out tasks and sampling seeds; the
 summary's `gating` block (recomputed from the stored episodes) holds each arm's real-shell
 success after RL, its real-shell episodes, and the gated arm's simulator share by operation.
+The stages are rows of `launch/jobs/demo_stages.py`'s table (`gating_stages`), which
+`simloop demo` runs and dry-runs; this module reads what they stored.
 """
 
 from __future__ import annotations
@@ -29,127 +31,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from launch.jobs.demo_stages import ARMS
 from rl.data import rundir
 
-GATING_STAGES = ("collect", "sim", "eval_sim", "warm", "real_only", "ungated", "gated")
-ARMS = ("real_only", "ungated", "gated")
 MAX_GAP, MAX_REAL_SHARE = 0.03, 0.5
-
-
-def run_gating(args, out: Path, console) -> dict[str, dict]:
-    from launch.jobs import demo
-
-    stages: dict[str, dict] = {}
-    dirs = {name: out / name for name in GATING_STAGES}
-
-    def finished(k: int, name: str, text: str) -> dict | None:
-        return demo._finished(console, k, name, text, dirs[name], len(GATING_STAGES))
-
-    trajectories = str(dirs["collect"] / rundir.TRAJECTORIES)
-    stages["collect"] = finished(1, "collect", "scripted noisy agent in the real shell") or (
-        demo._collect(args, dirs["collect"]))  # fmt: skip
-    wiring = ["--train_sim.trajectories", json.dumps([trajectories])]
-    cap = stages["collect"].get("sim_max_tokens")
-    if cap is not None:
-        wiring += ["--env.shell.simulated.max_tokens", str(cap)]
-    base = demo.stage_config(args, wiring)
-    steps, wrong = base.demo.gating_sim_steps, list(base.demo.gating_wrong_ops)
-    text = f"a weak simulator: {steps} train-sim steps" + (
-        f", on the collection with {' and '.join(wrong)} misreported" if steps and wrong else ""
-    )
-    stages["sim"] = finished(2, "sim", text) or _weak_sim(
-        args, dirs["sim"], wiring, steps, wrong, trajectories)  # fmt: skip
-    wiring += ["--simulator.weights", stages["sim"]["weights"]]
-    stages["eval_sim"] = finished(3, "eval_sim", "arm (c): the weak simulator's fidelity") or (
-        demo._eval_sim(args, dirs["eval_sim"], wiring + [
-            "--eval_sim.trajectories", json.dumps([trajectories]),
-            "--eval_sim.heldout_tasks", str(dirs["sim"] / rundir.HELDOUT_TASKS)]))  # fmt: skip
-    stages["warm"] = finished(4, "warm", "SFT warm start (no RL)") or demo._train_agent(
-        args, dirs["warm"], wiring + ["--train_agent.steps", "0"])  # fmt: skip
-    warm = str(dirs["warm"] / rundir.WEIGHTS / "warm_start")
-    from_warm = wiring + ["--agent.weights", warm, "--train_agent.warm_start.steps", "0",
-                          "--train_agent.eval.arms", json.dumps(["real"])]  # fmt: skip
-    if base.demo.gating_eval_tasks:
-        from_warm += ["--train_agent.eval.tasks", str(base.demo.gating_eval_tasks)]
-    if stages["sim"].get("data"):  # co-training replays what the weak simulator learned from
-        from_warm += ["--train_sim.trajectories", json.dumps([stages["sim"]["data"]])]
-    for k, (name, (flags, text)) in enumerate(arm_flags(base).items(), start=5):
-        stages[name] = finished(k, name, text) or demo._train_agent(
-            args, dirs[name], from_warm + flags)  # fmt: skip
-    return stages
-
-
-def arm_flags(base) -> dict[str, tuple[list[str], str]]:
-    """Each RL arm's overrides (beside the warm start's weights) and what it is."""
-    return {
-        "real_only": (["--orchestrator.arm", "real"], "RL in the real shell"),
-        "ungated": (["--orchestrator.arm", "closed_loop", "--train_agent.eval.before", "false"],
-                    "RL in the weak simulator, ungated"),
-        "gated": (["--orchestrator.arm", "gated", "--train_agent.eval.before", "false",
-                   *base.demo.gating_overrides], "RL gated by live fidelity, co-training"),
-    }  # fmt: skip
-
-
-def _weak_sim(args, path: Path, wiring: list[str], steps: int, wrong: list[str],
-              collected: str) -> dict:  # fmt: skip
-    """The weak simulator: `steps` train-sim steps, on the collection (`collected`) with the
-    `wrong` operations misreported (`envs.textops.misreport`: those commands print their
-    input), or (0 steps) the configured simulator weights as they are, with the same held-out
-    split train-sim would have written."""
-    from launch.jobs import demo
-
-    if steps > 0:
-        flags = ["--train_sim.steps", str(steps)]
-        made = {}
-        if wrong:
-            data = path / "data" / rundir.TRAJECTORIES
-            made = {"wrong_ops": wrong, "data": str(data.absolute()),
-                    "misreported_turns": _misreported(collected, data, wrong)}  # fmt: skip
-            flags += ["--train_sim.trajectories", json.dumps([made["data"]])]
-        return demo._train_sim(args, path, wiring + flags, made)
-    from envs.tasks import is_heldout
-    from launch.config import write_config
-    from rl.data.trajectory import load_trajectories
-
-    cfg = demo.stage_config(args, wiring)
-    if not cfg.simulator.weights:
-        from launch.errors import UsageError
-
-        raise UsageError("demo.gating_sim_steps=0 takes the simulator as it is: set "
-                         "simulator.weights (the demo config's pretrained one)")  # fmt: skip
-    write_config(cfg, path)
-    ids = {t.task_id for t in load_trajectories(cfg.train_sim.trajectories)}
-    held = sorted(i for i in ids if is_heldout(i, cfg.train_sim.heldout_fraction))
-    (path / rundir.HELDOUT_TASKS).write_text(json.dumps(held, indent=1))
-    record = {"wall_s": 0.0, "steps": 0, "weights": str(Path(cfg.simulator.weights).absolute()),
-              "heldout_tasks": len(held)}  # fmt: skip
-    demo._write_stage(path, record)
-    return record
-
-
-def _misreported(collected: str, out: Path, ops: list[str]) -> int:
-    """Write the collection under `out` with `ops` misreported; how many turns changed."""
-    import dataclasses
-
-    from envs.textops import INPUT_FILE, misreport
-    from rl.data.trajectory import load_trajectories, write_jsonl
-
-    rewritten, changed = [], 0
-    for t in load_trajectories([collected]):
-        turns, n = misreport(t.turns, t.setup_files.get(INPUT_FILE, "").strip(), ops)
-        if n:  # the sampled token view no longer matches the text: the episode keeps none
-            turns = [dataclasses.replace(turn, token_span=None) for turn in turns]
-            t = dataclasses.replace(t, token_ids=[], loss_mask=[], behavior_logprobs=None,
-                                    policy_version=None, source="rendered")  # fmt: skip
-        rewritten.append(dataclasses.replace(t, turns=turns))
-        changed += n
-    if not changed:
-        from launch.errors import JobError
-
-        raise JobError(f"demo.gating_wrong_ops={ops}: no collected command ran them (nothing "
-                       "to misreport)")  # fmt: skip
-    write_jsonl(out / "misreported-00000.jsonl", rewritten)
-    return changed
 
 
 def _real_episodes(trajs) -> Counter:
@@ -262,7 +147,3 @@ def print_gating(console, g: dict, wall: dict) -> None:
                       f"{wrong}; arm (c) exact by operation: {by_op}")  # fmt: skip
     console.print("acceptance: " + ", ".join(f"{k} {v}" for k, v in g["acceptance"].items()))
     console.print("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items() if v is not None))
-
-
-def timed_stages(stages: dict[str, dict]) -> dict[str, float | None]:
-    return {name: stages[name].get("wall_s") for name in GATING_STAGES if name in stages}

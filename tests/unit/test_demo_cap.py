@@ -10,7 +10,7 @@ import pytest
 
 from launch.config.loading import ConfigError, load_config
 from launch.config.schema import SimloopConfig
-from launch.jobs.demo import _suggest_cap
+from launch.jobs.demo_stages import _suggest_cap
 from rl.data.sim_format import format_observation
 from rl.data.trajectory import Trajectory, Turn, write_jsonl
 

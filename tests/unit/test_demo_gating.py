@@ -9,7 +9,8 @@ import pytest
 
 from envs.textops import misreport
 from launch.config.schema import DemoConfig
-from launch.jobs.demo_gating import _misreported, gating_summary
+from launch.jobs.demo_gating import gating_summary
+from launch.jobs.demo_stages import _misreported
 from launch.report.page import write_report
 from rl.data import rundir
 from rl.data.trajectory import Trajectory, Turn, load_trajectories, write_jsonl
