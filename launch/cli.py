@@ -73,7 +73,7 @@ MODULES: dict[str, str] = {
     "serve": "launch.jobs.serve",
     "plan-chips": "launch.deploy.chips",
     "gke": "launch.deploy.gke",
-    "rehearse": "launch.deploy.rehearse",
+    "rehearse": "launch.jobs.rehearse",
     "tpu-vm": "launch.deploy.tpu_vm",
     "e2b": "launch.jobs.e2b_sweep",
 }

@@ -82,7 +82,7 @@ def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp
 
 
 def test_rehearse_rebases_the_pod_paths_and_refuses_a_cpu_plan(tmp_path, capsys):
-    from launch.deploy.rehearse import _rebase
+    from launch.jobs.rehearse import _rebase
 
     root = tmp_path / "fs"
     text = "--out /ckpt/runs/x --config /config/config.yaml /ckptx /mnt/ckpt a/ckpt/b"
