@@ -12,27 +12,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from rl import validate
+
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-def _bad(cls: str, name: str, value: object, allowed: str) -> ValueError:
-    return ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
-
-
-def _port(cls: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= 65000:
-        raise _bad(cls, name, value, "a port number in [1024, 65000]")
-
-
-def _dns_name(cls: str, name: str, value: object, max_len: int = 40) -> None:
-    if not isinstance(value, str) or not _NAME.match(value) or len(value) > max_len:
-        raise _bad(
-            cls,
-            name,
-            value,
-            f"lower-case letters, digits and '-', starting with a letter, at most {max_len} "
-            "characters (it becomes a cloud resource / Kubernetes name)",
-        )
+def _dns_name(obj: object, name: str, max_len: int = 40) -> None:
+    value = getattr(obj, name)
+    validate.require(
+        isinstance(value, str) and _NAME.match(value) and len(value) <= max_len,
+        obj,
+        name,
+        f"lower-case letters, digits and '-', starting with a letter, at most {max_len} "
+        "characters (it becomes a cloud resource / Kubernetes name)",
+    )
 
 
 @dataclass(frozen=True)
@@ -63,27 +56,54 @@ class ChipsConfig:
     """Servers compile into `<cache_dir>/<role>` (`VLLM_XLA_CACHE_PATH`): one cache each."""
 
     def __post_init__(self) -> None:
-        c = "ChipsConfig"
-        if not isinstance(self.accelerator, str) or not self.accelerator:
-            raise _bad(c, "accelerator", self.accelerator, "a name such as v6e-8 or cpu-8")
-        if not isinstance(self.roles, dict) or not self.roles:
-            raise _bad(c, "roles", self.roles, "a non-empty mapping role -> chips")
+        validate.text(self, "accelerator", allowed="a name such as v6e-8 or cpu-8")
+        validate.require(
+            isinstance(self.roles, dict) and self.roles,
+            self,
+            "roles",
+            "a non-empty mapping role -> chips",
+        )
         for role, n in self.roles.items():
-            if not isinstance(role, str) or not re.match(r"^[a-z][a-z0-9_]*$", role):
-                raise _bad(c, "roles", role, "role names are lower-case identifiers")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise _bad(c, f"roles.{role}", n, "a positive number of chips")
-        if not isinstance(self.replicas, dict):
-            raise _bad(c, "replicas", self.replicas, "a mapping server role -> count")
+            validate.require(
+                isinstance(role, str) and re.match(r"^[a-z][a-z0-9_]*$", role),
+                self,
+                "roles",
+                "role names are lower-case identifiers",
+                value=role,
+            )
+            validate.require(
+                validate.is_int(n) and n >= 1,
+                self,
+                f"roles.{role}",
+                "a positive number of chips",
+                value=n,
+            )
+        validate.require(
+            isinstance(self.replicas, dict), self, "replicas", "a mapping server role -> count"
+        )
         for role, r in self.replicas.items():
-            if role not in self.roles or not (role == "serve" or str(role).endswith("_serve")):
-                raise _bad(
-                    c, "replicas", role, f"a server role of chips.roles {sorted(self.roles)}"
-                )
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                raise _bad(c, f"replicas.{role}", r, "a positive number of processes")
-        _port(c, "tpu_port_base", self.tpu_port_base)
-        _port(c, "http_port_base", self.http_port_base)
+            validate.require(
+                role in self.roles and (role == "serve" or str(role).endswith("_serve")),
+                self,
+                "replicas",
+                f"a server role of chips.roles {sorted(self.roles)}",
+                value=role,
+            )
+            validate.require(
+                validate.is_int(r) and r >= 1,
+                self,
+                f"replicas.{role}",
+                "a positive number of processes",
+                value=r,
+            )
+        validate.integer(
+            self,
+            "tpu_port_base",
+            "http_port_base",
+            low=1024,
+            high=65000,
+            allowed="a port number in [1024, 65000]",
+        )
 
 
 @dataclass(frozen=True)
@@ -111,16 +131,26 @@ class TpuVmConfig:
     may dispatch on it (a `bash -c` case, as `gke.command` does); servers run their own."""
 
     def __post_init__(self) -> None:
-        c = "TpuVmConfig"
-        _dns_name(c, "name", self.name)
-        if self.command is not None and (
-            not self.command or not all(isinstance(a, str) for a in self.command)
-        ):
-            raise _bad(c, "command", self.command, "a non-empty list of strings, or null")
-        if not re.match(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$", str(self.zone)):
-            raise _bad(c, "zone", self.zone, "a Cloud zone such as us-east5-b")
-        if self.spot and self.reserved:
-            raise _bad(c, "spot", self.spot, "false when reserved is true (pick one)")
+        _dns_name(self, "name")
+        validate.require(
+            self.command is None
+            or (self.command and all(isinstance(a, str) for a in self.command)),
+            self,
+            "command",
+            "a non-empty list of strings, or null",
+        )
+        validate.require(
+            re.match(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$", str(self.zone)),
+            self,
+            "zone",
+            "a Cloud zone such as us-east5-b",
+        )
+        validate.require(
+            not (self.spot and self.reserved),
+            self,
+            "spot",
+            "false when reserved is true (pick one)",
+        )
 
 
 @dataclass(frozen=True)
@@ -160,18 +190,23 @@ class GkeConfig:
     vLLM servers take weights through their worker extension instead."""
 
     def __post_init__(self) -> None:
-        c = "GkeConfig"
         if self.admin_token_secret is not None:
-            _dns_name(c, "admin_token_secret", self.admin_token_secret, 253)
-        _dns_name(c, "name", self.name, 40)
-        _dns_name(c, "namespace", self.namespace, 63)
-        if self.bucket is not None and self.pvc is not None:
-            raise _bad(c, "bucket", self.bucket, "unset when gke.pvc is set (one volume)")
-        if not str(self.mount_path).startswith("/"):
-            raise _bad(c, "mount_path", self.mount_path, "an absolute path")
-        for name in ("backoff_limit", "max_restarts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _bad(c, name, v, "an integer >= 0")
-        if not self.command or not all(isinstance(a, str) for a in self.command):
-            raise _bad(c, "command", self.command, "a non-empty list of strings")
+            _dns_name(self, "admin_token_secret", 253)
+        _dns_name(self, "name", 40)
+        _dns_name(self, "namespace", 63)
+        validate.require(
+            self.bucket is None or self.pvc is None,
+            self,
+            "bucket",
+            "unset when gke.pvc is set (one volume)",
+        )
+        validate.require(
+            str(self.mount_path).startswith("/"), self, "mount_path", "an absolute path"
+        )
+        validate.integer(self, "backoff_limit", "max_restarts", low=0)
+        validate.require(
+            self.command and all(isinstance(a, str) for a in self.command),
+            self,
+            "command",
+            "a non-empty list of strings",
+        )

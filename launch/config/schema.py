@@ -13,6 +13,7 @@ from typing import Literal
 
 from envs.config import TRANSFORM_OPS, GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
+from rl import validate
 from rl.data.datasets import DatasetConfig
 from rl.model.config import ModelConfig, ShardingConfig
 from rl.orchestrator.config import OrchestratorConfig
@@ -63,40 +64,22 @@ class RunConfig:
     stop (so a job whose process died ends, rather than hanging in a collective)."""
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"RunConfig.name={self.name!r} is invalid: a non-empty string")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"RunConfig.seed={self.seed!r} is invalid: an integer >= 0")
-        if not isinstance(self.wandb, bool):
-            raise ValueError(f"RunConfig.wandb={self.wandb!r} is invalid: true or false")
-        if not self.wandb_project or not isinstance(self.wandb_project, str):
-            raise ValueError(
-                f"RunConfig.wandb_project={self.wandb_project!r} is invalid: a non-empty string"
-            )
-        if (
-            not isinstance(self.processes, int)
-            or isinstance(self.processes, bool)
-            or not (1 <= self.processes <= 64)
-        ):
-            raise ValueError(f"RunConfig.processes={self.processes!r} is invalid: 1..64")
-        if not isinstance(self.heartbeat_timeout_s, int) or self.heartbeat_timeout_s < 2:
-            raise ValueError(
-                f"RunConfig.heartbeat_timeout_s={self.heartbeat_timeout_s!r} is invalid: an "
-                "integer >= 2 (seconds)"
-            )
-        if not isinstance(self.compile_cache, bool):
-            raise ValueError(
-                f"RunConfig.compile_cache={self.compile_cache!r} is invalid: true or false"
-            )
-        if self.compile_cache_dir is not None and (
-            not isinstance(self.compile_cache_dir, str) or not self.compile_cache_dir
-        ):
-            raise ValueError(f"RunConfig.compile_cache_dir={self.compile_cache_dir!r} is "
-                             "invalid: a directory path, or null for the default")  # fmt: skip
-        if self.wandb_mode not in ("auto", "offline", "online"):
-            raise ValueError(
-                f"RunConfig.wandb_mode={self.wandb_mode!r} is invalid: auto, offline or online"
-            )
+        validate.text(self, "name")
+        validate.integer(self, "seed", low=0)
+        validate.boolean(self, "wandb")
+        validate.text(self, "wandb_project")
+        validate.integer(self, "processes", low=1, high=64, allowed="1..64")
+        validate.integer(self, "heartbeat_timeout_s", low=2, allowed="an integer >= 2 (seconds)")
+        validate.boolean(self, "compile_cache")
+        validate.text(
+            self,
+            "compile_cache_dir",
+            optional=True,
+            allowed="a directory path, or null for the default",
+        )
+        validate.one_of(
+            self, "wandb_mode", ("auto", "offline", "online"), allowed="auto, offline or online"
+        )
 
 
 MAX_SLOTS = 1 << 16
@@ -136,29 +119,18 @@ class ServeConfig:
         return self.backends.get(role, self.backend)
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(
-                f"ServeConfig.backend={self.backend!r} is invalid: one of {list(BACKENDS)}"
-            )
-        if not isinstance(self.backends, dict) or any(
-            k not in MODEL_ROLES or v not in BACKENDS for k, v in self.backends.items()
-        ):
-            raise ValueError(
-                f"ServeConfig.backends={self.backends!r} is invalid: a mapping from "
-                f"{list(MODEL_ROLES)} to {list(BACKENDS)}"
-            )
-        n = self.restart_attempts
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 100:
-            raise ValueError(f"ServeConfig.restart_attempts={n!r} is invalid: an integer in "
-                             "[0, 100]")  # fmt: skip
-        b = self.restart_backoff_s
-        if isinstance(b, bool) or not isinstance(b, int | float) or not 0 <= b <= 3600:
-            raise ValueError(f"ServeConfig.restart_backoff_s={b!r} is invalid: seconds in "
-                             "[0, 3600]")  # fmt: skip
-        for name, top in (("num_slots", MAX_SLOTS), ("max_seq_len", MAX_SEQ_LEN)):
-            v = getattr(self.engine, name)
-            if not isinstance(v, bool) and isinstance(v, int) and v > top:
-                raise ValueError(f"EngineConfig.{name}={v!r} is invalid: an integer in [1, {top}]")
+        validate.one_of(self, "backend", BACKENDS)
+        validate.require(
+            isinstance(self.backends, dict)
+            and all(k in MODEL_ROLES and v in BACKENDS for k, v in self.backends.items()),
+            self,
+            "backends",
+            f"a mapping from {list(MODEL_ROLES)} to {list(BACKENDS)}",
+        )
+        validate.integer(self, "restart_attempts", low=0, high=100)
+        validate.number(self, "restart_backoff_s", low=0, high=3600, allowed="seconds in [0, 3600]")
+        validate.integer(self.engine, "num_slots", low=1, high=MAX_SLOTS)
+        validate.integer(self.engine, "max_seq_len", low=1, high=MAX_SEQ_LEN)
 
 
 @dataclass(frozen=True)
@@ -218,25 +190,22 @@ class PretrainSimConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        for name, low in (("cases", 1), ("eval_cases", 1), ("concurrency", 1), ("steps", 1),
-                          ("short_steps", 0), ("eval_every", 1), ("log_every", 1),
-                          ("drill_cases", 0)):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(
-                    f"PretrainSimConfig.{name}={value!r} is invalid: an integer >= {low}"
-                )
-        if self.drill_cases and self.drill.seed == self.grammar.seed:
-            raise ValueError(
-                f"PretrainSimConfig.drill.seed={self.drill.seed} is invalid: it must differ "
-                f"from grammar.seed ({self.grammar.seed}), or the drill repeats the grammar's "
-                "workspaces, and those past `cases` are the held-out ones"
+        validate.integer(
+            self, "cases", "eval_cases", "concurrency", "steps", "eval_every", "log_every", low=1
+        )
+        validate.integer(self, "short_steps", "drill_cases", low=0)
+        if self.drill_cases:
+            validate.require(
+                self.drill.seed != self.grammar.seed,
+                self,
+                "drill.seed",
+                f"it must differ from grammar.seed ({self.grammar.seed}), or the drill repeats "
+                "the grammar's workspaces, and those past `cases` are the held-out ones",
+                value=self.drill.seed,
             )
-        if self.short_steps > self.steps:
-            raise ValueError(
-                f"PretrainSimConfig.short_steps={self.short_steps} is invalid: at most steps "
-                f"({self.steps})"
-            )
+        validate.require(
+            self.short_steps <= self.steps, self, "short_steps", f"at most steps ({self.steps})"
+        )
 
 
 @dataclass(frozen=True)
@@ -268,35 +237,18 @@ class CollectConfig:
 
         NOISE_KINDS = _noise_kinds()
 
-        if (
-            isinstance(self.episodes, bool)
-            or not isinstance(self.episodes, int)
-            or self.episodes < 1
-        ):
-            raise ValueError(
-                f"CollectConfig.episodes={self.episodes!r} is invalid: an integer >= 1"
-            )
-        if self.style not in SOLVER_STYLES:
-            raise ValueError(
-                f"CollectConfig.style={self.style!r} is invalid: one of {list(SOLVER_STYLES)}"
-            )
-        if not 0.0 <= self.noise <= 1.0:
-            raise ValueError(f"CollectConfig.noise={self.noise!r} is invalid: a number in [0, 1]")
-        if not self.noise_kinds or any(k not in NOISE_KINDS for k in self.noise_kinds):
-            raise ValueError(
-                f"CollectConfig.noise_kinds={self.noise_kinds!r} is invalid: a non-empty list "
-                f"drawn from {list(NOISE_KINDS)}"
-            )
-        k = self.commands
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"CollectConfig.commands={k!r} is invalid: an integer >= 1")
-        for name in ("task_seed", "num_tasks"):
-            v = getattr(self, name)
-            low = 0 if name == "task_seed" else 1
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
-                raise ValueError(
-                    f"CollectConfig.{name}={v!r} is invalid: an integer >= {low} or null"
-                )
+        validate.integer(self, "episodes", low=1)
+        validate.one_of(self, "style", SOLVER_STYLES)
+        validate.fraction(self, "noise")
+        validate.require(
+            self.noise_kinds and all(k in NOISE_KINDS for k in self.noise_kinds),
+            self,
+            "noise_kinds",
+            f"a non-empty list drawn from {list(NOISE_KINDS)}",
+        )
+        validate.integer(self, "commands", low=1)
+        validate.integer(self, "task_seed", low=0, optional=True)
+        validate.integer(self, "num_tasks", low=1, optional=True)
 
 
 @dataclass(frozen=True)
@@ -315,18 +267,14 @@ class EvalSimConfig:
     """Bucket edges (prompt tokens) of the fidelity-by-context-length table."""
 
     def __post_init__(self) -> None:
-        m = self.max_trajectories
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(
-                f"EvalSimConfig.max_trajectories={m!r} is invalid: an integer >= 1 or null"
-            )
+        validate.integer(self, "max_trajectories", low=1, optional=True)
         edges = self.context_edges
-        if any(isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in edges) or list(
-            edges
-        ) != sorted(set(edges)):
-            raise ValueError(
-                f"EvalSimConfig.context_edges={edges!r} is invalid: increasing positive integers"
-            )
+        validate.require(
+            all(validate.is_int(e) and e >= 1 for e in edges) and list(edges) == sorted(set(edges)),
+            self,
+            "context_edges",
+            "increasing positive integers",
+        )
 
 
 @dataclass(frozen=True)
@@ -411,35 +359,28 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         arms = ("real", "closed_loop", "mixed")
-        if self.rl_arm not in arms:
-            raise ValueError(f"DemoConfig.rl_arm={self.rl_arm!r} is invalid: one of {list(arms)}")
-        if (
-            isinstance(self.trials, bool)
-            or not isinstance(self.trials, int)
-            or (self.trials not in (0,) and self.trials < 2)
-        ):
-            raise ValueError(
-                f"DemoConfig.trials={self.trials!r} is invalid: 0 (no multi-trial stage) or an "
-                "integer >= 2"
-            )
-        for name in ("gating_sim_steps", "gating_eval_tasks"):
-            g = getattr(self, name)
-            if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-                raise ValueError(f"DemoConfig.{name}={g!r} is invalid: an integer >= 0")
+        validate.one_of(self, "rl_arm", arms)
+        validate.require(
+            validate.is_int(self.trials) and (self.trials == 0 or self.trials >= 2),
+            self,
+            "trials",
+            "0 (no multi-trial stage) or an integer >= 2",
+        )
+        validate.integer(self, "gating_sim_steps", "gating_eval_tasks", low=0)
         w = self.gating_wrong_ops
-        if not isinstance(w, list | tuple) or any(op not in TRANSFORM_OPS for op in w):
-            raise ValueError(f"DemoConfig.gating_wrong_ops={w!r} is invalid: a list drawn from "
-                             f"{list(TRANSFORM_OPS)}")  # fmt: skip
-        q = self.sim_max_tokens_quantile
-        if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1:
-            raise ValueError(
-                f"DemoConfig.sim_max_tokens_quantile={q!r} is invalid: a number in (0, 1]"
-            )
-        if not self.eval_arms or any(a not in ("real", "closed_loop") for a in self.eval_arms):
-            raise ValueError(
-                f"DemoConfig.eval_arms={self.eval_arms!r} is invalid: a non-empty list drawn "
-                "from ['real', 'closed_loop']"
-            )
+        validate.require(
+            isinstance(w, list | tuple) and all(op in TRANSFORM_OPS for op in w),
+            self,
+            "gating_wrong_ops",
+            f"a list drawn from {list(TRANSFORM_OPS)}",
+        )
+        validate.number(self, "sim_max_tokens_quantile", low=0, high=1, low_open=True)
+        validate.require(
+            self.eval_arms and all(a in ("real", "closed_loop") for a in self.eval_arms),
+            self,
+            "eval_arms",
+            "a non-empty list drawn from ['real', 'closed_loop']",
+        )
 
 
 @dataclass(frozen=True)
@@ -507,22 +448,28 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
         key = "orchestrator" if role == "agent" else "env.shell.simulated"
         asked = section.max_context_tokens
         if cfg.serve.backend_of(role) == "vllm":
-            if asked is not None and asked > cfg.vllm.max_model_len:
-                raise ValueError(
-                    f"{key}.max_context_tokens={asked} is invalid: at most vllm.max_model_len "
-                    f"({cfg.vllm.max_model_len}), the context of the {role} vLLM servers"
-                )
+            validate.require(
+                asked is None or asked <= cfg.vllm.max_model_len,
+                section,
+                "max_context_tokens",
+                f"at most vllm.max_model_len ({cfg.vllm.max_model_len}), the context of the "
+                f"{role} vLLM servers",
+                owner=key,
+            )
             continue  # vLLM sizes its own KV cache from gpu_memory_utilization
         compacting = (role == "agent" and cfg.orchestrator.compacting) or (
             role == "simulator" and cfg.env.shell.simulated.compacting
         )
         # A compacting session holds fewer keys than its episode has tokens: only the slot
         # must fit what a call keeps (the server answers 413 when it does not).
-        if asked is not None and asked > engine.max_seq_len and not compacting:
-            raise ValueError(
-                f"{key}.max_context_tokens={asked} is invalid: at most serve.engine.max_seq_len "
-                f"({engine.max_seq_len}), the context of the {role} server this job starts"
-            )
+        validate.require(
+            asked is None or asked <= engine.max_seq_len or compacting,
+            section,
+            "max_context_tokens",
+            f"at most serve.engine.max_seq_len ({engine.max_seq_len}), the context of the "
+            f"{role} server this job starts",
+            owner=key,
+        )
         model = role_model(getattr(cfg, role))
         needs[f"{role} server parameters"] = param_bytes(model)
         needs[f"{role} server KV cache"] = kv_cache_bytes(model, engine.num_slots,
