@@ -109,11 +109,13 @@ def number(
     low_open: bool = False,
     high_open: bool = False,
     optional: bool = False,
+    nan_ok: bool = False,
     allowed: str | None = None,
     owner: str | None = None,
 ) -> None:
     """Each field a real number within the bounds (open or closed; None: unbounded);
-    `optional`: or None.
+    `optional`: or None. NaN is out of every range unless `nan_ok`: the fields that leave it
+    to the config loader, whose error names the dotted key (`'train_sim.optim.lr'=nan`).
 
     Default wording: `a number > low` / `a number >= low`, or `a number in [low, high)`."""
     if allowed is None:
@@ -125,7 +127,7 @@ def number(
             allowed = "a number"
     for name in names:
         v = getattr(obj, name)
-        if optional and v is None:
+        if optional and v is None or nan_ok and is_number(v) and v != v:
             continue
         if not (is_number(v) and _in_range(v, low, high, low_open, high_open)):
             raise invalid(obj, name, allowed, value=v, owner=owner)
@@ -135,11 +137,21 @@ def positive(
     obj: object,
     *names: str,
     optional: bool = False,
+    nan_ok: bool = False,
     allowed: str = "a positive number",
     owner: str | None = None,
 ) -> None:
-    """Each field a number > 0 (`optional`: or None)."""
-    number(obj, *names, low=0, low_open=True, optional=optional, allowed=allowed, owner=owner)
+    """Each field a number > 0 (`optional`: or None; `nan_ok` as in `number`)."""
+    number(
+        obj,
+        *names,
+        low=0,
+        low_open=True,
+        optional=optional,
+        nan_ok=nan_ok,
+        allowed=allowed,
+        owner=owner,
+    )
 
 
 def fraction(

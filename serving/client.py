@@ -56,7 +56,7 @@ class ClientConfig:
             "base_url",
             "an http(s) URL",
         )
-        validate.positive(self, "timeout_s", allowed="> 0")
+        validate.positive(self, "timeout_s", nan_ok=True, allowed="> 0")
         validate.integer(self, "max_retries", low=0, allowed=">= 0")
         validate.integer(self, "max_connections", low=1, allowed=">= 1")
 

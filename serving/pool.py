@@ -102,7 +102,8 @@ class PoolConfig:
             self, "health_interval_s", "health_timeout_s", "timeout_base_s", allowed="> 0"
         )
         validate.integer(self, "health_failures", "answer_failures", low=1)
-        validate.number(self, "timeout_per_token_s", "wait_live_s", low=0, allowed=">= 0")
+        validate.number(self, "timeout_per_token_s", low=0, allowed=">= 0")
+        validate.number(self, "wait_live_s", low=0, nan_ok=True, allowed=">= 0")
 
     def timeout_for(self, max_tokens: int | None, cap: float) -> float:
         """The timeout of a completion of `max_tokens` whose caller allows `cap` seconds."""

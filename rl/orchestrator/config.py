@@ -148,7 +148,7 @@ class OrchestratorConfig:
         )
         validate.number(self, "episode_timeout_s", "request_timeout_s", low=0, low_open=True)
         validate.fraction(self, "mixed_real_fraction")
-        validate.number(self, "temperature", low=0)
+        validate.number(self, "temperature", low=0, nan_ok=True)
         validate.number(self, "top_p", low=0, high=1, low_open=True)
         validate.integer(
             self, "max_staleness", low=0, optional=True, allowed="null or an integer >= 0"

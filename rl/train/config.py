@@ -66,13 +66,13 @@ class OptimConfig:
     gradients combined exactly as one big batch would weigh them."""
 
     def __post_init__(self) -> None:
-        validate.number(self, "lr", "eps", low=0.0, low_open=True)
+        validate.number(self, "lr", "eps", low=0.0, low_open=True, nan_ok=True)
         validate.integer(self, "warmup_steps", low=0)
         validate.integer(self, "decay_steps", low=1, optional=True, allowed="an integer >= 1")
         validate.fraction(self, "min_lr_ratio")
-        validate.number(self, "weight_decay", low=0.0)
+        validate.number(self, "weight_decay", low=0.0, nan_ok=True)
         validate.number(self, "b1", "b2", low=0, high=1, high_open=True)
-        validate.number(self, "clip_norm", low=0.0, low_open=True, optional=True)
+        validate.number(self, "clip_norm", low=0.0, low_open=True, optional=True, nan_ok=True)
         validate.integer(self, "grad_accum", low=1)
 
 
@@ -110,8 +110,8 @@ class PolicyLossConfig:
         validate.one_of(self, "advantage", ADVANTAGES)
         validate.one_of(self, "aggregation", AGGREGATIONS)
         validate.number(self, "eps_low", low=0, high=1, high_open=True)
-        validate.number(self, "eps_high", "kl_coef", low=0.0)
-        validate.number(self, "tis_cap", low=1.0, optional=True)
+        validate.number(self, "eps_high", "kl_coef", low=0.0, nan_ok=True)
+        validate.number(self, "tis_cap", low=1.0, optional=True, nan_ok=True)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,11 @@ class MiddlewareConfig:
         validate.one_of(self, "reward_mode", REWARD_MODES)
         validate.integer(self, "max_tokens_cap", low=1, optional=True)
         validate.positive(
-            self, "request_timeout_s", "rollout_ttl_s", allowed="a number of seconds > 0"
+            self,
+            "request_timeout_s",
+            "rollout_ttl_s",
+            nan_ok=True,
+            allowed="a number of seconds > 0",
         )
         validate.text(self, "admin_token", optional=True, allowed="a non-empty string or null")
         validate.integer(self, "max_waiting_requests", low=0)
