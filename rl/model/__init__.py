@@ -1,5 +1,6 @@
 """The Qwen3-family decoder: config and presets (no JAX), the Flax NNX model, KV cache,
-logical-axis sharding, and HF safetensors load/save.
+logical-axis sharding, HF safetensors load/save, and the one loader of a role's model
+(`ModelSource`, for servers and trainers alike).
 
 `from rl.model import ModelConfig, Qwen3, load_hf, save_hf`. Attributes are resolved lazily so
 that `rl.model.config` (and with it config validation) never imports JAX.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "with_dtype": "rl.model.transformer",
     "load_hf": "rl.model.hf_io",
     "save_hf": "rl.model.hf_io",
+    "ModelSource": "rl.model.loading",
     "make_mesh": "rl.model.sharding",
     "shard_model": "rl.model.sharding",
     "use_mesh": "rl.model.sharding",
