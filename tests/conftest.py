@@ -32,6 +32,8 @@ if "SIMLOOP_COMPILE_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 
+from tests.cpu_report import CPU_REPORT_ENV, cpu_seconds  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
@@ -78,3 +80,20 @@ def swe_agent_trajectories() -> Path:
     if not path.is_dir():
         pytest.skip(f"{path} is absent: real-data tests need ../shared beside the checkout")
     return path
+
+
+if os.environ.get(CPU_REPORT_ENV):
+    # `SIMLOOP_TEST_CPU=FILE make test`: each test's CPU seconds, this process's and those of
+    # the processes it started and reaped (servers, jobs), one line per test appended to FILE;
+    # `python -m tests.cpu_report FILE` sums them by file. On 2 cores the suite's wall time is
+    # its CPU time over 2, so this says where the minutes go.
+    import time
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        own0, children0, wall0 = *cpu_seconds(), time.monotonic()
+        yield
+        own1, children1 = cpu_seconds()
+        with open(os.environ[CPU_REPORT_ENV], "a") as f:
+            f.write(f"{item.nodeid}\t{own1 - own0:.2f}\t{children1 - children0:.2f}\t"
+                    f"{time.monotonic() - wall0:.2f}\n")  # fmt: skip

@@ -1,7 +1,8 @@
 """The persistent compilation cache (launch/compile_cache.py): where it lives, when it stays
 off, and that a process using it writes entries a later process loads, a program whose
-all-reduce spans several fake CPU devices included. Each case runs in a fresh interpreter: JAX's cache settings are process-wide, and the test process itself (8 fake
-CPU devices) must never use it."""
+all-reduce spans several fake CPU devices included. Each case runs in a fresh interpreter:
+JAX's cache settings are process-wide, and the test process itself (8 fake CPU devices) must
+never use it."""
 
 from __future__ import annotations
 
