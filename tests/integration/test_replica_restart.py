@@ -27,7 +27,7 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig, role_model
 from launch.deploy.local import LocalServer, role_clients
 from launch.jobs.episodes import job_backends
-from launch.jobs.errors import JobError
+from launch.errors import JobError
 from rl.data import ChatRenderer, load_tokenizer
 from rl.data.trajectory import load_trajectories
 from rl.model import Qwen3
