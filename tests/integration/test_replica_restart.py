@@ -26,8 +26,8 @@ from launch.config import write_config
 from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig, role_model
 from launch.deploy.local import LocalServer, role_clients
-from launch.jobs.episodes import job_backends
 from launch.errors import JobError
+from launch.jobs.episodes import job_backends
 from rl.data import ChatRenderer, load_tokenizer
 from rl.data.trajectory import load_trajectories
 from rl.model import Qwen3
