@@ -63,8 +63,13 @@ def _message_parts(message: Message) -> _Parts:
         body = [(f"user\n<tool_response>\n{content}\n</tool_response>", False)]
     elif role == "assistant" and "reasoning_content" in message:
         reasoning = message["reasoning_content"].strip()
-        body = [("assistant\n", False), (THINK, True), (f"\n{reasoning}\n", False),
-                (END_THINK, True), (f"\n\n{content}", False)]  # fmt: skip
+        body = [
+            ("assistant\n", False),
+            (THINK, True),
+            (f"\n{reasoning}\n", False),
+            (END_THINK, True),
+            (f"\n\n{content}", False),
+        ]
     else:
         body = [(f"{role}\n{content}", False)]
     return [(IM_START, True), *body, (IM_END, True), ("\n", False)]

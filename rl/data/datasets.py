@@ -147,11 +147,20 @@ def sim_sft_examples(
     teaches the simulator to stop where the real output goes on), if they hold at least the
     return-code header."""
     stats = SFTStats()
-    examples = [e for _, _, e in _sim_examples(trajectories, tokenizer, stats, max_len=max_len,
-                                               missing_exit_code=missing_exit_code,
-                                               system_prompt=system_prompt, show_task=show_task,
-                                               context_budget=context_budget,
-                                               cut_targets=cut_targets)]  # fmt: skip
+    examples = [
+        e
+        for _, _, e in _sim_examples(
+            trajectories,
+            tokenizer,
+            stats,
+            max_len=max_len,
+            missing_exit_code=missing_exit_code,
+            system_prompt=system_prompt,
+            show_task=show_task,
+            context_budget=context_budget,
+            cut_targets=cut_targets,
+        )
+    ]
     return examples, stats
 
 
@@ -201,8 +210,11 @@ def _sim_examples(
                 budget = min(budget, context_budget)
             shortest = len(system) + len(suffix)
             limit = max_len if context_budget is None else min(max_len, context_budget)
-            cut = (cut_targets and budget < shortest <= limit
-                   and max_len - shortest > len(text(_header(obs.exit_code))))  # fmt: skip
+            cut = (
+                cut_targets
+                and budget < shortest <= limit
+                and max_len - shortest > len(text(_header(obs.exit_code)))
+            )
             if cut:  # the shortest context, and the target's first tokens beside it
                 budget, target = shortest, target[: max_len - shortest]
                 stats.cut_targets += 1
@@ -232,9 +244,11 @@ def labelled_sim_examples(
     of the trajectory it came from (e.g. its task kind, for a held-out curve by kind). Only
     the commands from the `min_turn`-th on (0-based) give examples: `min_turn=1` scores a
     session's later commands, each with the turns before it in its context."""
-    kept = [(traj, example)
-            for traj, k, example in _sim_examples(trajectories, tokenizer, SFTStats(), **kwargs)
-            if k >= min_turn]  # fmt: skip
+    kept = [
+        (traj, example)
+        for traj, k, example in _sim_examples(trajectories, tokenizer, SFTStats(), **kwargs)
+        if k >= min_turn
+    ]
     return [e for _, e in kept], [label(t) for t, _ in kept]
 
 

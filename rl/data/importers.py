@@ -87,8 +87,13 @@ _SWE_NO_OUTPUT = "Your command ran successfully and did not produce any output."
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate: only such files can parse to lone surrogates."""
 _LONE = re.compile("[\ud800-\udfff]")
-_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character "
-               "device", stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 _UNEXPECTED = (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError)
 
 
@@ -195,10 +200,13 @@ def _swe_turns_from_steps(
         # The transcript is not always aligned with the steps (it may lack some): match by
         # action, and fall back to the step's own observation as what the agent saw.
         match = next(
-            (k for k in range(cursor, len(agent_at))
-             if _action_of(messages[agent_at[k]][1]) == action.strip()),
+            (
+                k
+                for k in range(cursor, len(agent_at))
+                if _action_of(messages[agent_at[k]][1]) == action.strip()
+            ),
             None,
-        )  # fmt: skip
+        )
         env_messages: list[Message] = []
         info_turn: dict[str, Any] = {}
         if match is not None:

@@ -108,8 +108,7 @@ class EventFile:
         now = time.time()
         # Readers (TensorBoard, ours) take a directory's files in name order: the counter is
         # zero-padded so that the 10th file opened within a second sorts after the 9th.
-        name = (f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{n:06d}")  # fmt: skip
+        name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{n:06d}"
         self.path = logdir / name
         self._file = self.path.open("ab")
         self._write(Event(wall_time=now, file_version="brain.Event:2"))

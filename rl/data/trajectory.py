@@ -50,8 +50,14 @@ SOURCES = ("sampler", "rendered")
 ENV_ROLES = ("user", "tool", "system")
 TRIAL_REWARDS = ("first_success", "per_trial")
 """How a multi-trial episode's `reward` and advantages read its trials (`env.terminal`)."""
-EXCLUSION_KINDS = ("masked_group", "dropped", "stale", "unreplayable", "earlier_segment",
-                   "over_rows")  # fmt: skip
+EXCLUSION_KINDS = (
+    "masked_group",
+    "dropped",
+    "stale",
+    "unreplayable",
+    "earlier_segment",
+    "over_rows",
+)
 """Why the trainer does not train on an episode: `masked_group`, a sibling of its group failed
 (group-relative advantages need every sibling); `dropped`, it failed and is left out alone
 (`orchestrator.failed_sibling: drop_episode`); `stale`, its group was admitted more than
@@ -59,8 +65,15 @@ EXCLUSION_KINDS = ("masked_group", "dropped", "stale", "unreplayable", "earlier_
 one training forward (a compacted session the server recomputed uncompacted); `earlier_segment`,
 a harness rollout's earlier segment under `reward_mode: last_segment`; `over_rows`, the batch
 had more segments than rows."""
-CONTROL_FIELDS = ("group_index", "admitted_version", "task_kind", "trial_reward", "gate_unit",
-                  "replica_down", "exclusion")  # fmt: skip
+CONTROL_FIELDS = (
+    "group_index",
+    "admitted_version",
+    "task_kind",
+    "trial_reward",
+    "gate_unit",
+    "replica_down",
+    "exclusion",
+)
 CONTROL_META_KEYS = (*CONTROL_FIELDS, "masked", "masked_reason", "dropped", "stale")
 """Names `meta` may not hold: the typed fields, and the schema 1 keys the loader maps onto
 them (a harness's `meta` naming one is refused, so no file can mean two things)."""
@@ -125,8 +138,9 @@ class Exclusion:
 
     def __post_init__(self):
         if self.kind not in EXCLUSION_KINDS:
-            raise ValueError(f"exclusion.kind={self.kind!r} is invalid: one of "
-                             f"{list(EXCLUSION_KINDS)}")  # fmt: skip
+            raise ValueError(
+                f"exclusion.kind={self.kind!r} is invalid: one of {list(EXCLUSION_KINDS)}"
+            )
         if not isinstance(self.reason, str) or not self.reason.strip():
             raise ValueError(f"exclusion.reason={self.reason!r} is invalid: a non-empty string")
 
@@ -225,13 +239,15 @@ class Trajectory:
         if schema == 1:
             data = _upgrade_v1(data)
         elif schema != SCHEMA_VERSION:
-            raise ValueError(f"schema={schema!r} is invalid: this simloop reads 1 and "
-                             f"{SCHEMA_VERSION}")  # fmt: skip
+            raise ValueError(
+                f"schema={schema!r} is invalid: this simloop reads 1 and {SCHEMA_VERSION}"
+            )
         exclusion = data.get("exclusion")
         if exclusion is not None:
             if not isinstance(exclusion, Mapping):
-                raise ValueError(f"exclusion={exclusion!r} is invalid: "
-                                 '{"kind": ..., "reason": ...} or null')  # fmt: skip
+                raise ValueError(
+                    f'exclusion={exclusion!r} is invalid: {{"kind": ..., "reason": ...}} or null'
+                )
             data["exclusion"] = Exclusion(**_known(Exclusion, dict(exclusion), "exclusion"))
         raw_turns = data.get("turns", [])
         if not isinstance(raw_turns, list):
@@ -276,8 +292,14 @@ def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(meta, dict):
         return data  # validation names the bad `meta`
     meta, data = dict(meta), dict(data)
-    for name in ("group_index", "admitted_version", "task_kind", "trial_reward", "gate_unit",
-                 "replica_down"):  # fmt: skip
+    for name in (
+        "group_index",
+        "admitted_version",
+        "task_kind",
+        "trial_reward",
+        "gate_unit",
+        "replica_down",
+    ):
         if name in meta:
             data[name] = meta.pop(name)
     if "kind" in meta and data.get("task_kind") is None:  # `simloop pretrain-sim`'s command kind
@@ -295,8 +317,11 @@ def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
         kind = next((k for prefix, k in _LEGACY_DROPPED if dropped.startswith(prefix)), "dropped")
         exclusion = {"kind": kind, "reason": dropped}
     elif dropped:
-        exclusion = {"kind": "dropped", "reason": "it failed (orchestrator.failed_sibling: "
-                     f"drop_episode): {data.get('reason') or data.get('status')}"}  # fmt: skip
+        exclusion = {
+            "kind": "dropped",
+            "reason": "it failed (orchestrator.failed_sibling: "
+            f"drop_episode): {data.get('reason') or data.get('status')}",
+        }
     elif stale:
         exclusion = {"kind": "stale", "reason": f"admitted {stale} versions before the trainer"}
     if exclusion is not None:
@@ -326,8 +351,10 @@ def success_trial(traj: Trajectory) -> int | None:
     """The index of the trial that succeeded (0 for a successful single-trial episode), or
     None when the episode did not succeed."""
     if traj.trials:
-        return next((t.index for t in traj.trials
-                     if t.reward is not None and t.reward >= SUCCESS_REWARD), None)  # fmt: skip
+        return next(
+            (t.index for t in traj.trials if t.reward is not None and t.reward >= SUCCESS_REWARD),
+            None,
+        )
     return 0 if (traj.reward or 0.0) >= SUCCESS_REWARD else None
 
 
@@ -425,15 +452,22 @@ def _validate_control(traj: Trajectory, fail) -> None:
     if traj.trial_reward is not None and traj.trial_reward not in TRIAL_REWARDS:
         fail("trial_reward", traj.trial_reward, f"one of {list(TRIAL_REWARDS)} or null")
     if traj.replica_down is not None and traj.status != "aborted":
-        fail("replica_down", traj.replica_down, f"null when status is {traj.status!r} (a replica "
-             "that went down aborts the episode)")  # fmt: skip
+        fail(
+            "replica_down",
+            traj.replica_down,
+            f"null when status is {traj.status!r} (a replica that went down aborts the episode)",
+        )
     if traj.exclusion is not None and not isinstance(traj.exclusion, Exclusion):
         fail("exclusion", traj.exclusion, "an Exclusion(kind, reason) or null")
     control = sorted(set(traj.meta) & set(CONTROL_META_KEYS))
     if control:
-        fail(f"meta[{control[0]!r}]", traj.meta[control[0]], "not in meta: control flags are "
-             "typed fields (group_index, admitted_version, task_kind, trial_reward, gate_unit, "
-             "replica_down, exclusion); meta is provenance only")  # fmt: skip
+        fail(
+            f"meta[{control[0]!r}]",
+            traj.meta[control[0]],
+            "not in meta: control flags are "
+            "typed fields (group_index, admitted_version, task_kind, trial_reward, gate_unit, "
+            "replica_down, exclusion); meta is provenance only",
+        )
 
 
 def _validate_kv_epochs(traj: Trajectory, fail) -> None:
@@ -449,16 +483,27 @@ def _validate_kv_epochs(traj: Trajectory, fail) -> None:
         if e == 0 and start != 0:
             fail(f"{name}.start", start, "0 (the first epoch starts at the first token)")
         if not _is_int(start) or not last < start <= len(traj.token_ids):
-            fail(f"{name}.start", start, f"an integer in ({last}, {len(traj.token_ids)}] "
-                 "(epochs in increasing order, within the token ids)")  # fmt: skip
+            fail(
+                f"{name}.start",
+                start,
+                f"an integer in ({last}, {len(traj.token_ids)}] "
+                "(epochs in increasing order, within the token ids)",
+            )
         last, prev = start, 0
         if not isinstance(kept, list):
             fail(f"{name}.kept", kept, "a list of [a, b] ranges")
         for r in kept:
-            if not (isinstance(r, list | tuple) and len(r) == 2 and all(_is_int(x) for x in r)
-                    and prev <= r[0] < r[1] <= start):  # fmt: skip
-                fail(f"{name}.kept", r, f"sorted, disjoint [a, b) ranges with {prev} <= a < b "
-                     f"<= start ({start})")  # fmt: skip
+            if not (
+                isinstance(r, list | tuple)
+                and len(r) == 2
+                and all(_is_int(x) for x in r)
+                and prev <= r[0] < r[1] <= start
+            ):
+                fail(
+                    f"{name}.kept",
+                    r,
+                    f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})",
+                )
             prev = r[1]
 
 
@@ -483,13 +528,19 @@ def _validate_trials(traj: Trajectory, fail) -> None:
         if trial.status not in STATUSES:
             fail(f"{where}.status", trial.status, f"one of {list(STATUSES)}")
         if trial.status != "ok" and not (isinstance(trial.reason, str) and trial.reason.strip()):
-            fail(f"{where}.reason", trial.reason, f"a non-empty string when status is "
-                 f"{trial.status!r}")  # fmt: skip
+            fail(
+                f"{where}.reason",
+                trial.reason,
+                f"a non-empty string when status is {trial.status!r}",
+            )
         if not isinstance(trial.workspace_hash, str):
             fail(f"{where}.workspace_hash", trial.workspace_hash, "a string")
     if traj.trials and end != len(traj.turns):
-        fail("trials", f"<{len(traj.trials)} trials ending at turn {end}>",
-             f"trials covering all {len(traj.turns)} turns")  # fmt: skip
+        fail(
+            "trials",
+            f"<{len(traj.trials)} trials ending at turn {end}>",
+            f"trials covering all {len(traj.turns)} turns",
+        )
 
 
 def _validate_turn(traj: Trajectory, turn: Turn, i: int, fail) -> None:
@@ -674,8 +725,13 @@ def iter_jsonl(path: str | os.PathLike, *, check: bool = True) -> Iterator[Traje
                 data = json.loads(raw.decode("utf-8"))
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a cut character)
                 if not raw.endswith(b"\n"):
-                    log.warning("%s:%d: skipped a torn last record (%d bytes): its writer was "
-                                "killed mid-write", path, lineno, len(raw))  # fmt: skip
+                    log.warning(
+                        "%s:%d: skipped a torn last record (%d bytes): its writer was "
+                        "killed mid-write",
+                        path,
+                        lineno,
+                        len(raw),
+                    )
                     return
                 raise ValueError(f"{path}:{lineno}: {e}") from e
             try:

@@ -271,26 +271,38 @@ def _qwen3(published: dict[str, Any], overrides: dict[str, Any]) -> ModelConfig:
 
 
 def qwen3_0p6b(**overrides: Any) -> ModelConfig:
-    published = dict(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                     tie_word_embeddings=True)  # fmt: skip
+    published = dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        tie_word_embeddings=True,
+    )
     return _qwen3(published, overrides)
 
 
 def qwen3_1p7b(**overrides: Any) -> ModelConfig:
-    published = dict(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                     tie_word_embeddings=True)  # fmt: skip
+    published = dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        tie_word_embeddings=True,
+    )
     return _qwen3(published, overrides)
 
 
 def qwen3_4b(**overrides: Any) -> ModelConfig:
-    published = dict(hidden_size=2560, intermediate_size=9728, num_layers=36,
-                     tie_word_embeddings=True)  # fmt: skip
+    published = dict(
+        hidden_size=2560, intermediate_size=9728, num_layers=36, tie_word_embeddings=True
+    )
     return _qwen3(published, overrides)
 
 
 def qwen3_8b(**overrides: Any) -> ModelConfig:
-    published = dict(hidden_size=4096, intermediate_size=12288, num_layers=36,
-                     tie_word_embeddings=False)  # fmt: skip
+    published = dict(
+        hidden_size=4096, intermediate_size=12288, num_layers=36, tie_word_embeddings=False
+    )
     return _qwen3(published, overrides)
 
 

@@ -87,29 +87,48 @@ def tensor_table(cfg: ModelConfig) -> list[_Tensor]:
     table = [
         _Tensor("model.embed_tokens.weight", ("embed",), _same, _same, per_layer=False),
         _Tensor("model.norm.weight", ("final_norm", "weight"), _same, _same, per_layer=False),
-        _Tensor("model.layers.{i}.input_layernorm.weight", ("layers", "attn_norm", "weight"),
-                _same, _same),
-        _Tensor("model.layers.{i}.post_attention_layernorm.weight",
-                ("layers", "mlp_norm", "weight"), _same, _same),
+        _Tensor(
+            "model.layers.{i}.input_layernorm.weight",
+            ("layers", "attn_norm", "weight"),
+            _same,
+            _same,
+        ),
+        _Tensor(
+            "model.layers.{i}.post_attention_layernorm.weight",
+            ("layers", "mlp_norm", "weight"),
+            _same,
+            _same,
+        ),
         _Tensor(attn + "q_proj.weight", ("layers", "attn", "q"), *_in_heads("num_heads")),
         _Tensor(attn + "k_proj.weight", ("layers", "attn", "k"), *_in_heads("num_kv_heads")),
         _Tensor(attn + "v_proj.weight", ("layers", "attn", "v"), *_in_heads("num_kv_heads")),
         _Tensor(attn + "o_proj.weight", ("layers", "attn", "o"), _o_to_ours, _o_to_hf),
-        _Tensor("model.layers.{i}.mlp.gate_proj.weight", ("layers", "mlp", "gate"),
-                _transpose, _transpose),
-        _Tensor("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "up"),
-                _transpose, _transpose),
-        _Tensor("model.layers.{i}.mlp.down_proj.weight", ("layers", "mlp", "down"),
-                _transpose, _transpose),
-    ]  # fmt: skip
+        _Tensor(
+            "model.layers.{i}.mlp.gate_proj.weight",
+            ("layers", "mlp", "gate"),
+            _transpose,
+            _transpose,
+        ),
+        _Tensor(
+            "model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "up"), _transpose, _transpose
+        ),
+        _Tensor(
+            "model.layers.{i}.mlp.down_proj.weight",
+            ("layers", "mlp", "down"),
+            _transpose,
+            _transpose,
+        ),
+    ]
     if cfg.qkv_bias:
         table += [
             _Tensor(attn + "q_proj.bias", ("layers", "attn", "q_bias"), *_bias_heads("num_heads")),
-            _Tensor(attn + "k_proj.bias", ("layers", "attn", "k_bias"),
-                    *_bias_heads("num_kv_heads")),
-            _Tensor(attn + "v_proj.bias", ("layers", "attn", "v_bias"),
-                    *_bias_heads("num_kv_heads")),
-        ]  # fmt: skip
+            _Tensor(
+                attn + "k_proj.bias", ("layers", "attn", "k_bias"), *_bias_heads("num_kv_heads")
+            ),
+            _Tensor(
+                attn + "v_proj.bias", ("layers", "attn", "v_bias"), *_bias_heads("num_kv_heads")
+            ),
+        ]
     if cfg.o_bias:
         table.append(_Tensor(attn + "o_proj.bias", ("layers", "attn", "o_bias"), _same, _same))
     if cfg.qk_norm:

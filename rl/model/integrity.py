@@ -230,8 +230,11 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     import jax.numpy as jnp
     import numpy as np
 
-    flat = [(p, x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.floating)]  # fmt: skip
+    flat = [
+        (p, x)
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
     if all(isinstance(x, np.ndarray) for _, x in flat):
         finite = [bool(np.isfinite(x).all()) for _, x in flat]
     else:

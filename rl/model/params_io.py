@@ -107,8 +107,7 @@ def read_verified(path: Path, read: Callable[[], Any], layout: dict | None) -> A
 
 def abstract(tree: Any) -> Any:
     """`tree`'s arrays as ShapeDtypeStructs with their shardings: what a load places onto."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        tree)  # fmt: skip
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _fitted(path: Path, arrays: dict, target: Any) -> Any:
@@ -118,13 +117,16 @@ def _fitted(path: Path, arrays: dict, target: Any) -> Any:
     names = [".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p) for p, _ in leaves]
     problems = [f"missing {n}" for n in names if n not in arrays]
     problems += [f"unexpected {n}" for n in sorted(set(arrays) - set(names))]
-    problems += [f"{n} has shape {arrays[n].shape} (served: {t.shape})"
-                 for n, (_, t) in zip(names, leaves, strict=True)
-                 if n in arrays and arrays[n].shape != tuple(t.shape)]  # fmt: skip
+    problems += [
+        f"{n} has shape {arrays[n].shape} (served: {t.shape})"
+        for n, (_, t) in zip(names, leaves, strict=True)
+        if n in arrays and arrays[n].shape != tuple(t.shape)
+    ]
     if problems:
         more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
-        raise ValueError(f"{path}: parameters do not fit the served model: "
-                         + "; ".join(problems[:5]) + more)  # fmt: skip
+        raise ValueError(
+            f"{path}: parameters do not fit the served model: " + "; ".join(problems[:5]) + more
+        )
     cast = [arrays[n].astype(t.dtype, copy=False) for n, (_, t) in zip(names, leaves, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, cast)
 

@@ -65,9 +65,10 @@ class KVCache:
 
 
 @partial(
-    jax.tree_util.register_dataclass, data_fields=["epoch_BT", "start_BE", "kept_BES"],
+    jax.tree_util.register_dataclass,
+    data_fields=["epoch_BT", "start_BE", "kept_BES"],
     meta_fields=[],
-)  # fmt: skip
+)
 @dataclasses.dataclass(frozen=True)
 class KVVisibility:
     """What each token of a training row could see when a compacting KV session produced it
@@ -117,8 +118,9 @@ def attend(
     out_BTNH = jnp.transpose(out_BKQH.reshape(b, kv, g, t, h), (0, 3, 1, 2, 4)).reshape(b, t, n, h)
     if mass_valid_BT is None:
         return out_BTNH
-    mass_BS = jnp.einsum("BKGTS,BT->BS", probs_BKGTS.astype(jnp.float32),
-                         mass_valid_BT.astype(jnp.float32))  # fmt: skip
+    mass_BS = jnp.einsum(
+        "BKGTS,BT->BS", probs_BKGTS.astype(jnp.float32), mass_valid_BT.astype(jnp.float32)
+    )
     return out_BTNH, mass_BS
 
 
@@ -139,8 +141,11 @@ def attend_causal(
     outs = []
     for start in range(0, t, CAUSAL_BLOCK):
         end = min(start + CAUSAL_BLOCK, t)
-        outs.append(attend(q_BTNH[:, start:end], k_BTKH[:, :end], v_BTKH[:, :end],
-                           mask_BTT[:, start:end, :end]))  # fmt: skip
+        outs.append(
+            attend(
+                q_BTNH[:, start:end], k_BTKH[:, :end], v_BTKH[:, :end], mask_BTT[:, start:end, :end]
+            )
+        )
     return jnp.concatenate(outs, axis=1)
 
 
@@ -209,15 +214,18 @@ class HeldKeys(NamedTuple):
 
     def _block(self, start: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
         if self.layer is None:
-            return tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-                         for x in (self.k, self.v))  # fmt: skip
+            return tuple(
+                jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for x in (self.k, self.v)
+            )
         if self.rows is None:
             _, c, _, k, h = self.k.shape
             at, shape = (self.layer, 0, start, 0, 0), (1, c, size, k, h)
             return tuple(jax.lax.dynamic_slice(x, at, shape)[0] for x in (self.k, self.v))
         index_1S = (start + jnp.arange(size, dtype=jnp.int32))[None, :]
-        return tuple(x.at[self.layer, self.rows[:, None], index_1S].get(mode="fill", fill_value=0)
-                     for x in (self.k, self.v))  # fmt: skip
+        return tuple(
+            x.at[self.layer, self.rows[:, None], index_1S].get(mode="fill", fill_value=0)
+            for x in (self.k, self.v)
+        )
 
 
 def attend_split(
@@ -248,20 +256,36 @@ def attend_split(
     def fold(carry, keys_BSKH, values_BSKH, mask_BTS):
         top_BKGT1, total_BKGT1, acc_BKGTH = carry
         mask_B11TS = mask_BTS[:, None, None]
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, keys_BSKH.astype(q_BTKGH.dtype),
-                            preferred_element_type=jnp.float32) * scale  # fmt: skip
+        scores = (
+            jnp.einsum(
+                "BTKGH,BSKH->BKGTS",
+                q_BTKGH,
+                keys_BSKH.astype(q_BTKGH.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         scores = jnp.where(mask_B11TS, scores, NEG_INF)
         new_top = jnp.maximum(top_BKGT1, jnp.max(scores, axis=-1, keepdims=True))
         weight = jnp.exp(top_BKGT1 - new_top)
         e_BKGTS = jnp.where(mask_B11TS, jnp.exp(scores - new_top), 0.0)
-        part = jnp.einsum("BKGTS,BSKH->BKGTH", e_BKGTS.astype(dt), values_BSKH.astype(dt),
-                          preferred_element_type=jnp.float32)  # fmt: skip
-        return (new_top, total_BKGT1 * weight + jnp.sum(e_BKGTS, axis=-1, keepdims=True),
-                acc_BKGTH * weight + part)  # fmt: skip
+        part = jnp.einsum(
+            "BKGTS,BSKH->BKGTH",
+            e_BKGTS.astype(dt),
+            values_BSKH.astype(dt),
+            preferred_element_type=jnp.float32,
+        )
+        return (
+            new_top,
+            total_BKGT1 * weight + jnp.sum(e_BKGTS, axis=-1, keepdims=True),
+            acc_BKGTH * weight + part,
+        )
 
-    carry = (jnp.full((b, kv, n // kv, t, 1), NEG_INF, jnp.float32),
-             jnp.zeros((b, kv, n // kv, t, 1), jnp.float32),
-             jnp.zeros((b, kv, n // kv, t, h), jnp.float32))  # fmt: skip
+    carry = (
+        jnp.full((b, kv, n // kv, t, 1), NEG_INF, jnp.float32),
+        jnp.zeros((b, kv, n // kv, t, 1), jnp.float32),
+        jnp.zeros((b, kv, n // kv, t, h), jnp.float32),
+    )
     s = held.length
     if s:
         size = held_block_size(s)
@@ -353,8 +377,13 @@ class Block(nnx.Module):
             k_BSKH, v_BSKH = k_BTKH, v_BTKH
         else:
             k_BSKH, v_BSKH = kv_cache
-            attn = attend(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
-                          mask_BTS, mass_valid_BT)  # fmt: skip
+            attn = attend(
+                q_BTNH,
+                k_BSKH.astype(q_BTNH.dtype),
+                v_BSKH.astype(q_BTNH.dtype),
+                mask_BTS,
+                mass_valid_BT,
+            )
         attn_BTNH, mass_BS = attn if mass_valid_BT is not None else (attn, None)
         x_BTD = x_BTD + self.attn.out(attn_BTNH)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
@@ -382,8 +411,9 @@ class Block(nnx.Module):
         k_BUKH = k_BUKH.at[:, new_at_T].set(k_BTKH.astype(k_BUKH.dtype))
         v_BUKH = v_BUKH.at[:, new_at_T].set(v_BTKH.astype(v_BUKH.dtype))
         dt = q_BTNH.dtype
-        attn_BTNH = attend_split(q_BTNH, past, held_B, k_BUKH.astype(dt), v_BUKH.astype(dt),
-                                 new_mask_BTU)  # fmt: skip
+        attn_BTNH = attend_split(
+            q_BTNH, past, held_B, k_BUKH.astype(dt), v_BUKH.astype(dt), new_mask_BTU
+        )
         x_BTD = x_BTD + self.attn.out(attn_BTNH)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
         x_BTD = constrain(x_BTD, ("act_batch", "act_length", "act_embed"))
@@ -549,8 +579,9 @@ class Qwen3(nnx.Module):
         h_BTD, k_new, v_new, index_BT, valid_BT = self.extend_chunk(
             tokens_BT, (cache.k, cache.v), cache.lengths, num_new_B, shift_B
         )
-        new_cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), index_BT, k_new, v_new,
-                             valid_BT)  # fmt: skip
+        new_cache = write_kv(
+            cache, jnp.arange(b, dtype=jnp.int32), index_BT, k_new, v_new, valid_BT
+        )
         new_len_B = jnp.minimum(cache.lengths + num_new_B.astype(jnp.int32), cache.max_len)
         return h_BTD, dataclasses.replace(new_cache, lengths=new_len_B)
 
@@ -572,9 +603,15 @@ class Qwen3(nnx.Module):
         shape = (self.cfg.num_layers, b, t, self.cfg.num_kv_heads, self.cfg.head_dim)
         empty = jnp.zeros(shape, past[0].dtype)
         h_BTD, k_new, v_new = self.extend_kv(
-            tokens_BT, past, start_B, (empty, empty), offsets_T, mask_BTT,
-            positions_BT, rows_B,
-        )  # fmt: skip
+            tokens_BT,
+            past,
+            start_B,
+            (empty, empty),
+            offsets_T,
+            mask_BTT,
+            positions_BT,
+            rows_B,
+        )
         return h_BTD, k_new, v_new, index_BT, valid_BT
 
     def extend_kv(
@@ -604,13 +641,16 @@ class Qwen3(nnx.Module):
             layer_state, layer, nk, nv = from_bits(xs)
             block = nnx.merge(graphdef, layer_state)
             held = HeldKeys(past_bits[0], past_bits[1], layer, rows_B)  # read as bf16 per block
-            x_BTD, kv = block.extend(from_bits(x_BTD), positions_BT, held, past_len_B, (nk, nv),
-                                     new_at_T, new_mask_BTU)  # fmt: skip
+            x_BTD, kv = block.extend(
+                from_bits(x_BTD), positions_BT, held, past_len_B, (nk, nv), new_at_T, new_mask_BTU
+            )
             return as_bits(x_BTD), as_bits(kv)
 
-        h_BTD, (k_new, v_new) = from_bits(jax.lax.scan(
-            body, as_bits(self.embed_tokens(tokens_BT)), as_bits((stacked, layers, *new))
-        ))  # fmt: skip
+        h_BTD, (k_new, v_new) = from_bits(
+            jax.lax.scan(
+                body, as_bits(self.embed_tokens(tokens_BT)), as_bits((stacked, layers, *new))
+            )
+        )
         return h_BTD, k_new, v_new
 
     def _run(self, tokens_BT, cache, num_B, shift_B, *, start_B):
@@ -631,8 +671,14 @@ class Qwen3(nnx.Module):
         return self._scan_blocks(x_BTD, positions_BT, mask_BTS, cache, valid_BT)
 
 
-def write_kv(cache: KVCache, rows_B: jax.Array, index_BU: jax.Array, k_LBUKH: jax.Array,
-             v_LBUKH: jax.Array, valid_BU: jax.Array | None = None) -> KVCache:  # fmt: skip
+def write_kv(
+    cache: KVCache,
+    rows_B: jax.Array,
+    index_BU: jax.Array,
+    k_LBUKH: jax.Array,
+    v_LBUKH: jax.Array,
+    valid_BU: jax.Array | None = None,
+) -> KVCache:
     """Keys and values of a call written into `cache` rows `rows_B` at `index_BU`, those
     `valid_BU` allows (default all; indices past the cache and rows past its batch are
     dropped too): one scatter, in place when the cache is donated."""
@@ -640,10 +686,12 @@ def write_kv(cache: KVCache, rows_B: jax.Array, index_BU: jax.Array, k_LBUKH: ja
         index_BU = jnp.where(valid_BU, index_BU, cache.max_len)
     rows_BU = jnp.broadcast_to(rows_B[:, None], index_BU.shape)
     # on bit patterns: XLA's CPU backend would scatter a bf16 cache through a float32 copy
-    k, v = from_bits(tuple(
-        as_bits(c).at[:, rows_BU, index_BU].set(as_bits(x.astype(c.dtype)), mode="drop")
-        for c, x in ((cache.k, k_LBUKH), (cache.v, v_LBUKH))
-    ))  # fmt: skip
+    k, v = from_bits(
+        tuple(
+            as_bits(c).at[:, rows_BU, index_BU].set(as_bits(x.astype(c.dtype)), mode="drop")
+            for c, x in ((cache.k, k_LBUKH), (cache.v, v_LBUKH))
+        )
+    )
     return KVCache(k=constrain(k, CACHE_AXES), v=constrain(v, CACHE_AXES), lengths=cache.lengths)
 
 

@@ -60,13 +60,23 @@ def _plan(array_dir: Path) -> _Plan | None:
         meta = json.loads((array_dir / ZARRAY).read_text())
     except (OSError, ValueError):
         return None
-    if (not isinstance(meta, dict) or meta.get("zarr_format") != 2 or meta.get("compressor")
-            or meta.get("filters") or meta.get("order") != "C"):  # fmt: skip
+    if (
+        not isinstance(meta, dict)
+        or meta.get("zarr_format") != 2
+        or meta.get("compressor")
+        or meta.get("filters")
+        or meta.get("order") != "C"
+    ):
         return None
     dtype, shape, chunk = _dtype(str(meta.get("dtype"))), meta.get("shape"), meta.get("chunks")
-    if (dtype is None or dtype.hasobject or not isinstance(shape, list)
-            or not isinstance(chunk, list) or len(shape) != len(chunk)
-            or not all(isinstance(n, int) and n > 0 for n in chunk)):  # fmt: skip
+    if (
+        dtype is None
+        or dtype.hasobject
+        or not isinstance(shape, list)
+        or not isinstance(chunk, list)
+        or len(shape) != len(chunk)
+        or not all(isinstance(n, int) and n > 0 for n in chunk)
+    ):
         return None
     sep = meta.get("dimension_separator", ".")
     grid = [range(math.ceil(n / c)) for n, c in zip(shape, chunk, strict=True)]
@@ -75,8 +85,9 @@ def _plan(array_dir: Path) -> _Plan | None:
         file = array_dir / (sep.join(map(str, index)) if index else "0")
         if not file.is_file() or file.stat().st_size != math.prod(chunk) * dtype.itemsize:
             return None  # a fill-value chunk or a foreign layout: Orbax knows what to do
-        where = tuple(slice(i * c, min((i + 1) * c, n))
-                      for i, c, n in zip(index, chunk, shape, strict=True))  # fmt: skip
+        where = tuple(
+            slice(i * c, min((i + 1) * c, n)) for i, c, n in zip(index, chunk, shape, strict=True)
+        )
         files.append((where, file))
     return _Plan(dtype, tuple(shape), tuple(chunk), files)
 
@@ -105,8 +116,9 @@ class _Buffers:
         JAX CPU device takes without a copy (`device_put` aliases it)."""
         size = math.prod(shape) * dtype.itemsize
         with self._lock:
-            found = next((raw for raw in self._raw
-                          if raw.size == size + _ALIGN and self._free(raw)), None)  # fmt: skip
+            found = next(
+                (raw for raw in self._raw if raw.size == size + _ALIGN and self._free(raw)), None
+            )
             if found is None:
                 found = np.empty(size + _ALIGN, np.uint8)
                 self._raw.append(found)
@@ -165,8 +177,11 @@ def read_arrays(params_dir: Path, layout: dict | None) -> dict[str, np.ndarray] 
     if not plans or any(p is None for p in plans.values()):
         return None
     root = None if layout is None else layout["where"].absolute()
-    rel = {file: file.absolute().relative_to(root).as_posix() if root else None
-           for plan in plans.values() for _, file in plan.files}  # fmt: skip
+    rel = {
+        file: file.absolute().relative_to(root).as_posix() if root else None
+        for plan in plans.values()
+        for _, file in plan.files
+    }
     unchanged = set() if layout is None else layout["unchanged"]
     out, jobs = {}, []
     for name, plan in plans.items():

@@ -78,8 +78,10 @@ class RolloutBuffer:
                 "its sinks, RolloutRunner(..., sinks=(sink, queue.put_nowait))"
             )
         elif queue.put_nowait not in runner.sinks:
-            raise ValueError("the runner does not deliver to the buffer's queue: build it with "
-                             "RolloutRunner(..., sinks=(..., queue.put_nowait))")  # fmt: skip
+            raise ValueError(
+                "the runner does not deliver to the buffer's queue: build it with "
+                "RolloutRunner(..., sinks=(..., queue.put_nowait))"
+            )
         self.runner, self.batch_size = runner, cfg.batch_size
         groups_per_batch = cfg.batch_size // cfg.group_size
         # Enough groups for every step plus, with S > 0, what the staleness bound lets start
@@ -148,18 +150,27 @@ class RolloutBuffer:
         version before it moves on (the trainer publishes, then calls `set_version`), so an
         episode's tokens are no older than its admission and the bound holds for every token."""
         now, bound = self.admission.version, self.admission.max_staleness
-        worst = max(now - (now if t.admitted_version is None else t.admitted_version)
-                    for t in group)  # fmt: skip
+        worst = max(
+            now - (now if t.admitted_version is None else t.admitted_version) for t in group
+        )
         if worst <= bound:
             return False
-        stale = Exclusion("stale", f"its group was admitted {worst} versions before the "
-                          f"trainer's {now}; max_staleness={bound}")  # fmt: skip
+        stale = Exclusion(
+            "stale",
+            f"its group was admitted {worst} versions before the "
+            f"trainer's {now}; max_staleness={bound}",
+        )
         for traj in group:
             traj.exclusion = traj.exclusion or stale
             await self.admission.release()  # its place goes to a fresh episode
         self.runner.metrics.dropped_stale += len(group)
-        log.info("dropped %d episode(s) of group %s: admitted %d versions ago, max_staleness=%d",
-                 len(group), group[0].group_id, worst, bound)  # fmt: skip
+        log.info(
+            "dropped %d episode(s) of group %s: admitted %d versions ago, max_staleness=%d",
+            len(group),
+            group[0].group_id,
+            worst,
+            bound,
+        )
         return True
 
     @property

@@ -50,9 +50,17 @@ ENV_STATUS = {
 class AgentClient(Protocol):
     """What an agent turn needs of the inference client (`serving.client.InferenceClient`)."""
 
-    async def complete(self, prompt: list[int], *, max_tokens: int, temperature: float,
-                       top_p: float = 1.0, seed: int | None = None, logprobs: int | None = None,
-                       timeout_s: float | None = None) -> Any: ...  # fmt: skip
+    async def complete(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Any: ...
 
 
 @dataclass
@@ -111,12 +119,19 @@ async def run_agent_episode(
     """Run one agent episode to its end; always returns a trajectory (never raises for
     episode-level faults)."""
     traj = Trajectory(
-        task_id=spec.task.id, arm=spec.arm, env_backend=spec.env_backend, status="aborted",
-        reason="not started", group_id=spec.group_id, instruction=spec.task.instruction,
-        setup_files=dict(spec.task.setup.files), tokenizer=type(renderer.tokenizer).__name__,
-        group_index=spec.index, admitted_version=spec.admitted_version,
+        task_id=spec.task.id,
+        arm=spec.arm,
+        env_backend=spec.env_backend,
+        status="aborted",
+        reason="not started",
+        group_id=spec.group_id,
+        instruction=spec.task.instruction,
+        setup_files=dict(spec.task.setup.files),
+        tokenizer=type(renderer.tokenizer).__name__,
+        group_index=spec.index,
+        admitted_version=spec.admitted_version,
         task_kind=spec.task.kind,
-    )  # fmt: skip
+    )
     result = EpisodeResult(traj)
     env = TrialEnv(spec.task, shell_factory, terminal)
     with pinned(f"{spec.group_id}-ep{spec.index}") as affinity:
@@ -157,9 +172,17 @@ def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
             status = ENV_STATUS.get(r["status"], "error")
             reason = None if status == "ok" else (r.get("reason") or r["status"])
             reward = r["reward"]
-        out.append(Trial(index=k, start_turn=r["start_turn"], end_turn=end, reward=reward,
-                         status=status, reason=reason,
-                         workspace_hash=r["workspace_hash"]))  # fmt: skip
+        out.append(
+            Trial(
+                index=k,
+                start_turn=r["start_turn"],
+                end_turn=end,
+                reward=reward,
+                status=status,
+                reason=reason,
+                workspace_hash=r["workspace_hash"],
+            )
+        )
     return out
 
 
@@ -193,8 +216,9 @@ class _SessionTurns:
     async def complete(self, ids: list[int], **kw) -> Any:
         kw.pop("logprobs", None)
         try:
-            out = await self.client.session_generate(self.id, ids[self.held :], logprobs=0,
-                                                     rewind_to=self.held, **kw)  # fmt: skip
+            out = await self.client.session_generate(
+                self.id, ids[self.held :], logprobs=0, rewind_to=self.held, **kw
+            )
         except Exception as e:
             if getattr(e, "status", None) not in (404, 409):
                 raise
@@ -206,8 +230,9 @@ class _SessionTurns:
                 self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
                 self.recomputed_compacted = True
             self._floor = len(ids)
-            out = await self.client.session_generate(self.id, list(ids), logprobs=0,
-                                                     rewind_to=0, **kw)  # fmt: skip
+            out = await self.client.session_generate(
+                self.id, list(ids), logprobs=0, rewind_to=0, **kw
+            )
         self.held = len(ids) + len(out.token_ids)
         epoch = out.raw.get("kv_epoch")
         if isinstance(epoch, dict) and self._floor and epoch.get("start", 0) < self._floor:
@@ -261,22 +286,30 @@ async def _agent_turns(spec, client, env: TrialEnv, renderer, cfg, result, versi
     traj = result.trajectory
     first: Message = {"role": "user", "content": await env.reset()}
     traj.prompt = [first]
-    ids = renderer.render([first], add_generation_prompt=True,
-                          enable_thinking=cfg.enable_thinking)  # fmt: skip
+    ids = renderer.render([first], add_generation_prompt=True, enable_thinking=cfg.enable_thinking)
     traj.token_ids, traj.loss_mask = list(ids), [0] * len(ids)
     traj.behavior_logprobs, traj.policy_version = [None] * len(ids), [None] * len(ids)
     eos = renderer.im_end_id
     for turn_index in range(env.max_turns + 1):
         budget = min(cfg.max_tokens_per_turn, cfg.max_context_tokens - len(traj.token_ids))
         if budget <= 0:
-            raise _Fatal("truncated", f"context full ({len(traj.token_ids)} of "
-                         f"{cfg.max_context_tokens} tokens) before turn {turn_index}")  # fmt: skip
+            raise _Fatal(
+                "truncated",
+                f"context full ({len(traj.token_ids)} of "
+                f"{cfg.max_context_tokens} tokens) before turn {turn_index}",
+            )
         seed = None if spec.seed is None else (spec.seed * 1000 + turn_index) % 2**31
         started = time.perf_counter()
         try:
-            out = await client.complete(list(traj.token_ids), max_tokens=budget,
-                                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed,
-                                        logprobs=0, timeout_s=cfg.request_timeout_s)  # fmt: skip
+            out = await client.complete(
+                list(traj.token_ids),
+                max_tokens=budget,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=seed,
+                logprobs=0,
+                timeout_s=cfg.request_timeout_s,
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to the episode's status
@@ -307,9 +340,16 @@ async def _agent_turns(spec, client, env: TrialEnv, renderer, cfg, result, versi
         text = out.text
         # The turn owns its generated tokens from here on, whatever the env step does (a shell
         # that raises, a cancellation): a trajectory never holds sampled tokens outside a turn.
-        turn = Turn(agent_text=text, command=None, observation=None, exit_code=None,
-                    timings={"agent_s": agent_s}, flags=flags, token_span=span,
-                    info={"finish_reason": out.finish_reason})  # fmt: skip
+        turn = Turn(
+            agent_text=text,
+            command=None,
+            observation=None,
+            exit_code=None,
+            timings={"agent_s": agent_s},
+            flags=flags,
+            token_span=span,
+            info={"finish_reason": out.finish_reason},
+        )
         traj.turns.append(turn)
         started = time.perf_counter()
         step = await env.step(text)
@@ -337,12 +377,16 @@ async def _agent_turns(spec, client, env: TrialEnv, renderer, cfg, result, versi
             return
         message: Message = {"role": "user", "content": step.observation}
         turn.env_messages = [message]
-        more = renderer.append(traj.token_ids, message, add_generation_prompt=True,
-                               enable_thinking=cfg.enable_thinking)  # fmt: skip
+        more = renderer.append(
+            traj.token_ids, message, add_generation_prompt=True, enable_thinking=cfg.enable_thinking
+        )
         if len(traj.token_ids) + len(more) >= cfg.max_context_tokens:
             # No room for the next reply: end here rather than store a prompt never answered.
-            raise _Fatal("truncated", f"context full: the observation of turn {turn_index} "
-                         f"would leave no room under {cfg.max_context_tokens} tokens")  # fmt: skip
+            raise _Fatal(
+                "truncated",
+                f"context full: the observation of turn {turn_index} "
+                f"would leave no room under {cfg.max_context_tokens} tokens",
+            )
         _append_env(traj, more)
     raise _Fatal("truncated", "turn limit reached without the env ending the episode")
 
@@ -374,13 +418,22 @@ async def run_replay_episode(
     """Arm (c): the recorded commands against the simulator. The trajectory's reward is the
     mean per-turn similarity of simulated to real observations (the fidelity of this replay)."""
     traj = Trajectory(
-        task_id=real.task_id, arm="replay", env_backend="simulated", status="aborted",
-        reason="not started", group_id=group_id, instruction=real.instruction,
-        setup_files=dict(real.setup_files), prompt=list(real.prompt), source="rendered",
-        behavior_logprobs=None, policy_version=None,
+        task_id=real.task_id,
+        arm="replay",
+        env_backend="simulated",
+        status="aborted",
+        reason="not started",
+        group_id=group_id,
+        instruction=real.instruction,
+        setup_files=dict(real.setup_files),
+        prompt=list(real.prompt),
+        source="rendered",
+        behavior_logprobs=None,
+        policy_version=None,
         tokenizer=type(renderer.tokenizer).__name__,
-        task_kind=real.task_kind, meta={"replayed": real.task_id},
-    )  # fmt: skip
+        task_kind=real.task_kind,
+        meta={"replayed": real.task_id},
+    )
     result = EpisodeResult(traj)
     sims = []
     with pinned(f"{group_id or real.task_id}-replay") as affinity:
@@ -392,19 +445,29 @@ async def run_replay_episode(
                     started = time.perf_counter()
                     obs = await shell.run(turn.command, timeout_s=30.0)
                     env_s = time.perf_counter() - started
-                    pair = compare_observations(obs.output, turn.observation, obs.exit_code,
-                                                turn.exit_code)  # fmt: skip
+                    pair = compare_observations(
+                        obs.output, turn.observation, obs.exit_code, turn.exit_code
+                    )
                     sims.append(pair.similarity)
-                    traj.turns.append(Turn(
-                        agent_text=turn.agent_text, command=turn.command,
-                        observation=turn.observation, exit_code=turn.exit_code,
-                        env_messages=list(turn.env_messages), sim_observation=obs.output,
-                        sim_exit_code=obs.exit_code, timings={"env_s": env_s},
-                        flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
-                        info={"similarity": pair.similarity, "exact_masked": pair.exact_masked,
-                              "prompt_tokens": obs.info.get("prompt_tokens"),
-                              "completion_tokens": obs.info.get("completion_tokens")},
-                    ))  # fmt: skip
+                    traj.turns.append(
+                        Turn(
+                            agent_text=turn.agent_text,
+                            command=turn.command,
+                            observation=turn.observation,
+                            exit_code=turn.exit_code,
+                            env_messages=list(turn.env_messages),
+                            sim_observation=obs.output,
+                            sim_exit_code=obs.exit_code,
+                            timings={"env_s": env_s},
+                            flags=[k for k in SHELL_FLAGS if obs.info.get(k)],
+                            info={
+                                "similarity": pair.similarity,
+                                "exact_masked": pair.exact_masked,
+                                "prompt_tokens": obs.info.get("prompt_tokens"),
+                                "completion_tokens": obs.info.get("completion_tokens"),
+                            },
+                        )
+                    )
                     result.timings.append(TurnTiming(i, 0.0, env_s, 0))
             traj.status, traj.reason = "ok", None
             traj.reward = sum(sims) / len(sims) if sims else 0.0

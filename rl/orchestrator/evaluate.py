@@ -131,8 +131,9 @@ async def evaluate_policy(
     cfg = dataclasses.replace(
         ocfg, arm=arm, group_size=samples, max_staleness=None, seed=seed, mixed_real_fraction=0.0
     )
-    runner = RolloutRunner(cfg, terminal, renderer, backends, client=client,
-                           sinks=() if sink is None else (sink,))  # fmt: skip
+    runner = RolloutRunner(
+        cfg, terminal, renderer, backends, client=client, sinks=() if sink is None else (sink,)
+    )
     began = time.perf_counter()
     episodes = await runner.run(list(tasks))
     result = score(episodes, tasks, arm, version)
@@ -190,15 +191,20 @@ def replay_fidelity(
         for depth, turn in enumerate(traj.turns):
             if turn.sim_observation is None or turn.observation is None:
                 continue
-            m = compare_observations(turn.sim_observation, turn.observation,
-                                     turn.sim_exit_code, turn.exit_code)  # fmt: skip
+            m = compare_observations(
+                turn.sim_observation, turn.observation, turn.sim_exit_code, turn.exit_code
+            )
             pairs.append(m)
             deep.append((depth, m))
             flags = set(turn.flags)
-            sim_hygiene.append(Hygiene(cap_hit="cap_hit" in flags,
-                                       think_leak="think_leak" in flags,
-                                       repetition="repetition" in flags,
-                                       empty="empty" in flags))  # fmt: skip
+            sim_hygiene.append(
+                Hygiene(
+                    cap_hit="cap_hit" in flags,
+                    think_leak="think_leak" in flags,
+                    repetition="repetition" in flags,
+                    empty="empty" in flags,
+                )
+            )
             malformed += "malformed" in flags
             real_hygiene.append(observation_hygiene(turn.observation))
             tokens = (turn.info or {}).get("prompt_tokens")

@@ -83,8 +83,13 @@ class _Unit:
 class FidelityRouter:
     """Decides, per admitted group, whether its unit's episodes run in the simulator."""
 
-    def __init__(self, cfg: GateConfig, *, sim_version: int = 0,
-                 on_step: Callable[[dict], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: GateConfig,
+        *,
+        sim_version: int = 0,
+        on_step: Callable[[dict], None] | None = None,
+    ):
         self.cfg, self.sim_version, self.on_step = cfg, sim_version, on_step
         self.z = statistics.NormalDist().inv_cdf(cfg.confidence)
         self.units: dict[str, _Unit] = defaultdict(_Unit)
@@ -125,8 +130,12 @@ class FidelityRouter:
         weights = [(0.5 ** (max(now - step, 0) / hl), e, n) for step, e, n in u.measurements]
         n = sum(w * k for w, _, k in weights)
         hits = sum(w * e for w, e, _ in weights)
-        return Estimate(n, hits / n if n else None, wilson_lower(hits, n, self.z),
-                        sum(k for _, _, k in u.measurements))  # fmt: skip
+        return Estimate(
+            n,
+            hits / n if n else None,
+            wilson_lower(hits, n, self.z),
+            sum(k for _, _, k in u.measurements),
+        )
 
     def is_open(self, unit: str, now: int) -> bool:
         return self.estimate(unit, now).lower >= self.cfg.threshold
@@ -208,10 +217,13 @@ class FidelityRouter:
         for name in sorted(self.units):
             u = self.units[name]
             total = u.routed[SIM] + u.routed[REAL]
-            out[name] = {"routed_sim": u.routed[SIM], "routed_real": u.routed[REAL],
-                         "sim_share": u.routed[SIM] / total if total else None,
-                         "success_sim": _mean(u.rewards[SIM]),
-                         "success_real": _mean(u.rewards[REAL])}  # fmt: skip
+            out[name] = {
+                "routed_sim": u.routed[SIM],
+                "routed_real": u.routed[REAL],
+                "sim_share": u.routed[SIM] / total if total else None,
+                "success_sim": _mean(u.rewards[SIM]),
+                "success_real": _mean(u.rewards[REAL]),
+            }
         return {"units": out, "sim_versions": list(self.versions)}
 
 
@@ -240,8 +252,15 @@ class ShadowReplayer:
     to the run's episodes). `close()` waits a bounded time, then cancels what is left; a
     replay that fails is logged and counted, never raised into the rollout."""
 
-    def __init__(self, router: FidelityRouter, replay, *, concurrency: int, remeasure: int,
-                 sink: Callable[[Trajectory], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        router: FidelityRouter,
+        replay,
+        *,
+        concurrency: int,
+        remeasure: int,
+        sink: Callable[[Trajectory], None] | None = None,
+    ):
         self.router, self.replay, self.sink = router, replay, sink
         self._sem = asyncio.Semaphore(concurrency)
         self._recent: dict[str, list] = defaultdict(list)
@@ -288,8 +307,9 @@ class ShadowReplayer:
 
     def _spawn(self, traj: Trajectory, task: Task, unit: str, step: int) -> None:
         self._n += 1
-        job = asyncio.create_task(self._one(traj, task, unit, step),
-                                  name=f"shadow-{self._n}-{traj.task_id}")  # fmt: skip
+        job = asyncio.create_task(
+            self._one(traj, task, unit, step), name=f"shadow-{self._n}-{traj.task_id}"
+        )
         self._tasks.add(job)
         job.add_done_callback(self._done)
 
@@ -308,8 +328,9 @@ class ShadowReplayer:
         replayed.meta.update(shadow=True, sim_version=version)
         if replayed.status != "ok":
             self.failed += 1
-            log.warning("shadow replay of %s ended %s: %s", traj.task_id, replayed.status,
-                        replayed.reason)  # fmt: skip
+            log.warning(
+                "shadow replay of %s ended %s: %s", traj.task_id, replayed.status, replayed.reason
+            )
         else:
             exact, pairs = replay_exact(replayed)
             replayed.meta.update(exact=exact, pairs=pairs)
@@ -336,5 +357,10 @@ class ShadowReplayer:
                 await asyncio.wait(set(self._tasks), timeout=5.0)
 
     def stats(self) -> dict[str, int]:
-        return {"replayed": self.replayed, "failed": self.failed, "dropped": self.dropped,
-                "empty": self.empty, "in_flight": len(self._tasks)}  # fmt: skip
+        return {
+            "replayed": self.replayed,
+            "failed": self.failed,
+            "dropped": self.dropped,
+            "empty": self.empty,
+            "in_flight": len(self._tasks),
+        }

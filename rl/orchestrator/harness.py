@@ -120,17 +120,21 @@ class AdminAccess:
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.url is None):
-            raise ValueError(f"AdminAccess needs a socket or a url, exactly one; got "
-                             f"socket={self.socket!r}, url={self.url!r}")  # fmt: skip
+            raise ValueError(
+                f"AdminAccess needs a socket or a url, exactly one; got "
+                f"socket={self.socket!r}, url={self.url!r}"
+            )
         if not self.token:
             raise ValueError("AdminAccess.token must be a non-empty string")
 
     def session(self, timeout_s: float) -> aiohttp.ClientSession:
         """A client session to the admin listener; paths go after `base`."""
         connector = aiohttp.UnixConnector(path=self.socket) if self.socket else None
-        return aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                     headers={"Authorization": f"Bearer {self.token}"})  # fmt: skip
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
 
     @property
     def base(self) -> str:
@@ -155,12 +159,19 @@ class HarnessResult:
     `error` when the finish failed or was refused (nothing written with this reward)."""
 
     def summary(self) -> dict[str, Any]:
-        return {"rollout_id": self.rollout_id, "task_id": self.task_id, "reward": self.reward,
-                "status": self.status, "reason": self.reason, "exit_code": self.exit_code,
-                "wall_s": round(self.wall_s, 3), "diff_bytes": len(self.diff.encode()),
-                "trajectories": self.finish.get("trajectories"),
-                "segments": len(self.finish.get("segments", [])),
-                "finish_error": self.finish.get("error")}  # fmt: skip
+        return {
+            "rollout_id": self.rollout_id,
+            "task_id": self.task_id,
+            "reward": self.reward,
+            "status": self.status,
+            "reason": self.reason,
+            "exit_code": self.exit_code,
+            "wall_s": round(self.wall_s, 3),
+            "diff_bytes": len(self.diff.encode()),
+            "trajectories": self.finish.get("trajectories"),
+            "segments": len(self.finish.get("segments", [])),
+            "finish_error": self.finish.get("error"),
+        }
 
 
 def rollout_id_for(task: Task, group: str, index: int) -> str:
@@ -215,8 +226,12 @@ async def pick_launcher(cfg: HarnessConfig, real: ShellFactory, task: Task) -> s
 def mini_command(cfg: HarnessConfig, launcher: str) -> str:
     """The mini-swe-agent command line (its config file is written beside it, see
     `mini_config`): non-interactive, exits when the agent submits."""
-    env = {"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-           "LITELLM_LOCAL_MODEL_COST_MAP": "True", **cfg.extra_env}  # fmt: skip
+    env = {
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        **cfg.extra_env,
+    }
     assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (
         f"{assigns} {launcher} -c mini.yaml -c {WORK_DIR}/mini.yaml "
@@ -230,19 +245,30 @@ def mini_config(cfg: HarnessConfig, base_url: str, api_key: str) -> dict[str, An
         "agent": {"step_limit": cfg.step_limit, "cost_limit": 0},
         "model": {
             "model_name": f"openai/{cfg.model}",
-            "model_kwargs": {"api_base": f"{base_url.rstrip('/')}/v1", "api_key": api_key,
-                             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature},
+            "model_kwargs": {
+                "api_base": f"{base_url.rstrip('/')}/v1",
+                "api_key": api_key,
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+            },
             "cost_tracking": "ignore_errors",
         },
-    }  # fmt: skip
+    }
 
 
 class HarnessRunner:
     """Runs harness rollouts against a middleware at `middleware_url`, finishing them through
     its admin listener (`admin`)."""
 
-    def __init__(self, cfg: HarnessConfig, real: ShellFactory, middleware_url: str,
-                 launcher: str = "", *, admin: AdminAccess):  # fmt: skip
+    def __init__(
+        self,
+        cfg: HarnessConfig,
+        real: ShellFactory,
+        middleware_url: str,
+        launcher: str = "",
+        *,
+        admin: AdminAccess,
+    ):
         """`launcher`: how the sandbox starts mini-swe-agent (`pick_launcher`)."""
         self.cfg, self.real, self.url = cfg, real, middleware_url.rstrip("/")
         self.admin = admin
@@ -269,9 +295,16 @@ class HarnessRunner:
                     obs = await shell.run(cmd, timeout_s=60.0)
                     if obs.exit_code != 0:
                         raise RuntimeError(f"preparing the sandbox failed: {obs.output[-300:]}")
-                command = (mini_command(cfg, self.launcher) if cfg.kind == "mini-swe-agent" else
-                           cfg.command.format(base_url=base, api_key=rid, python=self.launcher,
-                                              task_file=f"{WORK_DIR}/task.txt"))  # fmt: skip
+                command = (
+                    mini_command(cfg, self.launcher)
+                    if cfg.kind == "mini-swe-agent"
+                    else cfg.command.format(
+                        base_url=base,
+                        api_key=rid,
+                        python=self.launcher,
+                        task_file=f"{WORK_DIR}/task.txt",
+                    )
+                )
                 obs = await shell.run(command, timeout_s=cfg.wall_s)
                 exit_code = obs.exit_code
                 if obs.info.get("timeout"):
@@ -283,8 +316,11 @@ class HarnessRunner:
                 if status == "error":
                     pass
                 elif got.exit_code != 0 or got.truncated:
-                    why = "was cut (larger than the shell's output cap)" if got.truncated else (
-                        f"failed: {got.output[-200:]}")  # fmt: skip
+                    why = (
+                        "was cut (larger than the shell's output cap)"
+                        if got.truncated
+                        else (f"failed: {got.output[-200:]}")
+                    )
                     status, reason = "error", f"capturing the diff {why}"
                 else:
                     diff = got.output
@@ -295,27 +331,40 @@ class HarnessRunner:
         if status in ("ok", "timeout"):
             reward = await self._grade(task, diff)
         wall = time.perf_counter() - started
-        meta = {"harness": cfg.kind, "exit_code": exit_code, "wall_s": round(wall, 3),
-                "diff_bytes": len(diff.encode())}  # fmt: skip
+        meta = {
+            "harness": cfg.kind,
+            "exit_code": exit_code,
+            "wall_s": round(wall, 3),
+            "diff_bytes": len(diff.encode()),
+        }
         if status == "ok":
             finish_status, finish_reason = "ok", None
         else:
             finish_status, finish_reason = status, reason
         try:
             given = reward if reward is not None else 0.0
-            finish = await self._finish(rid, given, finish_status, finish_reason, task.id, group,
-                                        meta)  # fmt: skip
+            finish = await self._finish(
+                rid, given, finish_status, finish_reason, task.id, group, meta
+            )
         except Exception as e:  # noqa: BLE001 - the middleware writes it `aborted`; run goes on
-            log.error("rollout %s: finishing it with reward %s failed, so its trajectories are "
-                      "not written with that grade (the middleware writes them aborted after "
-                      "rollout_ttl_s): %s", rid, reward, e)  # fmt: skip
+            log.error(
+                "rollout %s: finishing it with reward %s failed, so its trajectories are "
+                "not written with that grade (the middleware writes them aborted after "
+                "rollout_ttl_s): %s",
+                rid,
+                reward,
+                e,
+            )
             finish = {"trajectories": 0, "segments": [], "error": f"{type(e).__name__}: {e}"}
-        return HarnessResult(rid, task.id, group, reward, status, reason, exit_code, wall, diff,
-                             finish)  # fmt: skip
+        return HarnessResult(
+            rid, task.id, group, reward, status, reason, exit_code, wall, diff, finish
+        )
 
     def _prepare(self, task: Task, base: str, rid: str) -> list[str]:
-        cmds = [f"mkdir -p {WORK_DIR}",
-                f"if [ -d .git ]; then echo '{WORK_DIR}/' >> .git/info/exclude; fi"]  # fmt: skip
+        cmds = [
+            f"mkdir -p {WORK_DIR}",
+            f"if [ -d .git ]; then echo '{WORK_DIR}/' >> .git/info/exclude; fi",
+        ]
         cmds += upload_commands(task.instruction, f"{WORK_DIR}/task.txt")
         if self.cfg.kind == "mini-swe-agent":
             config = json.dumps(mini_config(self.cfg, base, rid))  # JSON is YAML
@@ -325,18 +374,33 @@ class HarnessRunner:
     async def _grade(self, task: Task, diff: str) -> float:
         """The task's reward for `diff`, computed in a fresh sandbox."""
         fn = get_reward(task.reward.name)
-        ctx = RewardContext(shell_factory=lambda setup: self.real(_with_setup(task, setup)),
-                            timeout_s=self.cfg.grade_timeout_s)  # fmt: skip
+        ctx = RewardContext(
+            shell_factory=lambda setup: self.real(_with_setup(task, setup)),
+            timeout_s=self.cfg.grade_timeout_s,
+        )
         try:
             return float(await fn(task, diff, ctx))
         except Exception as e:  # noqa: BLE001 - an ungradable diff earns nothing
             log.warning("grading task %s failed: %s", task.id, e)
             return 0.0
 
-    async def _finish(self, rid: str, reward: float, status: str, reason: str | None,
-                      task_id: str, group: str, meta: dict) -> dict:  # fmt: skip
-        body = {"reward": reward, "status": status, "task_id": task_id, "group_id": group,
-                "meta": meta}  # fmt: skip
+    async def _finish(
+        self,
+        rid: str,
+        reward: float,
+        status: str,
+        reason: str | None,
+        task_id: str,
+        group: str,
+        meta: dict,
+    ) -> dict:
+        body = {
+            "reward": reward,
+            "status": status,
+            "task_id": task_id,
+            "group_id": group,
+            "meta": meta,
+        }
         if reason:
             body["reason"] = reason
         async with self.admin.session(self.cfg.finish_timeout_s) as http:
@@ -365,8 +429,17 @@ class HarnessSource:
     batch holds more than `rows`, the earliest segments of the rollouts with the most are
     excluded (`over_rows`: kept on disk, not trained) and counted in `dropped_segments`."""
 
-    def __init__(self, runner: HarnessRunner, tasks: list[Task], *, group_size: int,
-                 groups: int, rows: int, steps: int, seed: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: HarnessRunner,
+        tasks: list[Task],
+        *,
+        group_size: int,
+        groups: int,
+        rows: int,
+        steps: int,
+        seed: int,
+    ) -> None:
         from rl.orchestrator.buffer import task_stream
 
         self.runner, self.group_size, self.groups, self.rows = runner, group_size, groups, rows
@@ -386,10 +459,12 @@ class HarnessSource:
         self._batch += 1
         picked = [next(self._tasks) for _ in range(self.groups)]
         tag = f"b{self._batch}v{self.version}"
-        groups = await asyncio.gather(*(
-            self.runner.run_group(task, f"{tag}-g{i}", self.group_size)
-            for i, task in enumerate(picked)
-        ))  # fmt: skip
+        groups = await asyncio.gather(
+            *(
+                self.runner.run_group(task, f"{tag}-g{i}", self.group_size)
+                for i, task in enumerate(picked)
+            )
+        )
         results = [r for g in groups for r in g]
         self.results += results
         trajectories = [t for r in results for t in self._collected.pop(r.rollout_id, [])]
@@ -397,8 +472,11 @@ class HarnessSource:
         # middleware's reaper or at shutdown (`aborted`, never trained on). It is on disk.
         if self._collected:
             late = sum(len(v) for v in self._collected.values())
-            log.info("harness source: %d segments written outside a batch (%s) are not trained",
-                     late, ", ".join(sorted(self._collected))[:300])  # fmt: skip
+            log.info(
+                "harness source: %d segments written outside a batch (%s) are not trained",
+                late,
+                ", ".join(sorted(self._collected))[:300],
+            )
             self._collected.clear()
         self.dropped_segments += fit_rows(trajectories, self.rows)
         return trajectories
@@ -422,8 +500,9 @@ def fit_rows(trajectories: list, rows: int) -> int:
     while count > rows:
         longest = max(live.values(), key=len)
         victim = longest.pop(0)
-        victim.exclusion = Exclusion("over_rows", f"the batch had more segments than its {rows} "
-                                     "rows")  # fmt: skip
+        victim.exclusion = Exclusion(
+            "over_rows", f"the batch had more segments than its {rows} rows"
+        )
         count -= 1
         marked += 1
     return marked

@@ -70,7 +70,7 @@ class RolloutMetrics:
             "arms": dict(self.arms),
             "success_rate": (
                 sum(r > 0 for r in self.rewards) / self.episodes if self.episodes else 0.0
-            ),  # fmt: skip
+            ),
             "ok_rate": ok / self.episodes if self.episodes else 0.0,
             "mean_reward": sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
             "turns": turns,

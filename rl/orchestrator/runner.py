@@ -81,9 +81,18 @@ class RolloutRunner:
     def with_sinks(self, *sinks: Callable[[Trajectory], None]) -> RolloutRunner:
         """A new runner like this one (the same config, client, admission, metrics, router and
         shadow) that delivers to `sinks`; this one is left as it was."""
-        return RolloutRunner(self.cfg, self.terminal, self.renderer, self.backends,
-                             client=self.client, admission=self.admission, metrics=self.metrics,
-                             sinks=sinks, router=self.router, shadow=self.shadow)  # fmt: skip
+        return RolloutRunner(
+            self.cfg,
+            self.terminal,
+            self.renderer,
+            self.backends,
+            client=self.client,
+            admission=self.admission,
+            metrics=self.metrics,
+            sinks=sinks,
+            router=self.router,
+            shadow=self.shadow,
+        )
 
     def _check(self) -> None:
         arm, b = self.cfg.arm, self.backends
@@ -114,13 +123,19 @@ class RolloutRunner:
             by_id = {t.id: t for t in tasks}
             for i, real in enumerate(replay):
                 task = by_id.get(real.task_id) or _task_of(real)
-                jobs.append(asyncio.create_task(self._replay(real, task, f"replay-{i}"),
-                                                name=f"replay-{i}-{real.task_id}"))  # fmt: skip
+                jobs.append(
+                    asyncio.create_task(
+                        self._replay(real, task, f"replay-{i}"), name=f"replay-{i}-{real.task_id}"
+                    )
+                )
         else:
             for g, task in enumerate(tasks):
                 arm = self._group_arm()
-                jobs.append(asyncio.create_task(self._group(task, arm, f"g{g}-{task.id}"),
-                                                name=f"group-{g}-{task.id}"))  # fmt: skip
+                jobs.append(
+                    asyncio.create_task(
+                        self._group(task, arm, f"g{g}-{task.id}"), name=f"group-{g}-{task.id}"
+                    )
+                )
         try:
             groups = await asyncio.gather(*jobs)  # the first failure surfaces at once
         finally:
@@ -144,7 +159,7 @@ class RolloutRunner:
             asyncio.create_task(
                 self._episode(task, arm, group_id, i, admitted),
                 name=f"{group_id}-ep{i}",
-            )  # fmt: skip
+            )
             for i in range(self.cfg.group_size)
         ]
         try:
@@ -161,14 +176,16 @@ class RolloutRunner:
         failed = [t for t in trajs if t.status in FAILED]
         if failed:
             if self.cfg.failed_sibling == "mask_group":
-                masked = Exclusion("masked_group", f"{len(failed)} sibling(s) failed: "
-                                   f"{failed[0].reason}")  # fmt: skip
+                masked = Exclusion(
+                    "masked_group", f"{len(failed)} sibling(s) failed: {failed[0].reason}"
+                )
                 for t in trajs:
                     t.exclusion = t.exclusion or masked
             else:
                 for t in failed:
-                    t.exclusion = t.exclusion or Exclusion("dropped", f"it ended {t.status}: "
-                                                           f"{t.reason}")  # fmt: skip
+                    t.exclusion = t.exclusion or Exclusion(
+                        "dropped", f"it ended {t.status}: {t.reason}"
+                    )
         for t in trajs:
             if self.router is not None:
                 t.gate_unit = unit_of(task, self.router.cfg.unit)
@@ -178,24 +195,35 @@ class RolloutRunner:
             self._deliver(t)
         return trajs
 
-    async def _episode(self, task: Task, arm: str, group_id: str, index: int,
-                       admitted: int | None = None) -> EpisodeResult:  # fmt: skip
+    async def _episode(
+        self, task: Task, arm: str, group_id: str, index: int, admitted: int | None = None
+    ) -> EpisodeResult:
         version = admitted if admitted is not None else await self.admission.admit()
         real = arm == "real"
         backend_sem = self._real if real else self._sim
         factory = self.backends.real if real else self.backends.simulated
         seed = None if self.cfg.seed is None else self._rng.getrandbits(30)
-        spec = EpisodeSpec(task=task, arm="real" if real else "closed_loop",
-                           env_backend=self.backends.real_backend if real else "simulated",
-                           group_id=group_id, index=index, seed=seed,
-                           admitted_version=version)  # fmt: skip
+        spec = EpisodeSpec(
+            task=task,
+            arm="real" if real else "closed_loop",
+            env_backend=self.backends.real_backend if real else "simulated",
+            group_id=group_id,
+            index=index,
+            seed=seed,
+            admitted_version=version,
+        )
         async with self._in_flight, backend_sem:
             self.metrics.episode_started()
             try:
                 result = await run_agent_episode(
-                    spec, self.client, factory, self.renderer, self.cfg, self.terminal,
+                    spec,
+                    self.client,
+                    factory,
+                    self.renderer,
+                    self.cfg,
+                    self.terminal,
                     version_hint=lambda: self.admission.version,
-                )  # fmt: skip
+                )
             finally:
                 self.metrics.episode_ended()
         self.metrics.record(result)
@@ -206,8 +234,9 @@ class RolloutRunner:
         async with self._in_flight, self._sim:
             self.metrics.episode_started()
             try:
-                result = await run_replay_episode(real, self.backends.simulated, task,
-                                                  self.renderer, group_id=group_id)  # fmt: skip
+                result = await run_replay_episode(
+                    real, self.backends.simulated, task, self.renderer, group_id=group_id
+                )
             finally:
                 self.metrics.episode_ended()
         self.metrics.record(result)
@@ -222,5 +251,6 @@ class RolloutRunner:
 def _task_of(traj: Trajectory) -> Task:
     from envs.shell import TaskSetup
 
-    return Task(id=traj.task_id, instruction=traj.instruction,
-                setup=TaskSetup(files=dict(traj.setup_files)))  # fmt: skip
+    return Task(
+        id=traj.task_id, instruction=traj.instruction, setup=TaskSetup(files=dict(traj.setup_files))
+    )

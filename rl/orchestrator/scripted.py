@@ -125,8 +125,7 @@ class ScriptedAgentClient:
                         found.append((m.start(), name, m.group(1)))
                 else:
                     phrase = wanted({"op": name})
-                    found += [(m.start(), name, None) for m in re.finditer(re.escape(phrase),
-                                                                           text)]  # fmt: skip
+                    found += [(m.start(), name, None) for m in re.finditer(re.escape(phrase), text)]
             if found:
                 _, op, char = max(found)
                 if char is not None:

@@ -17,7 +17,16 @@ from rl.session.run import (
 )
 
 __all__ = [
-    "REFERENCE", "GatedRun", "HarnessSetup", "HarnessUnusable", "Published", "RLSession",
-    "Servers", "SessionError", "SimCoTraining", "VersionTagged", "published_roles",
+    "REFERENCE",
+    "GatedRun",
+    "HarnessSetup",
+    "HarnessUnusable",
+    "Published",
+    "RLSession",
+    "Servers",
+    "SessionError",
+    "SimCoTraining",
+    "VersionTagged",
+    "published_roles",
     "server_roles",
-]  # fmt: skip
+]

@@ -54,8 +54,17 @@ class SimCoTraining:
 class SimCoTrainer:
     """Continual SFT of the simulator on the run's real episodes (`gate.cotrain_*`)."""
 
-    def __init__(self, gate: GateConfig, sim: SimCoTraining, out: Path, publisher,
-                 metrics: rundir.MetricsLog, rounds: int, *, seed: int):  # fmt: skip
+    def __init__(
+        self,
+        gate: GateConfig,
+        sim: SimCoTraining,
+        out: Path,
+        publisher,
+        metrics: rundir.MetricsLog,
+        rounds: int,
+        *,
+        seed: int,
+    ):
         # Absolute: the simulator servers resolve the published path from their own cwd.
         self.sim, self.out = sim, Path(out).absolute()
         self.publisher, self.metrics = publisher, metrics
@@ -82,8 +91,12 @@ class SimCoTrainer:
         # The simulator's own training split: its held-out tasks stay held out.
         self._base = [t for t in base if not is_heldout(t.task_id, tcfg.heldout_fraction)]
         self._tok = self.sim.tokenizer
-        optim = OptimConfig(lr=self.gate.cotrain_lr, warmup_steps=0, min_lr_ratio=1.0,
-                            clip_norm=tcfg.optim.clip_norm)  # fmt: skip
+        optim = OptimConfig(
+            lr=self.gate.cotrain_lr,
+            warmup_steps=0,
+            min_lr_ratio=1.0,
+            clip_norm=tcfg.optim.clip_norm,
+        )
         self._trainer = self.sim.trainer(
             optim, max(1, self.rounds_planned) * self.gate.cotrain_steps
         )
@@ -96,21 +109,41 @@ class SimCoTrainer:
         if self._trainer is None:
             self._build()
         g = self.gate
-        n_base = len(self._base) if g.cotrain_replay >= 1 else round(
-            len(real) * g.cotrain_replay / (1 - g.cotrain_replay))  # fmt: skip
+        n_base = (
+            len(self._base)
+            if g.cotrain_replay >= 1
+            else round(len(real) * g.cotrain_replay / (1 - g.cotrain_replay))
+        )
         base = self._rng.sample(self._base, min(n_base, len(self._base)))
         sim = self.sim.simulated
         data = self.sim.train_sim.data
-        ds, stats = sim_sft_dataset(real + base, self._tok, data, system_prompt=sim.system_prompt,
-                                    show_task=sim.show_task,
-                                    context_budget=sim.prompt_budget)  # fmt: skip
+        ds, stats = sim_sft_dataset(
+            real + base,
+            self._tok,
+            data,
+            system_prompt=sim.system_prompt,
+            show_task=sim.show_task,
+            context_budget=sim.prompt_budget,
+        )
         target = self._trainer.step_count + g.cotrain_steps
-        s = sft_loop(self._trainer, iter(ds), steps=target, log=self.metrics,
-                     stage="sim_cotrain", log_every=g.cotrain_steps, progress=False)  # fmt: skip
+        s = sft_loop(
+            self._trainer,
+            iter(ds),
+            steps=target,
+            log=self.metrics,
+            stage="sim_cotrain",
+            log_every=g.cotrain_steps,
+            progress=False,
+        )
         path = self.out / rundir.WEIGHTS / SIM_WEIGHTS / f"v{self.version + 1:04d}"
         self._trainer.export_serving(path, self.sim.train_sim.checkpoint.export_dtype)
-        return path, {"real": len(real), "base": len(base), "examples": stats.examples,
-                      "loss": s["last"].get("loss"), "train_s": round(s["wall_s"], 2)}  # fmt: skip
+        return path, {
+            "real": len(real),
+            "base": len(base),
+            "examples": stats.examples,
+            "loss": s["last"].get("loss"),
+            "train_s": round(s["wall_s"], 2),
+        }
 
     async def train(self, policy_version: int) -> tuple[Path, dict[str, Any]]:
         """Train and export the next version on the real episodes so far (in a thread)."""
@@ -128,8 +161,13 @@ class SimCoTrainer:
         version = self.version + 1
         report = await self.publisher.publish(str(path), version)
         self.version = version
-        rec.update(stage="sim_cotrain_round", sim_version=version, served_from=policy_version,
-                   publish_s=round(report.load_s, 3), weights=str(path))  # fmt: skip
+        rec.update(
+            stage="sim_cotrain_round",
+            sim_version=version,
+            served_from=policy_version,
+            publish_s=round(report.load_s, 3),
+            weights=str(path),
+        )
         self.history.append(rec)
         self.metrics.write(rec)
         return rec
@@ -139,9 +177,20 @@ class GatedRun:
     """The router, the shadow replayer and (with `gate.cotrain_every`) the co-trainer of one
     RL run of the gated arm."""
 
-    def __init__(self, gate: GateConfig, out: Path, renderer, backends,
-                 metrics: rundir.MetricsLog, *, seed: int, sim: SimCoTraining | None = None,
-                 sim_publisher=None, steps: int = 0, start_version: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        gate: GateConfig,
+        out: Path,
+        renderer,
+        backends,
+        metrics: rundir.MetricsLog,
+        *,
+        seed: int,
+        sim: SimCoTraining | None = None,
+        sim_publisher=None,
+        steps: int = 0,
+        start_version: int = 1,
+    ):
         from rl.orchestrator.episode import run_replay_episode
         from rl.orchestrator.gate import FidelityRouter, ShadowReplayer
         from rl.orchestrator.storage import TrajectoryWriter
@@ -152,17 +201,24 @@ class GatedRun:
         simulated = backends.simulated
 
         def replay(real, task):
-            return run_replay_episode(real, simulated, task, renderer,
-                                      group_id=f"shadow-{real.group_id}")  # fmt: skip
+            return run_replay_episode(
+                real, simulated, task, renderer, group_id=f"shadow-{real.group_id}"
+            )
 
         g = self.gate
-        self.shadow = ShadowReplayer(self.router, replay, concurrency=g.shadow_concurrency,
-                                     remeasure=g.remeasure, sink=self.writer.add)  # fmt: skip
+        self.shadow = ShadowReplayer(
+            self.router,
+            replay,
+            concurrency=g.shadow_concurrency,
+            remeasure=g.remeasure,
+            sink=self.writer.add,
+        )
         every = self.gate.cotrain_every
         self.cotrainer = None
         if every and sim_publisher is not None and sim is not None:
-            self.cotrainer = SimCoTrainer(gate, sim, out, sim_publisher, metrics, steps // every,
-                                          seed=seed)  # fmt: skip
+            self.cotrainer = SimCoTrainer(
+                gate, sim, out, sim_publisher, metrics, steps // every, seed=seed
+            )
         self._round: asyncio.Task | None = None
         self._switch_at = 0
         self._start, self.steps = start_version, steps
@@ -198,16 +254,20 @@ class GatedRun:
         # A round trains in the background for `every` versions, then serves from the next
         # boundary: one that could serve no RL step is not started.
         if self._round is None and done and done % every == 0 and done + every < self.steps:
-            self._round = asyncio.create_task(self.cotrainer.train(version),
-                                              name=f"cotrain-{version}")  # fmt: skip
+            self._round = asyncio.create_task(
+                self.cotrainer.train(version), name=f"cotrain-{version}"
+            )
             self._switch_at = done + every
 
     async def _drain(self, version: int) -> None:
         await self.shadow.drain(DRAIN_S)
         if self.shadow.stats()["in_flight"]:
-            print(f"simloop train-agent: policy v{version} routes with "
-                  f"{self.shadow.stats()['in_flight']} shadow replays still running (over "
-                  f"{DRAIN_S:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"simloop train-agent: policy v{version} routes with "
+                f"{self.shadow.stats()['in_flight']} shadow replays still running (over "
+                f"{DRAIN_S:.0f} s)",
+                flush=True,
+            )
 
     async def _switch(self, version: int) -> None:
         """Publish the round's weights, move the router to them and measure them again."""
@@ -222,19 +282,24 @@ class GatedRun:
             err = {"stage": "sim_cotrain_error", "step": version, "error": why}
             self.errors.append(err)
             self.metrics.write(err)
-            print(f"simloop train-agent: co-training round of policy version {version} failed, "
-                  f"the simulator stays at v{self.router.sim_version}: {why}",
-                  flush=True)  # fmt: skip
+            print(
+                f"simloop train-agent: co-training round of policy version {version} failed, "
+                f"the simulator stays at v{self.router.sim_version}: {why}",
+                flush=True,
+            )
             return
         self.router.set_sim_version(rec["sim_version"], policy_version=version)
         n = self.shadow.remeasure()
         await self._drain(version)
         loss = rec.get("loss")
         loss = f"{loss:.4g}" if isinstance(loss, int | float) else "not recorded"
-        print(f"simloop train-agent: simulator v{rec['sim_version']} (co-trained from policy "
-              f"v{rec['step']} on {rec['real']} real + {rec['base']} original episodes, loss "
-              f"{loss}) serves from policy v{version}; re-measured on {n} real "
-              "episodes", flush=True)  # fmt: skip
+        print(
+            f"simloop train-agent: simulator v{rec['sim_version']} (co-trained from policy "
+            f"v{rec['step']} on {rec['real']} real + {rec['base']} original episodes, loss "
+            f"{loss}) serves from policy v{version}; re-measured on {n} real "
+            "episodes",
+            flush=True,
+        )
 
     async def close(self) -> dict[str, Any]:
         """Finish the round in flight (its failure surfaces here), the replays (bounded), and

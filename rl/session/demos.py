@@ -24,16 +24,25 @@ async def collect_demos(
     from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
 
     o = orchestrator
-    ocfg = OrchestratorConfig(arm="real", group_size=1, max_context_tokens=o.max_context_tokens,
-                              max_tokens_per_turn=o.max_tokens_per_turn, seed=seed,
-                              max_concurrent_episodes=8)  # fmt: skip
+    ocfg = OrchestratorConfig(
+        arm="real",
+        group_size=1,
+        max_context_tokens=o.max_context_tokens,
+        max_tokens_per_turn=o.max_tokens_per_turn,
+        seed=seed,
+        max_concurrent_episodes=8,
+    )
     client = ScriptedAgentClient(
-        tasks, renderer.tokenizer, style="marker", noise=warm_start.noise,
-        noise_kinds=warm_start.noise_kinds, seed=seed,
+        tasks,
+        renderer.tokenizer,
+        style="marker",
+        noise=warm_start.noise,
+        noise_kinds=warm_start.noise_kinds,
+        seed=seed,
         # Multi-trial demonstrations restart their script after each feedback and, on a
         # hidden-operation task, do what the checker's verdict names: they adapt.
         trial_marker=feedback_marker(terminal.trial_feedback_template),
-    )  # fmt: skip
+    )
     runner = RolloutRunner(ocfg, terminal, renderer, backends, client=client)
     n = warm_start.num_demos
     demos = await runner.run([tasks[i % len(tasks)] for i in range(n)])

@@ -47,17 +47,29 @@ async def evaluate_agent(
     for arm in eval_cfg.arms:
         writer = TrajectoryWriter(out, prefix=f"eval-{label}-{arm}")
         try:
-            r = await evaluate_policy(orchestrator, terminal, renderer, backends(), agent, tasks,
-                                      arm=arm, samples=eval_cfg.samples,
-                                      seed=seed + EVAL_SEED_OFFSET, version=version,
-                                      sink=writer.add)  # fmt: skip
+            r = await evaluate_policy(
+                orchestrator,
+                terminal,
+                renderer,
+                backends(),
+                agent,
+                tasks,
+                arm=arm,
+                samples=eval_cfg.samples,
+                seed=seed + EVAL_SEED_OFFSET,
+                version=version,
+                sink=writer.add,
+            )
         finally:
             writer.close()
         results[arm] = r.to_dict()
         metrics.write({"stage": "eval", "label": label, **results[arm]})
         kinds = " ".join(f"{k} {v['success_rate']:.2f}" for k, v in r.by_kind.items())
-        print(f"simloop {who}: eval {title}, {arm}: {policy} success {r.success_rate:.3f} over "
-              f"{r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s", flush=True)  # fmt: skip
+        print(
+            f"simloop {who}: eval {title}, {arm}: {policy} success {r.success_rate:.3f} over "
+            f"{r.episodes} episodes ({kinds}) in {r.wall_s:.0f}s",
+            flush=True,
+        )
     saved[label] = results
     if rundir.is_writer():
         (out / rundir.EVAL).write_text(json.dumps(saved, indent=1))

@@ -27,9 +27,17 @@ class HarnessSetup:
 
 
 @contextlib.asynccontextmanager
-async def harness_source(setup: HarnessSetup, real_backend, agent_client, tasks: list, *,
-                         group_size: int, batch_size: int, steps: int,
-                         seed: int) -> AsyncIterator[Any]:  # fmt: skip
+async def harness_source(
+    setup: HarnessSetup,
+    real_backend,
+    agent_client,
+    tasks: list,
+    *,
+    group_size: int,
+    batch_size: int,
+    steps: int,
+    seed: int,
+) -> AsyncIterator[Any]:
     """An episode source of `steps` batches of `batch_size` rollouts (`group_size` per task)
     of the harness in sandboxes of `real_backend`."""
     from rl.orchestrator.harness import (
@@ -50,12 +58,21 @@ async def harness_source(setup: HarnessSetup, real_backend, agent_client, tasks:
 
     async with setup.middleware(agent_client, written) as running:
         runner = HarnessRunner(hcfg, real_backend, running.url, launcher, admin=running.admin)
-        source = HarnessSource(runner, tasks, group_size=group_size,
-                               groups=batch_size // group_size, rows=batch_size, steps=steps,
-                               seed=seed)  # fmt: skip
-        print(f"simloop train-agent: RL through {hcfg.kind} on {len(tasks)} swe tasks, "
-              f"{batch_size // group_size} x {group_size} rollouts per step "
-              f"(middleware {running.url})", flush=True)  # fmt: skip
+        source = HarnessSource(
+            runner,
+            tasks,
+            group_size=group_size,
+            groups=batch_size // group_size,
+            rows=batch_size,
+            steps=steps,
+            seed=seed,
+        )
+        print(
+            f"simloop train-agent: RL through {hcfg.kind} on {len(tasks)} swe tasks, "
+            f"{batch_size // group_size} x {group_size} rollouts per step "
+            f"(middleware {running.url})",
+            flush=True,
+        )
         yield source
 
 
@@ -66,7 +83,10 @@ def harness_summary(source) -> dict:
     statuses: dict[str, int] = {}
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
-    return {"rollouts": len(results), "statuses": statuses,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-            "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
-            "dropped_segments": source.dropped_segments}  # fmt: skip
+    return {
+        "rollouts": len(results),
+        "statuses": statuses,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
+        "dropped_segments": source.dropped_segments,
+    }

@@ -73,8 +73,9 @@ def server_roles(train: TrainAgentConfig, orchestrator: OrchestratorConfig) -> l
     roles = ["agent"] if train.steps > 0 else []
     if train.tasks == "swe":
         return roles
-    if roles and (needs_simulator(orchestrator.arm)
-                  or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)):  # fmt: skip
+    if roles and (
+        needs_simulator(orchestrator.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)
+    ):
         roles.append("simulator")
     return roles
 
@@ -135,10 +136,17 @@ class RLSession:
             with Checkpointer(out / rundir.CHECKPOINTS / "warm_start", tcfg.checkpoint) as ckpt:
                 resume(trainer, ckpt, batches)
                 s = await asyncio.to_thread(
-                    sft_loop, trainer, batches, steps=ws.steps, log=metrics, stage="warm_start",
-                    log_every=min(10, ws.steps), ckpt=ckpt,
-                    ckpt_every=tcfg.checkpoint.every_steps, progress=primary,
-                )  # fmt: skip
+                    sft_loop,
+                    trainer,
+                    batches,
+                    steps=ws.steps,
+                    log=metrics,
+                    stage="warm_start",
+                    log_every=min(10, ws.steps),
+                    ckpt=ckpt,
+                    ckpt_every=tcfg.checkpoint.every_steps,
+                    progress=primary,
+                )
             summary["warm_start"] = {k: v for k, v in s.items() if k != "last"}
             summary["warm_start"]["loss"] = s["last"].get("loss")
             init_params = trainer.params
@@ -156,11 +164,13 @@ class RLSession:
                 print(f"simloop train-agent: resuming RL at step {trainer.step_count}", flush=True)
             start_version = 1 + trainer.step_count
             start_path = export_path(out, start_version)
-            await asyncio.to_thread(trainer.export_serving, start_path,
-                                    tcfg.checkpoint.export_dtype)  # fmt: skip
+            await asyncio.to_thread(
+                trainer.export_serving, start_path, tcfg.checkpoint.export_dtype
+            )
             if primary:
-                summary["rl"] = await self._rl(trainer, ckpt, metrics, seq_len, start_path,
-                                               start_version)  # fmt: skip
+                summary["rl"] = await self._rl(
+                    trainer, ckpt, metrics, seq_len, start_path, start_version
+                )
             else:
                 summary["rl"] = await self._follow(trainer, ckpt, seq_len)
             # The others wait here (not in a device collective) while process 0 evaluates.
@@ -180,9 +190,15 @@ class RLSession:
             return load_trajectories(ws.trajectories)
         path = self.out / rundir.TRAJECTORIES / DEMOS
         if multihost.is_primary():
-            demos = await collect_demos(ws, self.orchestrator, self.terminal, self.renderer,
-                                        self.backends(None), self.tasks,
-                                        seed=self.seed)  # fmt: skip
+            demos = await collect_demos(
+                ws,
+                self.orchestrator,
+                self.terminal,
+                self.renderer,
+                self.backends(None),
+                self.tasks,
+                seed=self.seed,
+            )
             write_jsonl(path, demos)
             if multihost.process_count() == 1:
                 return demos
@@ -195,9 +211,14 @@ class RLSession:
         without the warm start) loads it back from there, verified."""
         tcfg = self.train
         kl = tcfg.loss.kl_coef > 0
-        trainer = self.trainer(optim=tcfg.optim, steps=tcfg.steps, loss="policy",
-                               loss_cfg=tcfg.loss, init_params=init_params,
-                               reference=kl)  # fmt: skip
+        trainer = self.trainer(
+            optim=tcfg.optim,
+            steps=tcfg.steps,
+            loss="policy",
+            loss_cfg=tcfg.loss,
+            init_params=init_params,
+            reference=kl,
+        )
         if not kl:
             return trainer
         stored = self.out / rundir.WEIGHTS / REFERENCE
@@ -214,18 +235,28 @@ class RLSession:
 
     def _loop_kwargs(self, seq_len: int) -> dict[str, Any]:
         tcfg = self.train
-        return dict(run_dir=self.out, steps=tcfg.steps, rows=self.orchestrator.batch_size,
-                    seq_len=seq_len, loss_cfg=tcfg.loss, pad_id=self.renderer.tokenizer.pad_id,
-                    base_version=1, publish_every=tcfg.publish_every,
-                    export_dtype=tcfg.checkpoint.export_dtype, log_every=tcfg.log_every,
-                    ckpt_every=tcfg.checkpoint.every_steps, batch_timeout_s=WAIT_S)  # fmt: skip
+        return dict(
+            run_dir=self.out,
+            steps=tcfg.steps,
+            rows=self.orchestrator.batch_size,
+            seq_len=seq_len,
+            loss_cfg=tcfg.loss,
+            pad_id=self.renderer.tokenizer.pad_id,
+            base_version=1,
+            publish_every=tcfg.publish_every,
+            export_dtype=tcfg.checkpoint.export_dtype,
+            log_every=tcfg.log_every,
+            ckpt_every=tcfg.checkpoint.every_steps,
+            batch_timeout_s=WAIT_S,
+        )
 
     async def _follow(self, trainer, ckpt, seq_len: int) -> dict:
         """RL on a process other than 0: the same steps on process 0's batches."""
         from rl.train.loop import rl_loop
 
-        s = await rl_loop(trainer, None, None, ckpt=ckpt, progress=False,
-                          **self._loop_kwargs(seq_len))  # fmt: skip
+        s = await rl_loop(
+            trainer, None, None, ckpt=ckpt, progress=False, **self._loop_kwargs(seq_len)
+        )
         s.pop("history")
         return s
 
@@ -248,19 +279,33 @@ class RLSession:
             servers: Servers = await stack.enter_async_context(self.servers(roles, publishes))
             clients = servers.clients
             publisher = Published(servers.publisher("agent"))
-            agent = VersionTagged(clients["agent"], publisher) if servers.tag_versions else \
-                clients["agent"]  # fmt: skip
+            agent = (
+                VersionTagged(clients["agent"], publisher)
+                if servers.tag_versions
+                else clients["agent"]
+            )
             report = await publisher.publish(str(start_path), start_version)
-            print(f"simloop train-agent: serving policy v{start_version} "
-                  f"({report.first_token_s:.2f}s to first token)", flush=True)  # fmt: skip
+            print(
+                f"simloop train-agent: serving policy v{start_version} "
+                f"({report.first_token_s:.2f}s to first token)",
+                flush=True,
+            )
 
             def evaluate(label: str, version: int) -> Any:
                 return evaluate_agent(
-                    out=out, label=label, version=version, agent=clients["agent"],
+                    out=out,
+                    label=label,
+                    version=version,
+                    agent=clients["agent"],
                     backends=lambda: self.backends(clients.get("simulator")),
-                    renderer=self.renderer, tasks=self.eval_tasks, metrics=metrics,
-                    eval_cfg=ecfg, orchestrator=ocfg, terminal=self.terminal, seed=self.seed,
-                )  # fmt: skip
+                    renderer=self.renderer,
+                    tasks=self.eval_tasks,
+                    metrics=metrics,
+                    eval_cfg=ecfg,
+                    orchestrator=ocfg,
+                    terminal=self.terminal,
+                    seed=self.seed,
+                )
 
             before = None
             if evaluating and ecfg.before:
@@ -272,27 +317,55 @@ class RLSession:
             if swe:
                 if self.harness is None:
                     raise ValueError("train_agent.tasks=swe needs the session's harness setup")
-                buffer = await stack.enter_async_context(harness_source(
-                    self.harness, self.backends(None).real, agent, self.tasks,
-                    group_size=ocfg.group_size, batch_size=ocfg.batch_size, steps=remaining,
-                    seed=self.seed + start_version))  # fmt: skip
+                buffer = await stack.enter_async_context(
+                    harness_source(
+                        self.harness,
+                        self.backends(None).real,
+                        agent,
+                        self.tasks,
+                        group_size=ocfg.group_size,
+                        batch_size=ocfg.batch_size,
+                        steps=remaining,
+                        seed=self.seed + start_version,
+                    )
+                )
             else:
                 backends = self.backends(clients.get("simulator"))
                 if ocfg.arm == "gated":
                     sim_pub = servers.publisher("simulator") if "simulator" in publishes else None
-                    gated = GatedRun(ocfg.gate, out, self.renderer, backends, metrics,
-                                     seed=self.seed, sim=self.cotrain, sim_publisher=sim_pub,
-                                     steps=remaining, start_version=start_version)  # fmt: skip
+                    gated = GatedRun(
+                        ocfg.gate,
+                        out,
+                        self.renderer,
+                        backends,
+                        metrics,
+                        seed=self.seed,
+                        sim=self.cotrain,
+                        sim_publisher=sim_pub,
+                        steps=remaining,
+                        start_version=start_version,
+                    )
                 writer = TrajectoryWriter(out, prefix="rl")
                 queue: asyncio.Queue = asyncio.Queue()  # the runner delivers, the buffer reads
                 store = gated.sink(writer.add) if gated else writer.add
-                runner = RolloutRunner(ocfg, self.terminal, self.renderer, backends, client=agent,
-                                       sinks=(store, queue.put_nowait),
-                                       router=gated and gated.router,
-                                       shadow=gated and gated.shadow)  # fmt: skip
-                buffer = RolloutBuffer(runner, self.tasks, queue=queue, steps=remaining,
-                                       seed=self.seed + start_version,
-                                       batch_timeout_s=ocfg.episode_timeout_s * 2)  # fmt: skip
+                runner = RolloutRunner(
+                    ocfg,
+                    self.terminal,
+                    self.renderer,
+                    backends,
+                    client=agent,
+                    sinks=(store, queue.put_nowait),
+                    router=gated and gated.router,
+                    shadow=gated and gated.shadow,
+                )
+                buffer = RolloutBuffer(
+                    runner,
+                    self.tasks,
+                    queue=queue,
+                    steps=remaining,
+                    seed=self.seed + start_version,
+                    batch_timeout_s=ocfg.episode_timeout_s * 2,
+                )
                 if gated:
                     buffer = gated.buffer(buffer)
             if runner is not None:
@@ -300,19 +373,18 @@ class RLSession:
             else:
                 await buffer.set_version(start_version)
             try:
-                summary = await rl_loop(trainer, buffer, publisher, log=metrics, ckpt=ckpt,
-                                        **self._loop_kwargs(seq_len))  # fmt: skip
+                summary = await rl_loop(
+                    trainer, buffer, publisher, log=metrics, ckpt=ckpt, **self._loop_kwargs(seq_len)
+                )
             finally:
                 await buffer.close()
                 if gated is not None:
                     summary_gate = await gated.close()
                 if runner is not None:
                     writer.close()
-                    runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout",
-                                         arm=ocfg.arm)  # fmt: skip
+                    runner.metrics.write(rundir.MetricsLog(out), stage="rl_rollout", arm=ocfg.arm)
                 else:
-                    rundir.MetricsLog(out).write({"stage": "rl_harness",
-                                                  **harness_summary(buffer)})  # fmt: skip
+                    rundir.MetricsLog(out).write({"stage": "rl_harness", **harness_summary(buffer)})
             if runner is not None:
                 summary["episodes_by_arm"] = runner.metrics.summary()["arms"]
             if gated is not None:
@@ -320,10 +392,12 @@ class RLSession:
             if evaluating:
                 after = await evaluate("after", 1 + trainer.step_count)
                 summary["eval"] = {
-                    arm: {"before": before[arm]["success_rate"] if before and arm in before
-                          else None, "after": after[arm]["success_rate"]}
+                    arm: {
+                        "before": before[arm]["success_rate"] if before and arm in before else None,
+                        "after": after[arm]["success_rate"],
+                    }
                     for arm in after
-                }  # fmt: skip
+                }
         if swe:
             summary["harness"] = harness_summary(buffer)
         history = summary.pop("history")

@@ -211,8 +211,9 @@ class Checkpointer:
         """The newest checkpoint that verifies and restores (None when the directory holds no
         step at all). Those skipped on the way are moved aside and listed with the reason;
         CheckpointError when step directories exist but none of them is usable."""
-        on_disk = sorted((int(p.name) for p in self.directory.iterdir() if p.name.isdigit()),
-                         reverse=True)  # fmt: skip
+        on_disk = sorted(
+            (int(p.name) for p in self.directory.iterdir() if p.name.isdigit()), reverse=True
+        )
         multihost.barrier("simloop checkpoints listed")  # before process 0 moves any aside
         skipped: list[tuple[int, str]] = []
         found = None

@@ -82,8 +82,10 @@ class TrainingDiverged(RuntimeError):
 def _check_finite(stage: str, step: int, metrics: dict, ckpt: Checkpointer | None) -> None:
     """TrainingDiverged when the step's loss or gradient norm (whose NaN the update carries
     into every parameter) is not finite."""
-    bad = {k: float(v) for k, v in fetch({k: metrics[k] for k in ("loss", "grad_norm")
-                                          if k in metrics}).items()}  # fmt: skip
+    bad = {
+        k: float(v)
+        for k, v in fetch({k: metrics[k] for k in ("loss", "grad_norm") if k in metrics}).items()
+    }
     bad = {k: v for k, v in bad.items() if not math.isfinite(v)}
     if not bad:
         return
@@ -296,9 +298,11 @@ async def rl_loop(
             )
             if multi:  # process 0's batch, on every process (each places its own rows)
                 batch = await asyncio.to_thread(
-                    multihost.broadcast, batch, name=f"rl batch {step}",
+                    multihost.broadcast,
+                    batch,
+                    name=f"rl batch {step}",
                     timeout_s=batch_timeout_s,
-                )  # fmt: skip
+                )
             data_s = time.perf_counter() - t
             t = time.perf_counter()
             # Wait for the device work here (in a thread: rollouts keep flowing) so step_s is

@@ -149,13 +149,16 @@ def policy_loss(logits_BTV: jax.Array, batch: Batch, cfg: PolicyLossConfig | Non
 def _rollout_weights(rollout_tokens_BT: jax.Array | None) -> jax.Array:
     """Per token, 1 / (generated tokens of its row's rollout in the whole step's batch)."""
     if rollout_tokens_BT is None:
-        raise ValueError("aggregation 'rollout_mean' needs batch['rollout_tokens'] "
-                         "(rl.train.rollouts.build_rl_batch adds it)")  # fmt: skip
+        raise ValueError(
+            "aggregation 'rollout_mean' needs batch['rollout_tokens'] "
+            "(rl.train.rollouts.build_rl_batch adds it)"
+        )
     return 1.0 / jnp.maximum(rollout_tokens_BT.astype(jnp.float32), 1.0)
 
 
-def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig,
-               rollout_tokens_BT: jax.Array | None = None) -> jax.Array:  # fmt: skip
+def normaliser(
+    mask_BT: jax.Array, cfg: PolicyLossConfig, rollout_tokens_BT: jax.Array | None = None
+) -> jax.Array:
     """What `aggregate` divides by (tokens, episodes, rollouts, or rows x T): the weight of a
     micro-batch when gradients are accumulated. For `rollout_mean` it is the micro-batch's
     share of rollouts (a rollout whose segments straddle micro-batches counts fractionally),
@@ -169,8 +172,12 @@ def normaliser(mask_BT: jax.Array, cfg: PolicyLossConfig,
     return jnp.sum(mask_BT)
 
 
-def aggregate(per_token_BT: jax.Array, mask_BT: jax.Array, cfg: PolicyLossConfig,
-              rollout_tokens_BT: jax.Array | None = None) -> jax.Array:  # fmt: skip
+def aggregate(
+    per_token_BT: jax.Array,
+    mask_BT: jax.Array,
+    cfg: PolicyLossConfig,
+    rollout_tokens_BT: jax.Array | None = None,
+) -> jax.Array:
     """Reduce per-token losses to a scalar as configured (see `PolicyLossConfig`).
     `rollout_tokens_BT` (`rollout_mean` only): per token, the generated tokens of its row's
     rollout in the step's batch."""

@@ -78,8 +78,7 @@ def trial_advantages(
     position): trial k's reward minus the mean of trial k's rewards across the episodes of the
     group that reached trial k (GRPO/Dr.GRPO as `group_advantages`), on that trial's turns'
     generated tokens. Other episodes are not in the result (one advantage per episode)."""
-    rows = [i for i, t in enumerate(episodes)
-            if t.trials and t.trial_reward == "per_trial"]  # fmt: skip
+    rows = [i for i, t in enumerate(episodes) if t.trials and t.trial_reward == "per_trial"]
     keys, rewards, where = [], [], []
     for i in rows:
         t = episodes[i]
@@ -152,9 +151,11 @@ def rollout_advantages(
     for i, k in enumerate(keys):
         first.setdefault(k, i)
     order = list(first)
-    adv = group_advantages([rewards[first[k]] for k in order],
-                           [used[first[k]].group_id or used[first[k]].task_id for k in order],
-                           cfg)  # fmt: skip
+    adv = group_advantages(
+        [rewards[first[k]] for k in order],
+        [used[first[k]].group_id or used[first[k]].task_id for k in order],
+        cfg,
+    )
     by_key = dict(zip(order, adv, strict=True))
     return [by_key[k] for k in keys]
 
@@ -237,8 +238,9 @@ def build_rl_batch(
     return batch, stats
 
 
-def rollout_tokens(episodes: Sequence[Trajectory], loss_mask: np.ndarray, *, rows: int
-                   ) -> np.ndarray:  # fmt: skip
+def rollout_tokens(
+    episodes: Sequence[Trajectory], loss_mask: np.ndarray, *, rows: int
+) -> np.ndarray:
     """[rows, T] float32: along row i (episode i), the generated tokens in the batch of every
     row sharing its `rollout_id` (its own when it has none); 0 for padding rows. (Per token,
     like every batch array, so one batch sharding fits all.)"""
