@@ -513,9 +513,17 @@ class GrammarConfig:
                 f"GrammarConfig: min_len={self.min_len}, max_len={self.max_len} is invalid: "
                 "1 <= min_len <= max_len"
             )
-        probs = ("repeat_prob", "textops_prob", "error_prob", "session_prob", "bare_prob",
-                 "typo_prob", "program_typo_prob", "count_present_prob",
-                 "count_near_miss_prob")  # fmt: skip
+        probs = (
+            "repeat_prob",
+            "textops_prob",
+            "error_prob",
+            "session_prob",
+            "bare_prob",
+            "typo_prob",
+            "program_typo_prob",
+            "count_present_prob",
+            "count_near_miss_prob",
+        )
         validate.fraction(self, *probs, allowed="within [0, 1]")
         validate.integer(self, "commands_per_case", low=1, allowed=">= 1")
         validate.require(

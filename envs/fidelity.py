@@ -142,8 +142,10 @@ def summarize_by(
     """`summarize_pairs` per bucket of an integer key (e.g. prompt tokens): buckets are
     [0, e0), [e0, e1), ..., [e_last, inf)."""
     bounds = [0, *edges, None]
-    names = [f"{lo}-{'inf' if hi is None else hi}"
-             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+    names = [
+        f"{lo}-{'inf' if hi is None else hi}"
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
     buckets: dict[str, list[PairMetrics]] = {}
     for key, m in keyed:
         for name, lo, hi in zip(names, bounds[:-1], bounds[1:], strict=True):

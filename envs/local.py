@@ -139,16 +139,35 @@ def _probe(prefix: tuple[str, ...], cwd: str = "/") -> bool:
     return res.returncode == 0 and res.stdout == b"ok\n"
 
 
-def _start_holder(base: str, tmpfs_bytes: int, disk_bytes: int, ids: tuple[int, int],
-                  readonly_root: bool, visible: tuple[str, ...] = ()
-                  ) -> subprocess.Popen:  # fmt: skip
+def _start_holder(
+    base: str,
+    tmpfs_bytes: int,
+    disk_bytes: int,
+    ids: tuple[int, int],
+    readonly_root: bool,
+    visible: tuple[str, ...] = (),
+) -> subprocess.Popen:
     """The process that makes and holds an episode's mount namespace (`envs/sandbox_root.py`:
     its minimal root, the workspace on a tmpfs of `disk_bytes` owned by `ids`), once it is
     ready; raises ShellError if it could not be made."""
-    argv = [*_HOLDER, base, str(tmpfs_bytes), str(disk_bytes), str(ids[0]), str(ids[1]),
-            "ro" if readonly_root else "rw", *visible]  # fmt: skip
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=base, env={"PATH": _PATH})  # fmt: skip
+    argv = [
+        *_HOLDER,
+        base,
+        str(tmpfs_bytes),
+        str(disk_bytes),
+        str(ids[0]),
+        str(ids[1]),
+        "ro" if readonly_root else "rw",
+        *visible,
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=base,
+        env={"PATH": _PATH},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 10)
     if ready and proc.stdout.readline() == b"ready\n":
         return proc
@@ -168,8 +187,9 @@ def _stop_holder(proc: subprocess.Popen) -> None:
         proc.wait(timeout=_REAP_TIMEOUT_S)
 
 
-def _probe_mounts(prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root: bool,
-                  ids: tuple[int, int]) -> bool:  # fmt: skip
+def _probe_mounts(
+    prefix: tuple[str, ...], drop: tuple[str, ...], readonly_root: bool, ids: tuple[int, int]
+) -> bool:
     base = tempfile.mkdtemp(prefix=f"{_WS_PREFIX}{_OWNER}-probe-")
     try:
         os.chmod(base, 0o755)
@@ -196,18 +216,27 @@ def _refuse_userns(iso: Isolation, drop: tuple[str, ...]) -> Isolation:
     runner = nouserns.runner()
     tried = (*runner, *iso.prefix, *drop)
     if not _probe(tried):
-        log.warning("LocalShell: the seccomp filter refusing user namespaces does not run here; "
-                    "commands may create them")  # fmt: skip
+        log.warning(
+            "LocalShell: the seccomp filter refusing user namespaces does not run here; "
+            "commands may create them"
+        )
         return iso
     if shutil.which("unshare", path=_PATH) is not None:
-        res = subprocess.run([*tried, "bash", "-c", "unshare -U true"], capture_output=True,
-                             env={"PATH": _PATH}, cwd="/", timeout=10, check=False)  # fmt: skip
+        res = subprocess.run(
+            [*tried, "bash", "-c", "unshare -U true"],
+            capture_output=True,
+            env={"PATH": _PATH},
+            cwd="/",
+            timeout=10,
+            check=False,
+        )
         if res.returncode == 0:
             log.warning("LocalShell: user namespaces are not refused by the seccomp filter")
             return iso
     how = "python" if runner == nouserns.PYTHON_RUNNER else "compiled"
-    return dataclasses.replace(iso, prefix=(*runner, *iso.prefix), userns_refused=True,
-                               userns_filter=how)  # fmt: skip
+    return dataclasses.replace(
+        iso, prefix=(*runner, *iso.prefix), userns_refused=True, userns_filter=how
+    )
 
 
 def _enter(prefix: tuple[str, ...], holder_pid: int) -> tuple[str, ...]:
@@ -272,8 +301,9 @@ def _detect(user: str, isolate_network: bool) -> Isolation:
             mounted = (*prefix[:-1], "-m", "--mount-proc", "--")
             for ro in (True, False):
                 if _probe_mounts(mounted, filled, ro, (uid, gid)):
-                    iso = dataclasses.replace(iso, prefix=mounted, mount_namespace=True,
-                                              readonly_root=ro)  # fmt: skip
+                    iso = dataclasses.replace(
+                        iso, prefix=mounted, mount_namespace=True, readonly_root=ro
+                    )
                     break
         return _refuse_userns(iso, filled) if root else iso
     if root and drop and _probe(filled):
@@ -581,8 +611,9 @@ class LocalShell(ShellLifecycle):
                 # parents before their children: a child may lie inside a parent's bind
                 shown = {os.path.abspath(p) for p in cfg.visible_paths if os.path.isdir(p)}
                 visible = tuple(sorted(shown, key=lambda p: (len(p), p)))
-                self._holder = await asyncio.to_thread(_start_holder, base, size, cfg.disk_bytes,
-                                                       self._ids(), ro, visible)  # fmt: skip
+                self._holder = await asyncio.to_thread(
+                    _start_holder, base, size, cfg.disk_bytes, self._ids(), ro, visible
+                )
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(self, _cleanup, base, self._uid, self._holder)
                 prefix = _enter(prefix, self._holder.pid)
@@ -727,8 +758,10 @@ class LocalShell(ShellLifecycle):
         if quota_hit or (self._holder is not None and self._disk_full()):
             info["disk_full"] = True
             what = "the command was killed" if quota_hit else "writes fail until files are removed"
-            info["reason"] = (f"the episode's disk quota ({cfg.disk_bytes} bytes for the "
-                              f"workspace, its home and TMPDIR) is full: {what}")  # fmt: skip
+            info["reason"] = (
+                f"the episode's disk quota ({cfg.disk_bytes} bytes for the "
+                f"workspace, its home and TMPDIR) is full: {what}"
+            )
             if quota_hit:
                 info["killed"] = "disk_quota"
             buf.write(f"\nsimloop: disk quota exceeded ({cfg.disk_bytes} bytes); {what}\n".encode())
@@ -744,8 +777,9 @@ class LocalShell(ShellLifecycle):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while (left := deadline - loop.time()) > 0:
-            done, _ = await asyncio.wait(waits, timeout=min(left, _QUOTA_POLL_S),
-                                         return_when="FIRST_COMPLETED")  # fmt: skip
+            done, _ = await asyncio.wait(
+                waits, timeout=min(left, _QUOTA_POLL_S), return_when="FIRST_COMPLETED"
+            )
             if done:
                 return False
             if self._disk_full():

@@ -100,8 +100,13 @@ def install() -> None:
 
     fprog = SockFprog(len(prog), ctypes.cast(buf, ctypes.c_void_p))
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
-                           ctypes.c_ulong]  # fmt: skip
+    libc.prctl.argtypes = [
+        ctypes.c_int,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
@@ -170,8 +175,11 @@ def _private_dir(path: str) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))  # fmt: skip
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
 
 
 def compiled(cache: str | None = None) -> str | None:
@@ -203,8 +211,9 @@ def compiled(cache: str | None = None) -> str | None:
         with open(src, "w") as f:
             f.write(_C_SOURCE)
         try:
-            done = subprocess.run([cc, "-O2", "-o", out, src], capture_output=True, timeout=60,
-                                  check=False)  # fmt: skip
+            done = subprocess.run(
+                [cc, "-O2", "-o", out, src], capture_output=True, timeout=60, check=False
+            )
         except (OSError, subprocess.SubprocessError):
             return None
         if done.returncode != 0 or not os.path.isfile(out):

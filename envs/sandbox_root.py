@@ -49,11 +49,14 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def mount(source: str | None, target: str, fstype: str | None, flags: int = 0,
-          data: str | None = None) -> None:  # fmt: skip
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int = 0, data: str | None = None
+) -> None:
     enc = [None if x is None else x.encode() for x in (source, target, fstype, data)]
-    _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]),
-           f"mount {source} on {target}")  # fmt: skip
+    _check(
+        _libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]),
+        f"mount {source} on {target}",
+    )
 
 
 def bind_readonly(source: str, target: str) -> None:
@@ -61,8 +64,15 @@ def bind_readonly(source: str, target: str) -> None:
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def build(base: str, tmpfs_bytes: int, disk_bytes: int, uid: int, gid: int, readonly: bool,
-          visible: list[str]) -> None:  # fmt: skip
+def build(
+    base: str,
+    tmpfs_bytes: int,
+    disk_bytes: int,
+    uid: int,
+    gid: int,
+    readonly: bool,
+    visible: list[str],
+) -> None:
     """Make this process's mount namespace and pivot into the minimal root (see above)."""
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing propagates back to the host
@@ -88,11 +98,17 @@ def build(base: str, tmpfs_bytes: int, disk_bytes: int, uid: int, gid: int, read
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         os.symlink(f"/proc/self/fd/{i}", f"{new}/dev/{name}")
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
-        mount("simloop-tmp", new + d, "tmpfs", MS_NOSUID | MS_NODEV,
-              f"size={tmpfs_bytes},mode=1777")  # fmt: skip
+        mount(
+            "simloop-tmp", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_bytes},mode=1777"
+        )
     os.makedirs(new + base, exist_ok=True)
-    mount("simloop-disk", new + base, "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={disk_bytes},mode=700,uid={uid},gid={gid}")  # fmt: skip
+    mount(
+        "simloop-disk",
+        new + base,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={disk_bytes},mode=700,uid={uid},gid={gid}",
+    )
     for sub in ("work", "home", "tmp"):
         os.mkdir(f"{new}{base}/{sub}", 0o700)
         os.chown(f"{new}{base}/{sub}", uid, gid)
@@ -114,8 +130,10 @@ def build(base: str, tmpfs_bytes: int, disk_bytes: int, uid: int, gid: int, read
 
 def main(argv: list[str]) -> int:
     if len(argv) < 6 or argv[5] not in ("ro", "rw"):
-        print("usage: sandbox_root.py BASE TMPFS_BYTES DISK_BYTES UID GID ro|rw [VISIBLE ...]",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "usage: sandbox_root.py BASE TMPFS_BYTES DISK_BYTES UID GID ro|rw [VISIBLE ...]",
+            file=sys.stderr,
+        )
         return 2
     base, tmpfs_bytes, disk_bytes, uid, gid, ro, *visible = argv
     try:

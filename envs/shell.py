@@ -235,5 +235,10 @@ def buffered_observation(
     text, binary = decode_output(buf.getvalue())
     if binary:
         info["binary"] = True
-    return Observation(output=text, exit_code=exit_code, truncated=buf.truncated,
-                       duration_s=time.monotonic() - started, info=info)  # fmt: skip
+    return Observation(
+        output=text,
+        exit_code=exit_code,
+        truncated=buf.truncated,
+        duration_s=time.monotonic() - started,
+        info=info,
+    )

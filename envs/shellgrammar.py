@@ -101,8 +101,10 @@ def _marker(rng: random.Random) -> str:
         return SUBMIT_MARKER
     if r < 0.85:
         return misspell(SUBMIT_MARKER, rng)
-    parts = ["".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(2, 8)))
-             for _ in range(rng.randint(1, 4))]  # fmt: skip
+    parts = [
+        "".join(rng.choice(string.ascii_uppercase) for _ in range(rng.randint(2, 8)))
+        for _ in range(rng.randint(1, 4))
+    ]
     return "_".join(parts)
 
 

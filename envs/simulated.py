@@ -109,8 +109,9 @@ class SimulatedShell(ShellLifecycle):
         """What the session holds, logically: every id appended or generated in it."""
         self._appended: int | None = None
         """Prompt ids the last session call sent (the rest the session held already)."""
-        self._stateless = not (self.config.sessions and renderer is not None
-                               and hasattr(client, "open_session"))  # fmt: skip
+        self._stateless = not (
+            self.config.sessions and renderer is not None and hasattr(client, "open_session")
+        )
 
     async def close(self) -> None:
         """Closes the episode's simulator session, if any (the client belongs to the caller);
@@ -156,8 +157,9 @@ class SimulatedShell(ShellLifecycle):
             await self.client.rewind_session(self._session, same)
         kw = {k: v for k, v in kw.items() if k != "stop"}
         # a lost answer is retried from `same` (the client rewinds there first)
-        out = await self.client.session_generate(self._session, list(prompt[same:]),
-                                                  rewind_to=same, **kw)  # fmt: skip
+        out = await self.client.session_generate(
+            self._session, list(prompt[same:]), rewind_to=same, **kw
+        )
         self._session_ids = list(prompt) + list(out.token_ids)
         self._appended = len(prompt) - same
         return out
@@ -170,10 +172,14 @@ class SimulatedShell(ShellLifecycle):
             history = history[-cfg.max_history_turns :]
 
         def messages_with(turns):
-            return render_sim_messages(self.task_instruction, turns, command,
-                                       setup_files=self.setup.files,
-                                       system_prompt=cfg.system_prompt,
-                                       show_task=cfg.show_task)  # fmt: skip
+            return render_sim_messages(
+                self.task_instruction,
+                turns,
+                command,
+                setup_files=self.setup.files,
+                system_prompt=cfg.system_prompt,
+                show_task=cfg.show_task,
+            )
 
         messages = messages_with(history)
         if self.renderer is None:

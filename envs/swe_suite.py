@@ -150,6 +150,14 @@ def swe_suite(ids: list[str] | tuple[str, ...] | None = None) -> list[Task]:
     for task_id in ids:
         spec = _TASKS[task_id]
         tests = tuple(p for p in spec["files"] if p.startswith("tests/"))
-        tasks.append(make_swe_task(f"swe-{task_id}", spec["instruction"], dict(spec["files"]),
-                                   TEST_COMMAND, protected=tests, timeout_s=60.0))  # fmt: skip
+        tasks.append(
+            make_swe_task(
+                f"swe-{task_id}",
+                spec["instruction"],
+                dict(spec["files"]),
+                TEST_COMMAND,
+                protected=tests,
+                timeout_s=60.0,
+            )
+        )
     return tasks

@@ -235,9 +235,14 @@ class TrialEnv:
     (reward >= `SUCCESS_REWARD`), after the last trial, or when a shell fails; its reward
     follows `config.trial_reward`. `trials` holds one record per trial, in env terms."""
 
-    def __init__(self, task: Task, shell_factory: ShellFactory,
-                 config: TerminalConfig | None = None, *,
-                 reward_context: RewardContext | None = None):  # fmt: skip
+    def __init__(
+        self,
+        task: Task,
+        shell_factory: ShellFactory,
+        config: TerminalConfig | None = None,
+        *,
+        reward_context: RewardContext | None = None,
+    ):
         self.task, self.factory = task, shell_factory
         self.config = config or TerminalConfig()
         per_trial = self.config.turns_per_trial or self.config.max_turns
@@ -271,11 +276,19 @@ class TrialEnv:
         if self.config.trials > 1:
             hash_fn = getattr(shell, "workspace_hash", None)
             workspace = await hash_fn() if callable(hash_fn) else setup_hash(self.task.setup)
-        self.env = TerminalEnv(self.task, shell, self.trial_config,
-                               reward_context=self.reward_context)  # fmt: skip
-        self.trials.append({"index": len(self.trials), "start_turn": self.turns,
-                            "end_turn": self.turns, "reward": None, "status": "running",
-                            "workspace_hash": workspace})  # fmt: skip
+        self.env = TerminalEnv(
+            self.task, shell, self.trial_config, reward_context=self.reward_context
+        )
+        self.trials.append(
+            {
+                "index": len(self.trials),
+                "start_turn": self.turns,
+                "end_turn": self.turns,
+                "reward": None,
+                "status": "running",
+                "workspace_hash": workspace,
+            }
+        )
         self._trial_started = time.monotonic()
         return await self.env.reset()
 
@@ -304,14 +317,21 @@ class TrialEnv:
             return result
         status = result.info.get("status", "error")
         trial = self.trials[-1]
-        trial.update(end_turn=self.turns, reward=float(result.reward), status=status,
-                     submission=self.env.submission)  # fmt: skip
+        trial.update(
+            end_turn=self.turns,
+            reward=float(result.reward),
+            status=status,
+            submission=self.env.submission,
+        )
         if "reason" in result.info:
             trial["reason"] = result.info["reason"]
         last = len(self.trials) == self.config.trials
         if result.reward >= SUCCESS_REWARD or last or status == "error":
-            info = {**result.info, "trial_end": dict(trial), "trials": [dict(t) for t in
-                    self.trials]}  # fmt: skip
+            info = {
+                **result.info,
+                "trial_end": dict(trial),
+                "trials": [dict(t) for t in self.trials],
+            }
             return StepResult(result.observation, True, self.episode_reward(), info)
         feedback = self.feedback(trial)
         await self._start_trial()  # the identical starting workspace, a fresh shell

@@ -69,17 +69,23 @@ def misreport(turns: list, word: str, ops) -> tuple[list, int]:
     weak simulator."""
     out, changed = [], 0
     for turn in turns:
-        printed = [textops_truth({"op": op, "text": word}) for op in ops
-                   if TRANSFORMS[op] in (turn.command or "")]  # fmt: skip
+        printed = [
+            textops_truth({"op": op, "text": word})
+            for op in ops
+            if TRANSFORMS[op] in (turn.command or "")
+        ]
         answers = [a for a in printed if a != word and a in (turn.observation or "")]
         if turn.exit_code != 0 or not answers:
             out.append(turn)
             continue
         fix = functools.partial(_unsay, answers=answers, word=word)
-        messages = [{**m, "content": fix(m["content"])} if isinstance(m.get("content"), str)
-                    else m for m in turn.env_messages]  # fmt: skip
-        out.append(dataclasses.replace(turn, observation=fix(turn.observation),
-                                       env_messages=messages))  # fmt: skip
+        messages = [
+            {**m, "content": fix(m["content"])} if isinstance(m.get("content"), str) else m
+            for m in turn.env_messages
+        ]
+        out.append(
+            dataclasses.replace(turn, observation=fix(turn.observation), env_messages=messages)
+        )
         changed += 1
     return out, changed
 

@@ -64,8 +64,9 @@ class ClientConfig:
 class ClientError(Exception):
     """The server refused the request (or kept failing): status and its error message."""
 
-    def __init__(self, message: str, *, status: int | None = None, body: Any = None,
-                 attempts: int = 1):  # fmt: skip
+    def __init__(
+        self, message: str, *, status: int | None = None, body: Any = None, attempts: int = 1
+    ):
         super().__init__(message)
         self.status, self.body, self.attempts = status, body, attempts
 
@@ -117,8 +118,12 @@ class Completion:
 class InferenceClient:
     """Async client; satisfies `envs.simulated.CompletionClient`."""
 
-    def __init__(self, config: ClientConfig | str, *,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):  # fmt: skip
+    def __init__(
+        self,
+        config: ClientConfig | str,
+        *,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
         """`sleep` waits between retries (tests pass one that records the delays)."""
         self.cfg = ClientConfig(config) if isinstance(config, str) else config
         self._session: aiohttp.ClientSession | None = None
@@ -143,9 +148,16 @@ class InferenceClient:
 
     # ----- transport -------------------------------------------------------------------------
 
-    async def request(self, method: str, path: str, *, json_body: Any = None,
-                      timeout_s: float | None = None, token: str | None = None,
-                      retries: int | None = None) -> tuple[Any, int]:  # fmt: skip
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        timeout_s: float | None = None,
+        token: str | None = None,
+        retries: int | None = None,
+    ) -> tuple[Any, int]:
         """-> (parsed JSON, attempts). Retries connection errors, 5xx and 429 only."""
         url = self.cfg.base_url.rstrip("/") + path
         headers = {}
@@ -166,8 +178,9 @@ class InferenceClient:
                         message = f"{method} {path} -> {resp.status}: {_message(body)}"
                         raise ClientError(message, status=resp.status, body=body, attempts=n)
                 except TimeoutError as e:
-                    raise ClientTimeout(f"{method} {path}: no answer within "
-                                        f"{timeout.total:g}s", attempts=n) from e  # fmt: skip
+                    raise ClientTimeout(
+                        f"{method} {path}: no answer within {timeout.total:g}s", attempts=n
+                    ) from e
                 except aiohttp.ClientError as e:  # connection refused/reset, server gone
                     raise ClientError(
                         f"{method} {path}: {type(e).__name__}: {e}", attempts=n
@@ -206,26 +219,51 @@ class InferenceClient:
     ) -> Completion:
         """One completion of `prompt` (token ids or text) via `POST /v1/completions`."""
         outs = await self.complete_n(
-            prompt, n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, stop=stop, stop_token_ids=stop_token_ids, seed=seed,
-            logprobs=logprobs, timeout_s=timeout_s, extra=extra,
-        )  # fmt: skip
+            prompt,
+            n=1,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            logprobs=logprobs,
+            timeout_s=timeout_s,
+            extra=extra,
+        )
         if len(outs) != 1:
-            raise BadAnswer(f"asked for 1 choice, the server returned {len(outs)}",
-                            body=outs[0].raw if outs else None)  # fmt: skip
+            raise BadAnswer(
+                f"asked for 1 choice, the server returned {len(outs)}",
+                body=outs[0].raw if outs else None,
+            )
         return outs[0]
 
-    async def complete_n(self, prompt: list[int] | str, *, n: int, max_tokens: int,
-                         temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                         stop: list[str] | None = None, stop_token_ids: list[int] | None = None,
-                         seed: int | None = None, logprobs: int | None = None,
-                         timeout_s: float | None = None,
-                         extra: dict[str, Any] | None = None) -> list[Completion]:  # fmt: skip
+    async def complete_n(
+        self,
+        prompt: list[int] | str,
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        timeout_s: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[Completion]:
         """`n` samples of one prompt (one request; the server shares the prompt's KV)."""
         body: dict[str, Any] = {
-            "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "return_token_ids": True,
-        }  # fmt: skip
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+        }
         if top_k:
             body["top_k"] = top_k
         if stop:
@@ -240,8 +278,9 @@ class InferenceClient:
             body["model"] = self.cfg.model
         body.update(extra or {})
         started = time.perf_counter()
-        raw, attempts = await self.request("POST", "/v1/completions", json_body=body,
-                                           timeout_s=timeout_s)  # fmt: skip
+        raw, attempts = await self.request(
+            "POST", "/v1/completions", json_body=body, timeout_s=timeout_s
+        )
         outs = parse_completion_response(raw)
         if logprobs is not None:
             check_logprobs(outs, f"logprobs={logprobs}")
@@ -249,15 +288,28 @@ class InferenceClient:
             out.latency_s, out.attempts = time.perf_counter() - started, attempts
         return outs
 
-    async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int,
-                   temperature: float = 1.0, top_p: float = 1.0,
-                   enable_thinking: bool | None = None, logprobs: bool = False,
-                   top_logprobs: int = 0, seed: int | None = None,
-                   stop: list[str] | None = None, timeout_s: float | None = None,
-                   extra: dict[str, Any] | None = None) -> Completion:  # fmt: skip
-        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
-                                "temperature": temperature, "top_p": top_p,
-                                "return_token_ids": True}  # fmt: skip
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        enable_thinking: bool | None = None,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        timeout_s: float | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Completion:
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "return_token_ids": True,
+        }
         if enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": enable_thinking}
         if logprobs:
@@ -272,8 +324,9 @@ class InferenceClient:
             body["model"] = self.cfg.model
         body.update(extra or {})
         started = time.perf_counter()
-        raw, attempts = await self.request("POST", "/v1/chat/completions", json_body=body,
-                                           timeout_s=timeout_s)  # fmt: skip
+        raw, attempts = await self.request(
+            "POST", "/v1/chat/completions", json_body=body, timeout_s=timeout_s
+        )
         outs = parse_completion_response(raw)
         if not outs:
             raise BadAnswer(f"the chat answer has no choice: {str(raw)[:200]}", body=raw)
@@ -302,12 +355,18 @@ class InferenceClient:
         body, _ = await self.request("GET", "/v1/models")
         return [m["id"] for m in body.get("data", [])]
 
-    async def load_weights(self, path: str, version: int, *, token: str,
-                           timeout_s: float = 600.0) -> dict[str, Any]:  # fmt: skip
+    async def load_weights(
+        self, path: str, version: int, *, token: str, timeout_s: float = 600.0
+    ) -> dict[str, Any]:
         """Ask a simloop server to serve the params checkpoint at `path` as `version`."""
-        body, _ = await self.request("POST", "/admin/load_weights",
-                                     json_body={"path": path, "version": version},
-                                     token=token, timeout_s=timeout_s, retries=0)  # fmt: skip
+        body, _ = await self.request(
+            "POST",
+            "/admin/load_weights",
+            json_body={"path": path, "version": version},
+            token=token,
+            timeout_s=timeout_s,
+            retries=0,
+        )
         return body
 
     async def version(self, *, token: str) -> int:
@@ -335,12 +394,20 @@ class InferenceClient:
             raise
         return str(body["id"])
 
-    async def session_generate(self, session_id: str, append_token_ids: list[int], *,
-                               max_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                               seed: int | None = None, logprobs: int | None = None,
-                               stop_token_ids: list[int] | None = None,
-                               timeout_s: float | None = None,
-                               rewind_to: int | None = None) -> Completion:  # fmt: skip
+    async def session_generate(
+        self,
+        session_id: str,
+        append_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        timeout_s: float | None = None,
+        rewind_to: int | None = None,
+    ) -> Completion:
         """Append ids to the session and generate.
 
         A failed call may have appended (and generated) before its answer was lost, so it is
@@ -349,9 +416,14 @@ class InferenceClient:
         first rewinds the session there, then appends again, so the session never holds a turn
         twice. Without `rewind_to` nothing is retried. A session the server forgot meanwhile
         (404 / 409 on the rewind) is the caller's to reopen, as on any call."""
-        body = {"append_token_ids": list(append_token_ids), "max_tokens": max_tokens,
-                "temperature": temperature, "top_p": top_p, "seed": seed,
-                "logprobs": logprobs}  # fmt: skip
+        body = {
+            "append_token_ids": list(append_token_ids),
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "logprobs": logprobs,
+        }
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
         started = time.perf_counter()
@@ -361,25 +433,33 @@ class InferenceClient:
                 n = attempt.retry_state.attempt_number
                 if n > 1:
                     await self.rewind_session(session_id, rewind_to)
-                raw, _ = await self.request("POST", path, json_body=body, timeout_s=timeout_s,
-                                            retries=0)  # fmt: skip
+                raw, _ = await self.request(
+                    "POST", path, json_body=body, timeout_s=timeout_s, retries=0
+                )
         if not isinstance(raw, dict) or not isinstance(raw.get("token_ids"), list):
             raise BadAnswer(f"session response has no token_ids: {str(raw)[:200]}", body=raw)
         logprobs_, tops = _parse_logprobs(raw.get("logprobs"))
         out = Completion(
-            text=raw.get("text", ""), token_ids=list(raw["token_ids"]),
-            finish_reason=raw.get("finish_reason") or "", logprobs=logprobs_, top_logprobs=tops,
-            weight_version=raw.get("weight_version"), token_versions=raw.get("token_versions"),
-            cached_tokens=raw.get("cached_tokens"), latency_s=time.perf_counter() - started,
-            attempts=n, raw=raw,
-        )  # fmt: skip
+            text=raw.get("text", ""),
+            token_ids=list(raw["token_ids"]),
+            finish_reason=raw.get("finish_reason") or "",
+            logprobs=logprobs_,
+            top_logprobs=tops,
+            weight_version=raw.get("weight_version"),
+            token_versions=raw.get("token_versions"),
+            cached_tokens=raw.get("cached_tokens"),
+            latency_s=time.perf_counter() - started,
+            attempts=n,
+            raw=raw,
+        )
         if logprobs is not None:
             check_logprobs([out], f"logprobs={logprobs}")
         return out
 
     async def rewind_session(self, session_id: str, to: int) -> dict[str, Any]:
-        body, _ = await self.request("POST", f"/v1/sessions/{session_id}/rewind",
-                                     json_body={"to": to}, retries=0)  # fmt: skip
+        body, _ = await self.request(
+            "POST", f"/v1/sessions/{session_id}/rewind", json_body={"to": to}, retries=0
+        )
         return body
 
     async def close_session(self, session_id: str) -> None:
@@ -409,13 +489,20 @@ def parse_completion_response(raw: dict[str, Any]) -> list[Completion]:
                 body=raw,
             )
         logprobs, tops = _parse_logprobs(choice.get("logprobs"))
-        outs.append(Completion(
-            text=text, token_ids=list(token_ids), finish_reason=choice.get("finish_reason") or "",
-            logprobs=logprobs, top_logprobs=tops,
-            prompt_token_ids=choice.get("prompt_token_ids") or raw.get("prompt_token_ids"),
-            weight_version=version, token_versions=choice.get("token_versions"),
-            cached_tokens=cached, raw=raw,
-        ))  # fmt: skip
+        outs.append(
+            Completion(
+                text=text,
+                token_ids=list(token_ids),
+                finish_reason=choice.get("finish_reason") or "",
+                logprobs=logprobs,
+                top_logprobs=tops,
+                prompt_token_ids=choice.get("prompt_token_ids") or raw.get("prompt_token_ids"),
+                weight_version=version,
+                token_versions=choice.get("token_versions"),
+                cached_tokens=cached,
+                raw=raw,
+            )
+        )
     return outs
 
 
@@ -428,8 +515,11 @@ def check_logprobs(outs: list[Completion], asked: str) -> None:
         if got == len(out.token_ids) or (got is None and not out.token_ids):
             continue
         has = "no logprobs" if got is None else f"{got} logprobs"
-        raise BadAnswer(f"the server answered without the logprobs asked for ({asked}): choice "
-                        f"{i} has {has} for {len(out.token_ids)} tokens", body=out.raw)  # fmt: skip
+        raise BadAnswer(
+            f"the server answered without the logprobs asked for ({asked}): choice "
+            f"{i} has {has} for {len(out.token_ids)} tokens",
+            body=out.raw,
+        )
 
 
 def _parse_logprobs(lp: Any) -> tuple[list[float] | None, list[dict[str, float]] | None]:

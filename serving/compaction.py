@@ -74,12 +74,16 @@ class SessionCompaction:
         if obj is None:
             return cls()
         if not isinstance(obj, dict):
-            raise ValueError(f"compaction must be an object like {{\"mode\": \"markovian\"}}, got "
-                             f"{type(obj).__name__}")  # fmt: skip
+            raise ValueError(
+                f'compaction must be an object like {{"mode": "markovian"}}, got '
+                f"{type(obj).__name__}"
+            )
         unknown = sorted(set(obj) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"compaction has unknown field(s) {unknown}: allowed "
-                             f"{list(cls.__dataclass_fields__)}")  # fmt: skip
+            raise ValueError(
+                f"compaction has unknown field(s) {unknown}: allowed "
+                f"{list(cls.__dataclass_fields__)}"
+            )
         return cls(**obj)
 
     def to_json(self) -> dict:

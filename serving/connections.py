@@ -36,12 +36,15 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         if not self.conns.admit(self):
-            err = ApiError(503, f"all {self.conns.cap} connections the server takes are in "
-                           "requests: retry later")  # fmt: skip
+            err = ApiError(
+                503,
+                f"all {self.conns.cap} connections the server takes are in requests: retry later",
+            )
             body = json.dumps(err.body()).encode()
-            transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
-                            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                            % (len(body), body))  # fmt: skip
+            transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+            )
             transport.close()
             self.inner = None
             return
@@ -58,9 +61,11 @@ class Connection(asyncio.Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if not self.busy and self.transport is not None:
-            _ratelimited.warning("closed a connection from %s: no complete request head "
-                                 "within %ss", self.transport.get_extra_info("peername"),
-                                 self.conns.cfg.header_timeout_s)  # fmt: skip
+            _ratelimited.warning(
+                "closed a connection from %s: no complete request head within %ss",
+                self.transport.get_extra_info("peername"),
+                self.conns.cfg.header_timeout_s,
+            )
             self.transport.abort()
 
     def begin(self) -> None:
@@ -99,12 +104,21 @@ class ApiErrorHandler(web.RequestHandler):
     __slots__ = ()
 
     async def finish_response(self, request, resp, start_time):
-        if (isinstance(resp, web.Response) and resp.status >= 400 and not resp.prepared
-                and resp.content_type != "application/json"):  # fmt: skip
+        if (
+            isinstance(resp, web.Response)
+            and resp.status >= 400
+            and not resp.prepared
+            and resp.content_type != "application/json"
+        ):
             text = " ".join((resp.text or resp.reason or "").split())
             if resp.status >= 500:
-                log.error("%s %s: %d from outside the request handlers (%s)", request.method,
-                          request.path, resp.status, text[:200])  # fmt: skip
+                log.error(
+                    "%s %s: %d from outside the request handlers (%s)",
+                    request.method,
+                    request.path,
+                    resp.status,
+                    text[:200],
+                )
                 text = "internal error outside the request handlers (the server log has it)"
             err = ApiError(resp.status, text[:300] or str(resp.reason))
             json_resp = web.json_response(err.body(), status=resp.status)
@@ -140,8 +154,9 @@ class Connections:
                 _ratelimited.warning("refused a connection: all %d are in requests", self.cap)
                 return False
             self.evicted += 1
-            _ratelimited.warning("at the cap of %d connections: closed the oldest idle one",
-                                 self.cap)  # fmt: skip
+            _ratelimited.warning(
+                "at the cap of %d connections: closed the oldest idle one", self.cap
+            )
             self.remove(idle)
             idle.transport.abort()
         self._open[conn] = None
@@ -182,8 +197,14 @@ class RateLimitFilter(logging.Filter):
 
 
 _ratelimited = logging.getLogger(__name__)
-LIMITED_LOGGERS = ("asyncio", "aiohttp.server", "aiohttp.web", "aiohttp.access", __name__,
-                   "serving.server")  # fmt: skip
+LIMITED_LOGGERS = (
+    "asyncio",
+    "aiohttp.server",
+    "aiohttp.web",
+    "aiohttp.access",
+    __name__,
+    "serving.server",
+)
 
 
 def limit_logging() -> None:
@@ -201,6 +222,7 @@ def connection_cap(wanted: int) -> int:
         return wanted
     cap = max(1, min(wanted, soft - 64))
     if cap < wanted:
-        log.warning("max_connections %d is above the open-file limit %d: capped at %d",
-                    wanted, soft, cap)  # fmt: skip
+        log.warning(
+            "max_connections %d is above the open-file limit %d: capped at %d", wanted, soft, cap
+        )
     return cap

@@ -40,7 +40,10 @@ def die_with_parent(environ: Mapping[str, str] = os.environ) -> bool:
         return False
     # The parent may have died before the request above: then this process was re-parented.
     if os.getppid() != parent:
-        print(f"the job that started this server (pid {parent}) is gone; exiting",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"the job that started this server (pid {parent}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         raise SystemExit(1)
     return True

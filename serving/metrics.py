@@ -72,8 +72,11 @@ class ServerMetrics:
         for (endpoint, status), count in sorted(self.requests.items()):
             labels = f'endpoint="{endpoint}",status="{status}"'
             lines.append(f"simloop_requests_total{{{labels}}} {count}")
-        lines += ["# HELP simloop_refused_total requests refused to protect the server (limits, "
-                  "session tokens), by reason", "# TYPE simloop_refused_total counter"]  # fmt: skip
+        lines += [
+            "# HELP simloop_refused_total requests refused to protect the server (limits, "
+            "session tokens), by reason",
+            "# TYPE simloop_refused_total counter",
+        ]
         for reason, count in self.refused.items():
             lines.append(f'simloop_refused_total{{reason="{reason}"}} {count}')
         stats = engine.stats
@@ -88,8 +91,11 @@ class ServerMetrics:
             ("spec_kept", "guessed tokens the model confirmed (kept)"),
         ]:
             name = f"simloop_{key}_total"
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter",
-                      f"{name} {stats[key]}"]  # fmt: skip
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} counter",
+                f"{name} {stats[key]}",
+            ]
         rate = self.tokens_per_second(stats["generated_tokens"])
         gauges = [
             ("queue_depth", "sequences waiting for a slot", engine.queue_depth),
@@ -100,8 +106,11 @@ class ServerMetrics:
              f"(window {self.window_s:g}s)", round(rate, 3)),
         ]  # fmt: skip
         for key, help_text, value in gauges:
-            lines += [f"# HELP simloop_{key} {help_text}", f"# TYPE simloop_{key} gauge",
-                      f"simloop_{key} {value}"]  # fmt: skip
+            lines += [
+                f"# HELP simloop_{key} {help_text}",
+                f"# TYPE simloop_{key} gauge",
+                f"simloop_{key} {value}",
+            ]
         lines += self.latency.render("simloop_request_latency_seconds", "request latency")
         lines += self.queue_wait.render("simloop_queue_wait_seconds", "wait for a slot")
         return "\n".join(lines) + "\n"

@@ -191,8 +191,13 @@ def is_bad_answer(e: BaseException) -> bool:
     other than 429 (busy: load, not sickness), or a 2xx that is not what was asked."""
     if isinstance(e, BadAnswer):
         return True
-    return (isinstance(e, ClientError) and not isinstance(e, ReplicaDown | ClientTimeout)
-            and e.status is not None and 400 <= e.status < 500 and e.status != 429)  # fmt: skip
+    return (
+        isinstance(e, ClientError)
+        and not isinstance(e, ReplicaDown | ClientTimeout)
+        and e.status is not None
+        and 400 <= e.status < 500
+        and e.status != 429
+    )
 
 
 # ----- per-episode affinity --------------------------------------------------------------------
@@ -228,8 +233,9 @@ class PoolSession:
     A `oneoff` session (one request outside any episode) has nothing to keep warm: when its
     replica is ejected under it, the request goes again to another live replica."""
 
-    def __init__(self, pool: ReplicaPool, key: str, affinity: Affinity | None = None, *,
-                 oneoff: bool = False):  # fmt: skip
+    def __init__(
+        self, pool: ReplicaPool, key: str, affinity: Affinity | None = None, *, oneoff: bool = False
+    ):
         self.pool, self.key, self._affinity, self._oneoff = pool, key, affinity, oneoff
         self.replica: Replica | None = None
         self._generation = 0
@@ -258,8 +264,12 @@ class PoolSession:
                 return await self._once(name, args, kw)
             except ReplicaDown as down:
                 tries += 1
-                if not (self._oneoff and down.url is not None and self.pool.live
-                        and tries < len(self.pool.replicas)):  # fmt: skip
+                if not (
+                    self._oneoff
+                    and down.url is not None
+                    and self.pool.live
+                    and tries < len(self.pool.replicas)
+                ):
                     raise
                 log.info("%s pool: %s again on another replica: %s", self.pool.role, name, down)
                 self.replica = None
@@ -344,8 +354,9 @@ class ReplicaPool:
         for r in self.replicas:
             if which is r or which == r.url or which == r.index:
                 return r
-        raise KeyError(f"{which!r} is not a replica of the {self.role} pool "
-                       f"({[r.url for r in self.replicas]})")  # fmt: skip
+        raise KeyError(
+            f"{which!r} is not a replica of the {self.role} pool ({[r.url for r in self.replicas]})"
+        )
 
     # ----- routing ---------------------------------------------------------------------------
 
@@ -380,12 +391,18 @@ class ReplicaPool:
             self._live_changed.clear()
             down = "; ".join(f"{r.url}: {r.reason}" for r in self.replicas)
             if all(r.retired for r in self.replicas):  # nothing will come back: do not wait
-                raise ReplicaDown(None, f"no live {self.role} replica for {key}: every one "
-                                  f"failed and was given up ({down})")  # fmt: skip
+                raise ReplicaDown(
+                    None,
+                    f"no live {self.role} replica for {key}: every one "
+                    f"failed and was given up ({down})",
+                )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ReplicaDown(None, f"no live {self.role} replica for {key} within "
-                                  f"{self.cfg.wait_live_s:g}s ({down})")  # fmt: skip
+                raise ReplicaDown(
+                    None,
+                    f"no live {self.role} replica for {key} within "
+                    f"{self.cfg.wait_live_s:g}s ({down})",
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self._live_changed.wait()
@@ -418,8 +435,16 @@ class ReplicaPool:
             raise ReplicaDown(r.url, down.result())
         return call.result()
 
-    async def _judge(self, r: Replica, generation: int, name: str, args: tuple,
-                     kw: dict[str, Any], e: ClientError, key: str) -> Any:  # fmt: skip
+    async def _judge(
+        self,
+        r: Replica,
+        generation: int,
+        name: str,
+        args: tuple,
+        kw: dict[str, Any],
+        e: ClientError,
+        key: str,
+    ) -> Any:
         """Count `e`, the failed answer of `r` to a `JUDGED` call, against `r` when it is
         `r`'s fault: a timeout always; a bad answer only when a peer (another live replica)
         answers the same request well, the peer's answer being returned. A request every
@@ -445,8 +470,12 @@ class ReplicaPool:
                 self._strike(peer, peer_generation, "timeout", f"{name}: {pe}")
             return None  # (a bad answer there too: the request is bad, nobody is counted)
         self._answered(peer, peer_generation)
-        self._strike(r, generation, "bad_answer",
-                     f"{name}: {e} (the same request was answered by {peer.url})")  # fmt: skip
+        self._strike(
+            r,
+            generation,
+            "bad_answer",
+            f"{name}: {e} (the same request was answered by {peer.url})",
+        )
         return answer
 
     def _strike(self, r: Replica, generation: int, kind: str, why: str) -> None:
@@ -455,14 +484,26 @@ class ReplicaPool:
             return
         r.streak[kind] += 1
         if r.strikes < self.cfg.answer_failures:
-            log.info("%s replica %s: failed answer %d/%d: %s", self.role, r.url, r.strikes,
-                     self.cfg.answer_failures, why)  # fmt: skip
+            log.info(
+                "%s replica %s: failed answer %d/%d: %s",
+                self.role,
+                r.url,
+                r.strikes,
+                self.cfg.answer_failures,
+                why,
+            )
             return
-        kinds = ", ".join(f"{n} {'timed out' if k == 'timeout' else 'bad'}"
-                          for k, n in sorted(r.streak.items(), reverse=True))  # fmt: skip
+        kinds = ", ".join(
+            f"{n} {'timed out' if k == 'timeout' else 'bad'}"
+            for k, n in sorted(r.streak.items(), reverse=True)
+        )
         n = r.strikes
-        self.eject(r, f"{n} answer{'s' * (n > 1)} in a row failed ({kinds}), the last: {why}",
-                   generation=generation, kind=kind)  # fmt: skip
+        self.eject(
+            r,
+            f"{n} answer{'s' * (n > 1)} in a row failed ({kinds}), the last: {why}",
+            generation=generation,
+            kind=kind,
+        )
 
     def _answered(self, r: Replica, generation: int) -> None:
         """A good answer: `r`'s count of failed answers starts again."""
@@ -471,8 +512,14 @@ class ReplicaPool:
 
     # ----- ejection and readmission ----------------------------------------------------------
 
-    def eject(self, replica: Replica | str | int, reason: str, *, generation: int | None = None,
-              kind: str = "manual") -> bool:  # fmt: skip
+    def eject(
+        self,
+        replica: Replica | str | int,
+        reason: str,
+        *,
+        generation: int | None = None,
+        kind: str = "manual",
+    ) -> bool:
         """Take a replica out of service; False if it already was (or was readmitted since
         `generation`). Its in-flight requests end with `ReplicaDown` at once. `kind` (for
         metrics): `dead`, `health`, `publish`, `timeout`, `bad_answer`, or `manual` (its owner's
@@ -542,8 +589,9 @@ class ReplicaPool:
         it is readmitted (a hung engine still answers `/health`)."""
         r = self.replica(replica)
         timeout_s = self.cfg.timeout_for(1, r.client.cfg.timeout_s)
-        return await r.client.complete(PROBE_PROMPT, max_tokens=1, temperature=0.0, logprobs=0,
-                                       timeout_s=timeout_s)  # fmt: skip
+        return await r.client.complete(
+            PROBE_PROMPT, max_tokens=1, temperature=0.0, logprobs=0, timeout_s=timeout_s
+        )
 
     async def _try_readmit(self, r: Replica) -> None:
         try:
@@ -579,16 +627,21 @@ class ReplicaPool:
         async def check(r: Replica) -> None:
             generation = r.generation
             try:
-                await r.client.request("GET", "/health", timeout_s=self.cfg.health_timeout_s,
-                                       retries=0)  # fmt: skip
+                await r.client.request(
+                    "GET", "/health", timeout_s=self.cfg.health_timeout_s, retries=0
+                )
                 r.failed_checks = 0
             except ClientError as e:  # counted: the replica is ejected after a few in a row
                 if generation != r.generation or not r.live:
                     return
                 r.failed_checks += 1
                 if r.failed_checks >= self.cfg.health_failures:
-                    self.eject(r, f"health check failed {r.failed_checks}x: {e}",
-                               generation=generation, kind="health")  # fmt: skip
+                    self.eject(
+                        r,
+                        f"health check failed {r.failed_checks}x: {e}",
+                        generation=generation,
+                        kind="health",
+                    )
 
         await asyncio.gather(*(check(r) for r in self.live))
         if self.on_eject is None:
@@ -638,13 +691,21 @@ class ReplicaPool:
             "restarts": sum(r.restarts for r in self.replicas),
             "in_flight": sum(r.in_flight for r in self.replicas),
             "per_replica": [
-                {"url": r.url, "live": r.live, "in_flight": r.in_flight, "ejections": r.ejections,
-                 "ejected_for": dict(r.ejected_for), "last_ejection": r.last_ejection,
-                 "strikes": r.strikes, "restarts": r.restarts, "version": r.version,
-                 "reason": r.reason}
+                {
+                    "url": r.url,
+                    "live": r.live,
+                    "in_flight": r.in_flight,
+                    "ejections": r.ejections,
+                    "ejected_for": dict(r.ejected_for),
+                    "last_ejection": r.last_ejection,
+                    "strikes": r.strikes,
+                    "restarts": r.restarts,
+                    "version": r.version,
+                    "reason": r.reason,
+                }
                 for r in self.replicas
             ],
-        }  # fmt: skip
+        }
 
 
 # ----- publishing --------------------------------------------------------------------------------
@@ -688,8 +749,9 @@ class PoolPublisher:
                     if not isinstance(out, Exception):
                         raise out
                     errors.append(f"{r.url}: {out}")
-                    self.pool.eject(r, f"publish of version {version} failed: {out}",
-                                    kind="publish")  # fmt: skip
+                    self.pool.eject(
+                        r, f"publish of version {version} failed: {out}", kind="publish"
+                    )
                 else:
                     done.append((r, out))
             if not done:
@@ -700,10 +762,12 @@ class PoolPublisher:
             self.path, self.version = str(path), int(version)
             probes = [rep.first_token_s for _, rep in done]
             return PublishReport(
-                int(version), str(path), load_s=time.perf_counter() - started,
+                int(version),
+                str(path),
+                load_s=time.perf_counter() - started,
                 first_token_s=None if None in probes else max(probes),
                 servers=[r.url for r, _ in done],
-            )  # fmt: skip
+            )
 
     async def bring_up(self, r: Replica, mark_live: Callable[[Replica], None]) -> None:
         """Republish the current version to `r`, then `mark_live(r)`, with no publish between
@@ -718,8 +782,9 @@ class PoolPublisher:
                 try:
                     await self._publish_one(r, self.path, self.version)
                 except Exception as e:  # any failure keeps it out: it would serve an old version
-                    raise ReplicaDown(r.url, f"not readmitted: republishing version "
-                                      f"{self.version} failed: {e}") from e  # fmt: skip
+                    raise ReplicaDown(
+                        r.url, f"not readmitted: republishing version {self.version} failed: {e}"
+                    ) from e
             mark_live(r)
 
     async def close(self) -> None:

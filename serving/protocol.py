@@ -54,17 +54,31 @@ LOGPROB_FLOOR = -9999.0
 class ApiError(Exception):
     """An error response: HTTP status + the OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str | None = None, code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
-                                       else "server_error")  # fmt: skip
+        self.type = type or _TYPES.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 _TYPES = {
@@ -133,8 +147,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _text(v: str, param: str) -> str:
     """`v`, refused when it holds a lone UTF-16 surrogate (valid JSON, not valid Unicode)."""
     if not v.isascii() and (m := _SURROGATE.search(v)) is not None:
-        raise bad(param, f"{param} holds a lone UTF-16 surrogate {m.group()!a} at character "
-                  f"{m.start()}: not valid Unicode text")  # fmt: skip
+        raise bad(
+            param,
+            f"{param} holds a lone UTF-16 surrogate {m.group()!a} at character "
+            f"{m.start()}: not valid Unicode text",
+        )
     return v
 
 
@@ -170,15 +187,19 @@ def _sampling(body: dict, limits: Limits, *, max_tokens_key: str, logprobs: int)
     elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", f"'stop' must be a non-empty string or a list of them, got "
-                  f"{short_repr(stop)}")  # fmt: skip
+        raise bad(
+            "stop", f"'stop' must be a non-empty string or a list of them, got {short_repr(stop)}"
+        )
     stop = [_text(s, "stop") for s in stop]
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab for t in stop_ids
     ):
-        raise bad("stop_token_ids", f"'stop_token_ids' must be a list of token ids in "
-                  f"[0, {limits.vocab}), got {short_repr(stop_ids)}")  # fmt: skip
+        raise bad(
+            "stop_token_ids",
+            f"'stop_token_ids' must be a list of token ids in "
+            f"[0, {limits.vocab}), got {short_repr(stop_ids)}",
+        )
     for key in ("presence_penalty", "frequency_penalty"):
         if _num(body, key, 0.0, lo=-2.0, hi=2.0) != 0.0:
             raise bad(key, f"'{key}' is not supported: leave it 0")
@@ -186,15 +207,26 @@ def _sampling(body: dict, limits: Limits, *, max_tokens_key: str, logprobs: int)
     if seed is not None:
         seed %= 2**31
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-        ignore_eos=_bool(body, "ignore_eos"), logprobs=logprobs,
-    )  # fmt: skip
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+    )
 
 
-UNSUPPORTED = {"logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-               "response_format": (None, {"type": "text"}), "tools": (None, []),
-               "functions": (None, [])}  # fmt: skip
+UNSUPPORTED = {
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "functions": (None, []),
+}
 """OpenAI parameters this server does not implement, with the values that ask for nothing:
 any other value is refused by name rather than ignored (it would sample otherwise than asked)."""
 
@@ -204,8 +236,11 @@ def _common(body: dict) -> dict:
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
     for key, neutral in UNSUPPORTED.items():
         if key in body and body[key] not in neutral:
-            raise bad(key, f"'{key}' is not supported by this server: leave it out (or "
-                      f"{' / '.join(map(short_repr, neutral))})")  # fmt: skip
+            raise bad(
+                key,
+                f"'{key}' is not supported by this server: leave it out (or "
+                f"{' / '.join(map(short_repr, neutral))})",
+            )
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", f"'model' must be a string, got {model!r}")
@@ -217,11 +252,17 @@ def _common(body: dict) -> dict:
         raise bad("stream_options", "'stream_options' must be an object")
     include_usage = options.get("include_usage", False)
     if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad("stream_options.include_usage", "'include_usage' must be true or false, got "
-                  f"{short_repr(include_usage)}")  # fmt: skip
-    return dict(model=model, n=n, stream=_bool(body, "stream"),
-                return_token_ids=_bool(body, "return_token_ids"),
-                include_usage=bool(include_usage))  # fmt: skip
+        raise bad(
+            "stream_options.include_usage",
+            f"'include_usage' must be true or false, got {short_repr(include_usage)}",
+        )
+    return dict(
+        model=model,
+        n=n,
+        stream=_bool(body, "stream"),
+        return_token_ids=_bool(body, "return_token_ids"),
+        include_usage=bool(include_usage),
+    )
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> CompletionRequest:
@@ -230,8 +271,11 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> Complet
     if isinstance(prompt, str) or _is_ids(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise bad("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list "
-                  f"of either; got {short_repr(body.get('prompt'))}")  # fmt: skip
+        raise bad(
+            "prompt",
+            "'prompt' must be a string, a list of token ids, or a non-empty list "
+            f"of either; got {short_repr(body.get('prompt'))}",
+        )
     prompts = []
     for p in prompt:
         if isinstance(p, str):
@@ -248,8 +292,9 @@ def parse_completion(body: Any, tokenizer: Tokenizer, limits: Limits) -> Complet
         prompts.append(ids)
     logprobs = _int(body, "logprobs", None, lo=0, hi=limits.max_logprobs)
     params = _sampling(body, limits, max_tokens_key="max_tokens", logprobs=logprobs or 0)
-    return CompletionRequest(chat=False, prompts=prompts, params=params,
-                             echo_logprobs=logprobs is not None, **common)  # fmt: skip
+    return CompletionRequest(
+        chat=False, prompts=prompts, params=params, echo_logprobs=logprobs is not None, **common
+    )
 
 
 def _only(body: Any, allowed: tuple[str, ...], what: str) -> dict:
@@ -258,8 +303,9 @@ def _only(body: Any, allowed: tuple[str, ...], what: str) -> dict:
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(allowed))
     if unknown:
-        raise bad(unknown[0], f"unknown field(s) {short_repr(unknown)}: {what} takes "
-                  f"{', '.join(allowed)}")  # fmt: skip
+        raise bad(
+            unknown[0], f"unknown field(s) {short_repr(unknown)}: {what} takes {', '.join(allowed)}"
+        )
     return body
 
 
@@ -279,31 +325,57 @@ def parse_session_open(body: Any, max_ttl_s: float, *, tokens: bool = False) -> 
     """`POST /v1/sessions` `{"ttl_s"?, "compaction"?: {"mode", ...}, "token"?}` (an empty
     body is fine; `serving.compaction.SessionCompaction` holds the compaction fields; `token`
     only where the server has session tokens)."""
-    body = _only({} if body is None else body, ("ttl_s", "compaction", "token"),
-                 "opening a session")  # fmt: skip
-    ttl = None if body.get("ttl_s") is None else _num(body, "ttl_s", None, lo=0.0, hi=max_ttl_s,
-                                                      open_lo=True)  # fmt: skip
+    body = _only(
+        {} if body is None else body, ("ttl_s", "compaction", "token"), "opening a session"
+    )
+    ttl = (
+        None
+        if body.get("ttl_s") is None
+        else _num(body, "ttl_s", None, lo=0.0, hi=max_ttl_s, open_lo=True)
+    )
     try:
         compaction = SessionCompaction.from_json(body.get("compaction"))
     except (TypeError, ValueError) as e:
         raise bad("compaction", f"{e} (modes: {list(COMPACTION_MODES)})") from None
     token = body.get("token")
     if token is not None and not tokens:
-        raise bad("token", "this server has no session tokens (ServerConfig.session_tokens is "
-                  "off): leave 'token' out")  # fmt: skip
+        raise bad(
+            "token",
+            "this server has no session tokens (ServerConfig.session_tokens is "
+            "off): leave 'token' out",
+        )
     lo, hi = SESSION_TOKEN_CHARS
     if token is not None and not (
-        isinstance(token, str) and lo <= len(token) <= hi and token.isascii()
-        and token.isprintable() and " " not in token
-    ):  # fmt: skip
-        raise bad("token", f"'token' must be {lo} to {hi} visible ASCII characters, got "
-                  f"{short_repr(token)}")  # fmt: skip
+        isinstance(token, str)
+        and lo <= len(token) <= hi
+        and token.isascii()
+        and token.isprintable()
+        and " " not in token
+    ):
+        raise bad(
+            "token",
+            f"'token' must be {lo} to {hi} visible ASCII characters, got {short_repr(token)}",
+        )
     return SessionOpen(ttl_s=ttl, compaction=compaction, token=token)
 
 
-SESSION_STEP_FIELDS = ("append_token_ids", "append_text", "max_tokens", "temperature", "top_p",
-                       "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-                       "presence_penalty", "frequency_penalty", "stream", "model")  # fmt: skip
+SESSION_STEP_FIELDS = (
+    "append_token_ids",
+    "append_text",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "model",
+)
 """What a session step takes: one sequence (no `n`), the sampling fields of /v1/completions."""
 
 
@@ -325,27 +397,35 @@ def parse_session_generate(body: Any, tokenizer: Tokenizer, limits: Limits) -> S
         raise bad("model", f"'model' must be a string, got {short_repr(model)}")
     ids, text = body.get("append_token_ids"), body.get("append_text")
     if (ids is None) == (text is None):
-        raise bad("append_token_ids", "give exactly one of 'append_token_ids' (a list of token "
-                  "ids) and 'append_text' (a string)")  # fmt: skip
+        raise bad(
+            "append_token_ids",
+            "give exactly one of 'append_token_ids' (a list of token "
+            "ids) and 'append_text' (a string)",
+        )
     if text is not None:
         if not isinstance(text, str):
             raise bad("append_text", f"'append_text' must be a string, got {short_repr(text)}")
         append = tokenizer.encode(_text(text, "append_text"))
     else:
         if not (ids == [] or _is_ids(ids)):
-            raise bad("append_token_ids", f"'append_token_ids' must be a list of token ids, got "
-                      f"{short_repr(ids)}")  # fmt: skip
+            raise bad(
+                "append_token_ids",
+                f"'append_token_ids' must be a list of token ids, got {short_repr(ids)}",
+            )
         append = list(ids)
     bad_ids = [t for t in append if not 0 <= t < limits.vocab]
     if bad_ids:
-        raise bad("append_token_ids", f"token ids {bad_ids[:5]} are outside the vocabulary "
-                  f"[0, {limits.vocab})")  # fmt: skip
+        raise bad(
+            "append_token_ids",
+            f"token ids {bad_ids[:5]} are outside the vocabulary [0, {limits.vocab})",
+        )
     if _bool(body, "stream"):
         raise bad("stream", "a session step does not stream: leave 'stream' false")
     logprobs = _int(body, "logprobs", None, lo=0, hi=limits.max_logprobs)
     params = _sampling(body, limits, max_tokens_key="max_tokens", logprobs=logprobs or 0)
-    return SessionStep(append=append, params=params, echo_logprobs=logprobs is not None,
-                       model=model)  # fmt: skip
+    return SessionStep(
+        append=append, params=params, echo_logprobs=logprobs is not None, model=model
+    )
 
 
 def parse_session_rewind(body: Any) -> Any:
@@ -366,8 +446,10 @@ def parse_chat(
     parsed: list[Message] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise bad(f"messages[{i}]", f"messages[{i}] needs a 'role' in {list(ROLES)}, got "
-                      f"{short_repr(m)}")  # fmt: skip
+            raise bad(
+                f"messages[{i}]",
+                f"messages[{i}] needs a 'role' in {list(ROLES)}, got {short_repr(m)}",
+            )
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" for c in content):
@@ -378,12 +460,15 @@ def parse_chat(
         if content is None and m["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", f"messages[{i}].content must be a string, got "
-                      f"{short_repr(content)}")  # fmt: skip
+            raise bad(
+                f"messages[{i}].content",
+                f"messages[{i}].content must be a string, got {short_repr(content)}",
+            )
         msg: Message = {"role": m["role"], "content": _text(content, f"messages[{i}].content")}
         if isinstance(m.get("reasoning_content"), str) and m["role"] == "assistant":
-            msg["reasoning_content"] = _text(m["reasoning_content"],
-                                             f"messages[{i}].reasoning_content")  # fmt: skip
+            msg["reasoning_content"] = _text(
+                m["reasoning_content"], f"messages[{i}].reasoning_content"
+            )
         parsed.append(msg)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -398,8 +483,9 @@ def parse_chat(
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     params = _sampling(body, limits, max_tokens_key=key, logprobs=top)
     ids = renderer.render(parsed, add_generation_prompt=True, enable_thinking=enable_thinking)
-    req = CompletionRequest(chat=True, prompts=[ids], params=params,
-                            echo_logprobs=want_logprobs, **common)  # fmt: skip
+    req = CompletionRequest(
+        chat=True, prompts=[ids], params=params, echo_logprobs=want_logprobs, **common
+    )
     return req, parsed
 
 
@@ -459,8 +545,11 @@ def completion_logprobs(tokenizer: Tokenizer, out: SequenceOutput, offset0: int 
 def chat_logprobs(tokenizer: Tokenizer, token_ids, logprobs, tops) -> dict:
     def entry(tid: int, lp: float, alternative: bool = False) -> dict:
         text = token_text(tokenizer, tid)
-        return {"token": text, "logprob": _logprob(lp, alternative=alternative),
-                "bytes": list(text.encode("utf-8"))}  # fmt: skip
+        return {
+            "token": text,
+            "logprob": _logprob(lp, alternative=alternative),
+            "bytes": list(text.encode("utf-8")),
+        }
 
     return {
         "content": [
@@ -474,9 +563,12 @@ def usage(prompts: list[list[int]], outputs: list[SequenceOutput], n: int) -> di
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
     cached = sum(o.cached_tokens for o in outputs[::n]) if outputs else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def build_response(
@@ -494,14 +586,17 @@ def build_response(
     for p, outs in enumerate(outputs):
         for out in outs:
             flat.append(out)
-            choice: dict[str, Any] = {"index": p * req.n + out.index,
-                                      "finish_reason": out.finish_reason}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": p * req.n + out.index,
+                "finish_reason": out.finish_reason,
+            }
             if req.chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = (
                     chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
-                    if req.echo_logprobs else None
-                )  # fmt: skip
+                    if req.echo_logprobs
+                    else None
+                )
             else:
                 choice["text"] = out.text
                 choice["logprobs"] = (

@@ -49,8 +49,7 @@ class EnginePublisher:
     async def _load(self, client: InferenceClient, path: str, version: int) -> None:
         for attempt in range(1, self.retries + 2):
             try:
-                await client.load_weights(path, version, token=self.token,
-                                          timeout_s=self.timeout_s)  # fmt: skip
+                await client.load_weights(path, version, token=self.token, timeout_s=self.timeout_s)
                 return
             except ClientError as e:
                 # Retried on purpose: a server restarting or overloaded answers later.

@@ -112,27 +112,30 @@ class Server:
         self.owners: dict[str, _Owner] = {}
         """The sessions opened here, by id; pruned of those the engine no longer holds at each
         open, so it never outgrows the engine's own `sessions` for long."""
-        self.limits = Limits(vocab=min(engine.model_cfg.vocab_size, tokenizer.vocab_size),
-                             context=engine.cfg.max_seq_len,
-                             max_logprobs=engine.cfg.max_top_logprobs)  # fmt: skip
+        self.limits = Limits(
+            vocab=min(engine.model_cfg.vocab_size, tokenizer.vocab_size),
+            context=engine.cfg.max_seq_len,
+            max_logprobs=engine.cfg.max_top_logprobs,
+        )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes,
-                              middlewares=[self._errors])  # fmt: skip
-        app.add_routes([
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/metrics", self.prometheus),
-            web.post("/admin/load_weights", self.load_weights),
-            web.get("/admin/version", self.version),
-            web.post("/v1/sessions", self.open_session),
-            web.get("/v1/sessions", self.list_sessions),
-            web.post("/v1/sessions/{id}/generate", self.session_generate),
-            web.post("/v1/sessions/{id}/rewind", self.rewind_session),
-            web.delete("/v1/sessions/{id}", self.close_session),
-        ])  # fmt: skip
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.prometheus),
+                web.post("/admin/load_weights", self.load_weights),
+                web.get("/admin/version", self.version),
+                web.post("/v1/sessions", self.open_session),
+                web.get("/v1/sessions", self.list_sessions),
+                web.post("/v1/sessions/{id}/generate", self.session_generate),
+                web.post("/v1/sessions/{id}/rewind", self.rewind_session),
+                web.delete("/v1/sessions/{id}", self.close_session),
+            ]
+        )
         return app
 
     # ----- plumbing --------------------------------------------------------------------------
@@ -151,8 +154,11 @@ class Server:
             if e.status == 408:  # the body is half read: the connection cannot be reused
                 response.force_close()
         except web.HTTPRequestEntityTooLarge as e:
-            err = ApiError(413, f"request body is over the {self.cfg.max_body_bytes} byte limit "
-                           f"({e.text or 'too large'})")  # fmt: skip
+            err = ApiError(
+                413,
+                f"request body is over the {self.cfg.max_body_bytes} byte limit "
+                f"({e.text or 'too large'})",
+            )
             response = web.json_response(err.body(), status=413)
         except web.HTTPException as e:  # 404/405 from routing
             err = ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
@@ -173,11 +179,13 @@ class Server:
         try:
             raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
         except TimeoutError as e:
-            raise ApiError(408, f"the request body did not arrive within "
-                           f"{self.cfg.body_timeout_s}s") from e  # fmt: skip
+            raise ApiError(
+                408, f"the request body did not arrive within {self.cfg.body_timeout_s}s"
+            ) from e
         except web.RequestPayloadError as e:  # a broken chunked or compressed body
-            raise ApiError(400, f"the request body cannot be read: "
-                           f"{' '.join(str(e).split())}") from e  # fmt: skip
+            raise ApiError(
+                400, f"the request body cannot be read: {' '.join(str(e).split())}"
+            ) from e
         if allow_empty and not raw.strip():
             return None
         try:
@@ -189,16 +197,20 @@ class Server:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves "
-                           f"{self.cfg.model_name!r}", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.cfg.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _submit(self, req: CompletionRequest, request_id: str):
         handles = []
         try:
             for i, prompt in enumerate(req.prompts):
-                handles.append(self.engine.submit(prompt, req.params, n=req.n,
-                                                  request_id=f"{request_id}-{i}"))  # fmt: skip
+                handles.append(
+                    self.engine.submit(prompt, req.params, n=req.n, request_id=f"{request_id}-{i}")
+                )
         except EngineError as e:
             for h in handles:
                 self.engine.abort(h.id)
@@ -237,10 +249,16 @@ class Server:
             for h in handles:
                 self.engine.abort(h.id)
         self._record(outputs, started)
-        return web.json_response(build_response(
-            req, outputs, tokenizer=self.tokenizer, model=self.cfg.model_name,
-            version=self.engine.version, request_id=request_id,
-        ))  # fmt: skip
+        return web.json_response(
+            build_response(
+                req,
+                outputs,
+                tokenizer=self.tokenizer,
+                model=self.cfg.model_name,
+                version=self.engine.version,
+                request_id=request_id,
+            )
+        )
 
     def _record(self, outputs: list[list[SequenceOutput]], started: float) -> None:
         self.metrics.latency.observe(time.perf_counter() - started)
@@ -248,10 +266,12 @@ class Server:
             for o in outs:
                 self.metrics.queue_wait.observe(o.queue_s)
 
-    async def _stream(self, request, req: CompletionRequest, handles, request_id: str,
-                      started: float):  # fmt: skip
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})  # fmt: skip
+    async def _stream(
+        self, request, req: CompletionRequest, handles, request_id: str, started: float
+    ):
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         obj = "chat.completion.chunk" if req.chat else "text_completion"
         created = int(time.time())
@@ -262,8 +282,13 @@ class Server:
         stop_ids = frozenset(req.params.stop_token_ids) | eos
 
         async def send(choice: dict) -> None:
-            chunk = {"id": request_id, "object": obj, "created": created,
-                     "model": self.cfg.model_name, "choices": [choice]}  # fmt: skip
+            chunk = {
+                "id": request_id,
+                "object": obj,
+                "created": created,
+                "model": self.cfg.model_name,
+                "choices": [choice],
+            }
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
         queue: asyncio.Queue = asyncio.Queue()
@@ -277,8 +302,10 @@ class Server:
             finally:
                 await queue.put((p, None))
 
-        pumps = [asyncio.create_task(pump(p, h), name=f"{request_id}-pump-{p}")
-                 for p, h in enumerate(handles)]  # fmt: skip
+        pumps = [
+            asyncio.create_task(pump(p, h), name=f"{request_id}-pump-{p}")
+            for p, h in enumerate(handles)
+        ]
         failure: Exception | None = None
         try:
             open_pumps = len(pumps)
@@ -286,8 +313,14 @@ class Server:
                 for p in range(len(handles)):
                     for j in range(req.n):
                         first = {"role": "assistant", "content": ""}
-                        await send({"index": p * req.n + j, "delta": first, "logprobs": None,
-                                    "finish_reason": None})  # fmt: skip
+                        await send(
+                            {
+                                "index": p * req.n + j,
+                                "delta": first,
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        )
             while open_pumps:
                 p, event = await queue.get()
                 if event is None:
@@ -303,9 +336,16 @@ class Server:
                     delta = ts.push(event.token_id)
                     lp = None
                     if req.echo_logprobs:
-                        lp = (chat_logprobs(self.tokenizer, [event.token_id], [event.logprob],
-                                            [event.top_logprobs]) if req.chat
-                              else _stream_completion_logprobs(self.tokenizer, event))  # fmt: skip
+                        lp = (
+                            chat_logprobs(
+                                self.tokenizer,
+                                [event.token_id],
+                                [event.logprob],
+                                [event.top_logprobs],
+                            )
+                            if req.chat
+                            else _stream_completion_logprobs(self.tokenizer, event)
+                        )
                     if delta or lp:
                         await send(self._delta(req, index, delta, lp, None))
                 else:
@@ -313,15 +353,23 @@ class Server:
                     rest = ts.finish(event.text)
                     choice = self._delta(req, index, rest, None, event.finish_reason)
                     if req.return_token_ids:
-                        choice.update(token_ids=event.token_ids, token_versions=event.versions,
-                                      prompt_token_ids=req.prompts[p])  # fmt: skip
+                        choice.update(
+                            token_ids=event.token_ids,
+                            token_versions=event.versions,
+                            prompt_token_ids=req.prompts[p],
+                        )
                     await send(choice)
             self._record(outputs, started)
             if req.include_usage:
                 flat = [o for outs in outputs for o in outs]
-                chunk = {"id": request_id, "object": obj, "created": created,
-                         "model": self.cfg.model_name, "choices": [],
-                         "usage": usage(req.prompts, flat, req.n)}  # fmt: skip
+                chunk = {
+                    "id": request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": self.cfg.model_name,
+                    "choices": [],
+                    "usage": usage(req.prompts, flat, req.n),
+                }
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         except ConnectionError:
             raise  # the client is gone: there is no one to tell
@@ -334,8 +382,7 @@ class Server:
             for h in handles:
                 self.engine.abort(h.id)
         if failure is not None:  # one error event, then the end: never a second response
-            err = ApiError(500, f"generation failed mid-stream: {failure!r}",
-                           type="server_error")  # fmt: skip
+            err = ApiError(500, f"generation failed mid-stream: {failure!r}", type="server_error")
             await response.write(f"data: {json.dumps(err.body())}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -345,19 +392,26 @@ class Server:
     def _delta(req, index, text, logprobs, finish_reason) -> dict:
         if req.chat:
             delta = {"content": text} if text else {}
-            return {"index": index, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": finish_reason}  # fmt: skip
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason}  # fmt: skip
+            return {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     # ----- sessions --------------------------------------------------------------------------
 
     def _session_fields(self, session) -> dict:
-        return {"id": session.id, "session_tokens": len(session.tokens),
-                "kv_tokens": self.engine.session_kv_tokens(session),
-                "compaction": session.compaction.to_json(),
-                "compactions": session.compactions, "keys_dropped": session.keys_dropped,
-                "kv_epoch": self.engine.session_epoch(session)}  # fmt: skip
+        return {
+            "id": session.id,
+            "session_tokens": len(session.tokens),
+            "kv_tokens": self.engine.session_kv_tokens(session),
+            "compaction": session.compaction.to_json(),
+            "compactions": session.compactions,
+            "keys_dropped": session.keys_dropped,
+            "kv_epoch": self.engine.session_epoch(session),
+        }
 
     def _client(self, request: web.Request) -> str:
         """Who sent `request` (`ServerConfig.client_identity`): `key:<hash of its bearer key>`
@@ -390,10 +444,13 @@ class Server:
         if len(mine) >= cap:
             self.metrics.refuse("client_sessions")
             who = "API key" if client.startswith("key:") else "address"
-            raise ApiError(429, f"this client (by its {who}) holds {len(mine)} open sessions: "
-                           f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)"
-                           "; close one first (other clients may still open theirs)",
-                           code="client_session_limit")  # fmt: skip
+            raise ApiError(
+                429,
+                f"this client (by its {who}) holds {len(mine)} open sessions: "
+                f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)"
+                "; close one first (other clients may still open theirs)",
+                code="client_session_limit",
+            )
 
     def _check_token(self, request: web.Request, sid: str) -> None:
         """With session tokens on: the session's own token in `X-Session-Token`, or the 404
@@ -409,9 +466,12 @@ class Server:
         ):
             if sid in self.engine.sessions:
                 self.metrics.refuse("session_token")
-            raise ApiError(404, f"session {short_repr(sid)} does not exist, or the "
-                           "X-Session-Token header does not carry its token",
-                           param="session_id")  # fmt: skip
+            raise ApiError(
+                404,
+                f"session {short_repr(sid)} does not exist, or the "
+                "X-Session-Token header does not carry its token",
+                param="session_id",
+            )
 
     async def open_session(self, request: web.Request) -> web.Response:
         body = await self._json(request, allow_empty=True)
@@ -422,16 +482,28 @@ class Server:
             session = self.engine.open_session(opened.ttl_s, opened.compaction)
         token = (opened.token or secrets.token_urlsafe(24)) if self.cfg.session_tokens else None
         self.owners[session.id] = _Owner(client, token)
-        return web.json_response({"id": session.id, "ttl_s": session.ttl_s,
-                                  "compaction": opened.compaction.to_json(),
-                                  **({"token": token} if token else {})})  # fmt: skip
+        return web.json_response(
+            {
+                "id": session.id,
+                "ttl_s": session.ttl_s,
+                "compaction": opened.compaction.to_json(),
+                **({"token": token} if token else {}),
+            }
+        )
 
     async def list_sessions(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        data = [{**self._session_fields(s), "idle_s": round(now - s.last_used, 3),
-                 "ttl_s": s.ttl_s, "busy": s.busy, "state": "gone" if s.gone else "open",
-                 **({"reason": s.gone} if s.gone else {})}
-                for s in list(self.engine.sessions.values())]  # fmt: skip
+        data = [
+            {
+                **self._session_fields(s),
+                "idle_s": round(now - s.last_used, 3),
+                "ttl_s": s.ttl_s,
+                "busy": s.busy,
+                "state": "gone" if s.gone else "open",
+                **({"reason": s.gone} if s.gone else {}),
+            }
+            for s in list(self.engine.sessions.values())
+        ]
         return web.json_response({"object": "list", "data": data})
 
     @contextlib.contextmanager
@@ -466,16 +538,26 @@ class Server:
         self._record([[out]], started)
         session = self.engine.sessions.get(sid)
         fields = self._session_fields(session) if session is not None else {"id": sid}
-        return web.json_response({
-            "object": "session.generation", "session_id": sid, "model": self.cfg.model_name,
-            "text": out.text, "token_ids": out.token_ids, "token_versions": out.versions,
-            "logprobs": completion_logprobs(self.tokenizer, out) if step.echo_logprobs else None,
-            "finish_reason": out.finish_reason, "prompt_tokens": len(step.append),
-            "cached_tokens": out.cached_tokens, "kv_tokens": fields.get("kv_tokens", 0),
-            "session_tokens": fields.get("session_tokens", 0),
-            "kv_epoch": fields.get("kv_epoch"),
-            "weight_version": self.engine.version,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "object": "session.generation",
+                "session_id": sid,
+                "model": self.cfg.model_name,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "token_versions": out.versions,
+                "logprobs": completion_logprobs(self.tokenizer, out)
+                if step.echo_logprobs
+                else None,
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": len(step.append),
+                "cached_tokens": out.cached_tokens,
+                "kv_tokens": fields.get("kv_tokens", 0),
+                "session_tokens": fields.get("session_tokens", 0),
+                "kv_epoch": fields.get("kv_epoch"),
+                "weight_version": self.engine.version,
+            }
+        )
 
     async def rewind_session(self, request: web.Request) -> web.Response:
         sid = request.match_info["id"]
@@ -496,10 +578,20 @@ class Server:
     # ----- small routes ----------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": self.started,
-            "owned_by": "simloop", "max_model_len": self.engine.cfg.max_seq_len,
-        }]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cfg.model_name,
+                        "object": "model",
+                        "created": self.started,
+                        "owned_by": "simloop",
+                        "max_model_len": self.engine.cfg.max_seq_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.failure is not None or not self.engine.running:
@@ -508,8 +600,9 @@ class Server:
         return web.json_response({"status": "ok", "weight_version": self.engine.version})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.engine),
-                            content_type="text/plain", charset="utf-8")  # fmt: skip
+        return web.Response(
+            text=self.metrics.render(self.engine), content_type="text/plain", charset="utf-8"
+        )
 
     # ----- admin -----------------------------------------------------------------------------
 
@@ -525,14 +618,22 @@ class Server:
 
     def _checkpoint_path(self, raw: Any) -> Path:
         if not self.cfg.checkpoint_root:
-            raise ApiError(400, "no checkpoint root is configured: start the server with "
-                           "--checkpoint-root", param="path")  # fmt: skip
+            raise ApiError(
+                400,
+                "no checkpoint root is configured: start the server with --checkpoint-root",
+                param="path",
+            )
         if not isinstance(raw, str) or not raw:
-            raise ApiError(400, f"'path' must be a non-empty string, got {short_repr(raw)}",
-                           param="path")  # fmt: skip
+            raise ApiError(
+                400, f"'path' must be a non-empty string, got {short_repr(raw)}", param="path"
+            )
         if len(raw) > MAX_PATH_CHARS or "\0" in raw or not raw.isprintable():
-            raise ApiError(400, f"'path' {short_repr(raw)} is invalid: at most {MAX_PATH_CHARS} "
-                           "printable characters", param="path")  # fmt: skip
+            raise ApiError(
+                400,
+                f"'path' {short_repr(raw)} is invalid: at most {MAX_PATH_CHARS} "
+                "printable characters",
+                param="path",
+            )
         root = Path(os.path.realpath(self.cfg.checkpoint_root))
         candidate = Path(raw) if os.path.isabs(raw) else root / raw
         try:
@@ -541,8 +642,11 @@ class Server:
         except (OSError, ValueError) as e:  # a name too long, a surrogate, ...
             raise ApiError(400, f"'path' {short_repr(raw)} is invalid: {e}", param="path") from e
         if resolved != root and root not in resolved.parents:
-            raise ApiError(400, f"path {short_repr(raw)} resolves outside the checkpoint root "
-                           f"{str(root)!r}", param="path")  # fmt: skip
+            raise ApiError(
+                400,
+                f"path {short_repr(raw)} resolves outside the checkpoint root {str(root)!r}",
+                param="path",
+            )
         if not exists:
             raise ApiError(404, f"checkpoint {short_repr(raw)} does not exist", param="path")
         return resolved
@@ -559,8 +663,11 @@ class Server:
             or not isinstance(version, int)
             or not 0 <= version <= INT64_MAX
         ):
-            raise ApiError(400, f"'version' must be an integer in [0, {INT64_MAX}], got "
-                           f"{short_repr(version)}", param="version")  # fmt: skip
+            raise ApiError(
+                400,
+                f"'version' must be an integer in [0, {INT64_MAX}], got {short_repr(version)}",
+                param="version",
+            )
         started = time.perf_counter()
         try:
             await self.engine.load_weights(path, version)
@@ -582,8 +689,9 @@ class Server:
             ) from e
         load_s = time.perf_counter() - started
         log.info("serving weights version %d from %s (loaded in %.3f s)", version, path, load_s)
-        return web.json_response({"version": self.engine.version, "path": str(path),
-                                  "load_s": round(load_s, 4)})  # fmt: skip
+        return web.json_response(
+            {"version": self.engine.version, "path": str(path), "load_s": round(load_s, 4)}
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         self._authorize(request)
@@ -591,9 +699,17 @@ class Server:
 
 
 def _stream_completion_logprobs(tokenizer, event: TokenEvent) -> dict:
-    out = SequenceOutput(index=event.index, token_ids=[event.token_id], logprobs=[event.logprob],
-                         top_logprobs=[event.top_logprobs], versions=[event.version], text="",
-                         finish_reason="", prompt_tokens=0, cached_tokens=0)  # fmt: skip
+    out = SequenceOutput(
+        index=event.index,
+        token_ids=[event.token_id],
+        logprobs=[event.logprob],
+        top_logprobs=[event.top_logprobs],
+        versions=[event.version],
+        text="",
+        finish_reason="",
+        prompt_tokens=0,
+        cached_tokens=0,
+    )
     return completion_logprobs(tokenizer, out)
 
 
@@ -627,9 +743,15 @@ class _TextStream:
         return rest
 
 
-async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
-                     ready=None, stop: asyncio.Event | None = None, *,
-                     make_server=Server) -> None:  # fmt: skip
+async def run_server(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    cfg: ServerConfig,
+    ready=None,
+    stop: asyncio.Event | None = None,
+    *,
+    make_server=Server,
+) -> None:
     """Serve until SIGTERM/SIGINT (or `stop` is set), then shut down within
     `cfg.shutdown_timeout_s`. `ready(port)` is called once the socket listens. Raises
     `EngineDied` when the engine loop fails (the process must exit and be restarted).
@@ -642,16 +764,24 @@ async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
     grace = cfg.shutdown_timeout_s
     # After an early response (408, 413) the rest of a body is read and dropped for
     # `lingering_time` at most (not aiohttp's 10 s).
-    handler_args = dict(access_log=None, keepalive_timeout=cfg.idle_timeout_s,
-                        lingering_time=min(1.0, cfg.body_timeout_s))  # fmt: skip
-    runner = web.AppRunner(server.app(), handler_cancellation=True,
-                           shutdown_timeout=min(0.25, grace / 8), **handler_args)  # fmt: skip
+    handler_args = dict(
+        access_log=None,
+        keepalive_timeout=cfg.idle_timeout_s,
+        lingering_time=min(1.0, cfg.body_timeout_s),
+    )
+    runner = web.AppRunner(
+        server.app(),
+        handler_cancellation=True,
+        shutdown_timeout=min(0.25, grace / 8),
+        **handler_args,
+    )
     await runner.setup()
     loop = asyncio.get_running_loop()
 
     def connection() -> Connection:  # what `runner.server()` makes, with JSON errors
-        return Connection(server.connections, ApiErrorHandler(runner.server, loop=loop,
-                                                              **handler_args))  # fmt: skip
+        return Connection(
+            server.connections, ApiErrorHandler(runner.server, loop=loop, **handler_args)
+        )
 
     listener = await loop.create_server(connection, cfg.host, cfg.port, backlog=128)
     port = listener.sockets[0].getsockname()[1]
@@ -672,8 +802,10 @@ async def run_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
         watch.cancel()
         await _shutdown(engine, runner, listener, grace)
     if engine.failure is not None:
-        raise EngineDied(f"the engine loop failed: {engine.failure!r}; the server stopped so "
-                         "that its supervisor restarts it") from engine.failure  # fmt: skip
+        raise EngineDied(
+            f"the engine loop failed: {engine.failure!r}; the server stopped so "
+            "that its supervisor restarts it"
+        ) from engine.failure
 
 
 async def _shutdown(engine: Engine, runner: web.AppRunner, listener, grace: float) -> None:
@@ -691,14 +823,17 @@ async def _shutdown(engine: Engine, runner: web.AppRunner, listener, grace: floa
 
 
 @contextlib.asynccontextmanager
-async def background_server(engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig,
-                            start_timeout_s: float = 300.0) -> AsyncIterator[str]:  # fmt: skip
+async def background_server(
+    engine: Engine, tokenizer: Tokenizer, cfg: ServerConfig, start_timeout_s: float = 300.0
+) -> AsyncIterator[str]:
     """Run a server as a task of the current event loop (tests, benches, single-process demos);
     yields its base URL and shuts it down on exit."""
     port: asyncio.Future = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
-    task = asyncio.create_task(run_server(engine, tokenizer, cfg, ready=port.set_result,
-                                          stop=stop), name="background-server")  # fmt: skip
+    task = asyncio.create_task(
+        run_server(engine, tokenizer, cfg, ready=port.set_result, stop=stop),
+        name="background-server",
+    )
     await asyncio.wait({port, task}, timeout=start_timeout_s, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
         task.result()  # failed to start: raise its error

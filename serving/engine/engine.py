@@ -103,12 +103,32 @@ class Engine:
         self.failure: BaseException | None = None
         """Set when the loop died; every request in flight was failed with it."""
         self._rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-        self.traces: dict[str, int] = {"decode": 0, "prefill": 0, "copy": 0, "compact": 0,
-                                       "probe": 0, "verify": 0}  # fmt: skip
-        self.stats = dict.fromkeys(("requests", "generated_tokens", "prompt_tokens", "steps",
-                                    "cached_tokens", "ahead_steps", "aborted", "sessions_opened",
-                                    "sessions_evicted", "session_compactions", "spec_steps",
-                                    "spec_guessed", "spec_kept"), 0)  # fmt: skip
+        self.traces: dict[str, int] = {
+            "decode": 0,
+            "prefill": 0,
+            "copy": 0,
+            "compact": 0,
+            "probe": 0,
+            "verify": 0,
+        }
+        self.stats = dict.fromkeys(
+            (
+                "requests",
+                "generated_tokens",
+                "prompt_tokens",
+                "steps",
+                "cached_tokens",
+                "ahead_steps",
+                "aborted",
+                "sessions_opened",
+                "sessions_evicted",
+                "session_compactions",
+                "spec_steps",
+                "spec_guessed",
+                "spec_kept",
+            ),
+            0,
+        )
         self.block_reads: collections.Counter[tuple[str, int]] = collections.Counter()
         """Device calls per (step kind, blocks of held keys read): how much of the cache the
         steps touched (`HELD_BLOCK` positions a block; 0: none, e.g. a prompt's first chunk)."""
@@ -123,8 +143,23 @@ class Engine:
         graphdef, num_top = self._graphdef, self.cfg.max_top_logprobs
         valid_vocab = self._vocab
 
-        def decode(state, cache, lengths_B, shift_B, tokens_B, active_B, temp_B, top_p_B,
-                   top_k_B, seed_B, index_B, counter_B, want_top, *, steps):  # fmt: skip
+        def decode(
+            state,
+            cache,
+            lengths_B,
+            shift_B,
+            tokens_B,
+            active_B,
+            temp_B,
+            top_p_B,
+            top_k_B,
+            seed_B,
+            index_B,
+            counter_B,
+            want_top,
+            *,
+            steps,
+        ):
             """`steps` tokens for every active slot, each step feeding back its own sample.
             Only the blocks of the cache that hold some slot's keys are read. The steps' own
             keys gather in small buffers, written into the cache once at the end (the cache
@@ -144,25 +179,42 @@ class Engine:
                 k_new, v_new, tok_B = carry
                 positions_B1 = (lengths_B + j * active_i_B + shift_B)[:, None]
                 mask_B1U = jnp.broadcast_to(u_U <= j, (b, 1, steps))
-                h_B1D, k_new, v_new = model.extend_kv(tok_B[:, None], past, held_B,
-                                                      (k_new, v_new), j[None], mask_B1U,
-                                                      positions_B1)  # fmt: skip
-                out = sample(model.logits(h_B1D)[:, 0], temp_B, top_p_B, top_k_B, seed_B,
-                             index_B, counter_B + j, num_top, valid_vocab, want_top)  # fmt: skip
+                h_B1D, k_new, v_new = model.extend_kv(
+                    tok_B[:, None], past, held_B, (k_new, v_new), j[None], mask_B1U, positions_B1
+                )
+                out = sample(
+                    model.logits(h_B1D)[:, 0],
+                    temp_B,
+                    top_p_B,
+                    top_k_B,
+                    seed_B,
+                    index_B,
+                    counter_B + j,
+                    num_top,
+                    valid_vocab,
+                    want_top,
+                )
                 return (k_new, v_new, out[0]), out
 
             (k_new, v_new, last_B), outs = jax.lax.scan(one, (empty, empty, tokens_B), u_U)
             at_BU = lengths_B[:, None] + u_U[None, :]
-            cache = write_kv(cache, jnp.arange(b, dtype=jnp.int32), at_BU, k_new, v_new,
-                             jnp.broadcast_to(active_B[:, None], at_BU.shape))  # fmt: skip
+            cache = write_kv(
+                cache,
+                jnp.arange(b, dtype=jnp.int32),
+                at_BU,
+                k_new,
+                v_new,
+                jnp.broadcast_to(active_B[:, None], at_BU.shape),
+            )
             # The last sampled tokens apart: the next call's inputs when it is dispatched
             # ahead, without an indexing op on the host.
             return cache, (*outs, last_B)
 
         def rows(cache, slots_P):
             """The listed slots' keys and values (a padding entry, slot B, reads zeros)."""
-            return tuple(jnp.take(x, slots_P, axis=1, mode="fill", fill_value=0)
-                         for x in (cache.k, cache.v))  # fmt: skip
+            return tuple(
+                jnp.take(x, slots_P, axis=1, mode="fill", fill_value=0) for x in (cache.k, cache.v)
+            )
 
         def prefill(state, cache, lengths_B, shift_B, slots_P, tokens_PT, num_new_P):
             """Writes the chunks' keys; reads only the blocks of the listed slots' rows that
@@ -188,8 +240,10 @@ class Engine:
         def compact(cache, slots_P, index_PS):
             """Each listed slot keeps the keys at `index_PS` (in that order) at its front."""
             self.traces["compact"] += 1
-            k, v = (jnp.take_along_axis(x, index_PS[None, :, :, None, None], axis=2)
-                    for x in rows(cache, slots_P))  # fmt: skip
+            k, v = (
+                jnp.take_along_axis(x, index_PS[None, :, :, None, None], axis=2)
+                for x in rows(cache, slots_P)
+            )
             return dataclasses.replace(
                 cache,
                 k=cache.k.at[:, slots_P].set(k, mode="drop"),
@@ -206,8 +260,21 @@ class Engine:
 
         k = self.cfg.speculate + 1  # a verify call's inputs per slot
 
-        def verify(state, cache, lengths_B, shift_B, tokens_BK, active_B, temp_B, top_p_B,
-                   top_k_B, seed_B, index_B, counter_B, want_top):  # fmt: skip
+        def verify(
+            state,
+            cache,
+            lengths_B,
+            shift_B,
+            tokens_BK,
+            active_B,
+            temp_B,
+            top_p_B,
+            top_k_B,
+            seed_B,
+            index_B,
+            counter_B,
+            want_top,
+        ):
             """Every active slot's input token and its guesses (`tokens_BK`, [B, K]) run as one
             chunk after its held keys; a token is sampled at each position, as decode would
             with the key of the sequence's token `counter + j` (`serving.engine.speculate`).
@@ -230,10 +297,17 @@ class Engine:
 
             counter_N = (counter_B[:, None] + jnp.arange(k, dtype=jnp.int32)[None, :]).reshape(-1)
             token_N, logp_N, top_ids_NT, top_logp_NT = sample(
-                logits_NV, per_position(temp_B), per_position(top_p_B), per_position(top_k_B),
-                per_position(seed_B), per_position(index_B), counter_N, num_top, valid_vocab,
+                logits_NV,
+                per_position(temp_B),
+                per_position(top_p_B),
+                per_position(top_k_B),
+                per_position(seed_B),
+                per_position(index_B),
+                counter_N,
+                num_top,
+                valid_vocab,
                 want_top,
-            )  # fmt: skip
+            )
             token_BK = token_N.reshape(b, k)
             hits_BK = (token_BK[:, :-1] == tokens_BK[:, 1:]).astype(jnp.int32)
             kept_B = jnp.sum(jnp.cumprod(hits_BK, axis=1), axis=1)
@@ -262,12 +336,26 @@ class Engine:
         b, p = self.cfg.num_slots, self.cfg.prefill_batch
         zeros_b = np.zeros(b, np.int32)
         for t in self.cfg.prefill_buckets:
-            self._cache = self._prefill(self._state, self._cache, zeros_b, zeros_b,
-                                        np.full(p, b, np.int32), np.zeros((p, t), np.int32),
-                                        np.zeros(p, np.int32))  # fmt: skip
+            self._cache = self._prefill(
+                self._state,
+                self._cache,
+                zeros_b,
+                zeros_b,
+                np.full(p, b, np.int32),
+                np.zeros((p, t), np.int32),
+                np.zeros(p, np.int32),
+            )
         self._cache = self._copy(self._cache, np.full(p, b, np.int32), np.full(p, b, np.int32))
-        idle = (np.zeros(b, bool), np.zeros(b, np.float32), np.ones(b, np.float32), zeros_b,
-                zeros_b, zeros_b, zeros_b, np.bool_(False))  # fmt: skip
+        idle = (
+            np.zeros(b, bool),
+            np.zeros(b, np.float32),
+            np.ones(b, np.float32),
+            zeros_b,
+            zeros_b,
+            zeros_b,
+            zeros_b,
+            np.bool_(False),
+        )
         for decode in self._decode.values():
             tokens = zeros_b
             for _ in range(2 if self.cfg.overlap else 1):  # then fed its own device tokens
@@ -356,18 +444,30 @@ class Engine:
             raise EngineError("prompt is empty: give at least one token", "prompt")
         check_ids(prompt, "prompt", self._vocab)
         if len(prompt) >= s:
-            raise EngineError(f"prompt has {len(prompt)} tokens; the context is {s} tokens and "
-                              "at least one must be left to generate", "prompt")  # fmt: skip
+            raise EngineError(
+                f"prompt has {len(prompt)} tokens; the context is {s} tokens and "
+                "at least one must be left to generate",
+                "prompt",
+            )
         room = s - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise EngineError(f"max_tokens={params.max_tokens} is beyond the context: the prompt "
-                              f"has {len(prompt)} tokens of {s}, so at most {room}",
-                              "max_tokens")  # fmt: skip
+            raise EngineError(
+                f"max_tokens={params.max_tokens} is beyond the context: the prompt "
+                f"has {len(prompt)} tokens of {s}, so at most {room}",
+                "max_tokens",
+            )
         return self._enqueue(prompt, params, n=n, room=room, request_id=request_id)
 
-    def _enqueue(self, prompt: list[int], params: SamplingParams, *, n: int, room: int,
-                 request_id: str | None = None,
-                 session: Session | None = None) -> RequestHandle:  # fmt: skip
+    def _enqueue(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        n: int,
+        room: int,
+        request_id: str | None = None,
+        session: Session | None = None,
+    ) -> RequestHandle:
         if self.failure is not None:
             raise EngineBusy(f"engine failed: {self.failure!r}")
         if self._closing or not self.running:
@@ -375,8 +475,10 @@ class Engine:
         if not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise EngineError(f"n={n!r} is invalid: an integer in [1, {MAX_N}]", "n")
         if params.logprobs > self.cfg.max_top_logprobs:
-            raise EngineError(f"logprobs={params.logprobs} is invalid: at most "
-                              f"{self.cfg.max_top_logprobs}", "logprobs")  # fmt: skip
+            raise EngineError(
+                f"logprobs={params.logprobs} is invalid: at most {self.cfg.max_top_logprobs}",
+                "logprobs",
+            )
         max_tokens = min(params.max_tokens or self.cfg.default_max_tokens, room)
         if self.cfg.max_tokens_cap is not None:
             max_tokens = min(max_tokens, self.cfg.max_tokens_cap)
@@ -422,8 +524,9 @@ class Engine:
         """The open sessions by id (and those gone, until their next call hears why)."""
         return self.session_table.sessions
 
-    def open_session(self, ttl_s: float | None = None,
-                     compaction: SessionCompaction | None = None) -> Session:  # fmt: skip
+    def open_session(
+        self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
+    ) -> Session:
         return self.session_table.open(ttl_s, compaction)
 
     def forget_gone_sessions(self, session_ids=None) -> int:
@@ -432,8 +535,9 @@ class Engine:
     def session(self, session_id: str) -> Session:
         return self.session_table.get(session_id)
 
-    async def session_submit(self, session_id: str, append: Sequence[int],
-                             params: SamplingParams) -> RequestHandle:  # fmt: skip
+    async def session_submit(
+        self, session_id: str, append: Sequence[int], params: SamplingParams
+    ) -> RequestHandle:
         """Append `append` to the session and generate from it: the session is compacted
         first (its mode), then only tokens whose KV the slot does not hold are prefilled.
         One call at a time per session."""
@@ -466,17 +570,23 @@ class Engine:
         """Load a params checkpoint (rl.model.params_io) and serve it as `version`, which must
         exceed the current one. Sequences in flight continue on the new weights; every token
         records the version that produced it."""
-        if (isinstance(version, bool) or not isinstance(version, int)
-                or not self.version < version <= INT64_MAX):  # fmt: skip
-            raise EngineError(f"version={version!r} is invalid: an integer greater than the "
-                              f"current version {self.version}, at most {INT64_MAX}",
-                              "version")  # fmt: skip
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not self.version < version <= INT64_MAX
+        ):
+            raise EngineError(
+                f"version={version!r} is invalid: an integer greater than the "
+                f"current version {self.version}, at most {INT64_MAX}",
+                "version",
+            )
         # Trainers seal what they publish (`rl.model.integrity`): an unsealed, altered or
         # non-finite checkpoint is refused and the served weights stay as they are.
         # Only shapes, dtypes and shardings go to the reading thread: nothing there can keep
         # the served arrays alive once they are replaced.
-        params = await asyncio.to_thread(load_params_like, path, self.model_cfg,
-                                         self._served_shapes(), require_manifest=True)  # fmt: skip
+        params = await asyncio.to_thread(
+            load_params_like, path, self.model_cfg, self._served_shapes(), require_manifest=True
+        )
         return self.install_params(params, version)
 
     def install_params(self, params: dict, version: int) -> int:
@@ -484,14 +594,18 @@ class Engine:
         arrays) as `version`, placed and typed like the served ones. Call from the event loop;
         `load_weights` reads a checkpoint and ends here, the fake vLLM server's workers too."""
         if version <= self.version:  # another load won the race while this one read
-            raise EngineError(f"version {version} is no longer newer than {self.version}",
-                              "version")  # fmt: skip
+            raise EngineError(
+                f"version {version} is no longer newer than {self.version}", "version"
+            )
         served = self._served_shapes()
 
         def place(new, old):
             if tuple(new.shape) != tuple(old.shape):
-                raise EngineError(f"a parameter of shape {tuple(new.shape)} does not fit the "
-                                  f"served one's {tuple(old.shape)}", "params")  # fmt: skip
+                raise EngineError(
+                    f"a parameter of shape {tuple(new.shape)} does not fit the "
+                    f"served one's {tuple(old.shape)}",
+                    "params",
+                )
             return jax.device_put(new, old.sharding).astype(old.dtype)
 
         params = as_bits(jax.tree.map(place, params, served))
@@ -576,8 +690,10 @@ class Engine:
         token_SB, logprob_SB, top_ids_SBK, top_logp_SBK, last = out
         tops = (top_ids_SBK, top_logp_SBK) if want_top else (None, None)
         kept = last if decode_args[2].ndim == 2 else None  # a verify call's: its kept guesses
-        return tuple(None if x is None else np.asarray(x).tolist()
-                     for x in (token_SB, logprob_SB, *tops, kept))  # fmt: skip
+        return tuple(
+            None if x is None else np.asarray(x).tolist()
+            for x in (token_SB, logprob_SB, *tops, kept)
+        )
 
     def _step_then_fetch(self, state, ahead, plan, out):
         return self._device_step(state, *ahead), self._fetch(plan, out)
@@ -604,8 +720,11 @@ class Engine:
             if seq is not leader and (leader.slot is None or leader.pending):
                 skipped.append(seq)
                 continue
-            if (prefilling is not None and seq is leader
-                    and self.slots.gains_by_waiting(seq, prefilling, self.version)):  # fmt: skip
+            if (
+                prefilling is not None
+                and seq is leader
+                and self.slots.gains_by_waiting(seq, prefilling, self.version)
+            ):
                 skipped.append(seq)  # a sequence seated before it is prefilling its prefix
                 continue
             if not self._place(seq):
@@ -696,8 +815,19 @@ class Engine:
             want_top = np.bool_(any(s.request.params.logprobs for s in decoding))
             if self.speculator is not None:  # a verify call's inputs and tokens, if it pays
                 tokens, steps = self.speculator.inputs(decoding, tokens, steps, lengths)
-            decode_args = (lengths.copy(), shift.copy(), tokens, active, temp, top_p, top_k, seed,
-                           index, counter, want_top)  # fmt: skip
+            decode_args = (
+                lengths.copy(),
+                shift.copy(),
+                tokens,
+                active,
+                temp,
+                top_p,
+                top_k,
+                seed,
+                index,
+                counter,
+                want_top,
+            )
         return copy_args, side, prefill_args, chunks, decode_args, decoding, steps
 
     def _count_reads(self, kind: str, held: np.ndarray) -> None:
@@ -719,8 +849,9 @@ class Engine:
             return 1
         return k
 
-    def _device_step(self, state, copy_args, side, prefill_args, chunks, decode_args, decoding,
-                     steps):  # fmt: skip
+    def _device_step(
+        self, state, copy_args, side, prefill_args, chunks, decode_args, decoding, steps
+    ):
         """Runs in a worker thread: the only place device work happens."""
         cache = self._cache
         for src, dst in copy_args:
@@ -762,8 +893,9 @@ class Engine:
         if self._waiting or self._aborts or self._closing:
             return None
         owners = [o for o in self.slots.owner if o is not None]
-        if len(owners) != len(decoding) or any(o.finish_reason is not None or o.pending
-                                               for o in owners):  # fmt: skip
+        if len(owners) != len(decoding) or any(
+            o.finish_reason is not None or o.pending for o in owners
+        ):
             return None
         if not any(len(s.generated) + steps < s.max_tokens for s in decoding):
             return None  # every one of them ends within `plan`: nothing to compute ahead
@@ -774,8 +906,7 @@ class Engine:
         if k != steps or any(lengths[s.slot] + k > self.cfg.max_seq_len for s in decoding):
             return None
         tokens = out[LAST]  # every slot's last sampled token, on the device
-        args = (lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter,
-                want_top)  # fmt: skip
+        args = (lengths, shift, tokens, active, temp, top_p, top_k, seed, index, counter, want_top)
         return [], ([], [], None), None, [], args, decoding, k
 
     def _deliver(self, plan, result, version: int) -> None:

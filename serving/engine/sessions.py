@@ -50,8 +50,9 @@ class SessionTable:
 
     # ----- the API (`Engine` passes these on) -------------------------------------------------
 
-    def open(self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
-             ) -> Session:  # fmt: skip
+    def open(
+        self, ttl_s: float | None = None, compaction: SessionCompaction | None = None
+    ) -> Session:
         """A new, empty session (its slot is taken at its first call). At the limit, sessions
         that expired or were evicted are forgotten first to make room."""
         if len(self.sessions) >= self.cfg.max_sessions:
@@ -59,11 +60,16 @@ class SessionTable:
         else:
             self.expire()
         if len(self.sessions) >= self.cfg.max_sessions:
-            raise EngineBusy(f"{len(self.sessions)} sessions are open (the limit is "
-                             f"{self.cfg.max_sessions}); close one first")  # fmt: skip
+            raise EngineBusy(
+                f"{len(self.sessions)} sessions are open (the limit is "
+                f"{self.cfg.max_sessions}); close one first"
+            )
         sid = f"sess-{os.urandom(8).hex()}"
-        session = Session(sid, float(ttl_s if ttl_s is not None else self.cfg.session_ttl_s),
-                          compaction or SessionCompaction())  # fmt: skip
+        session = Session(
+            sid,
+            float(ttl_s if ttl_s is not None else self.cfg.session_ttl_s),
+            compaction or SessionCompaction(),
+        )
         self.sessions[sid] = session
         self.stats["sessions_opened"] += 1
         return session
@@ -87,12 +93,19 @@ class SessionTable:
         self.expire()
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionError(404, f"session {session_id!r} does not exist (closed, or never "
-                               "opened): open a new one", "session_id")  # fmt: skip
+            raise SessionError(
+                404,
+                f"session {session_id!r} does not exist (closed, or never opened): open a new one",
+                "session_id",
+            )
         if session.gone is not None:
             del self.sessions[session_id]
-            raise SessionError(409, f"session {session_id!r} is gone: {session.gone}; open a "
-                               "new one and send its whole context", "session_id")  # fmt: skip
+            raise SessionError(
+                409,
+                f"session {session_id!r} is gone: {session.gone}; open a "
+                "new one and send its whole context",
+                "session_id",
+            )
         return session
 
     async def ready(self, session_id: str) -> Session:
@@ -108,14 +121,16 @@ class SessionTable:
             session = self._idle(session_id, "generate")
         return session
 
-    def prepare_call(self, session: Session, append: list[int], params: SamplingParams
-                     ) -> tuple[list[int], SamplingParams, int]:  # fmt: skip
+    def prepare_call(
+        self, session: Session, append: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams, int]:
         """Check a call appending `append` and compact the session first (its mode) ->
         (the call's prompt, its params with `max_tokens` clamped where the client cannot know
         the room, the room left to generate)."""
         if not append and not session.tokens:
-            raise EngineError("the first call of a session must append at least one token",
-                              "append_token_ids")  # fmt: skip
+            raise EngineError(
+                "the first call of a session must append at least one token", "append_token_ids"
+            )
         check_ids(append, "append_token_ids", self.vocab)
         tokens = session.tokens + append
         if session.slot is not None:
@@ -124,10 +139,14 @@ class SessionTable:
         held = self.kv_tokens(session)
         keys = held + len(tokens) - self._frontier(session)  # the prompt's keys after this call
         if keys >= s:
-            raise SessionError(413, f"the session would hold {keys} keys ({held} held + "
-                               f"{keys - held} appended and not yet held); a slot holds at most "
-                               f"{s - 1} (the context, less one token to generate): rewind, "
-                               "compact or open a new session", "append_token_ids")  # fmt: skip
+            raise SessionError(
+                413,
+                f"the session would hold {keys} keys ({held} held + "
+                f"{keys - held} appended and not yet held); a slot holds at most "
+                f"{s - 1} (the context, less one token to generate): rewind, "
+                "compact or open a new session",
+                "append_token_ids",
+            )
         room = s - keys
         compacting = session.compaction.mode != "none"
         if compacting and params.max_tokens is not None and params.max_tokens > room:
@@ -136,9 +155,12 @@ class SessionTable:
             # an answer that reaches it ends with finish_reason "length".
             params = dataclasses.replace(params, max_tokens=room)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise EngineError(f"max_tokens={params.max_tokens} is beyond the context: the "
-                              f"session's slot would hold {keys} keys of {s}, so at most "
-                              f"{room}", "max_tokens")  # fmt: skip
+            raise EngineError(
+                f"max_tokens={params.max_tokens} is beyond the context: the "
+                f"session's slot would hold {keys} keys of {s}, so at most "
+                f"{room}",
+                "max_tokens",
+            )
         return tokens, params, room
 
     def rewind(self, session_id: str, to: int) -> Session:
@@ -146,8 +168,11 @@ class SessionTable:
         slot keeps the keys of the first `to` tokens that it holds."""
         session = self._idle(session_id, "rewind")
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(session.tokens):
-            raise EngineError(f"to={to!r} is invalid: an integer in [0, {len(session.tokens)}] "
-                              "(the session's length)", "to")  # fmt: skip
+            raise EngineError(
+                f"to={to!r} is invalid: an integer in [0, {len(session.tokens)}] "
+                "(the session's length)",
+                "to",
+            )
         del session.tokens[to:]
         session.turn_starts = [t for t in session.turn_starts if t < to]
         session.compacted = {k for k in session.compacted if k < len(session.turn_starts)}
@@ -219,8 +244,10 @@ class SessionTable:
         if not held:
             return None
         slot = min(held, key=lambda s: pinned[s].last_used)
-        self._unpin(pinned[slot], "its slot was taken for another request (memory pressure: "
-                                  "every KV slot was in use)")  # fmt: skip
+        self._unpin(
+            pinned[slot],
+            "its slot was taken for another request (memory pressure: every KV slot was in use)",
+        )
         self.stats["sessions_evicted"] += 1
         return slot
 
@@ -306,9 +333,12 @@ class SessionTable:
     def _idle(self, session_id: str, what: str) -> Session:
         session = self.get(session_id)
         if session.busy:
-            raise SessionError(409, f"session {session_id!r} is already generating: {what} "
-                               "after its call finishes (one step at a time per session)",
-                               "session_id")  # fmt: skip
+            raise SessionError(
+                409,
+                f"session {session_id!r} is already generating: {what} "
+                "after its call finishes (one step at a time per session)",
+                "session_id",
+            )
         return session
 
     def _frontier(self, session: Session) -> int:
@@ -327,10 +357,14 @@ class SessionTable:
         held = session.kept + list(range(session.tail_start, frontier))
         max_tokens = params.max_tokens or self.cfg.default_max_tokens
         keep = plan_keep(
-            cfg, held, session.turn_starts, len(tokens), compacted=session.compacted,
+            cfg,
+            held,
+            session.turn_starts,
+            len(tokens),
+            compacted=session.compacted,
             mass=None if session.mass is None else session.mass[: len(held)].tolist(),
             incoming=len(tokens) - frontier + max_tokens,
-        )  # fmt: skip
+        )
         session.mass = None
         if len(keep) == len(held):
             return

@@ -100,8 +100,9 @@ class SlotTable:
 
     # ----- seating ----------------------------------------------------------------------------
 
-    def choose(self, free: list[int], best: int | None, best_len: int, want_len: int
-               ) -> tuple[int, int]:  # fmt: skip
+    def choose(
+        self, free: list[int], best: int | None, best_len: int, want_len: int
+    ) -> tuple[int, int]:
         """(slot, cached tokens) for a new sequence: the cached slot `best` taken over in
         place when it is idle, else an empty slot of `free` if any, else its least recently
         used one, into which `best`'s prefix is copied when it is long enough."""

@@ -50,8 +50,9 @@ class Speculator:
         for steps, t in decode_s.items():
             self.verify_cost[steps] = verify_s / max(t, 1e-9)
 
-    def inputs(self, decoding: list[Seq], tokens: np.ndarray, steps: int, lengths: np.ndarray
-               ) -> tuple[np.ndarray, int]:  # fmt: skip
+    def inputs(
+        self, decoding: list[Seq], tokens: np.ndarray, steps: int, lengths: np.ndarray
+    ) -> tuple[np.ndarray, int]:
         """(inputs, steps) of the next call: a verify call's [B, K] inputs and its K tokens
         when verifying pays (`_guesses`), else the decode call's `tokens` and `steps` as
         given. `lengths`: the keys each slot holds."""

@@ -184,12 +184,18 @@ class Request:
         outputs are then the result)."""
         now = time.perf_counter()
         seq.output = SequenceOutput(
-            index=seq.index, token_ids=list(seq.generated), logprobs=seq.logprobs,
-            top_logprobs=seq.tops, versions=seq.versions, text=text,
-            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt),
-            cached_tokens=seq.cached, queue_s=(seq.admitted_at or now) - self.created,
+            index=seq.index,
+            token_ids=list(seq.generated),
+            logprobs=seq.logprobs,
+            top_logprobs=seq.tops,
+            versions=seq.versions,
+            text=text,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=len(seq.prompt),
+            cached_tokens=seq.cached,
+            queue_s=(seq.admitted_at or now) - self.created,
             total_s=now - self.created,
-        )  # fmt: skip
+        )
         self.events.put_nowait(seq.output)
         if any(s.finish_reason is None for s in self.seqs):
             return False
@@ -238,5 +244,6 @@ def check_ids(ids: list[int], name: str, vocab: int) -> None:
     vocabulary are embedding rows with no token (never sampled)."""
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise EngineError(f"{name} token ids {bad[:5]} are outside the vocabulary "
-                          f"[0, {vocab})", name)  # fmt: skip
+        raise EngineError(
+            f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})", name
+        )

@@ -66,23 +66,34 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KEEPALIVE_S = 5.0
 ENDED_KEPT = 4096
 """Ended rollouts remembered (id -> how it ended), so a late finish is told, not 404ed."""
-STREAMING: Any = (web.RequestKey("simloop.streaming", bool) if hasattr(web, "RequestKey")
-                  else "simloop.streaming")  # fmt: skip
+STREAMING: Any = (
+    web.RequestKey("simloop.streaming", bool) if hasattr(web, "RequestKey") else "simloop.streaming"
+)
 """Request key: set once a stream's headers are sent (an error after that is an event)."""
 
 Sink = Callable[[list[Trajectory]], list[str]]
 """Writes a finished rollout's trajectories; returns where they went."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-REASONS = {400: "invalid_request", 401: "api_key", 404: "not_found", 405: "method",
-           409: "conflict", 413: "too_large", 429: "rate_limit", 500: "internal",
-           503: "agent_server", 504: "agent_server"}  # fmt: skip
+REASONS = {
+    400: "invalid_request",
+    401: "api_key",
+    404: "not_found",
+    405: "method",
+    409: "conflict",
+    413: "too_large",
+    429: "rate_limit",
+    500: "internal",
+    503: "agent_server",
+    504: "agent_server",
+}
 """`simloop_middleware_refused_total`'s reason for an HTTP status, where none is named."""
 
 
 class HTTPFailure(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, *,
-                 reason: str | None = None):  # fmt: skip
+    def __init__(
+        self, status: int, message: str, param: str | None = None, *, reason: str | None = None
+    ):
         super().__init__(message)
         self.status, self.param = status, param
         self.reason = reason or REASONS.get(status, f"http_{status}")
@@ -103,8 +114,15 @@ class Middleware:
     """The routes and the rollouts; `api_app()` and `admin_app()` build the two aiohttp
     applications (`serve` runs both)."""
 
-    def __init__(self, cfg: MiddlewareConfig, client: InferenceClient | Any, renderer: ChatRenderer,
-                 sink: Sink, *, tokenizer_name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: MiddlewareConfig,
+        client: InferenceClient | Any,
+        renderer: ChatRenderer,
+        sink: Sink,
+        *,
+        tokenizer_name: str | None = None,
+    ) -> None:
         self.cfg, self.client, self.renderer, self.sink = cfg, client, renderer, sink
         self.tokenizer_name = tokenizer_name
         self.admin_token = cfg.admin_token or secrets.token_urlsafe(32)
@@ -147,8 +165,9 @@ class Middleware:
     def admin_app(self) -> web.Application:
         """What only the job that started the middleware reaches: the rollouts, finishing them.
         Every route needs the token."""
-        app = web.Application(client_max_size=16 * 1024 * 1024,
-                              middlewares=[self._errors, self._admin_auth])  # fmt: skip
+        app = web.Application(
+            client_max_size=16 * 1024 * 1024, middlewares=[self._errors, self._admin_auth]
+        )
         app.router.add_get("/rollouts", self._list)
         app.router.add_get("/rollouts/{id}", self._show)
         app.router.add_post("/rollouts/{id}/finish", self._finish)
@@ -189,10 +208,17 @@ class Middleware:
         if not hmac.compare_digest(got.encode(), self.admin_token.encode()):
             if request.path.endswith("/finish"):
                 self.refused_finishes["admin"] += 1
-                log.warning("refused finish %s on the admin listener: %s token", request.path,
-                            "a wrong" if got else "no")  # fmt: skip
-            raise HTTPFailure(401, "the admin routes need Authorization: Bearer <token> (the "
-                                   "middleware's admin token)", reason="admin_token")  # fmt: skip
+                log.warning(
+                    "refused finish %s on the admin listener: %s token",
+                    request.path,
+                    "a wrong" if got else "no",
+                )
+            raise HTTPFailure(
+                401,
+                "the admin routes need Authorization: Bearer <token> (the "
+                "middleware's admin token)",
+                reason="admin_token",
+            )
         return await handler(request)
 
     async def _admin_elsewhere(self, request: web.Request) -> web.Response:
@@ -200,12 +226,21 @@ class Middleware:
         key = request.headers.get("x-api-key") or request.headers.get("Authorization", "")
         key = key.removeprefix("Bearer ").strip()
         self.refused_finishes["api"] += 1
-        log.warning("refused %s %s on the API listener (API key %r, from %s): admin routes are "
-                    "not served there", request.method, request.path, key[:128],
-                    request.remote)  # fmt: skip
-        raise HTTPFailure(404, "admin routes (/rollouts...) are not served here: rollouts are "
-                               "finished by whoever started the middleware, on its admin "
-                               "listener", reason="admin_route")  # fmt: skip
+        log.warning(
+            "refused %s %s on the API listener (API key %r, from %s): admin routes are "
+            "not served there",
+            request.method,
+            request.path,
+            key[:128],
+            request.remote,
+        )
+        raise HTTPFailure(
+            404,
+            "admin routes (/rollouts...) are not served here: rollouts are "
+            "finished by whoever started the middleware, on its admin "
+            "listener",
+            reason="admin_route",
+        )
 
     # ----- generation ----------------------------------------------------------------------
 
@@ -222,27 +257,41 @@ class Middleware:
         rollout = self.rollouts.get(rollout_id)
         if rollout is None:
             if len(self.rollouts) >= self.cfg.max_rollouts:
-                raise HTTPFailure(429, f"{len(self.rollouts)} rollouts are open, the most "
-                                       f"middleware.max_rollouts={self.cfg.max_rollouts} allows: "
-                                       "finish some first", reason="max_rollouts")  # fmt: skip
+                raise HTTPFailure(
+                    429,
+                    f"{len(self.rollouts)} rollouts are open, the most "
+                    f"middleware.max_rollouts={self.cfg.max_rollouts} allows: "
+                    "finish some first",
+                    reason="max_rollouts",
+                )
             rollout = self.rollouts[rollout_id] = Rollout(rollout_id, api=api)
         elif rollout.inflight > self.cfg.max_waiting_requests:
-            raise HTTPFailure(429, f"rollout {rollout_id!r} has {rollout.inflight - 1} requests "
-                                   "waiting behind the one running, the most "
-                                   "middleware.max_waiting_requests="
-                                   f"{self.cfg.max_waiting_requests} allows",
-                              reason="max_waiting_requests")  # fmt: skip
+            raise HTTPFailure(
+                429,
+                f"rollout {rollout_id!r} has {rollout.inflight - 1} requests "
+                "waiting behind the one running, the most "
+                "middleware.max_waiting_requests="
+                f"{self.cfg.max_waiting_requests} allows",
+                reason="max_waiting_requests",
+            )
         rollout.inflight += 1
         try:
             async with rollout.lock:
                 if self.rollouts.get(rollout_id) is not rollout:
-                    raise HTTPFailure(409, f"rollout {rollout_id!r} was finished while this "
-                                           "request waited", reason="finished")  # fmt: skip
+                    raise HTTPFailure(
+                        409,
+                        f"rollout {rollout_id!r} was finished while this request waited",
+                        reason="finished",
+                    )
                 rollout.requests += 1
                 rollout.last_used = time.time()
                 try:
-                    plan = rollout.plan(conv, self.renderer, segments_max=self.cfg.segments_max,
-                                        enable_thinking=self.cfg.enable_thinking)  # fmt: skip
+                    plan = rollout.plan(
+                        conv,
+                        self.renderer,
+                        segments_max=self.cfg.segments_max,
+                        enable_thinking=self.cfg.enable_thinking,
+                    )
                 except SegmentsExceeded as e:
                     raise HTTPFailure(400, str(e), "messages", reason="segments_max") from e
                 msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + secrets.token_hex(12)
@@ -282,8 +331,11 @@ class Middleware:
         if api == "anthropic":
             conv = formats.parse_anthropic(body, default_model=self.cfg.model_name)
         else:
-            conv = formats.parse_openai(body, default_model=self.cfg.model_name,
-                                        default_max_tokens=self.cfg.default_max_tokens)  # fmt: skip
+            conv = formats.parse_openai(
+                body,
+                default_model=self.cfg.model_name,
+                default_max_tokens=self.cfg.default_max_tokens,
+            )
         return conv
 
     async def _sample(self, rollout: Rollout, plan, conv: Conversation) -> Reply:
@@ -294,9 +346,11 @@ class Middleware:
         if context is not None:  # harnesses ask for more than fits (Claude Code: 64,000)
             n = len(plan.prompt_ids)
             if n >= context:
-                raise HTTPFailure(400, f"this model's maximum context length is {context} "
-                                       f"tokens; the prompt has {n}",
-                                  reason="context_length")  # fmt: skip
+                raise HTTPFailure(
+                    400,
+                    f"this model's maximum context length is {context} tokens; the prompt has {n}",
+                    reason="context_length",
+                )
             max_tokens = min(max_tokens, context - n)
         client = self._routes.get(rollout.id)
         if client is None:  # a replica pool pins each rollout to one replica (warm prefixes)
@@ -305,10 +359,16 @@ class Middleware:
             self._routes[rollout.id] = client
         try:
             out = await client.complete(
-                plan.prompt_ids, max_tokens=max_tokens, temperature=s.temperature,
-                top_p=s.top_p, top_k=s.top_k, stop=list(s.stop) or None, seed=s.seed,
-                logprobs=0, timeout_s=self.cfg.request_timeout_s,
-            )  # fmt: skip
+                plan.prompt_ids,
+                max_tokens=max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                stop=list(s.stop) or None,
+                seed=s.seed,
+                logprobs=0,
+                timeout_s=self.cfg.request_timeout_s,
+            )
         except ClientError as e:
             status = e.status if e.status in (400, 413, 422) else 503
             message = f"the agent server refused or failed: {e}"
@@ -316,16 +376,19 @@ class Middleware:
                 # OpenAI's phrase, which clients (litellm, hence mini-swe-agent) read as "the
                 # prompt is too long": they stop instead of retrying the same request.
                 n = len(plan.prompt_ids)
-                message = (f"this model's maximum context length was exceeded (the prompt has "
-                           f"{n} tokens, max_tokens {max_tokens}): {message}")  # fmt: skip
+                message = (
+                    f"this model's maximum context length was exceeded (the prompt has "
+                    f"{n} tokens, max_tokens {max_tokens}): {message}"
+                )
             raise HTTPFailure(status, message) from e
         if out.finish_reason == "abort" or not out.token_ids:
             raise HTTPFailure(503, "the agent server aborted the generation (shutting down?)")
         ids = list(out.token_ids)
         logprobs = out.logprobs or []
         if len(logprobs) != len(ids):
-            raise HTTPFailure(503, f"the agent server returned {len(logprobs)} logprobs for "
-                                   f"{len(ids)} tokens")  # fmt: skip
+            raise HTTPFailure(
+                503, f"the agent server returned {len(logprobs)} logprobs for {len(ids)} tokens"
+            )
         versions = out.token_versions
         if versions is None or len(versions) != len(ids):
             versions = [out.weight_version or 0] * len(ids)
@@ -337,13 +400,26 @@ class Middleware:
             if hits:
                 finish, stop_seq = "stop_sequence", min(hits)[1]
         parsed = parse_assistant(out.text)
-        calls = tuple(Call(formats.new_call_id(conv.api), c.name, c.arguments)
-                      for c in parsed.tool_calls)  # fmt: skip
-        reply = Reply(content=parsed.content, tool_calls=calls, finish=finish,
-                      stop_sequence=stop_seq, input_tokens=len(plan.prompt_ids),
-                      output_tokens=len(ids))  # fmt: skip
-        rollout.commit(plan, reply, token_ids=ids, logprobs=logprobs, versions=versions,
-                       text=out.text, eos_id=eos)  # fmt: skip
+        calls = tuple(
+            Call(formats.new_call_id(conv.api), c.name, c.arguments) for c in parsed.tool_calls
+        )
+        reply = Reply(
+            content=parsed.content,
+            tool_calls=calls,
+            finish=finish,
+            stop_sequence=stop_seq,
+            input_tokens=len(plan.prompt_ids),
+            output_tokens=len(ids),
+        )
+        rollout.commit(
+            plan,
+            reply,
+            token_ids=ids,
+            logprobs=logprobs,
+            versions=versions,
+            text=out.text,
+            eos_id=eos,
+        )
         return reply
 
     async def _context_limit(self) -> int | None:
@@ -360,12 +436,14 @@ class Middleware:
                 log.info("the agent server's context is unknown (%s): max_tokens unclamped", e)
         return self._context
 
-    async def _stream(self, request: web.Request, conv: Conversation, msg_id: str,
-                      input_tokens: int, work) -> web.StreamResponse:  # fmt: skip
+    async def _stream(
+        self, request: web.Request, conv: Conversation, msg_id: str, input_tokens: int, work
+    ) -> web.StreamResponse:
         api = conv.api
         task = asyncio.ensure_future(work)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})  # fmt: skip
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         try:
             await response.prepare(request)
             request[STREAMING] = True
@@ -401,8 +479,9 @@ class Middleware:
                 for event, data in events:
                     await response.write(_sse(data, event))
             else:
-                for chunk in formats.openai_chunks(reply, msg_id=msg_id, model=conv.model,
-                                                   include_usage=conv.include_usage):  # fmt: skip
+                for chunk in formats.openai_chunks(
+                    reply, msg_id=msg_id, model=conv.model, include_usage=conv.include_usage
+                ):
                     await response.write(_sse(chunk))
                 await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -430,8 +509,10 @@ class Middleware:
         ended = self._ended.get(rollout_id)
         if ended is not None:
             return f"rollout {rollout_id!r} is not in progress: it was written {ended}"
-        return (f"no rollout {rollout_id!r} in progress: none of its requests recorded a turn "
-                "(it never called the model, or every call was refused)")  # fmt: skip
+        return (
+            f"no rollout {rollout_id!r} in progress: none of its requests recorded a turn "
+            "(it never called the model, or every call was refused)"
+        )
 
     async def _finish(self, request: web.Request) -> web.Response:
         rollout_id = request.match_info["id"]
@@ -460,8 +541,9 @@ class Middleware:
     def _write(self, rollout: Rollout, **fields: Any) -> dict[str, Any]:
         """The rollout's trajectories to the sink; the rollout is forgotten."""
         try:
-            trajs = rollout.trajectories(reward_mode=self.cfg.reward_mode,
-                                         tokenizer=self.tokenizer_name, **fields)  # fmt: skip
+            trajs = rollout.trajectories(
+                reward_mode=self.cfg.reward_mode, tokenizer=self.tokenizer_name, **fields
+            )
         except ValueError as e:
             raise HTTPFailure(400, str(e)) from e
         paths = self.sink(trajs) if trajs else []
@@ -475,10 +557,13 @@ class Middleware:
         self.finished += 1
         self.written[status] += 1
         return {
-            "rollout_id": rollout.id, "trajectories": len(trajs), "paths": paths,
-            "status": status, "segments": [s.summary() for s in rollout.segments],
+            "rollout_id": rollout.id,
+            "trajectories": len(trajs),
+            "paths": paths,
+            "status": status,
+            "segments": [s.summary() for s in rollout.segments],
             "plans": dict(rollout.counts),
-        }  # fmt: skip
+        }
 
     async def _start_reaper(self, app: web.Application) -> None:
         self._reaper = asyncio.create_task(self._reap(), name="middleware-reaper")
@@ -504,8 +589,10 @@ class Middleware:
             idle = now - rollout.last_used
             if idle <= ttl or rollout.inflight or rollout.lock.locked() or not rollout.segments:
                 continue
-            reason = (f"no finish (its grade) arrived within rollout_ttl_s={ttl:g}s of its last "
-                      f"request ({idle:.0f}s ago)")  # fmt: skip
+            reason = (
+                f"no finish (its grade) arrived within rollout_ttl_s={ttl:g}s of its last "
+                f"request ({idle:.0f}s ago)"
+            )
             log.warning("rollout %s: %s; written aborted", rollout.id, reason)
             try:
                 self._write(rollout, reward=None, status="aborted", reason=reason)
@@ -529,31 +616,41 @@ class Middleware:
     # ----- misc ------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.cfg.model_name, "object": "model", "owned_by": "simloop"}]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.cfg.model_name, "object": "model", "owned_by": "simloop"}],
+            }
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "rollouts": len(self.rollouts),
-                                  "finished": self.finished})  # fmt: skip
+        return web.json_response(
+            {"status": "ok", "rollouts": len(self.rollouts), "finished": self.finished}
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.render_metrics(), content_type="text/plain",
-                            charset="utf-8")  # fmt: skip
+        return web.Response(text=self.render_metrics(), content_type="text/plain", charset="utf-8")
 
     def render_metrics(self) -> str:
         """Prometheus text: counts only, no rollout id (a label per id would grow forever)."""
         open_now = sum(1 for r in self.rollouts.values() if r.segments)
-        lines = ["# HELP simloop_middleware_rollouts_open rollouts with a recorded turn, not "
-                 "finished", "# TYPE simloop_middleware_rollouts_open gauge",
-                 f"simloop_middleware_rollouts_open {open_now}"]  # fmt: skip
+        lines = [
+            "# HELP simloop_middleware_rollouts_open rollouts with a recorded turn, not finished",
+            "# TYPE simloop_middleware_rollouts_open gauge",
+            f"simloop_middleware_rollouts_open {open_now}",
+        ]
         for name, help_text, label, counts in [
             ("rollouts_finished_total", "rollouts written, by status", "status", self.written),
             ("requests_total", "model requests, by API", "api", self.requests),
-            ("refused_total", "requests answered with an error, by reason", "reason",
-             self.refused),
-            ("refused_finishes_total", "finish calls refused: on the API listener, or on the "
-             "admin listener without its token", "listener", self.refused_finishes),
-        ]:  # fmt: skip
+            ("refused_total", "requests answered with an error, by reason", "reason", self.refused),
+            (
+                "refused_finishes_total",
+                "finish calls refused: on the API listener, or on the "
+                "admin listener without its token",
+                "listener",
+                self.refused_finishes,
+            ),
+        ]:
             metric = f"simloop_middleware_{name}"
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
             lines += [f'{metric}{{{label}="{key}"}} {n}' for key, n in sorted(counts.items())]
@@ -577,11 +674,15 @@ def _rollout_id(request: web.Request) -> str:
         auth = request.headers.get("Authorization", "")
         key = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
     if not key:
-        raise HTTPFailure(401, "no API key: the key names the rollout (set ANTHROPIC_API_KEY or "
-                               "OPENAI_API_KEY to a rollout id)")  # fmt: skip
+        raise HTTPFailure(
+            401,
+            "no API key: the key names the rollout (set ANTHROPIC_API_KEY or "
+            "OPENAI_API_KEY to a rollout id)",
+        )
     if not ROLLOUT_ID.match(key):
-        raise HTTPFailure(401, "the API key names the rollout and must be 1-128 characters of "
-                               "A-Z a-z 0-9 . _ : -")  # fmt: skip
+        raise HTTPFailure(
+            401, "the API key names the rollout and must be 1-128 characters of A-Z a-z 0-9 . _ : -"
+        )
     return key
 
 
@@ -599,8 +700,11 @@ def _finish_fields(body: dict[str, Any]) -> dict[str, Any]:
     reason = body.get("reason")
     if status != "ok" and not (isinstance(reason, str) and reason.strip()):
         reason = f"the harness runner finished the rollout as {status!r}"
-    fields: dict[str, Any] = {"reward": None if reward is None else float(reward),
-                              "status": status, "reason": reason}  # fmt: skip
+    fields: dict[str, Any] = {
+        "reward": None if reward is None else float(reward),
+        "status": status,
+        "reason": reason,
+    }
     for name in ("task_id", "group_id"):
         value = body.get(name)
         if value is not None and not (isinstance(value, str) and value):
@@ -612,9 +716,13 @@ def _finish_fields(body: dict[str, Any]) -> dict[str, Any]:
         raise HTTPFailure(400, "meta must be a JSON object", "meta")
     control = sorted(set(meta or ()) & set(CONTROL_META_KEYS))
     if control:
-        raise HTTPFailure(400, f"meta[{control[0]!r}] is invalid: meta is provenance only; the "
-                          f"trajectory's control fields ({', '.join(CONTROL_META_KEYS)}) are "
-                          "not the harness's to set", "meta")  # fmt: skip
+        raise HTTPFailure(
+            400,
+            f"meta[{control[0]!r}] is invalid: meta is provenance only; the "
+            f"trajectory's control fields ({', '.join(CONTROL_META_KEYS)}) are "
+            "not the harness's to set",
+            "meta",
+        )
     if meta:
         fields["meta"] = meta
     return fields
@@ -636,10 +744,12 @@ async def serve(middleware: Middleware, host: str, port: int) -> AsyncIterator[L
     directory unless `admin_socket` or `admin_port` say otherwise). Yields where they listen.
     Handlers are cancelled when their client disconnects."""
     cfg = middleware.cfg
-    api = web.AppRunner(middleware.api_app(), handler_cancellation=True, access_log=None,
-                        shutdown_timeout=1.0)  # fmt: skip
-    admin = web.AppRunner(middleware.admin_app(), handler_cancellation=True, access_log=None,
-                          shutdown_timeout=1.0)  # fmt: skip
+    api = web.AppRunner(
+        middleware.api_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
+    admin = web.AppRunner(
+        middleware.admin_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+    )
     private: str | None = None
     socket_path: str | None = None
     try:
@@ -650,8 +760,9 @@ async def serve(middleware: Middleware, host: str, port: int) -> AsyncIterator[L
         if cfg.admin_port is not None:
             await web.TCPSite(admin, cfg.admin_host, cfg.admin_port).start()
             bound = admin.addresses[0][1]
-            listening = Listening(url, middleware.admin_token,
-                                  admin_url=f"http://{cfg.admin_host}:{bound}")  # fmt: skip
+            listening = Listening(
+                url, middleware.admin_token, admin_url=f"http://{cfg.admin_host}:{bound}"
+            )
         else:
             if cfg.admin_socket is None:  # mode 0700: no other uid reaches the socket inside
                 private = tempfile.mkdtemp(prefix="simloop-middleware-")

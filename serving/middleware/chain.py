@@ -68,8 +68,12 @@ class Segment:
     turns: list[SegmentTurn] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
-        return {"index": self.index, "turns": len(self.turns), "tokens": len(self.token_ids),
-                "sampled_tokens": sum(self.loss_mask)}  # fmt: skip
+        return {
+            "index": self.index,
+            "turns": len(self.turns),
+            "tokens": len(self.token_ids),
+            "sampled_tokens": sum(self.loss_mask),
+        }
 
 
 @dataclass
@@ -117,15 +121,25 @@ class Rollout:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "id": self.id, "api": self.api, "requests": self.requests,
-            "segments": [s.summary() for s in self.segments], "plans": dict(self.counts),
-            "idle_s": round(time.time() - self.last_used, 3), "failure": self.failure,
-        }  # fmt: skip
+            "id": self.id,
+            "api": self.api,
+            "requests": self.requests,
+            "segments": [s.summary() for s in self.segments],
+            "plans": dict(self.counts),
+            "idle_s": round(time.time() - self.last_used, 3),
+            "failure": self.failure,
+        }
 
     # ----- matching ----------------------------------------------------------------------
 
-    def plan(self, conv: Conversation, renderer: ChatRenderer, *, segments_max: int,
-             enable_thinking: bool) -> Plan:  # fmt: skip
+    def plan(
+        self,
+        conv: Conversation,
+        renderer: ChatRenderer,
+        *,
+        segments_max: int,
+        enable_thinking: bool,
+    ) -> Plan:
         if self.failure:
             raise SegmentsExceeded(self.failure)
         msgs = list(conv.messages)
@@ -156,27 +170,43 @@ class Rollout:
         return Plan(seg, True, 0, 0, ids, [], msgs, ids, "new")
 
     @staticmethod
-    def _extend(seg: Segment, msgs: list[Msg], renderer: ChatRenderer,
-                enable_thinking: bool) -> Plan:  # fmt: skip
+    def _extend(
+        seg: Segment, msgs: list[Msg], renderer: ChatRenderer, enable_thinking: bool
+    ) -> Plan:
         new = msgs[len(seg.history) :]
         ids = list(seg.token_ids)
         appended: list[int] = []
         rendered = [to_chat(m) for m in new]
         for k, message in enumerate(rendered):
-            more = renderer.append(ids, message, add_generation_prompt=k == len(rendered) - 1,
-                                   enable_thinking=enable_thinking)  # fmt: skip
+            more = renderer.append(
+                ids,
+                message,
+                add_generation_prompt=k == len(rendered) - 1,
+                enable_thinking=enable_thinking,
+            )
             ids += more
             appended += more
         return Plan(seg, False, len(seg.token_ids), 0, appended, rendered, msgs, ids, "extend")
 
     # ----- recording ---------------------------------------------------------------------
 
-    def commit(self, plan: Plan, reply: Reply, *, token_ids: list[int], logprobs: list[float],
-               versions: list[int], text: str, eos_id: int) -> None:  # fmt: skip
+    def commit(
+        self,
+        plan: Plan,
+        reply: Reply,
+        *,
+        token_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        text: str,
+        eos_id: int,
+    ) -> None:
         """Record a sampled turn (the server's ids, logprobs and versions, verbatim)."""
         if not token_ids or len(logprobs) != len(token_ids) or len(versions) != len(token_ids):
-            raise ValueError(f"a sampled turn needs ids, logprobs and versions of one length; got "
-                             f"{len(token_ids)}, {len(logprobs)}, {len(versions)}")  # fmt: skip
+            raise ValueError(
+                f"a sampled turn needs ids, logprobs and versions of one length; got "
+                f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
+            )
         seg = plan.segment
         if plan.new:
             self.segments.append(seg)
@@ -202,17 +232,26 @@ class Rollout:
             seg.loss_mask.append(0)
             seg.logprobs.append(None)
             seg.versions.append(None)
-        seg.turns.append(SegmentTurn(span=span, text=text, finish=reply.finish,
-                                     info={"plan": plan.kind}))  # fmt: skip
+        seg.turns.append(
+            SegmentTurn(span=span, text=text, finish=reply.finish, info={"plan": plan.kind})
+        )
         seg.history = [*plan.history, reply.message()]
         self.counts[plan.kind] += 1
 
     # ----- writing -----------------------------------------------------------------------
 
-    def trajectories(self, *, reward: float | None, status: str, reason: str | None,
-                     reward_mode: str, task_id: str | None = None, group_id: str = "",
-                     tokenizer: str | None = None,
-                     meta: dict[str, Any] | None = None) -> list[Trajectory]:  # fmt: skip
+    def trajectories(
+        self,
+        *,
+        reward: float | None,
+        status: str,
+        reason: str | None,
+        reward_mode: str,
+        task_id: str | None = None,
+        group_id: str = "",
+        tokenizer: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> list[Trajectory]:
         """One trajectory per segment that sampled anything. `all_segments`: each carries the
         reward; `last_segment`: only the last trains, earlier ones are kept for inspection
         and excluded as `earlier_segment` (the RL batch skips them). `meta` is the harness's
@@ -224,21 +263,47 @@ class Rollout:
         used = [s for s in self.segments if s.turns]
         out = []
         for k, seg in enumerate(used):
-            turns = [Turn(agent_text=t.text, env_messages=list(t.env_messages), token_span=t.span,
-                          info={"finish_reason": t.finish, **t.info})
-                     for t in seg.turns]  # fmt: skip
-            extra: dict[str, Any] = {"segment": k, "segments": len(used), "api": self.api,
-                                     "reward_mode": reward_mode, **(meta or {})}  # fmt: skip
+            turns = [
+                Turn(
+                    agent_text=t.text,
+                    env_messages=list(t.env_messages),
+                    token_span=t.span,
+                    info={"finish_reason": t.finish, **t.info},
+                )
+                for t in seg.turns
+            ]
+            extra: dict[str, Any] = {
+                "segment": k,
+                "segments": len(used),
+                "api": self.api,
+                "reward_mode": reward_mode,
+                **(meta or {}),
+            }
             exclusion = None
             if reward_mode == "last_segment" and k < len(used) - 1:
-                exclusion = Exclusion("earlier_segment", "reward_mode last_segment: only the "
-                                      "last segment trains")  # fmt: skip
-            out.append(Trajectory(
-                task_id=task_id or self.id, arm="real", env_backend="harness", status=status,  # type: ignore[arg-type]
-                reason=reason, reward=reward, group_id=group_id, prompt=list(seg.prompt),
-                turns=turns, source="sampler", token_ids=list(seg.token_ids),
-                loss_mask=list(seg.loss_mask), behavior_logprobs=list(seg.logprobs),
-                policy_version=list(seg.versions), tokenizer=tokenizer, meta=extra,
-                rollout_id=self.id, exclusion=exclusion,
-            ))  # fmt: skip
+                exclusion = Exclusion(
+                    "earlier_segment", "reward_mode last_segment: only the last segment trains"
+                )
+            out.append(
+                Trajectory(
+                    task_id=task_id or self.id,
+                    arm="real",
+                    env_backend="harness",
+                    status=status,  # type: ignore[arg-type]
+                    reason=reason,
+                    reward=reward,
+                    group_id=group_id,
+                    prompt=list(seg.prompt),
+                    turns=turns,
+                    source="sampler",
+                    token_ids=list(seg.token_ids),
+                    loss_mask=list(seg.loss_mask),
+                    behavior_logprobs=list(seg.logprobs),
+                    policy_version=list(seg.versions),
+                    tokenizer=tokenizer,
+                    meta=extra,
+                    rollout_id=self.id,
+                    exclusion=exclusion,
+                )
+            )
         return out

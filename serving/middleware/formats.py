@@ -39,12 +39,21 @@ MAX_DEPTH = 64
 """JSON nesting a request may have (tool schemas run to ~10 levels; Python's own parser and
 encoder recurse, so deeper input would end in a RecursionError, not an answer)."""
 FOREIGN = {
-    "anthropic": {"stop": "stop_sequences", "seed": None, "n": None,
-                  "max_completion_tokens": "max_tokens", "frequency_penalty": None,
-                  "presence_penalty": None, "logit_bias": None, "logprobs": None,
-                  "top_logprobs": None, "response_format": None, "stream_options": None},
+    "anthropic": {
+        "stop": "stop_sequences",
+        "seed": None,
+        "n": None,
+        "max_completion_tokens": "max_tokens",
+        "frequency_penalty": None,
+        "presence_penalty": None,
+        "logit_bias": None,
+        "logprobs": None,
+        "top_logprobs": None,
+        "response_format": None,
+        "stream_options": None,
+    },
     "openai": {"stop_sequences": "stop", "top_k": None, "system": "a system message"},
-}  # fmt: skip
+}
 """Parameters of the other API that this one does not take, with this API's name for the same
 thing (None: it has none). Ignoring them would sample differently from what the client asked."""
 
@@ -173,9 +182,11 @@ def _utf8(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         bad = text[e.start : e.end].encode("unicode_escape").decode()
-        raise BadRequest(f"the request body holds a lone surrogate ({bad}) at character "
-                         f"{e.start} of a string: not a character, so not text any model "
-                         "can read") from e  # fmt: skip
+        raise BadRequest(
+            f"the request body holds a lone surrogate ({bad}) at character "
+            f"{e.start} of a string: not a character, so not text any model "
+            "can read"
+        ) from e
 
 
 def _foreign(body: dict, api: str) -> None:
@@ -184,8 +195,9 @@ def _foreign(body: dict, api: str) -> None:
             other = "OpenAI chat" if api == "anthropic" else "Anthropic Messages"
             mine = "the Anthropic Messages API" if api == "anthropic" else "OpenAI chat"
             hint = f" (its name here: {ours})" if ours else ""
-            raise BadRequest(f"{name} is a parameter of the {other} API, which {mine} does not "
-                             f"take{hint}", name)  # fmt: skip
+            raise BadRequest(
+                f"{name} is a parameter of the {other} API, which {mine} does not take{hint}", name
+            )
 
 
 def new_call_id(api: str) -> str:
@@ -285,37 +297,51 @@ def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
         m = _obj(m, f"messages[{i}]")
         role = m.get("role")
         if role not in ("user", "assistant"):
-            hint = (" (the Messages API takes system text in the top-level `system` field, "
-                    "not as a message)" if role == "system" else "")  # fmt: skip
-            raise BadRequest(f"messages[{i}].role={role!r} is invalid: user or assistant{hint}",
-                             "messages")  # fmt: skip
+            hint = (
+                " (the Messages API takes system text in the top-level `system` field, "
+                "not as a message)"
+                if role == "system"
+                else ""
+            )
+            raise BadRequest(
+                f"messages[{i}].role={role!r} is invalid: user or assistant{hint}", "messages"
+            )
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of blocks",
-                             "messages")  # fmt: skip
+            raise BadRequest(
+                f"messages[{i}].content must be a string or a list of blocks", "messages"
+            )
         if role == "assistant":
             messages.append(_anthropic_assistant(blocks, i))
         else:
             messages.extend(_anthropic_user(blocks, i))
     if messages and messages[-1].role == "assistant":
-        raise BadRequest("the last message is the assistant's (a prefill): the middleware only "
-                         "samples whole turns; end with a user message", "messages")  # fmt: skip
+        raise BadRequest(
+            "the last message is the assistant's (a prefill): the middleware only "
+            "samples whole turns; end with a user message",
+            "messages",
+        )
     return Conversation(
-        api="anthropic", model=str(body.get("model") or default_model), system=system,
-        tools=tools, messages=tuple(messages),
+        api="anthropic",
+        model=str(body.get("model") or default_model),
+        system=system,
+        tools=tools,
+        messages=tuple(messages),
         sampling=_sampling(body, max_tokens, top_k=True, stop_name="stop_sequences"),
         stream=bool(body.get("stream", False)),
-    )  # fmt: skip
+    )
 
 
 def _anthropic_tool(tool: Any, i: int) -> dict[str, Any]:
     tool = _obj(tool, f"tools[{i}]")
     kind = tool.get("type")
     if kind not in (None, "custom") or "input_schema" not in tool:
-        raise BadRequest(f"tools[{i}] (type {kind!r}) is not a custom tool with an input_schema: "
-                         "server-side tools run on Anthropic's servers, which this is not",
-                         "tools")  # fmt: skip
+        raise BadRequest(
+            f"tools[{i}] (type {kind!r}) is not a custom tool with an input_schema: "
+            "server-side tools run on Anthropic's servers, which this is not",
+            "tools",
+        )
     try:
         return function_spec(tool.get("name"), tool.get("description"), tool["input_schema"])
     except ValueError as e:
@@ -332,15 +358,19 @@ def _anthropic_assistant(blocks: list, i: int) -> Msg:
         elif kind == "tool_use":
             args = b.get("input", {})
             if not isinstance(args, dict) or not isinstance(b.get("name"), str):
-                raise BadRequest(f"messages[{i}].content[{j}]: a tool_use needs a name and an "
-                                 "input object", "messages")  # fmt: skip
+                raise BadRequest(
+                    f"messages[{i}].content[{j}]: a tool_use needs a name and an input object",
+                    "messages",
+                )
             calls.append(Call(str(b.get("id", "")), b["name"], args))
         elif kind in ("thinking", "redacted_thinking"):
             continue  # reasoning the harness echoes back; the chain holds the sampled ids
         else:
-            raise BadRequest(f"messages[{i}].content[{j}] has type {kind!r}: an assistant "
-                             "message holds text, tool_use or thinking blocks",
-                             "messages")  # fmt: skip
+            raise BadRequest(
+                f"messages[{i}].content[{j}] has type {kind!r}: an assistant "
+                "message holds text, tool_use or thinking blocks",
+                "messages",
+            )
     return Msg("assistant", "".join(texts), tuple(calls))
 
 
@@ -354,9 +384,11 @@ def _anthropic_user(blocks: list, i: int) -> list[Msg]:
             texts.append(str(b.get("text", "")))
             continue
         if kind != "tool_result":
-            raise BadRequest(f"messages[{i}].content[{j}] has type {kind!r}: a user message "
-                             "holds text and tool_result blocks (no images or documents)",
-                             "messages")  # fmt: skip
+            raise BadRequest(
+                f"messages[{i}].content[{j}] has type {kind!r}: a user message "
+                "holds text and tool_result blocks (no images or documents)",
+                "messages",
+            )
         if texts:
             out.append(Msg("user", "\n".join(texts)))
             texts = []
@@ -376,8 +408,9 @@ def parse_openai(body: Any, *, default_model: str, default_max_tokens: int) -> C
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list", "messages")
     if body.get("n", 1) != 1:
-        raise BadRequest(f"n={body.get('n')!r} is invalid: 1 (a rollout is one chain of turns)",
-                         "n")  # fmt: skip
+        raise BadRequest(
+            f"n={body.get('n')!r} is invalid: 1 (a rollout is one chain of turns)", "n"
+        )
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = _int(body, name, default_max_tokens)
     tools = tuple(_openai_tool(t, i) for i, t in enumerate(body.get("tools") or []))
@@ -401,30 +434,37 @@ def parse_openai(body: Any, *, default_model: str, default_max_tokens: int) -> C
         elif role == "tool":
             messages.append(Msg("tool", text, tool_call_id=str(m.get("tool_call_id", ""))))
         else:
-            raise BadRequest(f"messages[{i}].role={role!r} is invalid: system, developer, user, "
-                             "assistant or tool", "messages")  # fmt: skip
+            raise BadRequest(
+                f"messages[{i}].role={role!r} is invalid: system, developer, user, "
+                "assistant or tool",
+                "messages",
+            )
     if not messages:
         raise BadRequest("messages has no user message", "messages")
     if messages[-1].role == "assistant":
-        raise BadRequest("the last message is the assistant's: the middleware only samples whole "
-                         "turns; end with a user or tool message", "messages")  # fmt: skip
+        raise BadRequest(
+            "the last message is the assistant's: the middleware only samples whole "
+            "turns; end with a user or tool message",
+            "messages",
+        )
     options = body.get("stream_options") or {}
     return Conversation(
-        api="openai", model=str(body.get("model") or default_model),
-        system="\n\n".join(system_parts) if system_parts else None, tools=tools,
+        api="openai",
+        model=str(body.get("model") or default_model),
+        system="\n\n".join(system_parts) if system_parts else None,
+        tools=tools,
         messages=tuple(messages),
         sampling=_sampling(body, max_tokens, top_k=False, stop_name="stop"),
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-    )  # fmt: skip
+    )
 
 
 def _openai_tool(tool: Any, i: int) -> dict[str, Any]:
     tool = _obj(tool, f"tools[{i}]")
     fn = tool.get("function")
     if tool.get("type") != "function" or not isinstance(fn, dict):
-        raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                         "tools")  # fmt: skip
+        raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
     try:
         return function_spec(fn.get("name"), fn.get("description"), fn.get("parameters"))
     except ValueError as e:
@@ -435,17 +475,18 @@ def _openai_call(call: Any, i: int, j: int) -> Call:
     call = _obj(call, f"messages[{i}].tool_calls[{j}]")
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise BadRequest(f"messages[{i}].tool_calls[{j}] needs a function with a name",
-                         "messages")  # fmt: skip
+        raise BadRequest(f"messages[{i}].tool_calls[{j}] needs a function with a name", "messages")
     args = fn.get("arguments") or "{}"
     try:
         parsed = json.loads(args) if isinstance(args, str) else args
     except ValueError as e:
-        raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}",
-                         "messages") from e  # fmt: skip
+        raise BadRequest(
+            f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}", "messages"
+        ) from e
     if not isinstance(parsed, dict):
-        raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON "
-                         "object", "messages")  # fmt: skip
+        raise BadRequest(
+            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object", "messages"
+        )
     return Call(str(call.get("id", "")), fn["name"], parsed)
 
 
@@ -469,11 +510,15 @@ def _anthropic_blocks(reply: Reply) -> list[dict[str, Any]]:
 
 def anthropic_message(reply: Reply, *, msg_id: str, model: str) -> dict[str, Any]:
     return {
-        "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": _anthropic_blocks(reply), "stop_reason": _anthropic_stop(reply),
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _anthropic_blocks(reply),
+        "stop_reason": _anthropic_stop(reply),
         "stop_sequence": reply.stop_sequence,
         "usage": {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens},
-    }  # fmt: skip
+    }
 
 
 def anthropic_events(reply: Reply, *, msg_id: str, model: str) -> list[tuple[str, dict]]:
@@ -491,8 +536,10 @@ def anthropic_events(reply: Reply, *, msg_id: str, model: str) -> list[tuple[str
             delta = {"type": "text_delta", "text": block["text"]}
         else:
             empty = {**block, "input": {}}
-            delta = {"type": "input_json_delta",
-                     "partial_json": json.dumps(block["input"], ensure_ascii=False)}  # fmt: skip
+            delta = {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(block["input"], ensure_ascii=False),
+            }
         events += [
             ("content_block_start",
              {"type": "content_block_start", "index": index, "content_block": empty}),
@@ -501,12 +548,19 @@ def anthropic_events(reply: Reply, *, msg_id: str, model: str) -> list[tuple[str
             ("content_block_stop", {"type": "content_block_stop", "index": index}),
         ]  # fmt: skip
     events += [
-        ("message_delta", {"type": "message_delta",
-                           "delta": {"stop_reason": _anthropic_stop(reply),
-                                     "stop_sequence": reply.stop_sequence},
-                           "usage": {"output_tokens": reply.output_tokens}}),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": _anthropic_stop(reply),
+                    "stop_sequence": reply.stop_sequence,
+                },
+                "usage": {"output_tokens": reply.output_tokens},
+            },
+        ),
         ("message_stop", {"type": "message_stop"}),
-    ]  # fmt: skip
+    ]
     return events
 
 
@@ -518,16 +572,24 @@ def _openai_finish(reply: Reply) -> str:
 
 def _openai_calls(reply: Reply) -> list[dict[str, Any]]:
     return [
-        {"id": c.id, "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments),
-                                                              ensure_ascii=False)}}
+        {
+            "id": c.id,
+            "type": "function",
+            "function": {
+                "name": c.name,
+                "arguments": json.dumps(dict(c.arguments), ensure_ascii=False),
+            },
+        }
         for c in reply.tool_calls
-    ]  # fmt: skip
+    ]
 
 
 def _usage(reply: Reply) -> dict[str, int]:
-    return {"prompt_tokens": reply.input_tokens, "completion_tokens": reply.output_tokens,
-            "total_tokens": reply.input_tokens + reply.output_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": reply.input_tokens,
+        "completion_tokens": reply.output_tokens,
+        "total_tokens": reply.input_tokens + reply.output_tokens,
+    }
 
 
 def openai_completion(reply: Reply, *, msg_id: str, model: str) -> dict[str, Any]:
@@ -535,11 +597,20 @@ def openai_completion(reply: Reply, *, msg_id: str, model: str) -> dict[str, Any
     if reply.tool_calls:
         message["tool_calls"] = _openai_calls(reply)
     return {
-        "id": msg_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": _openai_finish(reply),
-                     "logprobs": None}],
+        "id": msg_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": _openai_finish(reply),
+                "logprobs": None,
+            }
+        ],
         "usage": _usage(reply),
-    }  # fmt: skip
+    }
 
 
 def openai_chunks(reply: Reply, *, msg_id: str, model: str, include_usage: bool) -> list[dict]:
@@ -547,9 +618,13 @@ def openai_chunks(reply: Reply, *, msg_id: str, model: str, include_usage: bool)
     created = int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        out = {"id": msg_id, "object": "chat.completion.chunk", "created": created,
-               "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+        out = {
+            "id": msg_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        }
         if include_usage:
             out["usage"] = None
         return out
@@ -561,18 +636,35 @@ def openai_chunks(reply: Reply, *, msg_id: str, model: str, include_usage: bool)
         chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
     chunks.append(chunk({}, _openai_finish(reply)))
     if include_usage:
-        chunks.append({"id": msg_id, "object": "chat.completion.chunk", "created": created,
-                       "model": model, "choices": [], "usage": _usage(reply)})  # fmt: skip
+        chunks.append(
+            {
+                "id": msg_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": _usage(reply),
+            }
+        )
     return chunks
 
 
 def error_body(api: str, status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """An error in the API's own shape."""
     if api == "anthropic":
-        kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
-                 503: "overloaded_error", 504: "api_error"}  # fmt: skip
-        return {"type": "error", "error": {"type": kinds.get(status, "api_error"),
-                                           "message": message}}  # fmt: skip
+        kinds = {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            409: "invalid_request_error",
+            413: "request_too_large",
+            429: "rate_limit_error",
+            503: "overloaded_error",
+            504: "api_error",
+        }
+        return {
+            "type": "error",
+            "error": {"type": kinds.get(status, "api_error"), "message": message},
+        }
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

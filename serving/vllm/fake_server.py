@@ -61,21 +61,31 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve = commands.add_parser("serve", help="serve an HF model directory")
     serve.add_argument("model", metavar="MODEL_DIR", help="HF directory (config + safetensors)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1, help="workers per call")
-    serve.add_argument("--max-model-len", type=int, default=None,
-                       help="context per sequence (default: the model's, <= 2048)")  # fmt: skip
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context per sequence (default: the model's, <= 2048)",
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--served-model-name", default=None, help="default: MODEL_DIR")
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True)  # fmt: skip
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--worker-extension-cls", default=None, metavar="DOTTED")
     serve.add_argument("--tokenizer", default=None, help="tokenizer directory or tokenizer.json")
     serve.add_argument("--seed", type=int, default=None, help="accepted, unused")
     serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    serve.add_argument("--speculative-config", type=_speculative, default=None, metavar="JSON",
-                       help='n-gram speculation only: {"method": "ngram", '
-                            '"num_speculative_tokens": K, "prompt_lookup_max": N}')  # fmt: skip
+    serve.add_argument(
+        "--speculative-config",
+        type=_speculative,
+        default=None,
+        metavar="JSON",
+        help='n-gram speculation only: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_max": N}',
+    )
     return parser, serve
 
 
@@ -90,10 +100,14 @@ def _speculative(text: str) -> dict:
         raise argparse.ArgumentTypeError('only {"method": "ngram", ...} is served by the fake')
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     if set(spec) - known:
-        raise argparse.ArgumentTypeError(f"unknown keys {sorted(set(spec) - known)}; the fake "
-                                         f"knows {sorted(known)}")  # fmt: skip
-    for key, default in (("num_speculative_tokens", None), ("prompt_lookup_max", 3),
-                         ("prompt_lookup_min", 1)):  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"unknown keys {sorted(set(spec) - known)}; the fake knows {sorted(known)}"
+        )
+    for key, default in (
+        ("num_speculative_tokens", None),
+        ("prompt_lookup_max", 3),
+        ("prompt_lookup_min", 1),
+    ):
         value = spec.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise argparse.ArgumentTypeError(f"{key}={value!r} is invalid: a positive integer")
@@ -105,15 +119,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser, serve = build_parser()
     args = parser.parse_args(argv)
     for flag, value, ok, allowed in (
-        ("--tensor-parallel-size", args.tensor_parallel_size, args.tensor_parallel_size >= 1,
-         ">= 1"),
-        ("--max-model-len", args.max_model_len,
-         args.max_model_len is None or args.max_model_len >= 2, ">= 2"),
+        (
+            "--tensor-parallel-size",
+            args.tensor_parallel_size,
+            args.tensor_parallel_size >= 1,
+            ">= 1",
+        ),
+        (
+            "--max-model-len",
+            args.max_model_len,
+            args.max_model_len is None or args.max_model_len >= 2,
+            ">= 2",
+        ),
         ("--port", args.port, 0 <= args.port <= 65535, "in [0, 65535]"),
-        ("--gpu-memory-utilization", args.gpu_memory_utilization,
-         0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
+        (
+            "--gpu-memory-utilization",
+            args.gpu_memory_utilization,
+            0 < args.gpu_memory_utilization <= 1,
+            "in (0, 1]",
+        ),
         ("--max-num-seqs", args.max_num_seqs, args.max_num_seqs >= 1, ">= 1"),
-    ):  # fmt: skip
+    ):
         if not ok:
             serve.error(f"argument {flag}: {value} is invalid: {allowed}")
     return args
@@ -143,8 +169,13 @@ def _runner_path(hf_name: str) -> tuple[str, ...]:
     *parents, leaf = hf_name.split(".")
     if leaf == "weight":
         module = parents[-1]
-        leaf = ("embedding" if module == "embed_tokens"
-                else "scale" if module.endswith("norm") else "kernel")  # fmt: skip
+        leaf = (
+            "embedding"
+            if module == "embed_tokens"
+            else "scale"
+            if module.endswith("norm")
+            else "kernel"
+        )
     return (*parents, leaf)
 
 
@@ -195,9 +226,12 @@ class FakeModelRunner:
         out: dict = {}
         for t in tensor_table(self.cfg):
             layers = range(self.cfg.num_layers) if t.per_layer else [None]
-            values = [functools.reduce(lambda node, key: node[key],
-                                       _runner_path(t.hf_name.format(i=i)), tree)
-                      for i in layers]  # fmt: skip
+            values = [
+                functools.reduce(
+                    lambda node, key: node[key], _runner_path(t.hf_name.format(i=i)), tree
+                )
+                for i in layers
+            ]
             if t.per_layer:
                 stacked = host_array((len(values), *values[0].shape), values[0].dtype)
                 _put(out, t.path, np.stack([np.asarray(v) for v in values], out=stacked))
@@ -221,9 +255,11 @@ def worker_class(extension: type | None) -> type:
     probe = FakeWorker(0, None)  # type: ignore[arg-type]
     for attr in dir(extension):
         if not attr.startswith("__") and hasattr(probe, attr):
-            raise ValueError(f"worker class {FakeWorker.__name__} already has an attribute "
-                             f"{attr!r}, which conflicts with the worker extension class "
-                             f"{extension.__qualname__}")  # fmt: skip
+            raise ValueError(
+                f"worker class {FakeWorker.__name__} already has an attribute "
+                f"{attr!r}, which conflicts with the worker extension class "
+                f"{extension.__qualname__}"
+            )
     return type(f"FakeWorker+{extension.__name__}", (FakeWorker, extension), {})
 
 
@@ -234,8 +270,12 @@ def rpc_methods(worker: object) -> list[str]:
 
 # ----- the HTTP server ---------------------------------------------------------------------------
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 422: "UnprocessableEntityError",
-                500: "InternalServerError"}  # fmt: skip
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+}
 
 
 def vllm_error(status: int, message: str, param: str | None = None):
@@ -275,8 +315,10 @@ def make_server_class():
             self._background: set[asyncio.Task] = set()
 
         def app(self) -> web.Application:
-            app = web.Application(client_max_size=self.cfg.max_body_bytes,
-                                  middlewares=[self._errors, self._vllm_errors])  # fmt: skip
+            app = web.Application(
+                client_max_size=self.cfg.max_body_bytes,
+                middlewares=[self._errors, self._vllm_errors],
+            )
             routes = [
                 web.get("/health", self.health),
                 web.get("/v1/models", self.models),
@@ -286,8 +328,10 @@ def make_server_class():
                 web.post("/v1/chat/completions", self.chat_completions),
             ]
             if self.dev_mode:  # vLLM mounts these only with VLLM_SERVER_DEV_MODE=1
-                routes += [web.post("/collective_rpc", self.collective_rpc),
-                           web.post("/reset_prefix_cache", self.reset_prefix_cache)]  # fmt: skip
+                routes += [
+                    web.post("/collective_rpc", self.collective_rpc),
+                    web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                ]
             app.add_routes(routes)
             for route in routes:
                 log.info("Route: %s, Methods: %s", route.path, route.method)
@@ -324,19 +368,33 @@ def make_server_class():
             return web.Response(status=200)
 
         async def models(self, request: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{
-                "id": self.cfg.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "vllm", "root": self.root, "parent": None,
-                "max_model_len": self.engine.cfg.max_seq_len,
-            }]})  # fmt: skip
+            return web.json_response(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": self.cfg.model_name,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "vllm",
+                            "root": self.root,
+                            "parent": None,
+                            "max_model_len": self.engine.cfg.max_seq_len,
+                        }
+                    ],
+                }
+            )
 
         async def version_info(self, request: web.Request) -> web.Response:
             return web.json_response({"version": VERSION})
 
         async def _complete(self, request, req: CompletionRequest, prefix: str):
             if req.stream:
-                raise ApiError(400, "the fake vLLM server does not stream: leave 'stream' "
-                               "false", param="stream")  # fmt: skip
+                raise ApiError(
+                    400,
+                    "the fake vLLM server does not stream: leave 'stream' false",
+                    param="stream",
+                )
             self._check_model(req.model)
             started = time.perf_counter()
             request_id = new_id(prefix)
@@ -347,9 +405,14 @@ def make_server_class():
                 for h in handles:
                     self.engine.abort(h.id)
             self._record(outputs, started)
-            body = build_response(req, outputs, tokenizer=self.tokenizer,
-                                  model=self.cfg.model_name, version=self.engine.version,
-                                  request_id=request_id)  # fmt: skip
+            body = build_response(
+                req,
+                outputs,
+                tokenizer=self.tokenizer,
+                model=self.cfg.model_name,
+                version=self.engine.version,
+                request_id=request_id,
+            )
             return web.json_response(_as_vllm(body, req, outputs))
 
         # ----- dev-mode routes ------------------------------------------------------------
@@ -364,19 +427,27 @@ def make_server_class():
                 raise ApiError(400, "Missing 'method' in request body", param="method")
             methods = rpc_methods(self.workers[0])
             if method not in methods:
-                raise ApiError(400, f"the workers have no method {method!r}; they have "
-                               f"{methods}", param="method")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"the workers have no method {method!r}; they have {methods}",
+                    param="method",
+                )
             if not isinstance(args, list):
-                raise ApiError(400, f"'args' must be a list, got {type(args).__name__}",
-                               param="args")  # fmt: skip
+                raise ApiError(
+                    400, f"'args' must be a list, got {type(args).__name__}", param="args"
+                )
             if not isinstance(kwargs, dict):
-                raise ApiError(400, f"'kwargs' must be an object, got {type(kwargs).__name__}",
-                               param="kwargs")  # fmt: skip
+                raise ApiError(
+                    400, f"'kwargs' must be an object, got {type(kwargs).__name__}", param="kwargs"
+                )
             if timeout is not None and (
                 isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
             ):
-                raise ApiError(400, f"'timeout' must be a positive number of seconds or null, "
-                               f"got {timeout!r}", param="timeout")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"'timeout' must be a positive number of seconds or null, got {timeout!r}",
+                    param="timeout",
+                )
             # The call keeps running past a timeout (as vLLM's workers do); the lock keeps the
             # next one from overlapping it, and a load that finishes late still takes effect.
             task = asyncio.create_task(self._rpc(method, args, kwargs), name=f"rpc-{method}")
@@ -385,8 +456,9 @@ def make_server_class():
             try:
                 results = await asyncio.wait_for(asyncio.shield(task), timeout)
             except TimeoutError:
-                raise ApiError(500, f"collective_rpc {method!r} did not finish within "
-                               f"{timeout}s") from None  # fmt: skip
+                raise ApiError(
+                    500, f"collective_rpc {method!r} did not finish within {timeout}s"
+                ) from None
             return web.json_response({"results": results}, dumps=_dumps)
 
         async def _rpc(self, method: str, args: list, kwargs: dict) -> list:
@@ -395,8 +467,9 @@ def make_server_class():
                     results = await asyncio.to_thread(self._call_workers, method, args, kwargs)
                 except Exception as e:  # noqa: BLE001 - the method's error goes to the caller
                     log.warning("collective_rpc %s failed: %r", method, e)
-                    raise ApiError(500, f"{method} failed on a worker: {type(e).__name__}: "
-                                   f"{e}") from e  # fmt: skip
+                    raise ApiError(
+                        500, f"{method} failed on a worker: {type(e).__name__}: {e}"
+                    ) from e
                 await self._sync_engine(method)
                 return results
 
@@ -417,9 +490,12 @@ def make_server_class():
             if not any(reloaded):
                 return
             if not all(reloaded):
-                raise ApiError(500, f"{method} replaced the parameters of workers "
-                               f"{[i for i, r in enumerate(reloaded) if r]} only, of "
-                               f"{len(runners)}: the engine keeps its weights")  # fmt: skip
+                raise ApiError(
+                    500,
+                    f"{method} replaced the parameters of workers "
+                    f"{[i for i, r in enumerate(reloaded) if r]} only, of "
+                    f"{len(runners)}: the engine keeps its weights",
+                )
             params = await asyncio.to_thread(runners[0].params)
             try:
                 self.engine.install_params(params, self.engine.version + 1)
@@ -472,15 +548,19 @@ def _load(args: argparse.Namespace):
     cls = worker_class(extension)  # refuse a conflicting extension before the model loads
     model_dir = Path(args.model)
     if not model_dir.is_dir():
-        raise ValueError(f"model directory {args.model!r} does not exist: the fake server "
-                         "serves a local HF directory (config.json + safetensors)")  # fmt: skip
+        raise ValueError(
+            f"model directory {args.model!r} does not exist: the fake server "
+            "serves a local HF directory (config.json + safetensors)"
+        )
     _, model = load_hf(model_dir)
     tokenizer = hf_dir_tokenizer(args.tokenizer or model_dir)
     if args.tokenizer and isinstance(tokenizer, ByteTokenizer):
         raise ValueError(f"--tokenizer {args.tokenizer!r}: no tokenizer.json there")
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                         f"{model.cfg.vocab_size} embeddings")  # fmt: skip
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"{model.cfg.vocab_size} embeddings"
+        )
     return model, tokenizer, cls
 
 
@@ -496,10 +576,15 @@ def _engine_config(args: argparse.Namespace, model_cfg):
         chunk *= 2
     spec = args.speculative_config or {}
     # One token per decode call: the multi-step decode's compile costs seconds of every start.
-    return EngineConfig(num_slots=args.max_num_seqs, max_seq_len=max_len, prefill_chunk=chunk,
-                        decode_steps=1, prefix_reuse=args.enable_prefix_caching,
-                        speculate=spec.get("num_speculative_tokens", 0),
-                        speculate_ngram=spec.get("prompt_lookup_max", 3))  # fmt: skip
+    return EngineConfig(
+        num_slots=args.max_num_seqs,
+        max_seq_len=max_len,
+        prefill_chunk=chunk,
+        decode_steps=1,
+        prefix_reuse=args.enable_prefix_caching,
+        speculate=spec.get("num_speculative_tokens", 0),
+        speculate_ngram=spec.get("prompt_lookup_max", 3),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -507,9 +592,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from serving.lifetime import die_with_parent
 
     die_with_parent()  # started by a job (not by a pod entry): it ends with that job
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
     log.info("vLLM API server version %s", VERSION)
     log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v is not None})
     try:
@@ -527,25 +615,42 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     engine = Engine(model, tokenizer, engine_cfg)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    workers = [cls(rank, FakeModelRunner(model.cfg, params))
-               for rank in range(args.tensor_parallel_size)]  # fmt: skip
+    workers = [
+        cls(rank, FakeModelRunner(model.cfg, params)) for rank in range(args.tensor_parallel_size)
+    ]
     dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     name = args.served_model_name or args.model
-    server_cfg = ServerConfig(host=args.host, port=args.port, model_name=name,
-                              max_body_bytes=64 * 2**20, shutdown_timeout_s=3.0)  # fmt: skip
-    make = functools.partial(make_server_class(), workers=workers, root=args.model,
-                             dev_mode=dev_mode)  # fmt: skip
-    log.info("model %s: %.2fM params, %d worker(s) (%s), max_model_len %d, %d sequences, "
-             "prefix caching %s, n-gram speculation %s, dev mode %s", args.model,
-             model.cfg.num_params() / 1e6, len(workers), cls.__name__, engine_cfg.max_seq_len,
-             engine_cfg.num_slots, "on" if engine_cfg.prefix_reuse else "off",
-             engine_cfg.speculate or "off", "on" if dev_mode else "off")  # fmt: skip
+    server_cfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model_name=name,
+        max_body_bytes=64 * 2**20,
+        shutdown_timeout_s=3.0,
+    )
+    make = functools.partial(
+        make_server_class(), workers=workers, root=args.model, dev_mode=dev_mode
+    )
+    log.info(
+        "model %s: %.2fM params, %d worker(s) (%s), max_model_len %d, %d sequences, "
+        "prefix caching %s, n-gram speculation %s, dev mode %s",
+        args.model,
+        model.cfg.num_params() / 1e6,
+        len(workers),
+        cls.__name__,
+        engine_cfg.max_seq_len,
+        engine_cfg.num_slots,
+        "on" if engine_cfg.prefix_reuse else "off",
+        engine_cfg.speculate or "off",
+        "on" if dev_mode else "off",
+    )
 
     def ready(port: int) -> None:
         print(f"INFO:     Started server process [{os.getpid()}]", flush=True)
         print("INFO:     Application startup complete.", flush=True)
-        print(f"INFO:     Uvicorn running on http://{args.host}:{port} (Press CTRL+C to quit)",
-              flush=True)  # fmt: skip
+        print(
+            f"INFO:     Uvicorn running on http://{args.host}:{port} (Press CTRL+C to quit)",
+            flush=True,
+        )
 
     try:
         asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready, make_server=make))

@@ -118,8 +118,14 @@ def build_vllm_command(
 
 def speculative_config(tokens: int, ngram: int) -> str:
     """vLLM's `--speculative-config` JSON for n-gram (prompt lookup) speculation."""
-    return json.dumps({"method": "ngram", "num_speculative_tokens": tokens,
-                       "prompt_lookup_max": ngram, "prompt_lookup_min": 1})  # fmt: skip
+    return json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": tokens,
+            "prompt_lookup_max": ngram,
+            "prompt_lookup_min": 1,
+        }
+    )
 
 
 def build_vllm_env(process: ServerProcess, base_env: Mapping[str, str] | None = None) -> dict:
@@ -202,8 +208,11 @@ def clear_stale_libtpu_lock(path: str | os.PathLike = LIBTPU_LOCKFILE) -> bool:
     except FileNotFoundError:
         return False
     except PermissionError:
-        log.warning("%s belongs to another user and cannot be removed: if none of their "
-                    "processes uses the TPU, remove it with sudo", path)  # fmt: skip
+        log.warning(
+            "%s belongs to another user and cannot be removed: if none of their "
+            "processes uses the TPU, remove it with sudo",
+            path,
+        )
         return False
     log.info("removed stale %s", path)
     return True
@@ -216,8 +225,14 @@ def default_spawn(argv: list[str], env: dict[str, str], log_file: IO[bytes]) -> 
     """Start `argv` in its own session, so stopping it also stops the engine processes it
     forks."""
     # vLLM itself ignores SIMLOOP_PARENT_PID; simloop's fake vLLM ends with its job.
-    return subprocess.Popen(argv, env=child_env(env), stdout=log_file, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        argv,
+        env=child_env(env),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @dataclass
@@ -341,15 +356,24 @@ def launch_servers(
             if i and cfg.start_stagger_s > 0:
                 check(until=clock() + cfg.start_stagger_s)
             model = models[process.role]
-            argv = build_vllm_command(model.model_dir, process, cfg,
-                                      served_model_name=model.name, host=host)  # fmt: skip
+            argv = build_vllm_command(
+                model.model_dir, process, cfg, served_model_name=model.name, host=host
+            )
             log_path = log_dir / f"vllm-{process.role}-{process.http_port}.log"
             with open(log_path, "ab") as log_file:  # the child keeps its own descriptor
                 proc = spawn(argv, build_vllm_env(process, base_env), log_file)
-            log.info("started %s (pid %d) on chips %s: %s", process.role, proc.pid,
-                     list(process.chips), " ".join(argv))  # fmt: skip
-            servers.append(VllmServer(process.role, f"http://{connect_host}:{process.http_port}",
-                                      argv, log_path, proc))  # fmt: skip
+            log.info(
+                "started %s (pid %d) on chips %s: %s",
+                process.role,
+                proc.pid,
+                list(process.chips),
+                " ".join(argv),
+            )
+            servers.append(
+                VllmServer(
+                    process.role, f"http://{connect_host}:{process.http_port}", argv, log_path, proc
+                )
+            )
             deadlines[i] = clock() + cfg.health_timeout_s
         check(until=None)
     except BaseException:

@@ -81,9 +81,12 @@ class VllmPublisher:
             await self._on_every_server(self._probe)
             first_token_s = time.perf_counter() - started
         return PublishReport(
-            int(version), str(path), load_s=load_s, first_token_s=first_token_s,
+            int(version),
+            str(path),
+            load_s=load_s,
+            first_token_s=first_token_s,
             servers=list(self.urls),
-        )  # fmt: skip
+        )
 
     # ----- steps -----------------------------------------------------------------------------
 
@@ -108,8 +111,9 @@ class VllmPublisher:
         # "method" (required), "args" (list), "kwargs" (dict) and "timeout" (seconds), calls
         # the method on every worker and answers {"results": [one per worker]}, dicts as-is.
         body = {"method": LOAD_METHOD, "args": [path, version]}
-        answer = await self._request(client, "POST", "/collective_rpc", body,
-                                     f"{LOAD_METHOD}({path!r}, {version})")  # fmt: skip
+        answer = await self._request(
+            client, "POST", "/collective_rpc", body, f"{LOAD_METHOD}({path!r}, {version})"
+        )
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results:
             raise VllmPublishError(
@@ -139,8 +143,9 @@ class VllmPublisher:
                 f"{client.cfg.base_url}: the probe asked for 1 token and got {out.token_ids!r}"
             )
 
-    async def _request(self, client: InferenceClient, method: str, route: str,
-                       body: Any, what: str) -> Any:  # fmt: skip
+    async def _request(
+        self, client: InferenceClient, method: str, route: str, body: Any, what: str
+    ) -> Any:
         """One call to a dev-mode route (never retried: a load may have half-happened)."""
         try:
             answer, _ = await client.request(

@@ -174,8 +174,7 @@ def install_into_runner_state(
     for name, var in targets:
         current = var.get_value() if hasattr(var, "get_value") else var.value
         w = _to_runner_layout(name, weights[name], cfg, tuple(current.shape))
-        converted.append((var, np.asarray(w).astype(current.dtype, copy=False),
-                          current.sharding))  # fmt: skip
+        converted.append((var, np.asarray(w).astype(current.dtype, copy=False), current.sharding))
     # Drop the runner's second reference to the old leaves so each one is freed as soon as
     # its replacement is placed: HBM holds one extra tensor at a time, not a second model.
     if hasattr(runner, "state_leaves"):
