@@ -69,8 +69,9 @@ def _stats(path: Path) -> dict:
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -85,8 +86,10 @@ def serve_once(run_dir: Path, cache: Path, name: str) -> dict:
         with urllib.request.urlopen(f"{server.url}/health", timeout=60):  # raises unless 2xx
             pass
         health_s = time.perf_counter() - began
-        _post(f"{server.url}/v1/completions", {"prompt": "echo hi", "max_tokens": 8,
-                                                "temperature": 0.0})  # fmt: skip
+        _post(
+            f"{server.url}/v1/completions",
+            {"prompt": "echo hi", "max_tokens": 8, "temperature": 0.0},
+        )
         first_s = time.perf_counter() - began
     if server.proc.returncode != 0:
         tail = server.log_path.read_text()[-2000:]
@@ -98,8 +101,7 @@ def pretrain_once(out: Path, cache: Path, name: str) -> dict:
     """One tiny `simloop pretrain-sim` run in its own process with `cache`: wall seconds and
     its compile stats."""
     stats = out.parent / f"{name}-stats.json"
-    env = {**os.environ, CACHE_DIR_ENV: str(cache), STATS_ENV: str(stats),
-           "XLA_FLAGS": ONE_DEVICE}  # fmt: skip
+    env = {**os.environ, CACHE_DIR_ENV: str(cache), STATS_ENV: str(stats), "XLA_FLAGS": ONE_DEVICE}
     cmd = [sys.executable, "-m", "launch", "pretrain-sim", "--config", str(DEMO), "--out",
            str(out), *PRETRAIN]  # fmt: skip
     began = time.perf_counter()
@@ -114,18 +116,31 @@ def rows(results: dict) -> list[Row]:
     """The table: per command, its start (or run) and its compile seconds, warm (ours) vs
     cold (peer), as cold/warm ratios."""
     out = []
-    labels = {"serve": ("simloop serve (demo agent) start to /health", "health_s"),
-              "pretrain-sim": ("simloop pretrain-sim (tiny, 1 device) run", "wall_s")}  # fmt: skip
+    labels = {
+        "serve": ("simloop serve (demo agent) start to /health", "health_s"),
+        "pretrain-sim": ("simloop pretrain-sim (tiny, 1 device) run", "wall_s"),
+    }
     for command, runs in results.items():
         what, key = labels[command]
         cold, warm = runs["cold"], runs["warm"]
         out += [
             Row(f"{what}, warm vs cold cache", warm[key], cold[key], "s", ratio_of="peer/ours"),
-            Row(f"{command}: XLA compile seconds, warm vs cold", warm["xla_s"], cold["xla_s"],
-                "s", target=">= 5x", ratio_of="peer/ours"),
-            Row(f"{command}: all JAX compile seconds (+ tracing, lowering), warm vs cold",
-                warm["all_s"], cold["all_s"], "s", ratio_of="peer/ours"),
-        ]  # fmt: skip
+            Row(
+                f"{command}: XLA compile seconds, warm vs cold",
+                warm["xla_s"],
+                cold["xla_s"],
+                "s",
+                target=">= 5x",
+                ratio_of="peer/ours",
+            ),
+            Row(
+                f"{command}: all JAX compile seconds (+ tracing, lowering), warm vs cold",
+                warm["all_s"],
+                cold["all_s"],
+                "s",
+                ratio_of="peer/ours",
+            ),
+        ]
     return out
 
 
@@ -140,14 +155,17 @@ def main() -> int:
         tmp = Path(tmp)
         shutil.copy(DEMO, tmp / CONFIG)
         try:  # each command its own fresh, empty cache: its first run is cold
-            results["serve"] = {temp: serve_once(tmp, tmp / "xla-serve", f"serve-{temp}")
-                                for temp in ("cold", "warm")}  # fmt: skip
+            results["serve"] = {
+                temp: serve_once(tmp, tmp / "xla-serve", f"serve-{temp}")
+                for temp in ("cold", "warm")
+            }
             if not args.skip_trainer:
                 results["pretrain-sim"] = {
-                    temp: pretrain_once(tmp / f"pretrain-{temp}", tmp / "xla-pretrain",
-                                        f"pretrain-{temp}")
+                    temp: pretrain_once(
+                        tmp / f"pretrain-{temp}", tmp / "xla-pretrain", f"pretrain-{temp}"
+                    )
                     for temp in ("cold", "warm")
-                }  # fmt: skip
+                }
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
             print(f"bench/compile_cache.py: {e}", file=sys.stderr)
             return 1
@@ -156,8 +174,9 @@ def main() -> int:
             cells = (f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items())
             console.print(f"{command} {temp}: {', '.join(cells)}")
     table_rows = rows(results)
-    console.print(table(f"compilation cache: cold vs warm start ({os.cpu_count()} cores)",
-                        table_rows))  # fmt: skip
+    console.print(
+        table(f"compilation cache: cold vs warm start ({os.cpu_count()} cores)", table_rows)
+    )
     if args.json:
         write_json(args.json, "compile_cache", table_rows, results)
     return 0

@@ -97,8 +97,14 @@ def decode_key(size: str, dtype: str = "float32") -> str:
 
 
 def decode_config(n: int, max_seq_len: int, **kw) -> EngineConfig:
-    return engine_config(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=n,
-                         prefix_reuse=False, **kw)  # fmt: skip
+    return engine_config(
+        num_slots=n,
+        max_seq_len=max_seq_len,
+        prefill_chunk=64,
+        prefill_batch=n,
+        prefix_reuse=False,
+        **kw,
+    )
 
 
 async def alternating(model, prompts, new_tokens, cfgs, rounds) -> list[float]:
@@ -170,17 +176,24 @@ def hf_decode(model, prompts, new_tokens, dtype="float32", lookup=0):
     def run():
         with torch.no_grad():
             for x in batches:
-                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                            **extra)  # fmt: skip
+                hf.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    **extra,
+                )
 
     return run
 
 
 async def batching(model, n, prompt_len, new_tokens, max_seq_len) -> tuple[float, float]:
     """(concurrent seconds, sequential seconds) for the same `n` requests on one engine."""
-    cfg = engine_config(num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=8,
-                        prefix_reuse=False)  # fmt: skip
+    cfg = engine_config(
+        num_slots=n, max_seq_len=max_seq_len, prefill_chunk=64, prefill_batch=8, prefix_reuse=False
+    )
     engine = await _engine(model, cfg)
     prompts = _prompts(n, prompt_len, seed=1)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
@@ -200,8 +213,9 @@ async def batching(model, n, prompt_len, new_tokens, max_seq_len) -> tuple[float
 
 async def session(model, turns, obs_len, new_tokens, reuse: bool, max_seq_len) -> tuple[float, int]:
     """(seconds, cached prompt tokens) for one multi-turn episode."""
-    cfg = engine_config(num_slots=4, max_seq_len=max_seq_len, prefill_chunk=256, prefill_batch=1,
-                        prefix_reuse=reuse)  # fmt: skip
+    cfg = engine_config(
+        num_slots=4, max_seq_len=max_seq_len, prefill_chunk=256, prefill_batch=1, prefix_reuse=reuse
+    )
     engine = await _engine(model, cfg)
     rng = np.random.RandomState(2)
     params = SamplingParams(max_tokens=new_tokens, **GREEDY)
@@ -220,16 +234,29 @@ async def session(model, turns, obs_len, new_tokens, reuse: bool, max_seq_len) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
-                        help="model sizes of the decode-vs-HF rows (default: all; --quick: "
-                             "tiny); the other rows run the tiny model")  # fmt: skip
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
-                        default=["float32"],
-                        help="weights and compute of the decode-vs-HF rows, both sides alike "
-                             "(bfloat16: what `load_hf` serves of a bf16 checkpoint)")  # fmt: skip
-    parser.add_argument("--speculate", type=int, default=8, metavar="K",
-                        help="also decode guessing K tokens a call by prompt lookup, against "
-                             "HF's prompt lookup too (0: skip those rows)")  # fmt: skip
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=list(SIZES),
+        help="model sizes of the decode-vs-HF rows (default: all; --quick: "
+        "tiny); the other rows run the tiny model",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32"],
+        help="weights and compute of the decode-vs-HF rows, both sides alike "
+        "(bfloat16: what `load_hf` serves of a bf16 checkpoint)",
+    )
+    parser.add_argument(
+        "--speculate",
+        type=int,
+        default=8,
+        metavar="K",
+        help="also decode guessing K tokens a call by prompt lookup, against "
+        "HF's prompt lookup too (0: skip those rows)",
+    )
     add_json_flag(parser)
     args = parser.parse_args()
     q = args.quick
@@ -255,20 +282,34 @@ def main() -> None:
     for size, dtype in decode_rows:
         sized = model if size == "tiny" else Qwen3(SIZES[size], rngs=nnx.Rngs(0))
         with console.status(f"decode {size} {dtype}: engine and transformers generate, in turn"):
-            t_engine, t_hf, _ = asyncio.run(decode_vs_hf(sized, prompts, new_tokens, decode_len,
-                                                         REPEATS if q else 7, dtype))  # fmt: skip
+            t_engine, t_hf, _ = asyncio.run(
+                decode_vs_hf(sized, prompts, new_tokens, decode_len, REPEATS if q else 7, dtype)
+            )
         results[decode_key(size, dtype)] = d = dict(
-            engine_tok_s=toks / t_engine, hf_tok_s=toks / t_hf,
-            params_m=sized.cfg.num_params() / 1e6, dtype=dtype,
-        )  # fmt: skip
+            engine_tok_s=toks / t_engine,
+            hf_tok_s=toks / t_hf,
+            params_m=sized.cfg.num_params() / 1e6,
+            dtype=dtype,
+        )
         if args.speculate:
             with console.status(f"decode {size} {dtype}: both guessing by prompt lookup"):
-                t_spec, t_lookup, stats = asyncio.run(decode_vs_hf(
-                    sized, prompts, new_tokens, decode_len + args.speculate,
-                    REPEATS if q else 7, dtype, args.speculate))  # fmt: skip
-            d.update(spec_tok_s=toks / t_spec, hf_lookup_tok_s=toks / t_lookup,
-                     spec_kept=stats["spec_kept"] / max(stats["spec_guessed"], 1),
-                     spec_steps=stats["spec_steps"])  # fmt: skip
+                t_spec, t_lookup, stats = asyncio.run(
+                    decode_vs_hf(
+                        sized,
+                        prompts,
+                        new_tokens,
+                        decode_len + args.speculate,
+                        REPEATS if q else 7,
+                        dtype,
+                        args.speculate,
+                    )
+                )
+            d.update(
+                spec_tok_s=toks / t_spec,
+                hf_lookup_tok_s=toks / t_lookup,
+                spec_kept=stats["spec_kept"] / max(stats["spec_guessed"], 1),
+                spec_steps=stats["spec_steps"],
+            )
     if "tiny" in args.sizes and "float32" in args.dtypes:
         with console.status("decode: no KV cache"):
             t_nocache = no_cache_decode(model, prompts, new_tokens)
@@ -281,8 +322,9 @@ def main() -> None:
         t_reuse, cached = asyncio.run(session(model, turns, obs_len, turn_new, True, max_len))
     with console.status(f"{turns}-turn session: full re-prefill"):
         t_full, _ = asyncio.run(session(model, turns, obs_len, turn_new, False, max_len))
-    results["session"] = dict(reuse_s=t_reuse, reprefill_s=t_full, cached_tokens=cached,
-                              turns=turns)  # fmt: skip
+    results["session"] = dict(
+        reuse_s=t_reuse, reprefill_s=t_full, cached_tokens=cached, turns=turns
+    )
     live_prompt, live_new = (40, 8) if q else (256, 48)
     short_pool, long_pool = (256, 1024) if q else (512, 8192)
     live = _prompts(batch, live_prompt, seed=3)
@@ -290,47 +332,101 @@ def main() -> None:
         pools = [decode_config(batch, n) for n in (short_pool, long_pool)]
         t_short, t_long = asyncio.run(alternating(model, live, live_new, pools, 3 if q else 9))
     live_toks = batch * live_new
-    results["live"] = dict(short_pool=short_pool, long_pool=long_pool, short_tok_s=live_toks /
-                           t_short, long_tok_s=live_toks / t_long, live_tokens=live_prompt +
-                           live_new)  # fmt: skip
+    results["live"] = dict(
+        short_pool=short_pool,
+        long_pool=long_pool,
+        short_tok_s=live_toks / t_short,
+        long_tok_s=live_toks / t_long,
+        live_tokens=live_prompt + live_new,
+    )
 
     ahead_new = 16 if q else 256
     with console.status("decode: the next device call dispatched ahead vs in turn"):
         modes = [decode_config(batch, 256 if q else 512, overlap=o) for o in (True, False)]
         t_ahead, t_turn = asyncio.run(alternating(model, prompts, ahead_new, modes, 3 if q else 5))
-    results["overlap"] = dict(ahead_tok_s=batch * ahead_new / t_ahead,
-                              in_turn_tok_s=batch * ahead_new / t_turn)  # fmt: skip
+    results["overlap"] = dict(
+        ahead_tok_s=batch * ahead_new / t_ahead, in_turn_tok_s=batch * ahead_new / t_turn
+    )
 
     rows = []
     for size, dtype in decode_rows:
         d = results[decode_key(size, dtype)]
-        rows.append(Row(f"decode vs HF generate, {size} ({d['params_m']:.1f}M) {dtype} "
-                        f"B={batch} +{new_tokens}", d["engine_tok_s"], d["hf_tok_s"], "tokens/s",
-                        ">= 5x" if size == "tiny" else ">= 2x"))  # fmt: skip
+        rows.append(
+            Row(
+                f"decode vs HF generate, {size} ({d['params_m']:.1f}M) {dtype} "
+                f"B={batch} +{new_tokens}",
+                d["engine_tok_s"],
+                d["hf_tok_s"],
+                "tokens/s",
+                ">= 5x" if size == "tiny" else ">= 2x",
+            )
+        )
         if args.speculate:
-            label = (f"{size} {dtype} guessing {args.speculate} by prompt lookup "
-                     f"({d['spec_kept']:.0%} kept)")  # fmt: skip
-            rows += [Row(f"speculative decode vs HF generate, {label}", d["spec_tok_s"],
-                         d["hf_tok_s"], "tokens/s", ">= 5x" if size == "tiny" else ">= 2x"),
-                     Row(f"speculative decode vs HF prompt lookup (B=1 each), {label}",
-                         d["spec_tok_s"], d["hf_lookup_tok_s"], "tokens/s")]  # fmt: skip
+            label = (
+                f"{size} {dtype} guessing {args.speculate} by prompt lookup "
+                f"({d['spec_kept']:.0%} kept)"
+            )
+            rows += [
+                Row(
+                    f"speculative decode vs HF generate, {label}",
+                    d["spec_tok_s"],
+                    d["hf_tok_s"],
+                    "tokens/s",
+                    ">= 5x" if size == "tiny" else ">= 2x",
+                ),
+                Row(
+                    f"speculative decode vs HF prompt lookup (B=1 each), {label}",
+                    d["spec_tok_s"],
+                    d["hf_lookup_tok_s"],
+                    "tokens/s",
+                ),
+            ]
     if "tiny" in args.sizes and "float32" in args.dtypes:
-        rows.append(Row("decode vs our model without KV cache, tiny",
-                        results["decode"]["engine_tok_s"], results["decode"]["no_cache_tok_s"],
-                        "tokens/s"))  # fmt: skip
+        rows.append(
+            Row(
+                "decode vs our model without KV cache, tiny",
+                results["decode"]["engine_tok_s"],
+                results["decode"]["no_cache_tok_s"],
+                "tokens/s",
+            )
+        )
     rows += [
-        Row(f"decode B={batch} +{ahead_new}: next call dispatched ahead vs in turn",
-            results["overlap"]["ahead_tok_s"], results["overlap"]["in_turn_tok_s"], "tokens/s"),
-        Row(f"{n_conc} requests: concurrent vs one at a time", t_conc, t_seq, "s", ">= 10x",
-            ratio_of="peer/ours"),
-        Row(f"{turns}-turn session: prefix reuse vs re-prefill", t_reuse, t_full, "s", ">= 2x",
-            ratio_of="peer/ours"),
-        Row(f"decode, {live_prompt + live_new} live tokens: {long_pool}- vs {short_pool}-position "
-            "pool", live_toks / t_long, live_toks / t_short, "tokens/s", ">= 0.83x"),
-    ]  # fmt: skip
+        Row(
+            f"decode B={batch} +{ahead_new}: next call dispatched ahead vs in turn",
+            results["overlap"]["ahead_tok_s"],
+            results["overlap"]["in_turn_tok_s"],
+            "tokens/s",
+        ),
+        Row(
+            f"{n_conc} requests: concurrent vs one at a time",
+            t_conc,
+            t_seq,
+            "s",
+            ">= 10x",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"{turns}-turn session: prefix reuse vs re-prefill",
+            t_reuse,
+            t_full,
+            "s",
+            ">= 2x",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"decode, {live_prompt + live_new} live tokens: {long_pool}- vs {short_pool}-position "
+            "pool",
+            live_toks / t_long,
+            live_toks / t_short,
+            "tokens/s",
+            ">= 0.83x",
+        ),
+    ]
     console.print(table("simloop engine (CPU): each row against a peer from this run", rows))
-    console.print(f"session: {cached} prompt tokens reused instead of prefilled; observations "
-                  f"of {obs_len} tokens, {turn_new} generated per turn.")  # fmt: skip
+    console.print(
+        f"session: {cached} prompt tokens reused instead of prefilled; observations "
+        f"of {obs_len} tokens, {turn_new} generated per turn."
+    )
     if args.json:
         write_json(args.json, "engine_throughput", rows, results)
 

@@ -29,10 +29,17 @@ from rl.model import ModelConfig, Qwen3, jit_decode, jit_forward, save_hf, tiny
 SIZES = {
     "tiny": tiny(),
     "50m": ModelConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=2048, num_layers=12, num_heads=8,
-        num_kv_heads=4, head_dim=64, rope_theta=1_000_000.0, tie_word_embeddings=True,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 
 
 def _alternating(fns: list, repeats: int) -> list[float]:
@@ -91,9 +98,13 @@ def hf(cfg, model, tokens, prompt_len, steps):
     @torch.no_grad()
     def generate():
         return net.generate(
-            prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-            pad_token_id=0, attention_mask=torch.ones_like(prompt),
-        )  # fmt: skip
+            prompt,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(prompt),
+        )
 
     return forward, generate
 
@@ -112,11 +123,20 @@ def json_rows(results: list[dict], args) -> list[Row]:
     rows = []
     for r in results:
         rows += [
-            Row(f"forward {r['size']} B={args.batch} T={args.seq}", r["forward_tok_s"],
-                r.get("hf_forward_tok_s"), "tokens/s", ">= 1x"),
-            Row(f"decode {r['size']} B={args.batch} prompt {args.prompt} +{args.decode_steps}",
-                r["decode_tok_s"], r.get("hf_decode_tok_s"), "tokens/s"),
-        ]  # fmt: skip
+            Row(
+                f"forward {r['size']} B={args.batch} T={args.seq}",
+                r["forward_tok_s"],
+                r.get("hf_forward_tok_s"),
+                "tokens/s",
+                ">= 1x",
+            ),
+            Row(
+                f"decode {r['size']} B={args.batch} prompt {args.prompt} +{args.decode_steps}",
+                r["decode_tok_s"],
+                r.get("hf_decode_tok_s"),
+                "tokens/s",
+            ),
+        ]
     return rows
 
 
@@ -135,8 +155,16 @@ def main() -> None:
     console = Console()
     console.print(f"devices: {jax.devices()}  batch={args.batch}")
     table = Table(title="simloop model vs HF transformers (tokens/s, higher is better)")
-    for col in ["size", "params", "forward (ours)", "forward (HF)", "ratio",
-                "decode (ours)", "decode (HF)", "ratio"]:  # fmt: skip
+    for col in [
+        "size",
+        "params",
+        "forward (ours)",
+        "forward (HF)",
+        "ratio",
+        "decode (ours)",
+        "decode (HF)",
+        "ratio",
+    ]:
         table.add_column(col, justify="right")
     results = []
     for name in args.sizes:
@@ -145,8 +173,9 @@ def main() -> None:
         tokens = rng.randint(0, cfg.vocab_size, (args.batch, args.seq))
         with console.status(f"{name}: simloop and transformers, in turn"):
             model, fwd, gen = ours(cfg, tokens, args.prompt, args.decode_steps)
-            peers = [] if args.no_hf else list(hf(cfg, model, tokens, args.prompt,
-                                                    args.decode_steps))  # fmt: skip
+            peers = (
+                [] if args.no_hf else list(hf(cfg, model, tokens, args.prompt, args.decode_steps))
+            )
             fwd_s, *hf_fwd = _alternating([fwd, *peers[:1]], args.repeats)
             gen_s, *hf_gen = _alternating([gen, *peers[1:]], max(1, args.repeats // 2))
         row = {

@@ -50,16 +50,21 @@ def worker(args: argparse.Namespace) -> None:
 
     cfg = tiny()
     mesh = make_mesh(MeshConfig(fsdp=DEVICES), jax.devices())
-    trainer = Trainer(cfg, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=100, loss="sft",
-                      mesh=mesh, seed=0)  # fmt: skip
+    trainer = Trainer(
+        cfg, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=100, loss="sft", mesh=mesh, seed=0
+    )
     B, T = DEVICES * args.rows_per_device, args.seq_len
     rng = np.random.default_rng(0)
 
     def batch() -> dict:
         seq = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
-        return {"tokens": seq[:, :-1], "targets": seq[:, 1:],
-                "loss_mask": np.ones((B, T), np.int32), "segment_ids": np.ones((B, T), np.int32),
-                "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1))}  # fmt: skip
+        return {
+            "tokens": seq[:, :-1],
+            "targets": seq[:, 1:],
+            "loss_mask": np.ones((B, T), np.int32),
+            "segment_ids": np.ones((B, T), np.int32),
+            "positions": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+        }
 
     times = []
     for i in range(2 + args.steps):
@@ -71,9 +76,10 @@ def worker(args: argparse.Namespace) -> None:
     # After the timed steps: compiling the step again to read its program slowed later steps.
     hlo = trainer._step_fn.lower(trainer.state, trainer.device_batch(batch()), None)
     text = hlo.compile().as_text()
-    collectives = {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", text))
-                   for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                              "collective-permute")}  # fmt: skip
+    collectives = {
+        op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", text))
+        for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+    }
     # One small all-reduce, alone: what a collective costs here before any bytes move.
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -87,10 +93,20 @@ def worker(args: argparse.Namespace) -> None:
         fetch(reduce(small))
     allreduce_s = (time.perf_counter() - t) / 50
     if jax.process_index() == 0:
-        print("RESULT " + json.dumps({"step_s": statistics.median(times), "steps": times,
-                                      "processes": jax.process_count(), "tokens": B * T,
-                                      "collectives": collectives,
-                                      "small_allreduce_s": allreduce_s}), flush=True)  # fmt: skip
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "step_s": statistics.median(times),
+                    "steps": times,
+                    "processes": jax.process_count(),
+                    "tokens": B * T,
+                    "collectives": collectives,
+                    "small_allreduce_s": allreduce_s,
+                }
+            ),
+            flush=True,
+        )
 
 
 def job(processes: int, args: argparse.Namespace) -> dict:
@@ -102,8 +118,12 @@ def job(processes: int, args: argparse.Namespace) -> dict:
         envs = [{k: v for k, v in envs[0].items() if not k.startswith("SIMLOOP_")}]
     cmd = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--rows-per-device",
            str(args.rows_per_device), "--seq-len", str(args.seq_len)]  # fmt: skip
-    procs = [subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in envs]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
     outs = [p.communicate(timeout=args.timeout) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         if p.returncode != 0:
@@ -142,7 +162,7 @@ def main() -> None:
             one["step_s"] * 1e3,
             "ms",
             target=None,
-        ),  # fmt: skip
+        ),
     ]
     console.print(table("multi-process SFT (gloo) vs one process", rows))
     ratio = two["step_s"] / one["step_s"]

@@ -61,9 +61,14 @@ class InstantAgent:
         n = prompt.count(self.im_start)  # messages so far
         gen = self.cmd if n < 2 * self.turns - 1 else self.submit
         text = self.tok.decode(gen[:-1])
-        return SimpleNamespace(text=text, token_ids=gen, finish_reason="stop",
-                               logprobs=[-0.1] * len(gen), token_versions=[0] * len(gen),
-                               weight_version=0)  # fmt: skip
+        return SimpleNamespace(
+            text=text,
+            token_ids=gen,
+            finish_reason="stop",
+            logprobs=[-0.1] * len(gen),
+            token_versions=[0] * len(gen),
+            weight_version=0,
+        )
 
 
 def peak_rss_bytes() -> int:
@@ -84,12 +89,21 @@ def rss_bytes() -> int:
 async def measure(tasks: list, turns: int, concurrency: int) -> dict:
     hold = asyncio.Event()
     agent = InstantAgent(turns, hold)
-    cfg = OrchestratorConfig(arm="real", max_concurrent_episodes=concurrency,
-                             max_concurrent_real=concurrency, max_context_tokens=16384,
-                             seed=None)  # fmt: skip
+    cfg = OrchestratorConfig(
+        arm="real",
+        max_concurrent_episodes=concurrency,
+        max_concurrent_real=concurrency,
+        max_context_tokens=16384,
+        seed=None,
+    )
     terminal = TerminalConfig(max_turns=turns + 1)
-    runner = RolloutRunner(cfg, terminal, ChatRenderer(ByteTokenizer()),
-                           Backends(real=lambda task: InstantShell()), client=agent)  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        terminal,
+        ChatRenderer(ByteTokenizer()),
+        Backends(real=lambda task: InstantShell()),
+        client=agent,
+    )
     episodes = len(tasks)
     rss_before = rss_bytes()
     start = time.perf_counter()
@@ -106,17 +120,28 @@ async def measure(tasks: list, turns: int, concurrency: int) -> dict:
         validate(t)
     total_turns = sum(len(t.turns) for t in trajs)
     ok = sum(t.status == "ok" for t in trajs)
-    return dict(episodes=episodes, concurrency=concurrency, turns=total_turns, ok=ok,
-                wall_s=elapsed, ms_per_turn=1e3 * elapsed / total_turns,
-                peak_active=runner.metrics.peak_active, all_in_flight=peak_waiting,
-                rss_peak_bytes=peak_rss_bytes(),
-                rss_per_episode_bytes=(rss_held - rss_before) / episodes)  # fmt: skip
+    return dict(
+        episodes=episodes,
+        concurrency=concurrency,
+        turns=total_turns,
+        ok=ok,
+        wall_s=elapsed,
+        ms_per_turn=1e3 * elapsed / total_turns,
+        peak_active=runner.metrics.peak_active,
+        all_in_flight=peak_waiting,
+        rss_peak_bytes=peak_rss_bytes(),
+        rss_per_episode_bytes=(rss_held - rss_before) / episodes,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--episodes", type=int, default=10_000,
-                        help="episodes of the largest level, all in flight at once")  # fmt: skip
+    parser.add_argument(
+        "--episodes",
+        type=int,
+        default=10_000,
+        help="episodes of the largest level, all in flight at once",
+    )
     parser.add_argument("--turns", type=int, default=5, help="agent replies per episode")
     add_json_flag(parser)
     args = parser.parse_args()
@@ -140,19 +165,30 @@ def main() -> None:
     for col in ("episodes", "concurrent", "turns", "ok", "wall s", "ms / turn", "peak in flight"):
         detail.add_column(col, justify="right")
     for r in rows:
-        detail.add_row(str(r["episodes"]), str(r["concurrency"]), str(r["turns"]), str(r["ok"]),
-                       f"{r['wall_s']:.2f}", f"{r['ms_per_turn']:.3f}",
-                       str(r["peak_active"]))  # fmt: skip
+        detail.add_row(
+            str(r["episodes"]),
+            str(r["concurrency"]),
+            str(r["turns"]),
+            str(r["ok"]),
+            f"{r['wall_s']:.2f}",
+            f"{r['ms_per_turn']:.3f}",
+            str(r["peak_active"]),
+        )
     console.print(detail)
     results = [
-        Row(f"overhead per turn, {r['concurrency']:,} in flight", r["ms_per_turn"], None, "ms",
-            "< 0.2 ms" if r is big else None)
+        Row(
+            f"overhead per turn, {r['concurrency']:,} in flight",
+            r["ms_per_turn"],
+            None,
+            "ms",
+            "< 0.2 ms" if r is big else None,
+        )
         for r in rows
     ] + [
         Row("episodes in flight at once", big["peak_active"], None, "episodes", 10_000),
         Row("peak RSS (ru_maxrss)", big["rss_peak_bytes"] / 2**20, None, "MiB"),
         Row("RSS per episode in flight", big["rss_per_episode_bytes"] / 2**10, None, "KiB"),
-    ]  # fmt: skip
+    ]
     console.print(table("orchestrator at scale: overhead and memory", results))
     console.print(
         f"{args.turns} turns per episode; RSS per episode = growth of the resident set over the "

@@ -73,11 +73,20 @@ async def jax_servers(hf_dir: Path, root: Path, replicas: int):
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(lambda: [s.stop() for s in servers])
         for i in range(replicas):
-            servers.append(await asyncio.to_thread(
-                LocalServer.start, "agent", root, extra_args=args, env={ADMIN_TOKEN_ENV: token},
-                name=f"jax-{i}"))  # fmt: skip
-        clients = [InferenceClient(ClientConfig(s.url, model="agent", max_retries=0,
-                                                timeout_s=600.0)) for s in servers]  # fmt: skip
+            servers.append(
+                await asyncio.to_thread(
+                    LocalServer.start,
+                    "agent",
+                    root,
+                    extra_args=args,
+                    env={ADMIN_TOKEN_ENV: token},
+                    name=f"jax-{i}",
+                )
+            )
+        clients = [
+            InferenceClient(ClientConfig(s.url, model="agent", max_retries=0, timeout_s=600.0))
+            for s in servers
+        ]
         for c in clients:
             stack.push_async_callback(c.close)
 
@@ -90,14 +99,26 @@ async def jax_servers(hf_dir: Path, root: Path, replicas: int):
 @contextlib.asynccontextmanager
 async def fake_vllm_servers(hf_dir: Path, root: Path, replicas: int):
     """`replicas` fake `vllm serve` processes (1 chip, one worker each, as on a v6e-8)."""
-    procs = [SimpleNamespace(role="agent_serve", chips=(i,), http_port=_free_port(), env={})
-             for i in range(replicas)]  # fmt: skip
-    cfg = VllmConfig(command=FAKE_VLLM, max_model_len=MAX_LEN, start_stagger_s=0.0,
-                     health_timeout_s=600.0, extra_args=["--max-num-seqs", "1"])  # fmt: skip
+    procs = [
+        SimpleNamespace(role="agent_serve", chips=(i,), http_port=_free_port(), env={})
+        for i in range(replicas)
+    ]
+    cfg = VllmConfig(
+        command=FAKE_VLLM,
+        max_model_len=MAX_LEN,
+        start_stagger_s=0.0,
+        health_timeout_s=600.0,
+        extra_args=["--max-num-seqs", "1"],
+    )
     servers = await asyncio.to_thread(
-        launch_servers, procs, cfg, {"agent_serve": ServedModel(str(hf_dir), "agent")},
-        log_dir=root / "logs", lockfile=root / "libtpu_lockfile", poll_s=0.2,
-    )  # fmt: skip
+        launch_servers,
+        procs,
+        cfg,
+        {"agent_serve": ServedModel(str(hf_dir), "agent")},
+        log_dir=root / "logs",
+        lockfile=root / "libtpu_lockfile",
+        poll_s=0.2,
+    )
     try:
         async with VllmPublisher([s.url for s in servers], model_name="agent") as publisher:
             # VllmPublisher checks every worker's answer: a publish that returns is served.
@@ -112,8 +133,9 @@ fault per page: on a 2-core VM 0.3-0.5 s for 196 MiB); from the third on, the bu
 versions back are reused (`rl.model.zarr_read`). The first round is reported apart, cold."""
 
 
-async def measure(backend: str, model, hf_dir: Path, root: Path, replicas: int,
-                  repeats: int) -> dict:  # fmt: skip
+async def measure(
+    backend: str, model, hf_dir: Path, root: Path, replicas: int, repeats: int
+) -> dict:
     """Medians over `repeats` rounds, after `WARMUP` rounds. Each round writes the raw
     checkpoint and the one it publishes (alternating which goes first), then publishes the
     latter as the next version; publish = that write + the load on every replica."""
@@ -130,9 +152,14 @@ async def measure(backend: str, model, hf_dir: Path, root: Path, replicas: int,
             report = await publisher.publish(str(ckpt), version)
             if serving is not None and not await serving(version):
                 raise RuntimeError(f"{backend}: a replica does not serve version {version}")
-            rounds.append(dict(raw_write_s=times[raw_dir], write_s=times[ckpt],
-                               load_s=report.load_s,
-                               probe_s=report.first_token_s - report.load_s))  # fmt: skip
+            rounds.append(
+                dict(
+                    raw_write_s=times[raw_dir],
+                    write_s=times[ckpt],
+                    load_s=report.load_s,
+                    probe_s=report.first_token_s - report.load_s,
+                )
+            )
             shutil.rmtree(raw_dir)
             shutil.rmtree(ckpt)
     timed = rounds[WARMUP:]
@@ -160,16 +187,18 @@ async def bench_size(name: str, replicas: int, repeats: int, console: Console) -
             (root / "ckpt").mkdir(parents=True)
             with console.status(f"{name}: {backend}, {replicas} replica(s)"):
                 row = await measure(backend, model, hf_dir, root, replicas, repeats)
-            rows.append(dict(size=name, params_m=cfg.num_params() / 1e6, checkpoint_mb=size_mb,
-                             **row))  # fmt: skip
+            rows.append(
+                dict(size=name, params_m=cfg.num_params() / 1e6, checkpoint_mb=size_mb, **row)
+            )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny, 1 replica (smoke test)")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
-                        help="models (default: all; --quick: tiny)")  # fmt: skip
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), help="models (default: all; --quick: tiny)"
+    )
     parser.add_argument("--replicas", type=int, help="servers per backend (default 2; quick 1)")
     parser.add_argument("--repeats", type=int, help="timed rounds (default 5; quick 2)")
     add_json_flag(parser)
@@ -189,23 +218,49 @@ def main() -> None:
         rows += asyncio.run(bench_size(name, replicas, repeats, console))
 
     table = Table(title="publish (write + load on every replica) vs raw write; target <= 2x")
-    for col in ("model", "backend", "replicas", "MiB", "write s", "publish s", "ratio",
-                "probe s", "cold publish s"):  # fmt: skip
+    for col in (
+        "model",
+        "backend",
+        "replicas",
+        "MiB",
+        "write s",
+        "publish s",
+        "ratio",
+        "probe s",
+        "cold publish s",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['size']} {r['params_m']:.1f}M", r["backend"], str(r["replicas"]),
-                      f"{r['checkpoint_mb']:.1f}", f"{r['raw_write_s']:.3f}",
-                      f"{r['publish_s']:.3f}", f"{r['ratio']:.2f}x",
-                      f"{r['probe_s']:.3f}", f"{r['cold_publish_s']:.3f}")  # fmt: skip
+        table.add_row(
+            f"{r['size']} {r['params_m']:.1f}M",
+            r["backend"],
+            str(r["replicas"]),
+            f"{r['checkpoint_mb']:.1f}",
+            f"{r['raw_write_s']:.3f}",
+            f"{r['publish_s']:.3f}",
+            f"{r['ratio']:.2f}x",
+            f"{r['probe_s']:.3f}",
+            f"{r['cold_publish_s']:.3f}",
+        )
     console.print(table)
-    console.print(f"medians of {repeats} rounds after {WARMUP} warm-up rounds; publish = its "
-                  "own checkpoint write + load until every replica reports the version; probe "
-                  "= one greedy token afterwards (JAX: the first replica; vLLM: prefix-cache "
-                  "reset and every replica); cold = the first round's publish, into servers' "
-                  "fresh memory.")  # fmt: skip
+    console.print(
+        f"medians of {repeats} rounds after {WARMUP} warm-up rounds; publish = its "
+        "own checkpoint write + load until every replica reports the version; probe "
+        "= one greedy token afterwards (JAX: the first replica; vLLM: prefix-cache "
+        "reset and every replica); cold = the first round's publish, into servers' "
+        "fresh memory."
+    )
     if args.json:
-        json_rows = [Row(f"publish vs raw write, {r['size']} {r['backend']} x{r['replicas']}",
-                         r["publish_s"], r["raw_write_s"], "s", "<= 2x") for r in rows]  # fmt: skip
+        json_rows = [
+            Row(
+                f"publish vs raw write, {r['size']} {r['backend']} x{r['replicas']}",
+                r["publish_s"],
+                r["raw_write_s"],
+                "s",
+                "<= 2x",
+            )
+            for r in rows
+        ]
         write_json(args.json, "publish_latency", json_rows, rows)
 
 

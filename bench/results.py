@@ -53,9 +53,15 @@ class Row:
 
     def as_json(self) -> dict[str, Any]:
         """The row's JSON object: ROW_KEYS, non-finite numbers as null."""
-        return dict(measure=self.measure, ours=_finite(self.ours), peer=_finite(self.peer),
-                    ratio=self.ratio, ratio_of=self.ratio_of, target=_finite(self.target),
-                    unit=self.unit)  # fmt: skip
+        return dict(
+            measure=self.measure,
+            ours=_finite(self.ours),
+            peer=_finite(self.peer),
+            ratio=self.ratio,
+            ratio_of=self.ratio_of,
+            target=_finite(self.target),
+            unit=self.unit,
+        )
 
 
 def _finite(x):
@@ -77,16 +83,25 @@ def json_path(value: str) -> Path:
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", type=json_path, metavar="PATH",
-                        help="also write the rows (measure, ours, peer, ratio, target, unit) "
-                             "and the run's details here as JSON")  # fmt: skip
+    parser.add_argument(
+        "--json",
+        type=json_path,
+        metavar="PATH",
+        help="also write the rows (measure, ours, peer, ratio, target, unit) "
+        "and the run's details here as JSON",
+    )
 
 
 def _commit() -> str | None:
     """The checkout's commit (None outside a git checkout), so runs compare across commits."""
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=10)  # fmt: skip
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (done.stdout.strip() or None) if done.returncode == 0 else None
@@ -96,11 +111,14 @@ def write_json(path: Path, bench: str, rows: list[Row], detail: Any = None) -> d
     """Write (and return) the bench's document: its rows in the common shape, the bench's own
     numbers under "detail"."""
     doc = {
-        "bench": bench, "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                 time.gmtime()),
-        "cpus": os.cpu_count(), "argv": sys.argv[1:], "rows": [r.as_json() for r in rows],
+        "bench": bench,
+        "commit": _commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+        "argv": sys.argv[1:],
+        "rows": [r.as_json() for r in rows],
         "detail": detail,
-    }  # fmt: skip
+    }
     path.write_text(json.dumps(doc, indent=2) + "\n")
     return doc
 

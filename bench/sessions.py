@@ -105,8 +105,9 @@ def compaction_of(mode: str, args) -> SessionCompaction | None:
         return None
     name = mode.partition(":")[2] or "none"
     budget = max(args.turns * (args.obs_tokens + args.reply_tokens) // 4, 2 * args.obs_tokens)
-    return SessionCompaction(mode=name, keep_ratio=0.5,
-                             kv_budget=budget if name == "budget" else None)  # fmt: skip
+    return SessionCompaction(
+        mode=name, keep_ratio=0.5, kv_budget=budget if name == "budget" else None
+    )
 
 
 async def episode(client: InferenceClient, mode: str, index: int, args) -> list[dict]:
@@ -124,30 +125,44 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
             began = time.perf_counter()
             if sid is not None:
                 raw, _ = await client.request(
-                    "POST", f"/v1/sessions/{sid}/generate", retries=0,
+                    "POST",
+                    f"/v1/sessions/{sid}/generate",
+                    retries=0,
                     json_body={"append_token_ids": obs, **sampling(args)},
-                )  # fmt: skip
+                )
                 reply, cached = raw["token_ids"], raw["cached_tokens"]
                 context, kv = raw["session_tokens"] - len(reply), raw["kv_tokens"]
             else:
                 out = await client.complete(
-                    history + obs, max_tokens=args.reply_tokens, temperature=0.0,
+                    history + obs,
+                    max_tokens=args.reply_tokens,
+                    temperature=0.0,
                     extra={"ignore_eos": True},
-                )  # fmt: skip
+                )
                 reply, cached = out.token_ids, out.cached_tokens or 0
                 context = out.raw["usage"]["prompt_tokens"]
                 kv = context + len(reply) - 1
             latency = time.perf_counter() - began
             sent = len(history) + len(obs)
             if context != sent:
-                raise RuntimeError(f"{mode} turn {len(turns) + 1}: the server saw {context} "
-                                   f"tokens of context, the client sent {sent}")  # fmt: skip
+                raise RuntimeError(
+                    f"{mode} turn {len(turns) + 1}: the server saw {context} "
+                    f"tokens of context, the client sent {sent}"
+                )
             history += obs + reply
             # a compacted session's prefix was partly dropped, not re-prefilled: what it
             # prefilled is what it had not seen (cached counts every token it has seen)
-            turns.append({"latency_s": latency, "context": context, "appended": len(obs),
-                          "cached": cached, "prefilled": context - cached, "kv": kv,
-                          "reply": reply})  # fmt: skip
+            turns.append(
+                {
+                    "latency_s": latency,
+                    "context": context,
+                    "appended": len(obs),
+                    "cached": cached,
+                    "prefilled": context - cached,
+                    "kv": kv,
+                    "reply": reply,
+                }
+            )
     finally:
         if sid is not None:
             await client.close_session(sid)
@@ -158,8 +173,9 @@ async def run_mode(url: str, mode: str, args) -> dict:
     """`args.sessions` episodes at once: with sessions (mode "session") or stateless."""
     async with InferenceClient(ClientConfig(url, timeout_s=600.0)) as client:
         began = time.perf_counter()
-        episodes = await asyncio.gather(*(episode(client, mode, i, args)
-                                          for i in range(args.sessions)))  # fmt: skip
+        episodes = await asyncio.gather(
+            *(episode(client, mode, i, args) for i in range(args.sessions))
+        )
         wall = time.perf_counter() - began
     by_turn = list(zip(*episodes, strict=True))  # by_turn[t][episode]
 
@@ -169,7 +185,11 @@ async def run_mode(url: str, mode: str, args) -> dict:
     early, late = mean_ms(by_turn[1 : 1 + WINDOW]), mean_ms(by_turn[-WINDOW:])
     flat = [t for ep in episodes for t in ep]
     return {
-        "mode": mode, "wall_s": wall, "early_ms": early, "late_ms": late, "drift": late / early,
+        "mode": mode,
+        "wall_s": wall,
+        "early_ms": early,
+        "late_ms": late,
+        "drift": late / early,
         "prefilled": sum(t["prefilled"] for t in flat),
         "sent": sum(t["context"] for t in flat),
         "appended": sum(t["appended"] for t in flat),
@@ -180,7 +200,7 @@ async def run_mode(url: str, mode: str, args) -> dict:
         "turn_prefilled": [sum(t["prefilled"] for t in turn) for turn in by_turn],
         "turn_kv": [max(t["kv"] for t in turn) for turn in by_turn],
         "replies": [[t["reply"] for t in ep] for ep in episodes],
-    }  # fmt: skip
+    }
 
 
 async def measure(urls: dict[str, str], args) -> dict[str, dict]:
@@ -207,13 +227,15 @@ def pooled(runs: list[dict]) -> dict:
     early = statistics.fmean(r["early_ms"] for r in runs)
     late = statistics.fmean(r["late_ms"] for r in runs)
     return first | {
-        "wall_s": statistics.fmean(r["wall_s"] for r in runs), "early_ms": early,
-        "late_ms": late, "drift": late / early, "drift_by_run": [r["drift"] for r in runs],
+        "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+        "early_ms": early,
+        "late_ms": late,
+        "drift": late / early,
+        "drift_by_run": [r["drift"] for r in runs],
         "max_extra_prefill": max(r["max_extra_prefill"] for r in runs),
-        "turn_ms": [statistics.fmean(ms)
-                    for ms in zip(*(r["turn_ms"] for r in runs), strict=True)],
+        "turn_ms": [statistics.fmean(ms) for ms in zip(*(r["turn_ms"] for r in runs), strict=True)],
         "replies_same_every_run": all(r["replies"] == first["replies"] for r in runs),
-    }  # fmt: skip
+    }
 
 
 def drift_once_full(d: dict, args) -> float | None:
@@ -234,22 +256,57 @@ def rows_of(ours: dict, peer: dict, args, vs: str) -> list[Row]:
     early = f"turns 2-{min(WINDOW + 1, args.turns)}"
     late = f"last {WINDOW} turns" if args.turns > WINDOW + 1 else "last turns"
     return [
-        Row(f"per-turn latency, {early} ({shape}) {vs}", ours["early_ms"],
-            peer["early_ms"], "ms", ratio_of="peer/ours"),
-        Row(f"per-turn latency, {late} ({shape}) {vs}", ours["late_ms"], peer["late_ms"], "ms",
-            ratio_of="peer/ours"),
-        Row(f"latency drift without compaction: {late} / {early} {vs}", ours["drift"],
-            peer["drift"], "x", ratio_of="peer/ours"),
-        Row(f"latency added by sessions, {late}: ours / the peer's (same held keys) {vs}",
-            ours["late_ms"], peer["late_ms"], "ms", f"ratio <= {DRIFT_TARGET}"),
-        Row(f"tokens prefilled, whole run ({shape}) {vs}", ours["prefilled"], peer["prefilled"],
-            "tokens", ratio_of="peer/ours"),
-        Row(f"tokens prefilled beyond those appended, worst turn {vs}",
-            ours["max_extra_prefill"], peer["max_extra_prefill"], "tokens", "<= 1",
-            ratio_of="peer/ours"),
-        Row(f"wall time, whole run ({shape}) {vs}", ours["wall_s"], peer["wall_s"], "s",
-            ratio_of="peer/ours"),
-    ]  # fmt: skip
+        Row(
+            f"per-turn latency, {early} ({shape}) {vs}",
+            ours["early_ms"],
+            peer["early_ms"],
+            "ms",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"per-turn latency, {late} ({shape}) {vs}",
+            ours["late_ms"],
+            peer["late_ms"],
+            "ms",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"latency drift without compaction: {late} / {early} {vs}",
+            ours["drift"],
+            peer["drift"],
+            "x",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"latency added by sessions, {late}: ours / the peer's (same held keys) {vs}",
+            ours["late_ms"],
+            peer["late_ms"],
+            "ms",
+            f"ratio <= {DRIFT_TARGET}",
+        ),
+        Row(
+            f"tokens prefilled, whole run ({shape}) {vs}",
+            ours["prefilled"],
+            peer["prefilled"],
+            "tokens",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"tokens prefilled beyond those appended, worst turn {vs}",
+            ours["max_extra_prefill"],
+            peer["max_extra_prefill"],
+            "tokens",
+            "<= 1",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"wall time, whole run ({shape}) {vs}",
+            ours["wall_s"],
+            peer["wall_s"],
+            "s",
+            ratio_of="peer/ours",
+        ),
+    ]
 
 
 def positive(value: str) -> int:
@@ -264,25 +321,35 @@ def positive(value: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag, help_ in (("--sessions", "episodes at once"), ("--turns", "turns per episode"),
-                        ("--obs-tokens", "tokens appended per turn"),
-                        ("--reply-tokens", "tokens generated per turn")):  # fmt: skip
+    for flag, help_ in (
+        ("--sessions", "episodes at once"),
+        ("--turns", "turns per episode"),
+        ("--obs-tokens", "tokens appended per turn"),
+        ("--reply-tokens", "tokens generated per turn"),
+    ):
         default = DEFAULTS[flag.lstrip("-").replace("-", "_")]
         parser.add_argument(flag, type=positive, help=f"{help_} (default {default})")
     parser.add_argument("--seed", type=int, default=0, help="seeds the observations")
     parser.add_argument(
         "--repeats", type=positive, help="rounds of every mode, pooled (default 3; --quick: 1)"
     )
-    parser.add_argument("--reprefill", action="store_true",
-                        help="also measure true re-prefill: the stateless peer on a second server "
-                             "without prefix reuse (its prefill grows with the history: hours "
-                             "on CPU at the default shape; --quick turns it on)")  # fmt: skip
-    parser.add_argument("--compaction", action="store_true",
-                        help="also run the sessions with turn and budget compaction (markovian "
-                             "always runs) and report the KV each holds")  # fmt: skip
+    parser.add_argument(
+        "--reprefill",
+        action="store_true",
+        help="also measure true re-prefill: the stateless peer on a second server "
+        "without prefix reuse (its prefill grows with the history: hours "
+        "on CPU at the default shape; --quick turns it on)",
+    )
+    parser.add_argument(
+        "--compaction",
+        action="store_true",
+        help="also run the sessions with turn and budget compaction (markovian "
+        "always runs) and report the KV each holds",
+    )
     quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a smoke test, --reprefill --compaction: {quick}")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a smoke test, --reprefill --compaction: {quick}"
+    )
     add_json_flag(parser)
     args = parser.parse_args()
     for key, default in (QUICK if args.quick else DEFAULTS).items():
@@ -317,19 +384,42 @@ def main() -> int:
     if "reprefill" in done:
         results += rows_of(ours, done["reprefill"], args, "vs re-prefill")
     else:  # without reuse every token sent is prefilled: a count, not a measurement
-        results.append(Row(f"tokens prefilled, whole run ({args.sessions} x {args.turns} turns) "
-                           "vs re-prefill (counted: all tokens sent)", ours["prefilled"],
-                           peer["sent"], "tokens", ratio_of="peer/ours"))  # fmt: skip
+        results.append(
+            Row(
+                f"tokens prefilled, whole run ({args.sessions} x {args.turns} turns) "
+                "vs re-prefill (counted: all tokens sent)",
+                ours["prefilled"],
+                peer["sent"],
+                "tokens",
+                ratio_of="peer/ours",
+            )
+        )
     for mode in [m for m in done if m.startswith("session:")]:
         name, d = mode.partition(":")[2], done[mode]
         results += [
-            Row(f"KV held at the last turn: {name} vs none", d["kv_last"], ours["kv_last"],
-                "tokens", ratio_of="peer/ours"),
-            Row(f"KV held, most at any turn: {name} vs none", d["kv_max"], ours["kv_max"],
-                "tokens", ratio_of="peer/ours"),
-            Row(f"latency drift: {name} vs none", d["drift"], ours["drift"], "x",
-                f"<= {DRIFT_TARGET}" if name in FLAT else None, ratio_of="peer/ours"),
-        ]  # fmt: skip
+            Row(
+                f"KV held at the last turn: {name} vs none",
+                d["kv_last"],
+                ours["kv_last"],
+                "tokens",
+                ratio_of="peer/ours",
+            ),
+            Row(
+                f"KV held, most at any turn: {name} vs none",
+                d["kv_max"],
+                ours["kv_max"],
+                "tokens",
+                ratio_of="peer/ours",
+            ),
+            Row(
+                f"latency drift: {name} vs none",
+                d["drift"],
+                ours["drift"],
+                "x",
+                f"<= {DRIFT_TARGET}" if name in FLAT else None,
+                ratio_of="peer/ours",
+            ),
+        ]
         full = drift_once_full(d, args)
         if name not in FLAT and full is not None:  # FLAT's KV is full from turn 2: the row above
             results.append(
@@ -355,9 +445,15 @@ def main() -> int:
         + "."
     )
     if args.json:
-        detail = {"server": {"preset": "tiny", "num_slots": args.sessions, "max_seq_len": seq},
-                  "episodes": args.sessions, "turns": args.turns, "obs_tokens": args.obs_tokens,
-                  "reply_tokens": args.reply_tokens, "same_replies": same, **done}  # fmt: skip
+        detail = {
+            "server": {"preset": "tiny", "num_slots": args.sessions, "max_seq_len": seq},
+            "episodes": args.sessions,
+            "turns": args.turns,
+            "obs_tokens": args.obs_tokens,
+            "reply_tokens": args.reply_tokens,
+            "same_replies": same,
+            **done,
+        }
         write_json(args.json, "sessions", results, detail)
     return 0
 

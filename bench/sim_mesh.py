@@ -40,8 +40,15 @@ def measure(devices: int, steps: int) -> dict:
     cfg = load_config(SimloopConfig, ROOT / "configs" / "demo_cpu.yaml")
     data = cfg.train_sim.data
     mesh = make_mesh(MeshConfig(fsdp=devices), jax.devices()[:devices])
-    trainer = Trainer(cfg.simulator.model, cfg.train_sim.optim, total_steps=steps + 1,
-                      loss="sft", mesh=mesh, valid_vocab=300, seed=0)  # fmt: skip
+    trainer = Trainer(
+        cfg.simulator.model,
+        cfg.train_sim.optim,
+        total_steps=steps + 1,
+        loss="sft",
+        mesh=mesh,
+        valid_vocab=300,
+        seed=0,
+    )
     rng = np.random.default_rng(0)
     B, T = data.batch_size, data.seq_len
     batch = {
@@ -71,23 +78,33 @@ def main() -> int:
         return 0
     rows = []
     for devices in (1, 2):
-        env = {**os.environ,
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # fmt: skip
-        done = subprocess.run([sys.executable, __file__, "--child", str(devices), "--steps",
-                               str(args.steps)], env=env, capture_output=True, text=True,
-                              cwd=ROOT, check=True)  # fmt: skip
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(devices), "--steps", str(args.steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+        )
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     one, two = rows
     print(f"simulator train step, {os.cpu_count()} cores (demo shape):")
     for r in rows:
-        print(f"  {r['devices']} device(s): {r['step_s'] * 1000:7.1f} ms/step, "
-              f"{r['tokens_per_s']:8.0f} tokens/s")  # fmt: skip
+        print(
+            f"  {r['devices']} device(s): {r['step_s'] * 1000:7.1f} ms/step, "
+            f"{r['tokens_per_s']:8.0f} tokens/s"
+        )
     ratio = two["tokens_per_s"] / one["tokens_per_s"]
     print(f"  2-device fake mesh / 1 device, throughput: {ratio:.2f}x")
     if args.json:
-        row = Row(f"simulator train step, demo shape: 2-device fake mesh vs 1 device "
-                  f"({os.cpu_count()} cores)", two["tokens_per_s"], one["tokens_per_s"],
-                  "tokens/s")  # fmt: skip
+        row = Row(
+            f"simulator train step, demo shape: 2-device fake mesh vs 1 device "
+            f"({os.cpu_count()} cores)",
+            two["tokens_per_s"],
+            one["tokens_per_s"],
+            "tokens/s",
+        )
         write_json(args.json, "sim_mesh", [row], rows)
     return 0
 

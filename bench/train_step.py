@@ -97,8 +97,9 @@ def bench_trainer(name: str, rows: int, seq: int, steps: int, peak: float) -> di
     """Steady-state SFT steps: one compile step, then `steps` steps with a single sync at the
     end (the step itself never syncs)."""
     cfg = SIZES[name]
-    trainer = Trainer(cfg, OptimConfig(), total_steps=steps + 1, loss="sft",
-                      valid_vocab=cfg.vocab_size)  # fmt: skip
+    trainer = Trainer(
+        cfg, OptimConfig(), total_steps=steps + 1, loss="sft", valid_vocab=cfg.vocab_size
+    )
     batch = sft_batch(cfg, rows, seq)
     start = time.perf_counter()
     jax.block_until_ready(trainer.step(batch))
@@ -110,9 +111,19 @@ def bench_trainer(name: str, rows: int, seq: int, steps: int, peak: float) -> di
     step_s = (time.perf_counter() - start) / steps
     tok_s = rows * seq / step_s
     achieved = tok_s * flops_per_token(cfg, seq)
-    return dict(size=name, params=cfg.num_params(), rows=rows, seq=seq, steps=steps,
-                compile_s=compile_s, step_s=step_s, tokens_per_s=tok_s, flops_per_s=achieved,
-                mfu=achieved / peak, loss=float(metrics["loss"]))  # fmt: skip
+    return dict(
+        size=name,
+        params=cfg.num_params(),
+        rows=rows,
+        seq=seq,
+        steps=steps,
+        compile_s=compile_s,
+        step_s=step_s,
+        tokens_per_s=tok_s,
+        flops_per_s=achieved,
+        mfu=achieved / peak,
+        loss=float(metrics["loss"]),
+    )
 
 
 # ----- 2. async vs sync RL through the orchestrator ------------------------------------------
@@ -150,10 +161,14 @@ class StragglerAgent:
             answer = (m[-1] if m else "").strip() + ("x" if wrong else "")
             reply = f"Done.\n```bash\nsubmit {answer}\n```"
         gen = self.tok.encode(reply)[: max_tokens - 1] + [self.tok.eos_id]
-        return SimpleNamespace(text=self.tok.decode(gen[:-1]), token_ids=gen,
-                               finish_reason="stop", logprobs=[-0.5] * len(gen),
-                               token_versions=[self.version] * len(gen),
-                               weight_version=self.version)  # fmt: skip
+        return SimpleNamespace(
+            text=self.tok.decode(gen[:-1]),
+            token_ids=gen,
+            finish_reason="stop",
+            logprobs=[-0.5] * len(gen),
+            token_versions=[self.version] * len(gen),
+            weight_version=self.version,
+        )
 
 
 def lognormal(mean: float, cv: float, n: int, seed: int) -> np.ndarray:
@@ -206,8 +221,15 @@ def calibrate(trainer: Trainer, rows: int, seq: int, tmp: Path, repeats: int = 2
     return float(np.median(times))
 
 
-async def rl_arm(trainer: Trainer, init_state, staleness: int, a: SimpleNamespace,
-                 latencies: np.ndarray, wrong: np.ndarray, run_dir: Path) -> dict:  # fmt: skip
+async def rl_arm(
+    trainer: Trainer,
+    init_state,
+    staleness: int,
+    a: SimpleNamespace,
+    latencies: np.ndarray,
+    wrong: np.ndarray,
+    run_dir: Path,
+) -> dict:
     """`a.steps` RL steps from `init_state` with staleness bound `staleness`; wall-clock from
     the first admitted episode to the last step's published weights."""
     trainer.state = copy_state(init_state)
@@ -215,27 +237,49 @@ async def rl_arm(trainer: Trainer, init_state, staleness: int, a: SimpleNamespac
     agent = StragglerAgent(latencies, wrong)
     publisher = InMemoryPublisher(on_publish=lambda path, v: setattr(agent, "version", v))
     ocfg = OrchestratorConfig(
-        arm="real", group_size=a.group_size, batch_size=a.batch_size, max_staleness=staleness,
-        max_context_tokens=a.seq_len, max_tokens_per_turn=128,
-        max_concurrent_episodes=4 * a.batch_size, max_concurrent_real=4 * a.batch_size,
+        arm="real",
+        group_size=a.group_size,
+        batch_size=a.batch_size,
+        max_staleness=staleness,
+        max_context_tokens=a.seq_len,
+        max_tokens_per_turn=128,
+        max_concurrent_episodes=4 * a.batch_size,
+        max_concurrent_real=4 * a.batch_size,
         seed=a.seed,
-    )  # fmt: skip
+    )
     delivered, queue = [], asyncio.Queue()
-    runner = RolloutRunner(ocfg, TERMINAL, ChatRenderer(tok), Backends(real=TextopsAnswerShell),
-                           client=agent, sinks=(delivered.append, queue.put_nowait))  # fmt: skip
+    runner = RolloutRunner(
+        ocfg,
+        TERMINAL,
+        ChatRenderer(tok),
+        Backends(real=TextopsAnswerShell),
+        client=agent,
+        sinks=(delivered.append, queue.put_nowait),
+    )
     tasks = generate_textops(TextopsConfig(num_tasks=64, seed=a.seed))
-    buffer = RolloutBuffer(runner, tasks, steps=a.steps, seed=a.seed, queue=queue,
-                           batch_timeout_s=120.0)  # fmt: skip
+    buffer = RolloutBuffer(
+        runner, tasks, steps=a.steps, seed=a.seed, queue=queue, batch_timeout_s=120.0
+    )
     # As `simloop train-agent` starts: the initial weights are served as version 1.
     await publisher.publish(str(run_dir / "initial"), 1)
     start = time.perf_counter()
     await buffer.start(1)
     try:
         summary = await rl_loop(
-            trainer, buffer, publisher, run_dir=run_dir, steps=a.steps, rows=a.batch_size,
-            seq_len=a.seq_len, loss_cfg=PolicyLossConfig(), pad_id=tok.pad_id, base_version=1,
-            publish_every=1, log_every=1, progress=False,
-        )  # fmt: skip
+            trainer,
+            buffer,
+            publisher,
+            run_dir=run_dir,
+            steps=a.steps,
+            rows=a.batch_size,
+            seq_len=a.seq_len,
+            loss_cfg=PolicyLossConfig(),
+            pad_id=tok.pad_id,
+            base_version=1,
+            publish_every=1,
+            log_every=1,
+            progress=False,
+        )
     finally:
         await buffer.close()
     wall = time.perf_counter() - start
@@ -243,23 +287,35 @@ async def rl_arm(trainer: Trainer, init_state, staleness: int, a: SimpleNamespac
     finished = [t for t in delivered if t.status == "ok"]
     agent_s = [sum(turn.timings["agent_s"] for turn in t.turns) for t in finished]
     return dict(
-        max_staleness=staleness, steps=len(hist), wall_s=wall, s_per_step=wall / len(hist),
+        max_staleness=staleness,
+        steps=len(hist),
+        wall_s=wall,
+        s_per_step=wall / len(hist),
         data_wait_s=float(np.mean([h["data_wait_s"] for h in hist])),
-        step_s=summary["step_s"] / len(hist), publish_s=summary["publish_s"] / len(hist),
+        step_s=summary["step_s"] / len(hist),
+        publish_s=summary["publish_s"] / len(hist),
         staleness_mean=float(np.mean([h["staleness_mean"] for h in hist])),
         staleness_max=max(h["staleness_max"] for h in hist),
         reward_mean=float(np.mean([h["reward_mean"] for h in hist])),
         truncated_rows=sum(h["truncated_rows"] for h in hist),
-        episodes_started=agent.started, episodes_finished=len(finished),
-        episode_agent_s_mean=float(np.mean(agent_s)), episode_agent_s_cv=cv(agent_s),
+        episodes_started=agent.started,
+        episodes_finished=len(finished),
+        episode_agent_s_mean=float(np.mean(agent_s)),
+        episode_agent_s_cv=cv(agent_s),
         published=publisher.version,
-    )  # fmt: skip
+    )
 
 
 def bench_rl(a: SimpleNamespace, console: Console) -> dict:
-    trainer = Trainer(tiny(), OptimConfig(lr=1e-4, warmup_steps=0), total_steps=a.steps,
-                      loss="policy", loss_cfg=PolicyLossConfig(),
-                      valid_vocab=ByteTokenizer().vocab_size, seed=a.seed)  # fmt: skip
+    trainer = Trainer(
+        tiny(),
+        OptimConfig(lr=1e-4, warmup_steps=0),
+        total_steps=a.steps,
+        loss="policy",
+        loss_cfg=PolicyLossConfig(),
+        valid_vocab=ByteTokenizer().vocab_size,
+        seed=a.seed,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         step_s = calibrate(trainer, a.batch_size, a.seq_len, tmp)
@@ -267,9 +323,11 @@ def bench_rl(a: SimpleNamespace, console: Console) -> dict:
         n = (a.steps + 4) * a.batch_size  # more than either arm can start
         latencies = lognormal(mean, a.cv, n, a.seed)
         wrong = np.random.default_rng(a.seed + 1).random(n) < 0.3
-        console.print(f"RL: tiny trainer step + export {step_s:.2f}s; episode latency lognormal "
-                      f"mean {mean:.2f}s, CV {a.cv} (drawn: mean {latencies.mean():.2f}s, CV "
-                      f"{cv(latencies):.2f}, max {latencies.max():.2f}s)")  # fmt: skip
+        console.print(
+            f"RL: tiny trainer step + export {step_s:.2f}s; episode latency lognormal "
+            f"mean {mean:.2f}s, CV {a.cv} (drawn: mean {latencies.mean():.2f}s, CV "
+            f"{cv(latencies):.2f}, max {latencies.max():.2f}s)"
+        )
         init = copy_state(trainer.state)
         arms = {}
         for s in (0, a.staleness):
@@ -283,12 +341,18 @@ def bench_rl(a: SimpleNamespace, console: Console) -> dict:
             )
     sync, async_ = arms[0], arms[a.staleness]
     return {
-        "calib_step_s": step_s, "episode_mean_s": mean, "cv_target": a.cv,
+        "calib_step_s": step_s,
+        "episode_mean_s": mean,
+        "cv_target": a.cv,
         "latency_cv_drawn": cv(latencies[: sync["episodes_started"]]),
-        "latency_cv_measured": sync["episode_agent_s_cv"], "batch_size": a.batch_size,
-        "group_size": a.group_size, "seq_len": a.seq_len, "sync": sync, "async": async_,
+        "latency_cv_measured": sync["episode_agent_s_cv"],
+        "batch_size": a.batch_size,
+        "group_size": a.group_size,
+        "seq_len": a.seq_len,
+        "sync": sync,
+        "async": async_,
         "ratio": async_["wall_s"] / sync["wall_s"],
-    }  # fmt: skip
+    }
 
 
 # ----- report ----------------------------------------------------------------------------------
@@ -297,16 +361,21 @@ def bench_rl(a: SimpleNamespace, console: Console) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and steps (smoke test)")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
-                        help="models of the MFU part (default: all; --quick: tiny)")  # fmt: skip
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=list(SIZES),
+        help="models of the MFU part (default: all; --quick: tiny)",
+    )
     parser.add_argument("--rl-steps", type=int, help="RL steps per arm (default 10; quick 3)")
     parser.add_argument("--batch-size", type=int, help="episodes per RL step (default 16; quick 8)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=2, help="S of the async arm")
     parser.add_argument("--cv", type=float, default=0.8, help="episode-latency CV (lognormal)")
     parser.add_argument("--episode-mean-s", type=float, help="mean episode latency (seconds)")
-    parser.add_argument("--latency-ratio", type=float, default=1.0,
-                        help="else: mean latency / the measured RL step")  # fmt: skip
+    parser.add_argument(
+        "--latency-ratio", type=float, default=1.0, help="else: mean latency / the measured RL step"
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_json_flag(parser)
     args = parser.parse_args()
@@ -314,28 +383,36 @@ def main() -> None:
     sizes = args.sizes or (["tiny"] if q else list(SIZES))
     shapes = {"tiny": (8, 256, 5 if q else 10), "50m": (4, 256, 1 if q else 3)}  # rows, T, steps
     rl = SimpleNamespace(
-        steps=args.rl_steps or (3 if q else 10), batch_size=args.batch_size or (8 if q else 16),
-        group_size=args.group_size, staleness=args.staleness, cv=args.cv,
-        episode_mean_s=args.episode_mean_s, latency_ratio=args.latency_ratio, seq_len=576,
+        steps=args.rl_steps or (3 if q else 10),
+        batch_size=args.batch_size or (8 if q else 16),
+        group_size=args.group_size,
+        staleness=args.staleness,
+        cv=args.cv,
+        episode_mean_s=args.episode_mean_s,
+        latency_ratio=args.latency_ratio,
+        seq_len=576,
         seed=args.seed,
-    )  # fmt: skip
+    )
 
     console = Console()
     console.print(f"devices: {jax.devices()}")
     n_mm = 2048
     with console.status(f"float32 matmul peak ({n_mm}^3)"):
         peak = matmul_peak(n_mm, 5)
-    console.print(f"peak: float32 {n_mm}x{n_mm} @ {n_mm}x{n_mm}, best of 5: "
-                  f"{peak / 1e9:.1f} GFLOP/s")  # fmt: skip
+    console.print(
+        f"peak: float32 {n_mm}x{n_mm} @ {n_mm}x{n_mm}, best of 5: {peak / 1e9:.1f} GFLOP/s"
+    )
     trainers = []
     for name in sizes:
         rows, seq, steps = shapes[name]
         with console.status(f"trainer: {name} ({rows}x{seq}, {steps} steps)"):
             r = bench_trainer(name, rows, seq, steps, peak)
         trainers.append(r)
-        console.print(f"  {name}: {r['params'] / 1e6:.2f}M params, compile+1st step "
-                      f"{r['compile_s']:.1f}s, {r['step_s']:.3f}s/step, "
-                      f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%")  # fmt: skip
+        console.print(
+            f"  {name}: {r['params'] / 1e6:.2f}M params, compile+1st step "
+            f"{r['compile_s']:.1f}s, {r['step_s']:.3f}s/step, "
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {100 * r['mfu']:.1f}%"
+        )
     rl_res = bench_rl(rl, console)
 
     s0, sa = rl_res["sync"], rl_res["async"]
@@ -343,17 +420,33 @@ def main() -> None:
     rows = [Row(f"float32 matmul peak {n_mm}^3", peak / 1e9, None, "GFLOP/s")]
     for r in trainers:
         label = f"{r['size']} ({r['params'] / 1e6:.1f}M) SFT {r['rows']}x{r['seq']}"
-        rows += [Row(f"{label}: tokens/s", r["tokens_per_s"], None, "tokens/s"),
-                 Row(f"{label}: vs matmul peak (ratio = MFU)", r["flops_per_s"] / 1e9, peak / 1e9,
-                     "GFLOP/s")]  # fmt: skip
+        rows += [
+            Row(f"{label}: tokens/s", r["tokens_per_s"], None, "tokens/s"),
+            Row(
+                f"{label}: vs matmul peak (ratio = MFU)",
+                r["flops_per_s"] / 1e9,
+                peak / 1e9,
+                "GFLOP/s",
+            ),
+        ]
     rows += [
         Row(f"RL {rl.steps} steps wall: S={S} vs S=0", sa["wall_s"], s0["wall_s"], "s", "<= 0.7x"),
         Row(f"RL data wait/step: S={S} vs S=0", sa["data_wait_s"], s0["data_wait_s"], "s"),
-        Row(f"RL max staleness: S={S} vs S=0", sa["staleness_max"], s0["staleness_max"],
-            "versions", f"<= {S} / 0"),
-        Row("episode latency CV (measured, S=0)", rl_res["latency_cv_measured"], None, "",
-            f"~{rl.cv}"),
-    ]  # fmt: skip
+        Row(
+            f"RL max staleness: S={S} vs S=0",
+            sa["staleness_max"],
+            s0["staleness_max"],
+            "versions",
+            f"<= {S} / 0",
+        ),
+        Row(
+            "episode latency CV (measured, S=0)",
+            rl_res["latency_cv_measured"],
+            None,
+            "",
+            f"~{rl.cv}",
+        ),
+    ]
     console.print(table("simloop trainer (CPU): each row against a peer from this run", rows))
     console.print(f"model FLOPs per token: {FLOPS_FORMULA}; peak measured in this run.")
     console.print(
@@ -371,12 +464,19 @@ def main() -> None:
             "admitted at version v can be overtaken and trained after v + S."
         )
     if rl_res["ratio"] > 0.7:
-        console.print(f"[bold red]async/sync {rl_res['ratio']:.2f}x misses the 0.7x target[/]: "
-                      "episodes short against the trainer step, or the batch too small for "
-                      "stragglers to dominate; see --latency-ratio / --batch-size.")  # fmt: skip
+        console.print(
+            f"[bold red]async/sync {rl_res['ratio']:.2f}x misses the 0.7x target[/]: "
+            "episodes short against the trainer step, or the batch too small for "
+            "stragglers to dominate; see --latency-ratio / --batch-size."
+        )
     if args.json:
-        detail = {"peak_flops": peak, "matmul_n": n_mm, "flops_formula": FLOPS_FORMULA,
-                  "trainer": trainers, "rl": rl_res}  # fmt: skip
+        detail = {
+            "peak_flops": peak,
+            "matmul_n": n_mm,
+            "flops_formula": FLOPS_FORMULA,
+            "trainer": trainers,
+            "rl": rl_res,
+        }
         write_json(args.json, "train_step", rows, detail)
 
 

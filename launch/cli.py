@@ -78,8 +78,17 @@ MODULES: dict[str, str] = {
     "e2b": "launch.jobs.e2b_sweep",
 }
 # commands that start processes: `--dry-run [--format text|json]` prints them instead
-DRY_RUN = ("rollout", "train-agent", "eval-sim", "eval-agent", "demo", "middleware", "harness",
-           "pretrain-sim", "train-sim")  # fmt: skip
+DRY_RUN = (
+    "rollout",
+    "train-agent",
+    "eval-sim",
+    "eval-agent",
+    "demo",
+    "middleware",
+    "harness",
+    "pretrain-sim",
+    "train-sim",
+)
 # commands whose module adds flags of its own (`add_arguments(parser)`)
 OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b", "rehearse")
 # The embedded default (docs/architecture.md §6): `simloop demo` without --config runs the CPU
@@ -103,12 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ACTIONS:
             p.add_argument("action", nargs="?", choices=ACTIONS[name])
         if name == "demo":
-            p.add_argument("--quick", action="store_true",
-                           help="a CI-sized run (minutes): demo.quick_overrides")  # fmt: skip
-            p.add_argument("--experiment", choices=["thesis", "gating"], default="thesis",
-                           help="thesis (default): RL in the simulator vs the real shell; "
-                           "gating: real-only vs ungated vs fidelity-gated RL from a weak "
-                           "simulator")  # fmt: skip
+            p.add_argument(
+                "--quick",
+                action="store_true",
+                help="a CI-sized run (minutes): demo.quick_overrides",
+            )
+            p.add_argument(
+                "--experiment",
+                choices=["thesis", "gating"],
+                default="thesis",
+                help="thesis (default): RL in the simulator vs the real shell; "
+                "gating: real-only vs ungated vs fidelity-gated RL from a weak "
+                "simulator",
+            )
         if name == "report":
             p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (`simloop demo`)")
         if name in OWN_FLAGS:
@@ -200,13 +216,19 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
         return _fail(args.command, str(e), EXIT_USAGE)
     n = cfg.run.processes
     if (penv is not None or n > 1) and args.command not in MULTI_PROCESS:
-        return _fail(args.command, f"runs as one process (run.processes={n}, "
-                     f"{distributed.PROCESSES_ENV}={os.environ.get(distributed.PROCESSES_ENV)}): "
-                     f"only {', '.join(MULTI_PROCESS)} run as several JAX processes"
-                     + (" (the demo is a one-machine CPU experiment: run its stages' jobs, "
-                        "train-sim and train-agent, with --run.processes instead)"
-                        if args.command == "demo" else ""),
-                     EXIT_USAGE)  # fmt: skip
+        return _fail(
+            args.command,
+            f"runs as one process (run.processes={n}, "
+            f"{distributed.PROCESSES_ENV}={os.environ.get(distributed.PROCESSES_ENV)}): "
+            f"only {', '.join(MULTI_PROCESS)} run as several JAX processes"
+            + (
+                " (the demo is a one-machine CPU experiment: run its stages' jobs, "
+                "train-sim and train-agent, with --run.processes instead)"
+                if args.command == "demo"
+                else ""
+            ),
+            EXIT_USAGE,
+        )
     # train-agent's own dry run lists its servers too: it shows them for one process
     if (
         getattr(args, "dry_run", False)
@@ -214,9 +236,12 @@ def _processes(args: argparse.Namespace, cfg: SimloopConfig, argv: list[str]) ->
         and (n > 1 or args.command != "train-agent")
     ):
         if getattr(args, "target", "local") != "local":
-            return _fail(args.command, "--dry-run --target gke: the pods' processes are "
-                         "`simloop gke render`'s plan; this dry run shows the local ones",
-                         EXIT_USAGE)  # fmt: skip
+            return _fail(
+                args.command,
+                "--dry-run --target gke: the pods' processes are "
+                "`simloop gke render`'s plan; this dry run shows the local ones",
+                EXIT_USAGE,
+            )
         rows = distributed.dry_run_rows(argv, n, _devices_per_process(cfg, n, args.command))
         if rows is None:
             return _fail(args.command, _split_error(cfg, n, args.command), EXIT_USAGE)
@@ -249,10 +274,12 @@ def _devices_per_process(cfg: SimloopConfig, n: int, command: str) -> int | None
 
 def _split_error(cfg: SimloopConfig, n: int, command: str) -> str:
     role = JOB_TRAINER[command]
-    return (f"run.processes={n} starts local processes that split the chips of "
-            f"chips.roles.{role} of a cpu-N plan evenly, but chips.accelerator is "
-            f"{cfg.chips.accelerator!r} and chips.roles.{role} is "
-            f"{cfg.chips.roles.get(role)}")  # fmt: skip
+    return (
+        f"run.processes={n} starts local processes that split the chips of "
+        f"chips.roles.{role} of a cpu-N plan evenly, but chips.accelerator is "
+        f"{cfg.chips.accelerator!r} and chips.roles.{role} is "
+        f"{cfg.chips.roles.get(role)}"
+    )
 
 
 def _fail(command: str, message: str, code: int) -> int:

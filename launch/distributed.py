@@ -116,16 +116,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_environments(n: int, devices_per_process: int, environ: Mapping[str, str],
-                       port: int | None = None) -> list[dict[str, str]]:  # fmt: skip
+def local_environments(
+    n: int, devices_per_process: int, environ: Mapping[str, str], port: int | None = None
+) -> list[dict[str, str]]:
     # port None: a free one now; 0: shown as `127.0.0.1:PORT` (a dry run picks none)
     """The environment of each of `n` local processes: the contract, and XLA_FLAGS giving each
     `devices_per_process` fake CPU devices (the user's other XLA flags kept)."""
     coordinator = "127.0.0.1:PORT" if port == 0 else f"127.0.0.1:{port or free_port()}"
-    flags = merge_xla_flags(environ.get("XLA_FLAGS", ""),
-                            f"{DEVICE_COUNT_FLAG}={devices_per_process}")  # fmt: skip
-    return [{**environ, **ProcessEnv(coordinator, n, i).environ(), "XLA_FLAGS": flags,
-             "JAX_PLATFORMS": "cpu"} for i in range(n)]  # fmt: skip
+    flags = merge_xla_flags(
+        environ.get("XLA_FLAGS", ""), f"{DEVICE_COUNT_FLAG}={devices_per_process}"
+    )
+    return [
+        {
+            **environ,
+            **ProcessEnv(coordinator, n, i).environ(),
+            "XLA_FLAGS": flags,
+            "JAX_PLATFORMS": "cpu",
+        }
+        for i in range(n)
+    ]
 
 
 def merge_xla_flags(inherited: str, planned: str) -> str:
@@ -136,8 +145,9 @@ def merge_xla_flags(inherited: str, planned: str) -> str:
     return " ".join([*kept, *planned.split()])
 
 
-def run_local(argv: Sequence[str], n: int, devices_per_process: int, out: Path | None, *,
-              grace_s: float) -> int:  # fmt: skip
+def run_local(
+    argv: Sequence[str], n: int, devices_per_process: int, out: Path | None, *, grace_s: float
+) -> int:
     """Run `simloop ARGV` as `n` local processes of one job and wait for them: 0 when all
     exit 0; else the first failure's exit code, after the others ended (the runtime ends them
     within the heartbeat timeout; those still alive `grace_s` later are killed)."""
@@ -148,8 +158,11 @@ def run_local(argv: Sequence[str], n: int, devices_per_process: int, out: Path |
     procs: list[subprocess.Popen] = []
     files = []
     coordinator = envs[0][COORDINATOR_ENV]
-    print(f"simloop: {n} processes x {devices_per_process} devices, coordinator {coordinator} "
-          f"(processes 1..{n - 1} log to {logs}/)", flush=True)  # fmt: skip
+    print(
+        f"simloop: {n} processes x {devices_per_process} devices, coordinator {coordinator} "
+        f"(processes 1..{n - 1} log to {logs}/)",
+        flush=True,
+    )
     try:
         for i, env in enumerate(envs):
             if i == 0:
@@ -212,9 +225,13 @@ def _wait(procs: list[subprocess.Popen], logs: Path, grace_s: float) -> int:
     i, code = first
     where = "its output is above" if i == 0 else f"its log: {logs}/process-{i}.log"
     others = [f"{j} {_how(p.returncode)}" for j, p in enumerate(procs) if j != i]
-    print(f"simloop: process {i} of {len(procs)} {_how(code)} first ({where}); the others "
-          f"then ended ({', '.join(others)}). Run the same command again to resume from the "
-          "last checkpoint.", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"simloop: process {i} of {len(procs)} {_how(code)} first ({where}); the others "
+        f"then ended ({', '.join(others)}). Run the same command again to resume from the "
+        "last checkpoint.",
+        file=sys.stderr,
+        flush=True,
+    )
     return code if code > 0 else 128 - code
 
 
@@ -223,17 +240,32 @@ def dry_run_rows(argv: Sequence[str], n: int, devices_per_process: int | None) -
     device indices, command and the environment it adds (None: the plan does not split)."""
     cmd = ["python", "-m", "launch", *[a for a in argv if a != "--dry-run"]]
     if n == 1:
-        return [{"process_id": 0, "host": "127.0.0.1", "coordinator": None,
-                 "devices": None, "command": cmd, "env": {}}]  # fmt: skip
+        return [
+            {
+                "process_id": 0,
+                "host": "127.0.0.1",
+                "coordinator": None,
+                "devices": None,
+                "command": cmd,
+                "env": {},
+            }
+        ]
     if devices_per_process is None:
         return None
     envs = local_environments(n, devices_per_process, {}, port=0)
     rows = []
     for i, env in enumerate(envs):
         first = i * devices_per_process
-        rows.append({"process_id": i, "host": "127.0.0.1", "coordinator": env[COORDINATOR_ENV],
-                     "devices": list(range(first, first + devices_per_process)),
-                     "command": cmd, "env": env})  # fmt: skip
+        rows.append(
+            {
+                "process_id": i,
+                "host": "127.0.0.1",
+                "coordinator": env[COORDINATOR_ENV],
+                "devices": list(range(first, first + devices_per_process)),
+                "command": cmd,
+                "env": env,
+            }
+        )
     return rows
 
 

@@ -95,5 +95,7 @@ if os.environ.get(CPU_REPORT_ENV):
         yield
         own1, children1 = cpu_seconds()
         with open(os.environ[CPU_REPORT_ENV], "a") as f:
-            f.write(f"{item.nodeid}\t{own1 - own0:.2f}\t{children1 - children0:.2f}\t"
-                    f"{time.monotonic() - wall0:.2f}\n")  # fmt: skip
+            f.write(
+                f"{item.nodeid}\t{own1 - own0:.2f}\t{children1 - children0:.2f}\t"
+                f"{time.monotonic() - wall0:.2f}\n"
+            )

@@ -53,8 +53,10 @@ def main() -> None:
     print(f"{'CPU s':>8} {'share':>6} {'wall s':>8} {'tests':>5}  file")
     for name, cpu, wall, tests in rows[: args.top]:
         print(f"{cpu:8.1f} {cpu / total:6.1%} {wall:8.1f} {tests:5d}  {name}")
-    print(f"{total:8.1f} CPU seconds over {sum(r[3] for r in rows)} tests "
-          f"(on 2 cores at best {total / 2 / 60:.1f} minutes of wall time)")  # fmt: skip
+    print(
+        f"{total:8.1f} CPU seconds over {sum(r[3] for r in rows)} tests "
+        f"(on 2 cores at best {total / 2 / 60:.1f} minutes of wall time)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ def user_env(*, cheap_compile: bool = False, **extra: str) -> dict[str, str]:
     (train-agent's learning run: 6 -> 12 minutes)."""
     env = dict(os.environ)
     count = "--xla_force_host_platform_device_count"
-    flags = [f for f in env.pop("XLA_FLAGS", "").split()
-             if cheap_compile and not f.startswith(count)]  # fmt: skip
+    flags = [
+        f for f in env.pop("XLA_FLAGS", "").split() if cheap_compile and not f.startswith(count)
+    ]
     if flags:
         env["XLA_FLAGS"] = " ".join(flags)
     return {**env, **extra}
@@ -89,8 +90,15 @@ class FakeAgentClient:
     task's instruction is in the prompt, returns token ids / logprobs / versions like the real
     client, and records every reply so tests can check token-in/token-out."""
 
-    def __init__(self, tasks, *, version: int = 0, fail_task: str | None = None,
-                 delay_s: float = 0.0, never_stop: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        tasks,
+        *,
+        version: int = 0,
+        fail_task: str | None = None,
+        delay_s: float = 0.0,
+        never_stop: bool = False,
+    ):
         from rl.data import ByteTokenizer
 
         self.tok = ByteTokenizer()
@@ -100,8 +108,18 @@ class FakeAgentClient:
         self.replies: list[tuple[list[int], list[int]]] = []  # (prompt, generated)
         self.calls = 0
 
-    async def complete(self, prompt, *, max_tokens, temperature=1.0, top_p=1.0, seed=None,
-                       logprobs=None, timeout_s=None, **_):  # fmt: skip
+    async def complete(
+        self,
+        prompt,
+        *,
+        max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=None,
+        logprobs=None,
+        timeout_s=None,
+        **_,
+    ):
         import asyncio
         from types import SimpleNamespace
 
@@ -129,10 +147,13 @@ class FakeAgentClient:
         self.replies.append((list(prompt), list(gen)))
         finish = "length" if self.never_stop else "stop"
         return SimpleNamespace(
-            text=self.tok.decode([t for t in gen if t != self.tok.eos_id]), token_ids=gen,
-            finish_reason=finish, logprobs=[-0.5] * len(gen),
-            token_versions=[self.version] * len(gen), weight_version=self.version,
-        )  # fmt: skip
+            text=self.tok.decode([t for t in gen if t != self.tok.eos_id]),
+            token_ids=gen,
+            finish_reason=finish,
+            logprobs=[-0.5] * len(gen),
+            token_versions=[self.version] * len(gen),
+            weight_version=self.version,
+        )
 
 
 async def wait_until(cond, timeout_s: float = 10.0, poll_s: float = 0.005) -> bool:
@@ -265,8 +286,11 @@ def assert_token_exact(calls, trajectory) -> None:
     the server's logprobs and versions; `calls` as `RecordingClient.calls`."""
     for turn in trajectory.turns:
         a, b = turn.token_span
-        matches = [out for prompt, out in calls
-                   if out.prompt_token_ids == trajectory.token_ids[:a] == prompt]  # fmt: skip
+        matches = [
+            out
+            for prompt, out in calls
+            if out.prompt_token_ids == trajectory.token_ids[:a] == prompt
+        ]
         assert matches, f"no server request had the prompt of turn {turn.token_span}"
         # (several rollouts may have sent the same prompt: one of them sampled these ids)
         assert any(

@@ -168,7 +168,7 @@ class GkeConfig:
             "/config/config.yaml",
             "--out",
             "/ckpt/run",
-        ]  # fmt: skip
+        ]
     )
     """What every pod runs (the chip-plan environment is set around it)."""
     bucket: str | None = None

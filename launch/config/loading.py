@@ -199,8 +199,12 @@ def load_config(
 
 
 # Paths a config file may give relative to itself (a checkpoint shipped beside the config).
-FILE_RELATIVE_PATHS = (("agent", "weights"), ("agent", "hf_path"), ("simulator", "weights"),
-                       ("simulator", "hf_path"))  # fmt: skip
+FILE_RELATIVE_PATHS = (
+    ("agent", "weights"),
+    ("agent", "hf_path"),
+    ("simulator", "weights"),
+    ("simulator", "hf_path"),
+)
 
 
 def _anchor_paths(tree: dict, folder: Path) -> None:

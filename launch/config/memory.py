@@ -72,5 +72,8 @@ def check_trainer_memory(model: ModelConfig, device_ids: list[int] | None, what:
 
     devices = jax.devices()
     devices = devices if device_ids is None else [devices[i] for i in device_ids]
-    check_fits({f"{what} (params, grads, AdamW)": trainer_bytes(model)},
-               device_memory_bytes(devices), f"its {len(devices)} device(s)")  # fmt: skip
+    check_fits(
+        {f"{what} (params, grads, AdamW)": trainer_bytes(model)},
+        device_memory_bytes(devices),
+        f"its {len(devices)} device(s)",
+    )

@@ -472,7 +472,8 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
         )
         model = role_model(getattr(cfg, role))
         needs[f"{role} server parameters"] = param_bytes(model)
-        needs[f"{role} server KV cache"] = kv_cache_bytes(model, engine.num_slots,
-                                                          engine.max_seq_len)  # fmt: skip
+        needs[f"{role} server KV cache"] = kv_cache_bytes(
+            model, engine.num_slots, engine.max_seq_len
+        )
     if needs and cfg.chips.accelerator.startswith("cpu"):
         check_fits(needs, host_memory_bytes())

@@ -198,10 +198,15 @@ class ChipPlan:
         for p in self.processes:
             chips = ",".join(map(str, p.chips))
             port = f", http port {p.http_port}" if p.http_port else ""
-            job = (f", process {p.rank} of {p.group_size}, coordinator {p.coordinator}"
-                   if p.coordinator else "")  # fmt: skip
-            out.append(f"# {p.role} [{p.kind}] replica {p.replica} host {p.host} rank {p.rank}: "
-                       f"chips {chips}{port}{job}")  # fmt: skip
+            job = (
+                f", process {p.rank} of {p.group_size}, coordinator {p.coordinator}"
+                if p.coordinator
+                else ""
+            )
+            out.append(
+                f"# {p.role} [{p.kind}] replica {p.replica} host {p.host} rank {p.rank}: "
+                f"chips {chips}{port}{job}"
+            )
             out += [f"export {k}={shlex.quote(v)}" for k, v in p.env.items()]
             out.append("")
         return "\n".join(out)
@@ -263,8 +268,9 @@ def plan_chips(
     copies = {role: replicas.get(role, 1) for role in roles}
     total = sum(n * copies[role] for role, n in roles.items())
     if total > acc.chips:
-        asked = ",".join(f"{r}={n}" + (f"x{copies[r]}" if copies[r] > 1 else "")
-                         for r, n in roles.items())  # fmt: skip
+        asked = ",".join(
+            f"{r}={n}" + (f"x{copies[r]}" if copies[r] > 1 else "") for r, n in roles.items()
+        )
         raise PlanError(
             f"the roles ask for {total} chips ({asked}) but a {acc.name} has {acc.chips}; "
             f"shrink a role or use a larger slice"
@@ -342,9 +348,22 @@ def plan_chips(
             if kind == "serve":
                 served, http_port = http_port, http_port + 1
                 env["SIMLOOP_HTTP_PORT"] = str(served)
-            processes.append(ProcessPlan(role, kind, host, chips, bounds, rank, len(groups),
-                                         served, env, replica, host_name(host),
-                                         coordinator))  # fmt: skip
+            processes.append(
+                ProcessPlan(
+                    role,
+                    kind,
+                    host,
+                    chips,
+                    bounds,
+                    rank,
+                    len(groups),
+                    served,
+                    env,
+                    replica,
+                    host_name(host),
+                    coordinator,
+                )
+            )
     _check_ports(tpu_port_base, coordinator_port, http_port_base, http_port)
     return ChipPlan(acc, processes)
 

@@ -23,13 +23,24 @@ DRY_RUN_OUT = "RUN_DIR"
 
 
 def add_dry_run_arguments(p) -> None:
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the processes this job would start, start nothing")  # fmt: skip
-    p.add_argument("--format", choices=["text", "json"], default="text",
-                   help="--dry-run output: one process per line, or JSON")  # fmt: skip
-    p.add_argument("--target", choices=["local", "gke"], default="local",
-                   help="--dry-run: the processes this machine would start, or those the "
-                        "GKE pods of the config start (`simloop gke render`'s plan)")  # fmt: skip
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the processes this job would start, start nothing",
+    )
+    p.add_argument(
+        "--format",
+        choices=["text", "json"],
+        default="text",
+        help="--dry-run output: one process per line, or JSON",
+    )
+    p.add_argument(
+        "--target",
+        choices=["local", "gke"],
+        default="local",
+        help="--dry-run: the processes this machine would start, or those the "
+        "GKE pods of the config start (`simloop gke render`'s plan)",
+    )
 
 
 def print_dry_run(args, cfg, job: str, roles: Sequence[str], publishes: Sequence[str] = ()) -> int:
@@ -54,8 +65,9 @@ def print_processes(args, procs: Sequence[tuple[str | None, PlannedProcess]]) ->
     line and is a `stage` key in JSON) and return 0."""
     if args.format == "json":
         keys = ("role", "replica", "host", "command", "env", "port")
-        rows = [{**({"stage": st} if st else {}), **{k: asdict(p)[k] for k in keys}}
-                for st, p in procs]  # fmt: skip
+        rows = [
+            {**({"stage": st} if st else {}), **{k: asdict(p)[k] for k in keys}} for st, p in procs
+        ]
         print(json.dumps({"processes": rows}, indent=1))
     else:
         print("\n".join(f"{st}: {p.line()}" if st else p.line() for st, p in procs))

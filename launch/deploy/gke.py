@@ -100,9 +100,14 @@ def process_env(proc, acc) -> dict[str, str]:
     return env
 
 
-def server_commands(cfg, plan, *, hostnames: Sequence[str] | None = None,
-                    run_dir: str | None = None, config_path: str = f"{CONFIG_DIR}/config.yaml",
-                    ) -> tuple[dict[tuple[str, int], Any], dict[str, list[str]]]:  # fmt: skip
+def server_commands(
+    cfg,
+    plan,
+    *,
+    hostnames: Sequence[str] | None = None,
+    run_dir: str | None = None,
+    config_path: str = f"{CONFIG_DIR}/config.yaml",
+) -> tuple[dict[tuple[str, int], Any], dict[str, list[str]]]:
     """The planned servers' processes (`launch.deploy.processes.server_processes`, the list
     `--dry-run` prints) by (role, replica), and each model role's server URLs. Servers bind
     to all interfaces on a multi-host slice (the trainer is on another host; hostNetwork on
@@ -133,10 +138,18 @@ def server_commands(cfg, plan, *, hostnames: Sequence[str] | None = None,
                 f"e.g. on the volume under {cfg.gke.mount_path}); set it, and unset "
                 f"{model_role}.weights (publish trained weights instead)"
             )
-        procs = server_processes(cfg, model_role, run_dir, plan=plan,
-                                 hostnames=hostnames, bind=bind, fixed_ports=True,
-                                 python="python", config_path=config_path,
-                                 publishes=model_role == "agent")  # fmt: skip
+        procs = server_processes(
+            cfg,
+            model_role,
+            run_dir,
+            plan=plan,
+            hostnames=hostnames,
+            bind=bind,
+            fixed_ports=True,
+            python="python",
+            config_path=config_path,
+            publishes=model_role == "agent",
+        )
         for p in procs:
             out[p.role, p.replica] = p
         host = {pp.replica: pp.host for pp in plan.role(serve_role)}
@@ -147,9 +160,14 @@ def server_commands(cfg, plan, *, hostnames: Sequence[str] | None = None,
     return out, urls
 
 
-def host_layout(cfg, plan, *, hostnames: Sequence[str] | None = None,
-                run_dir: str | None = None, config_path: str = f"{CONFIG_DIR}/config.yaml",
-                ) -> dict[str, Any]:  # fmt: skip
+def host_layout(
+    cfg,
+    plan,
+    *,
+    hostnames: Sequence[str] | None = None,
+    run_dir: str | None = None,
+    config_path: str = f"{CONFIG_DIR}/config.yaml",
+) -> dict[str, Any]:
     """`plan.json`: per host (= pod), the processes the launcher starts there. A server's
     `command` is the one `--dry-run` lists for it; trainers run `gke.command`, with the
     servers' URLs in `SIMLOOP_SERVER_URLS` (so a job connects to them, starting none), and,
@@ -160,18 +178,26 @@ def host_layout(cfg, plan, *, hostnames: Sequence[str] | None = None,
     acc = plan.accelerator
     if hostnames is None:
         hostnames = [pod_hostname(cfg.gke.name, h) for h in range(acc.hosts)]
-    servers, urls = server_commands(cfg, plan, hostnames=hostnames, run_dir=run_dir,
-                                    config_path=config_path)  # fmt: skip
+    servers, urls = server_commands(
+        cfg, plan, hostnames=hostnames, run_dir=run_dir, config_path=config_path
+    )
     hosts = []
     for h in range(acc.hosts):
         procs = []
         for p in plan.processes:
             if p.host != h:
                 continue
-            proc = {"role": p.role, "kind": p.kind, "replica": p.replica, "rank": p.rank,
-                    "group_size": p.group_size, "coordinator": p.coordinator,
-                    "chips": list(p.chips), "http_port": p.http_port,
-                    "env": process_env(p, acc)}  # fmt: skip
+            proc = {
+                "role": p.role,
+                "kind": p.kind,
+                "replica": p.replica,
+                "rank": p.rank,
+                "group_size": p.group_size,
+                "coordinator": p.coordinator,
+                "chips": list(p.chips),
+                "http_port": p.http_port,
+                "env": process_env(p, acc),
+            }
             server = servers.get((p.role, p.replica))
             if server is not None:
                 # This machine's checkout is no path in the image, where simloop is installed.
@@ -198,10 +224,17 @@ def gke_processes(cfg) -> list:
     out = []
     for host in host_layout(cfg, chip_plan(cfg))["hosts"]:
         for p in host["processes"]:
-            out.append(PlannedProcess(
-                p["role"], p["replica"], host["hostname"], list(p.get("command") or
-                cfg.gke.command), dict(p["env"]), p["http_port"], p["kind"],
-            ))  # fmt: skip
+            out.append(
+                PlannedProcess(
+                    p["role"],
+                    p["replica"],
+                    host["hostname"],
+                    list(p.get("command") or cfg.gke.command),
+                    dict(p["env"]),
+                    p["http_port"],
+                    p["kind"],
+                )
+            )
     return out
 
 
@@ -238,8 +271,11 @@ def _admin_token_env(cfg, plan) -> list[dict[str, Any]]:
     from launch.deploy.chips import SERVE_ROLE
     from launch.deploy.processes import ADMIN_TOKEN_ENV
 
-    jax_roles = [m for m, serve in SERVE_ROLE.items()
-                 if plan.role(serve) and cfg.serve.backend_of(m) == "jax"]  # fmt: skip
+    jax_roles = [
+        m
+        for m, serve in SERVE_ROLE.items()
+        if plan.role(serve) and cfg.serve.backend_of(m) == "jax"
+    ]
     if not jax_roles:
         return []
     secret = cfg.gke.admin_token_secret

@@ -139,14 +139,19 @@ def launch(
                         return rc
                     time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             chips = ",".join(map(str, proc["chips"]))
-            job = (f", process {proc['rank']} of {proc['group_size']}, coordinator "
-                   f"{proc['coordinator']}" if proc.get("coordinator") else "")  # fmt: skip
-            _log(f"host {host_index}: {proc['role']} [{proc['kind']}] rank {proc['rank']}, "
-                 f"chips {chips}{job}")  # fmt: skip
+            job = (
+                f", process {proc['rank']} of {proc['group_size']}, coordinator "
+                f"{proc['coordinator']}"
+                if proc.get("coordinator")
+                else ""
+            )
+            _log(
+                f"host {host_index}: {proc['role']} [{proc['kind']}] rank {proc['rank']}, "
+                f"chips {chips}{job}"
+            )
             env = {**os.environ, **proc["env"]}
             argv = list(proc.get("command") or command)
-            running.append((proc, subprocess.Popen(argv, env=env,
-                                                   start_new_session=True)))  # fmt: skip
+            running.append((proc, subprocess.Popen(argv, env=env, start_new_session=True)))
         while True:
             if should_stop():
                 _log("terminated; stopping this host's processes")
@@ -165,8 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m launch.deploy.gke_pod [--plan FILE] [--host-index N] -- COMMAND...",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m launch.deploy.gke_pod [--plan FILE] [--host-index N] -- COMMAND...",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     cut = argv.index("--")
     own, command = argv[:cut], argv[cut + 1 :]
@@ -181,21 +188,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     index, lockfile = args.host_index, None
     if index is None:
         if "JOB_COMPLETION_INDEX" not in os.environ:
-            print("python -m launch.deploy.gke_pod: JOB_COMPLETION_INDEX is not set (it is in a "
-                  "pod of an Indexed Job); pass --host-index elsewhere",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "python -m launch.deploy.gke_pod: JOB_COMPLETION_INDEX is not set (it is in a "
+                "pod of an Indexed Job); pass --host-index elsewhere",
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         index = int(os.environ["JOB_COMPLETION_INDEX"])
         lockfile = LIBTPU_LOCKFILE  # in the pod: nothing else can be using the chips yet
     plan = json.loads(Path(args.plan).read_text())
     # Kubernetes stops a pod with SIGTERM: pass it on to every process group, then exit.
-    return launch_until_signalled(plan, index, command, lockfile=lockfile, grace_s=args.grace_s,
-                                  signals=(signal.SIGTERM, signal.SIGINT))  # fmt: skip
+    return launch_until_signalled(
+        plan,
+        index,
+        command,
+        lockfile=lockfile,
+        grace_s=args.grace_s,
+        signals=(signal.SIGTERM, signal.SIGINT),
+    )
 
 
-def launch_until_signalled(plan: dict[str, Any], host_index: int, command: Sequence[str], *,
-                           lockfile: str | None, grace_s: float,
-                           signals: Sequence[signal.Signals]) -> int:  # fmt: skip
+def launch_until_signalled(
+    plan: dict[str, Any],
+    host_index: int,
+    command: Sequence[str],
+    *,
+    lockfile: str | None,
+    grace_s: float,
+    signals: Sequence[signal.Signals],
+) -> int:
     """`launch`, stopping the host's processes (and returning 128 + SIGTERM) when one of
     `signals` arrives; the previous handlers are restored after."""
     stop = {"requested": False}
@@ -205,8 +226,14 @@ def launch_until_signalled(plan: dict[str, Any], host_index: int, command: Seque
 
     previous = {s: signal.signal(s, on_signal) for s in signals}
     try:
-        return launch(plan, host_index, command, lockfile=lockfile, grace_s=grace_s,
-                      should_stop=lambda: stop["requested"])  # fmt: skip
+        return launch(
+            plan,
+            host_index,
+            command,
+            lockfile=lockfile,
+            grace_s=grace_s,
+            should_stop=lambda: stop["requested"],
+        )
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -85,9 +85,17 @@ class LocalServer:
         self.role, self.proc, self.url, self.log_path = role, proc, url, log_path
 
     @classmethod
-    def start(cls, role: str, run_dir: str | os.PathLike, *, extra_args: list[str] = (),
-              timeout_s: float = 300.0, port: int = 0, env: dict[str, str] | None = None,
-              name: str | None = None) -> LocalServer:  # fmt: skip
+    def start(
+        cls,
+        role: str,
+        run_dir: str | os.PathLike,
+        *,
+        extra_args: list[str] = (),
+        timeout_s: float = 300.0,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> LocalServer:
         """Start `simloop serve --role ROLE` on `port` (0: a free one) and wait until it
         listens. `env` is laid over this process's environment (a chip plan's process env, and
         `SIMLOOP_ADMIN_TOKEN`: a secret never goes on a command line, where any process can
@@ -98,9 +106,14 @@ class LocalServer:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = serve_command(role, run_dir, port=port, extra_args=extra_args)
         log = log_path.open("w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                                start_new_session=True,
-                                env=child_env(server_env(env)))  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+            env=child_env(server_env(env)),
+        )
         deadline = time.monotonic() + timeout_s
         url = None
         while url is None:
@@ -180,9 +193,16 @@ class ReplicaRestarter:
     holds each replica's current server and is updated in place, so whoever stops them at
     the end stops the restarted ones."""
 
-    def __init__(self, pool, servers: list, start: Callable[[int, threading.Event], Awaitable],
-                 stop: Callable[[Any], Awaitable[None]], *, attempts: int = RESTART_ATTEMPTS,
-                 backoff_s: float = RESTART_BACKOFF_S):  # fmt: skip
+    def __init__(
+        self,
+        pool,
+        servers: list,
+        start: Callable[[int, threading.Event], Awaitable],
+        stop: Callable[[Any], Awaitable[None]],
+        *,
+        attempts: int = RESTART_ATTEMPTS,
+        backoff_s: float = RESTART_BACKOFF_S,
+    ):
         if len(servers) != len(pool.replicas):
             raise ValueError(f"{len(servers)} servers for {len(pool.replicas)} replicas")
         self.pool, self.servers, self.start, self.stop = pool, servers, start, stop
@@ -212,18 +232,26 @@ class ReplicaRestarter:
                 await self.pool.readmit(replica)
             except Exception as e:  # noqa: BLE001 - retried, and reported when given up
                 last = e
-                log.warning("%s replica %s: restart %d/%d failed: %s", role, url, attempt,
-                            self.attempts, e)  # fmt: skip
+                log.warning(
+                    "%s replica %s: restart %d/%d failed: %s", role, url, attempt, self.attempts, e
+                )
             else:
-                log.warning("%s replica %s restarted and back in service at version %s",
-                            role, url, replica.version)  # fmt: skip
+                log.warning(
+                    "%s replica %s restarted and back in service at version %s",
+                    role,
+                    url,
+                    replica.version,
+                )
                 return
             if attempt < self.attempts:
                 await asyncio.sleep(delay)
                 delay *= 2
         if not replica.live:  # (not readmitted by someone else meanwhile)
-            why = (f"{self.attempts} restarts failed, the last: {last}" if self.attempts
-                   else "restarts are off (serve.restart_attempts: 0)")  # fmt: skip
+            why = (
+                f"{self.attempts} restarts failed, the last: {last}"
+                if self.attempts
+                else "restarts are off (serve.restart_attempts: 0)"
+            )
             self.pool.retire(replica, f"down ({reason}); {why}")
 
     async def close(self) -> None:
@@ -310,8 +338,13 @@ async def role_clients(
         # process's imports and compile-cache loads: the agent's and the simulator's overlap
         # on two cores). Every start runs to its end before a failure is raised, so no server
         # starts after the stack that stops it has closed.
-        ours = [r for r in roles if getattr(cfg, r).server_url is None and r not in external
-                and cfg.serve.backend_of(r) != "vllm"]  # fmt: skip
+        ours = [
+            r
+            for r in roles
+            if getattr(cfg, r).server_url is None
+            and r not in external
+            and cfg.serve.backend_of(r) != "vllm"
+        ]
         begun = await asyncio.gather(
             *(
                 _start_jax(
@@ -324,7 +357,7 @@ async def role_clients(
                     health_timeout_s,
                 )
                 for r in ours
-            ),  # fmt: skip
+            ),
             return_exceptions=True,
         )
         for result in begun:
@@ -359,9 +392,14 @@ async def role_clients(
 
                 pool = ReplicaPool(clients.replicas[role], role=role)
                 if servers:  # ours: an ejected one is restarted (before the servers stop)
-                    restarter = ReplicaRestarter(pool, servers, start, _kill,
-                                                 attempts=cfg.serve.restart_attempts,
-                                                 backoff_s=cfg.serve.restart_backoff_s)  # fmt: skip
+                    restarter = ReplicaRestarter(
+                        pool,
+                        servers,
+                        start,
+                        _kill,
+                        attempts=cfg.serve.restart_attempts,
+                        backoff_s=cfg.serve.restart_backoff_s,
+                    )
                     stack.push_async_callback(restarter.close)
                 clients[role] = await stack.enter_async_context(pool)
         yield clients
@@ -371,8 +409,9 @@ async def _kill(server) -> None:
     await asyncio.to_thread(kill_server, server.proc)
 
 
-async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token: str | None,
-                     timeout_s: float):  # fmt: skip
+async def _start_jax(
+    cfg, run_dir: Path, role: str, who: str, stack, admin_token: str | None, timeout_s: float
+):
     """Start `role`'s planned `simloop serve` processes, stopped when `stack` closes. ->
     (servers, `start(index, closing)`: that replica's process again, on its port)."""
     token = admin_token
@@ -383,9 +422,14 @@ async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token
         env = dict(proc.env)
         if token is not None:
             env[ADMIN_TOKEN_ENV] = token
-        launches.append(dict(extra_args=local_server_args(cfg, role, run_dir, token),
-                             env=env or None, timeout_s=timeout_s,
-                             name=f"{role}-{proc.replica}" if proc.replica else None))  # fmt: skip
+        launches.append(
+            dict(
+                extra_args=local_server_args(cfg, role, run_dir, token),
+                env=env or None,
+                timeout_s=timeout_s,
+                name=f"{role}-{proc.replica}" if proc.replica else None,
+            )
+        )
     for kw in launches:
         print(f"simloop {who}: starting a local {role} server ...", flush=True)
         servers.append(await asyncio.to_thread(LocalServer.start, role, run_dir, **kw))
@@ -401,8 +445,9 @@ async def _start_jax(cfg, run_dir: Path, role: str, who: str, stack, admin_token
         )
         if server.url != servers[i].url:
             await asyncio.to_thread(server.stop)
-            raise RuntimeError(f"the restarted {role} server listens on {server.url}, "
-                               f"not {servers[i].url}")  # fmt: skip
+            raise RuntimeError(
+                f"the restarted {role} server listens on {server.url}, not {servers[i].url}"
+            )
         return server
 
     return servers, start
@@ -428,18 +473,24 @@ async def _start_vllm(cfg, run_dir: Path, role: str, who: str, stack):
     print(f"simloop {who}: starting {len(procs)} vLLM {role} server(s) ...", flush=True)
     models = {SERVE_ROLE[role]: ServedModel(str(model_dir), role)}
     try:
-        servers = await asyncio.to_thread(launch_servers, procs, cfg.vllm, models,
-                                          log_dir=run_dir / LOGS)  # fmt: skip
+        servers = await asyncio.to_thread(
+            launch_servers, procs, cfg.vllm, models, log_dir=run_dir / LOGS
+        )
     except VllmLaunchError as e:  # every server it started is already stopped
         raise JobError(str(e)) from e
     stack.push_async_callback(asyncio.to_thread, stop_servers, servers)
 
     async def start(i: int, closing: threading.Event):
         (server,) = await start_in_thread(
-            lambda: launch_servers([procs[i]], cfg.vllm, models, log_dir=run_dir / LOGS,
-                                   sleep=lambda s: _sleep_unless(closing, s)),
+            lambda: launch_servers(
+                [procs[i]],
+                cfg.vllm,
+                models,
+                log_dir=run_dir / LOGS,
+                sleep=lambda s: _sleep_unless(closing, s),
+            ),
             stop_servers,
-        )  # fmt: skip
+        )
         return server
 
     return servers, start

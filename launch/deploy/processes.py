@@ -54,8 +54,10 @@ class PlannedProcess:
     def line(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
         port = "-" if self.port is None else str(self.port)
-        return (f"{self.role}[{self.replica}] host={self.host} port={port} "
-                f"env: {env or '-'} cmd: {' '.join(self.command)}")  # fmt: skip
+        return (
+            f"{self.role}[{self.replica}] host={self.host} port={port} "
+            f"env: {env or '-'} cmd: {' '.join(self.command)}"
+        )
 
 
 def host_name(plan: ChipPlan, host: int, hostnames: Sequence[str] | None = None) -> str:
@@ -74,9 +76,15 @@ def vllm_model_dir(cfg, model_role: str, run_dir: str | Path) -> Path:
     return Path(run_dir) / "serving" / f"{model_role}-hf"
 
 
-def serve_command(role: str, run_dir: str | os.PathLike, *, port: int = 0,
-                  extra_args: Sequence[str] = (), python: str = sys.executable,
-                  config_path: str | None = None) -> list[str]:  # fmt: skip
+def serve_command(
+    role: str,
+    run_dir: str | os.PathLike,
+    *,
+    port: int = 0,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+    config_path: str | None = None,
+) -> list[str]:
     """The `simloop serve` argv of a local server for `role` (its config: the run
     directory's, or `config_path`)."""
     config = config_path or str(Path(run_dir) / CONFIG)
@@ -84,8 +92,9 @@ def serve_command(role: str, run_dir: str | os.PathLike, *, port: int = 0,
             "--port", str(port), *extra_args]  # fmt: skip
 
 
-def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = None, *,
-                      publishes: bool = False) -> list[str]:  # fmt: skip
+def local_server_args(
+    cfg, role: str, run_dir: Path, admin_token: str | None = None, *, publishes: bool = False
+) -> list[str]:
     """`simloop serve` flags of a job's local server for `role`. Its KV cache holds one context
     (decode attends over the whole cache): the agent's episode context
     (`orchestrator.max_context_tokens`), the simulator's prompt
@@ -102,11 +111,19 @@ def local_server_args(cfg, role: str, run_dir: Path, admin_token: str | None = N
     return args
 
 
-def server_processes(cfg, model_role: str, run_dir: str | Path, *, plan: ChipPlan | None = None,
-                     hostnames: Sequence[str] | None = None, bind: str = "127.0.0.1",
-                     fixed_ports: bool = False, python: str = sys.executable,
-                     config_path: str | None = None, publishes: bool = False,
-                     ) -> list[PlannedProcess]:  # fmt: skip
+def server_processes(
+    cfg,
+    model_role: str,
+    run_dir: str | Path,
+    *,
+    plan: ChipPlan | None = None,
+    hostnames: Sequence[str] | None = None,
+    bind: str = "127.0.0.1",
+    fixed_ports: bool = False,
+    python: str = sys.executable,
+    config_path: str | None = None,
+    publishes: bool = False,
+) -> list[PlannedProcess]:
     """The server processes of `model_role` (one per planned replica). `fixed_ports`: a jax
     server takes its planned port (on GKE) instead of a free one (a local run); vLLM servers
     always take theirs. `publishes`: a trainer will publish weights to it."""
@@ -123,30 +140,55 @@ def server_processes(cfg, model_role: str, run_dir: str | Path, *, plan: ChipPla
                 f"add {serve_role} to chips.roles (or set {model_role}.server_url)"
             )
         model_dir = vllm_model_dir(cfg, model_role, run_dir)
-        return [PlannedProcess(
-            serve_role, p.replica, host_name(plan, p.host, hostnames),
-            build_vllm_command(model_dir, p, cfg.vllm, served_model_name=model_role, host=bind),
-            build_vllm_env(p, base_env={}), p.http_port, "serve", model_role,
-        ) for p in planned]  # fmt: skip
+        return [
+            PlannedProcess(
+                serve_role,
+                p.replica,
+                host_name(plan, p.host, hostnames),
+                build_vllm_command(model_dir, p, cfg.vllm, served_model_name=model_role, host=bind),
+                build_vllm_env(p, base_env={}),
+                p.http_port,
+                "serve",
+                model_role,
+            )
+            for p in planned
+        ]
     out = []
     for p in planned or [None]:
         port = p.http_port if (p is not None and fixed_ports) else None
         args = local_server_args(cfg, model_role, Path(run_dir), publishes=publishes)
         if bind != "127.0.0.1":
             args += ["--host", bind]
-        command = serve_command(model_role, run_dir, port=port or 0, extra_args=args,
-                                python=python, config_path=config_path)  # fmt: skip
+        command = serve_command(
+            model_role,
+            run_dir,
+            port=port or 0,
+            extra_args=args,
+            python=python,
+            config_path=config_path,
+        )
         env = {} if p is None else server_env(p)
         if port is not None:
             env["SIMLOOP_HTTP_PORT"] = str(port)
         host = "localhost" if p is None else host_name(plan, p.host, hostnames)
-        out.append(PlannedProcess(serve_role, 0 if p is None else p.replica, host, command, env,
-                                  port, "serve", model_role))  # fmt: skip
+        out.append(
+            PlannedProcess(
+                serve_role,
+                0 if p is None else p.replica,
+                host,
+                command,
+                env,
+                port,
+                "serve",
+                model_role,
+            )
+        )
     return out
 
 
-def job_processes(cfg, job: str, roles: Sequence[str], run_dir: str | Path,
-                  *, publishes: Sequence[str] = ()) -> list[PlannedProcess]:  # fmt: skip
+def job_processes(
+    cfg, job: str, roles: Sequence[str], run_dir: str | Path, *, publishes: Sequence[str] = ()
+) -> list[PlannedProcess]:
     """Everything `simloop JOB` starts: the servers of `roles` it starts itself (those
     without a `server_url`; `publishes`: roles a trainer publishes to), then the job's own
     process, on its trainer role's planned chips (`TRAIN_JOB_ROLE`)."""
@@ -161,5 +203,9 @@ def job_processes(cfg, job: str, roles: Sequence[str], run_dir: str | Path,
     trainers: list[ProcessPlan] = plan.role(TRAIN_JOB_ROLE.get(job, ""))
     if not trainers:
         return [*out, PlannedProcess(job, 0, "localhost", command, {}, None, "job")]
-    return out + [PlannedProcess(p.role, p.replica, host_name(plan, p.host), command,
-                                 dict(p.env), None, "train") for p in trainers]  # fmt: skip
+    return out + [
+        PlannedProcess(
+            p.role, p.replica, host_name(plan, p.host), command, dict(p.env), None, "train"
+        )
+        for p in trainers
+    ]

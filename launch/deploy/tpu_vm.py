@@ -101,9 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", help="ssh/copy: worker index (default 0); run: default all")
     p.add_argument("--remote", metavar="DIR", help="copy: directory on worker 0 (under repo_dir)")
     p.add_argument("--local", metavar="DIR", help="copy: where the directory lands here")
-    p.add_argument("--planned", action="store_true",
-                   help="run: each worker starts the chip plan's processes on its host, the "
-                        "trainers running the command (default tpu_vm.command)")  # fmt: skip
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="run: each worker starts the chip plan's processes on its host, the "
+        "trainers running the command (default tpu_vm.command)",
+    )
     # Filled by `launch.cli.main` with the words after `--` (None when there is no `--`).
     p.set_defaults(remote_command=None)
 

@@ -55,8 +55,9 @@ def parse_endpoints(text: str) -> list[str]:
     for entry in filter(None, (e.strip() for e in text.split(","))):
         parts = entry.split(":")
         if len(parts) not in (1, 3) or not parts[-1]:
-            raise ValueError(f"worker-network-endpoints entry {entry!r}: want ADDRESS or "
-                             "NAME:ID:ADDRESS")  # fmt: skip
+            raise ValueError(
+                f"worker-network-endpoints entry {entry!r}: want ADDRESS or NAME:ID:ADDRESS"
+            )
         out.append(parts[-1])
     return out
 
@@ -86,8 +87,9 @@ def worker_layout(cfg, addresses: Sequence[str], config_path: str) -> dict:
 
     one_host = parse_accelerator(cfg.chips.accelerator).hosts == 1
     plan = config_plan(cfg, hostnames=None if one_host else list(addresses))
-    layout = host_layout(cfg, plan, hostnames=addresses, run_dir=str(Path.cwd()),
-                         config_path=config_path)  # fmt: skip
+    layout = host_layout(
+        cfg, plan, hostnames=addresses, run_dir=str(Path.cwd()), config_path=config_path
+    )
     for host in layout["hosts"]:
         for p in host["processes"]:
             p["env"]["SIMLOOP_CONFIG"] = config_path
@@ -105,9 +107,11 @@ def main(argv: Sequence[str] | None = None, *, metadata_url: str = METADATA_URL)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("usage: python -m launch.deploy.tpu_worker --config FILE [--section.key VALUE] "
-              "[--worker-index N --worker-addresses A,B,...] [--dry-run] -- COMMAND...",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "usage: python -m launch.deploy.tpu_worker --config FILE [--section.key VALUE] "
+            "[--worker-index N --worker-addresses A,B,...] [--dry-run] -- COMMAND...",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     cut = argv.index("--")
     own, command = argv[:cut], argv[cut + 1 :]
@@ -118,16 +122,22 @@ def main(argv: Sequence[str] | None = None, *, metadata_url: str = METADATA_URL)
     )
     parser.add_argument("--config", required=True, help="the config `tpu-vm run` was given")
     parser.add_argument("--worker-index", type=int, help="default: the metadata server's")
-    parser.add_argument("--worker-addresses", help="comma-separated, worker 0 first (default: "
-                        "the metadata server's worker-network-endpoints)")  # fmt: skip
+    parser.add_argument(
+        "--worker-addresses",
+        help="comma-separated, worker 0 first (default: "
+        "the metadata server's worker-network-endpoints)",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print this worker's processes as JSON, start nothing",
     )
     parser.add_argument("--grace-s", type=float, default=20.0, help="SIGTERM -> SIGKILL wait")
-    parser.add_argument("--libtpu-lockfile", default=str(LIBTPU_LOCKFILE),
-                        help="libtpu's lock, removed first when stale ('' leaves it)")  # fmt: skip
+    parser.add_argument(
+        "--libtpu-lockfile",
+        default=str(LIBTPU_LOCKFILE),
+        help="libtpu's lock, removed first when stale ('' leaves it)",
+    )
     args, overrides = parser.parse_known_args(own)
     if not command:
         return _fail("give the command after --")
@@ -164,10 +174,14 @@ def main(argv: Sequence[str] | None = None, *, metadata_url: str = METADATA_URL)
             from serving.vllm.launcher import clear_stale_libtpu_lock
 
             clear_stale_libtpu_lock(args.libtpu_lockfile)
-        return launch_until_signalled(layout, index, command, lockfile=None,
-                                      grace_s=args.grace_s,
-                                      signals=(signal.SIGTERM, signal.SIGINT,
-                                               signal.SIGHUP))  # fmt: skip
+        return launch_until_signalled(
+            layout,
+            index,
+            command,
+            lockfile=None,
+            grace_s=args.grace_s,
+            signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
+        )
 
 
 def _fail(message: str) -> int:

@@ -72,9 +72,16 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
     tasks = generate_textops(collect_tasks_config(cfg))
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     marker = feedback_marker(cfg.env.terminal.trial_feedback_template)
-    client = ScriptedAgentClient(tasks, renderer.tokenizer, style=c.style, noise=c.noise,
-                                 noise_kinds=c.noise_kinds, seed=cfg.run.seed,
-                                 trial_marker=marker, commands=c.commands)  # fmt: skip
+    client = ScriptedAgentClient(
+        tasks,
+        renderer.tokenizer,
+        style=c.style,
+        noise=c.noise,
+        noise_kinds=c.noise_kinds,
+        seed=cfg.run.seed,
+        trial_marker=marker,
+        commands=c.commands,
+    )
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")
     episodes = [tasks[i % len(tasks)] for i in range(c.episodes)]

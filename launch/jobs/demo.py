@@ -87,9 +87,14 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if gating:
         from launch.jobs.demo_gating import gating_summary, print_gating
 
-        summary = {"experiment": "gating", "config": args.config, "quick": bool(args.quick),
-                   "gating": gating_summary(out), "stages_wall_s": stage_walls(stages),
-                   "stages": stages}  # fmt: skip
+        summary = {
+            "experiment": "gating",
+            "config": args.config,
+            "quick": bool(args.quick),
+            "gating": gating_summary(out),
+            "stages_wall_s": stage_walls(stages),
+            "stages": stages,
+        }
     else:
         summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
     summary["wall_s"] = round(time.perf_counter() - began, 1)
@@ -152,19 +157,27 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
     evals = rundir.read_evals(out / "agent")
     pairs, hygiene = fidelity["pairs"], fidelity["hygiene"]
     success = {
-        arm: {label: evals.get(label, {}).get(arm, {}).get("success_rate")
-              for label in ("before", "after")}
+        arm: {
+            label: evals.get(label, {}).get(arm, {}).get("success_rate")
+            for label in ("before", "after")
+        }
         for arm in ("real", "closed_loop")
-    }  # fmt: skip
+    }
     kinds = sorted({k for by_arm in evals.values() for r in by_arm.values() for k in r["by_kind"]})
     by_kind = {
         kind: {
-            arm: {label: evals.get(label, {}).get(arm, {}).get("by_kind", {}).get(kind, {})
-                  .get("success_rate") for label in ("before", "after")}
+            arm: {
+                label: evals.get(label, {})
+                .get(arm, {})
+                .get("by_kind", {})
+                .get(kind, {})
+                .get("success_rate")
+                for label in ("before", "after")
+            }
             for arm in ("real", "closed_loop")
         }
         for kind in kinds
-    }  # fmt: skip
+    }
     gap = {}
     for label in ("before", "after"):
         sim, real = success["closed_loop"][label], success["real"][label]
@@ -195,7 +208,7 @@ def build_summary(out: Path, stages: dict[str, dict], *, quick: bool, config: st
                     "exit_code_agreement": v.get("exit_code_agreement"),
                 }
                 for k, v in fidelity.get("by_kind", {}).items()
-            },  # fmt: skip
+            },
             "simulator": stages.get("sim", {}).get("simulator"),
         },
         "thesis": thesis(out),
@@ -221,13 +234,17 @@ def _trials_summary(out: Path, stages: dict[str, dict]) -> dict | None:
     if "trials" not in stages:
         return None
     evals = rundir.read_evals(out / "trials")
-    got = {label: evals.get(label, {}).get("real", {}).get("trials") or {}
-           for label in ("before", "after")}  # fmt: skip
+    got = {
+        label: evals.get(label, {}).get("real", {}).get("trials") or {}
+        for label in ("before", "after")
+    }
     return {
         "trials": got["after"].get("trials") or got["before"].get("trials"),
-        **{label: {k: t.get(k) for k in ("success_at", "adaptation_delta", "turns_per_trial")}
-           for label, t in got.items()},
-    }  # fmt: skip
+        **{
+            label: {k: t.get(k) for k in ("success_at", "adaptation_delta", "turns_per_trial")}
+            for label, t in got.items()
+        },
+    }
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -243,12 +260,16 @@ def print_summary(console, s: dict) -> None:
     t.add_column("value", justify="right")
     t.add_row("simulator: exact match (masked)", _fmt(f["exact_masked"]))
     t.add_row("simulator: return-code agreement", _fmt(f["exit_code_agreement"]))
-    t.add_row("simulator: cap hit / think leak / repetition",
-              " / ".join(_fmt(f[k]) for k in ("cap_hit", "think_leak", "repetition")))  # fmt: skip
+    t.add_row(
+        "simulator: cap hit / think leak / repetition",
+        " / ".join(_fmt(f[k]) for k in ("cap_hit", "think_leak", "repetition")),
+    )
     for arm, label in (("real", "real shell"), ("closed_loop", "simulator")):
         a = s["agent_success"][arm]
-        t.add_row(f"agent success, {label}: before -> after RL",
-                  f"{_fmt(a['before'])} -> {_fmt(a['after'])}")  # fmt: skip
+        t.add_row(
+            f"agent success, {label}: before -> after RL",
+            f"{_fmt(a['before'])} -> {_fmt(a['after'])}",
+        )
     g = s["transfer_gap"]
     t.add_row(
         "transfer gap (sim - real): before / after", f"{_fmt(g['before'])} / {_fmt(g['after'])}"
@@ -257,17 +278,26 @@ def print_summary(console, s: dict) -> None:
     th = s.get("thesis") or {}
     if "ci95" in th:
         ci = th["ci95"]
-        for name, key in (("warm start", "warm_start"), ("RL in the simulator", "rl_in_sim"),
-                          ("RL in the real shell", "rl_in_real")):  # fmt: skip
+        for name, key in (
+            ("warm start", "warm_start"),
+            ("RL in the simulator", "rl_in_sim"),
+            ("RL in the real shell", "rl_in_real"),
+        ):
             lo, hi = ci[key]
-            t.add_row(f"real-shell success: {name} (95% CI)",
-                      f"{_fmt(th[key]['real'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+            t.add_row(
+                f"real-shell success: {name} (95% CI)",
+                f"{_fmt(th[key]['real'])} [{lo:.3f}, {hi:.3f}]",
+            )
         lo, hi = ci["gain_rl_in_sim"]
-        t.add_row("gain of RL in the simulator (95% CI)",
-                  f"{_fmt(th['gain']['rl_in_sim'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+        t.add_row(
+            "gain of RL in the simulator (95% CI)",
+            f"{_fmt(th['gain']['rl_in_sim'])} [{lo:.3f}, {hi:.3f}]",
+        )
         lo, hi = ci["sim_minus_real"]
-        t.add_row("RL in sim minus RL in real (95% CI)",
-                  f"{_fmt(th['sim_minus_real'])} [{lo:.3f}, {hi:.3f}]")  # fmt: skip
+        t.add_row(
+            "RL in sim minus RL in real (95% CI)",
+            f"{_fmt(th['sim_minus_real'])} [{lo:.3f}, {hi:.3f}]",
+        )
     elif th:
         t.add_row("the deciding experiment", f"incomplete: {th.get('missing')}")
     tr = s.get("trials")
@@ -275,8 +305,9 @@ def print_summary(console, s: dict) -> None:
         for label in ("before", "after"):
             at = " / ".join(_fmt(v) for v in tr[label].get("success_at") or [])
             delta = _fmt(tr[label].get("adaptation_delta"))
-            t.add_row(f"{tr['trials']} trials: success by trial, {label} RL",
-                      f"{at} (delta {delta})")  # fmt: skip
+            t.add_row(
+                f"{tr['trials']} trials: success by trial, {label} RL", f"{at} (delta {delta})"
+            )
     for name, wall in s["stages_wall_s"].items():
         t.add_row(f"wall: {name}", f"{_fmt(wall, 0)} s")
     t.add_row("wall: total", f"{_fmt(s.get('wall_s'), 0)} s")
@@ -287,16 +318,28 @@ def print_summary(console, s: dict) -> None:
         for name in ("operation", "observations", "exact (masked)", "return code"):
             k.add_column(name, justify="left" if name == "operation" else "right")
         for kind, v in fk.items():
-            k.add_row(kind, str(v["observations"]), _fmt(v["exact_masked"]),
-                      _fmt(v["exit_code_agreement"]))  # fmt: skip
+            k.add_row(
+                kind,
+                str(v["observations"]),
+                _fmt(v["exact_masked"]),
+                _fmt(v["exit_code_agreement"]),
+            )
         console.print(k)
     by_kind = s.get("agent_success_by_kind") or {}
     if by_kind:
         k = Table(title="agent success by operation: before -> after RL")
-        for name, justify in (("operation", "left"), ("real shell", "right"),
-                              ("simulator", "right")):  # fmt: skip
+        for name, justify in (
+            ("operation", "left"),
+            ("real shell", "right"),
+            ("simulator", "right"),
+        ):
             k.add_column(name, justify=justify)
         for kind, arms in by_kind.items():
-            k.add_row(kind, *(f"{_fmt(arms[a]['before'])} -> {_fmt(arms[a]['after'])}"
-                              for a in ("real", "closed_loop")))  # fmt: skip
+            k.add_row(
+                kind,
+                *(
+                    f"{_fmt(arms[a]['before'])} -> {_fmt(arms[a]['after'])}"
+                    for a in ("real", "closed_loop")
+                ),
+            )
         console.print(k)

@@ -39,8 +39,9 @@ MAX_GAP, MAX_REAL_SHARE = 0.03, 0.5
 
 def _real_episodes(trajs) -> Counter:
     """RL episodes by arm (an episode cut short by the run's shutdown was never trained on)."""
-    return Counter(t.arm for t in trajs if not (t.status == "aborted" and "shutting down" in
-                                                 (t.reason or "")))  # fmt: skip
+    return Counter(
+        t.arm for t in trajs if not (t.status == "aborted" and "shutting down" in (t.reason or ""))
+    )
 
 
 def gating_summary(out: Path) -> dict[str, Any]:
@@ -55,9 +56,11 @@ def gating_summary(out: Path) -> dict[str, Any]:
         evals[arm] = per_task(after)
         rl = episodes(out / arm, "rl")
         by_arm = _real_episodes(rl)
-        got[arm] = {"real": round(success_rate(after), 4),
-                    "real_episodes": by_arm.get("real", 0),
-                    "episodes": sum(by_arm.values())}  # fmt: skip
+        got[arm] = {
+            "real": round(success_rate(after), 4),
+            "real_episodes": by_arm.get("real", 0),
+            "episodes": sum(by_arm.values()),
+        }
     units: dict[str, Counter] = defaultdict(Counter)
     for t in episodes(out / "gated", "rl"):
         units[t.gate_unit or "?"][t.arm] += 1
@@ -72,10 +75,14 @@ def gating_summary(out: Path) -> dict[str, Any]:
     gap_ungated, ci_ungated = paired(evals["ungated"], evals["real_only"])
     share = got["gated"]["real_episodes"] / max(got["real_only"]["real_episodes"], 1)
     out_.update(
-        gated_minus_real_only=round(gap_gated, 4), ungated_minus_real_only=round(gap_ungated, 4),
+        gated_minus_real_only=round(gap_gated, 4),
+        ungated_minus_real_only=round(gap_ungated, 4),
         gated_real_share=round(share, 4),
-        ci95={"gated_minus_real_only": ci_gated, "ungated_minus_real_only": ci_ungated,
-              **{arm: mean_ci(list(evals[arm].values()))[1] for arm in ARMS}},
+        ci95={
+            "gated_minus_real_only": ci_gated,
+            "ungated_minus_real_only": ci_ungated,
+            **{arm: mean_ci(list(evals[arm].values()))[1] for arm in ARMS},
+        },
         ci95_method="normal interval over held-out tasks (task success rates; differences "
         "paired by task: same tasks, same seeds)",
         acceptance={
@@ -83,7 +90,7 @@ def gating_summary(out: Path) -> dict[str, Any]:
             f"gated_real_share_at_most_{MAX_REAL_SHARE}": share <= MAX_REAL_SHARE,
             "ungated_measurably_below_real_only": ci_ungated[1] < 0,
         },
-    )  # fmt: skip
+    )
     weak = _weak_simulator(out)
     if weak:
         out_["weak_simulator"] = weak
@@ -105,8 +112,9 @@ def _weak_simulator(out: Path) -> dict[str, Any]:
     if fid.exists():
         f = json.loads(fid.read_text())
         got["arm_c_exact"] = round(f["pairs"]["exact_masked"], 4)
-        got["arm_c_exact_by_op"] = {k: round(v["exact_masked"], 4)
-                                    for k, v in sorted(f.get("by_kind", {}).items())}  # fmt: skip
+        got["arm_c_exact_by_op"] = {
+            k: round(v["exact_masked"], 4) for k, v in sorted(f.get("by_kind", {}).items())
+        }
     return got
 
 
@@ -125,25 +133,45 @@ def print_gating(console, g: dict, wall: dict) -> None:
         console.print(f"simloop demo: the gating experiment is incomplete: {g['missing']}")
         return
     t = Table(title="simloop demo --experiment gating: real-shell success after RL")
-    for col in ("arm", "real-shell success (95% CI)", "minus real-only (95% CI)",
-                "real-shell episodes", "episodes"):  # fmt: skip
+    for col in (
+        "arm",
+        "real-shell success (95% CI)",
+        "minus real-only (95% CI)",
+        "real-shell episodes",
+        "episodes",
+    ):
         t.add_column(col, justify="left" if col == "arm" else "right")
     for arm in ARMS:
         lo, hi = g["ci95"][arm]
-        diff = "-" if arm == "real_only" else (
-            f"{g[f'{arm}_minus_real_only']:+.3f} [{g['ci95'][f'{arm}_minus_real_only'][0]:+.3f}, "
-            f"{g['ci95'][f'{arm}_minus_real_only'][1]:+.3f}]")  # fmt: skip
-        t.add_row(arm, f"{g[arm]['real']:.3f} [{lo:.3f}, {hi:.3f}]", diff,
-                  str(g[arm]["real_episodes"]), str(g[arm]["episodes"]))  # fmt: skip
+        diff = (
+            "-"
+            if arm == "real_only"
+            else (
+                f"{g[f'{arm}_minus_real_only']:+.3f} "
+                f"[{g['ci95'][f'{arm}_minus_real_only'][0]:+.3f}, "
+                f"{g['ci95'][f'{arm}_minus_real_only'][1]:+.3f}]"
+            )
+        )
+        t.add_row(
+            arm,
+            f"{g[arm]['real']:.3f} [{lo:.3f}, {hi:.3f}]",
+            diff,
+            str(g[arm]["real_episodes"]),
+            str(g[arm]["episodes"]),
+        )
     console.print(t)
     share = ", ".join(f"{k} {v:.2f}" for k, v in g["gated"]["sim_share_by_family"].items())
-    console.print(f"gated: real-shell episodes {g['gated_real_share']:.2f} of real-only's; "
-                  f"simulator share by operation: {share}")  # fmt: skip
+    console.print(
+        f"gated: real-shell episodes {g['gated_real_share']:.2f} of real-only's; "
+        f"simulator share by operation: {share}"
+    )
     weak = g.get("weak_simulator") or {}
     if weak.get("wrong_ops"):
         by_op = ", ".join(f"{k} {v:.2f}" for k, v in weak.get("arm_c_exact_by_op", {}).items())
         wrong = ", ".join(weak["wrong_ops"])
-        console.print(f"weak simulator: {weak.get('steps')} train-sim steps, wrong about "
-                      f"{wrong}; arm (c) exact by operation: {by_op}")  # fmt: skip
+        console.print(
+            f"weak simulator: {weak.get('steps')} train-sim steps, wrong about "
+            f"{wrong}; arm (c) exact by operation: {by_op}"
+        )
     console.print("acceptance: " + ", ".join(f"{k} {v}" for k, v in g["acceptance"].items()))
     console.print("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items() if v is not None))

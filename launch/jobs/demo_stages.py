@@ -36,8 +36,9 @@ from rl.data import rundir
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
     """The config of one stage: the file, `--quick`'s overrides, the stage's own (its flags
     and inputs), then the user's overrides (which win)."""
-    return load_config(SimloopConfig, args.config,
-                       args.quick_overrides + stage_overrides + args.overrides)  # fmt: skip
+    return load_config(
+        SimloopConfig, args.config, args.quick_overrides + stage_overrides + args.overrides
+    )
 
 
 @dataclass
@@ -114,9 +115,11 @@ def _replayed(simulator: Callable[[Done], list[str]]) -> Callable[[Done], list[s
 
     def inputs(done: Done) -> list[str]:
         return simulator(done) + [
-            "--eval_sim.trajectories", json.dumps([_collection(done)]),
-            "--eval_sim.heldout_tasks", str(done.dir("sim") / rundir.HELDOUT_TASKS),
-        ]  # fmt: skip
+            "--eval_sim.trajectories",
+            json.dumps([_collection(done)]),
+            "--eval_sim.heldout_tasks",
+            str(done.dir("sim") / rundir.HELDOUT_TASKS),
+        ]
 
     return inputs
 
@@ -180,32 +183,58 @@ def gating_stages(base: SimloopConfig) -> list[Stage]:
     weak = f"a weak simulator: {steps} train-sim steps" + (
         f", on the collection with {' and '.join(wrong)} misreported" if steps and wrong else ""
     )
-    from_warm = ["--train_agent.warm_start.steps", "0",
-                 "--train_agent.eval.arms", json.dumps(["real"])]  # fmt: skip
+    from_warm = [
+        "--train_agent.warm_start.steps",
+        "0",
+        "--train_agent.eval.arms",
+        json.dumps(["real"]),
+    ]
     if d.gating_eval_tasks:
         from_warm += ["--train_agent.eval.tasks", str(d.gating_eval_tasks)]
     return [
         Stage("collect", "collect", "collect", "scripted noisy agent in the real shell"),
         Stage("sim", "weak-sim", "sim", weak, inputs=_sim_data),
-        Stage("eval_sim", "eval-sim", "eval_sim", "arm (c): the weak simulator's fidelity",
-              inputs=_replayed(_weak_sim_weights)),
-        Stage("warm", "train-agent", "warm", "SFT warm start (no RL)",
-              flags=("--train_agent.steps", "0"), inputs=_weak_sim_weights),
-        *(Stage(arm, "train-agent", arm, text, flags=(*from_warm, *flags),
-                inputs=_gating_arm)
-          for arm, (flags, text) in arm_flags(base).items()),
-    ]  # fmt: skip
+        Stage(
+            "eval_sim",
+            "eval-sim",
+            "eval_sim",
+            "arm (c): the weak simulator's fidelity",
+            inputs=_replayed(_weak_sim_weights),
+        ),
+        Stage(
+            "warm",
+            "train-agent",
+            "warm",
+            "SFT warm start (no RL)",
+            flags=("--train_agent.steps", "0"),
+            inputs=_weak_sim_weights,
+        ),
+        *(
+            Stage(arm, "train-agent", arm, text, flags=(*from_warm, *flags), inputs=_gating_arm)
+            for arm, (flags, text) in arm_flags(base).items()
+        ),
+    ]
 
 
 def arm_flags(base: SimloopConfig) -> dict[str, tuple[list[str], str]]:
     """Each gating RL arm's flags (beside the warm start's) and what it is."""
     return {
         "real_only": (["--orchestrator.arm", "real"], "RL in the real shell"),
-        "ungated": (["--orchestrator.arm", "closed_loop", "--train_agent.eval.before", "false"],
-                    "RL in the weak simulator, ungated"),
-        "gated": (["--orchestrator.arm", "gated", "--train_agent.eval.before", "false",
-                   *base.demo.gating_overrides], "RL gated by live fidelity, co-training"),
-    }  # fmt: skip
+        "ungated": (
+            ["--orchestrator.arm", "closed_loop", "--train_agent.eval.before", "false"],
+            "RL in the weak simulator, ungated",
+        ),
+        "gated": (
+            [
+                "--orchestrator.arm",
+                "gated",
+                "--train_agent.eval.before",
+                "false",
+                *base.demo.gating_overrides,
+            ],
+            "RL gated by live fidelity, co-training",
+        ),
+    }
 
 
 # ----- running a table --------------------------------------------------------------------------
@@ -220,8 +249,12 @@ def write_stage(path: Path, record: dict) -> None:
     (path / rundir.STAGE).write_text(json.dumps(record, indent=1))
 
 
-def run_stages(args: argparse.Namespace, out: Path, console, stages: Sequence[Stage],
-               ) -> dict[str, dict]:  # fmt: skip
+def run_stages(
+    args: argparse.Namespace,
+    out: Path,
+    console,
+    stages: Sequence[Stage],
+) -> dict[str, dict]:
     """Run `stages` in order, skipping finished ones; every stage's record by name."""
     done = Done(out)
     for k, stage in enumerate(stages, start=1):
@@ -272,14 +305,21 @@ def _collect(args, path: Path, overrides: list[str], done: Done) -> dict:
     write_config(cfg, path)
     began = time.perf_counter()
     summary = asyncio.run(collect(cfg, path))
-    record = {"wall_s": round(time.perf_counter() - began, 1), **_pick(
-        summary, "episodes", "status", "success_rate")}  # fmt: skip
+    record = {
+        "wall_s": round(time.perf_counter() - began, 1),
+        **_pick(summary, "episodes", "status", "success_rate"),
+    }
     if cfg.demo.sim_max_tokens_from_data:
         record["sim_max_tokens"] = _suggest_cap(cfg, path / rundir.TRAJECTORIES)
-    print(f"simloop demo: collected {summary['episodes']} episodes {summary['status']} "
-          f"(scripted success {summary['success_rate']:.2f})"
-          + (f"; simulator token cap {record['sim_max_tokens']}" if "sim_max_tokens" in record
-             else ""))  # fmt: skip
+    print(
+        f"simloop demo: collected {summary['episodes']} episodes {summary['status']} "
+        f"(scripted success {summary['success_rate']:.2f})"
+        + (
+            f"; simulator token cap {record['sim_max_tokens']}"
+            if "sim_max_tokens" in record
+            else ""
+        )
+    )
     write_stage(path, record)
     return record
 
@@ -317,8 +357,13 @@ def _suggest_cap(cfg: SimloopConfig, trajectories: Path) -> int:
     return cap
 
 
-def _train_sim(args, path: Path, overrides: list[str], done: Done, extra: dict | None = None,
-               ) -> dict:  # fmt: skip
+def _train_sim(
+    args,
+    path: Path,
+    overrides: list[str],
+    done: Done,
+    extra: dict | None = None,
+) -> dict:
     """Run train-sim as a stage; its `stage.json` record (with `extra` merged in)."""
     from launch.jobs import train_sim
 
@@ -327,14 +372,22 @@ def _train_sim(args, path: Path, overrides: list[str], done: Done, extra: dict |
     rc = train_sim.run(argparse.Namespace(out=str(path)), cfg)
     if rc != 0:
         raise JobError(f"train-sim failed (exit {rc})")
-    losses = [r for r in rundir.read_metrics(path / rundir.METRICS)
-              if r.get("stage") == "sim_sft" and "loss" in r]  # fmt: skip
+    losses = [
+        r
+        for r in rundir.read_metrics(path / rundir.METRICS)
+        if r.get("stage") == "sim_sft" and "loss" in r
+    ]
     last = losses[-1] if losses else {}
     heldout = json.loads((path / rundir.HELDOUT_TASKS).read_text())
-    record = {"wall_s": round(time.perf_counter() - began, 1), "steps": cfg.train_sim.steps,
-              "loss": last.get("loss"), "weights": str(path / rundir.WEIGHTS / "final"),
-              "heldout_tasks": len(heldout),
-              "simulator": describe_simulator(cfg, path), **(extra or {})}  # fmt: skip
+    record = {
+        "wall_s": round(time.perf_counter() - began, 1),
+        "steps": cfg.train_sim.steps,
+        "loss": last.get("loss"),
+        "weights": str(path / rundir.WEIGHTS / "final"),
+        "heldout_tasks": len(heldout),
+        "simulator": describe_simulator(cfg, path),
+        **(extra or {}),
+    }
     write_stage(path, record)
     return record
 
@@ -349,22 +402,28 @@ def describe_simulator(cfg: SimloopConfig, sim_dir: Path) -> dict:
     model = read_model_config(sim_dir / rundir.WEIGHTS / "final")
     start = cfg.simulator.weights
     pretrained = rundir.read_json(Path(start) / "pretrain_sim.json") if start else None
-    examples = [r for r in rundir.read_metrics(sim_dir / rundir.METRICS)
-                if r.get("stage") == "train_sim_data"]  # fmt: skip
+    examples = [
+        r
+        for r in rundir.read_metrics(sim_dir / rundir.METRICS)
+        if r.get("stage") == "train_sim_data"
+    ]
     return {
         "params": model.num_params(),
         "layers": model.num_layers,
         "hidden": model.hidden_size,
         "heads": model.num_heads,
         "started_from": start or "random initialisation",
-        "pretrained_on": None if not pretrained else {
+        "pretrained_on": None
+        if not pretrained
+        else {
             **{k: pretrained.get(k) for k in _PRETRAIN_KEYS},
-            "lineage": [{k: r.get(k) for k in _PRETRAIN_KEYS}
-                        for r in pretrained.get("lineage") or []],
+            "lineage": [
+                {k: r.get(k) for k in _PRETRAIN_KEYS} for r in pretrained.get("lineage") or []
+            ],
         },
         "fine_tuned_on": examples[-1] if examples else None,
         "fine_tune_steps": cfg.train_sim.steps,
-    }  # fmt: skip
+    }
 
 
 def _weak_sim(args, path: Path, overrides: list[str], done: Done) -> dict:
@@ -379,22 +438,31 @@ def _weak_sim(args, path: Path, overrides: list[str], done: Done) -> dict:
         made = {}
         if wrong:
             data = path / "data" / rundir.TRAJECTORIES
-            made = {"wrong_ops": wrong, "data": str(data.absolute()),
-                    "misreported_turns": _misreported(_collection(done), data, wrong)}  # fmt: skip
+            made = {
+                "wrong_ops": wrong,
+                "data": str(data.absolute()),
+                "misreported_turns": _misreported(_collection(done), data, wrong),
+            }
             flags += ["--train_sim.trajectories", json.dumps([made["data"]])]
         return _train_sim(args, path, overrides + flags, done, made)
     from envs.tasks import is_heldout
     from rl.data.trajectory import load_trajectories
 
     if not cfg.simulator.weights:
-        raise UsageError("demo.gating_sim_steps=0 takes the simulator as it is: set "
-                         "simulator.weights (the demo config's pretrained one)")  # fmt: skip
+        raise UsageError(
+            "demo.gating_sim_steps=0 takes the simulator as it is: set "
+            "simulator.weights (the demo config's pretrained one)"
+        )
     write_config(cfg, path)
     ids = {t.task_id for t in load_trajectories(cfg.train_sim.trajectories)}
     held = sorted(i for i in ids if is_heldout(i, cfg.train_sim.heldout_fraction))
     (path / rundir.HELDOUT_TASKS).write_text(json.dumps(held, indent=1))
-    record = {"wall_s": 0.0, "steps": 0, "weights": str(Path(cfg.simulator.weights).absolute()),
-              "heldout_tasks": len(held)}  # fmt: skip
+    record = {
+        "wall_s": 0.0,
+        "steps": 0,
+        "weights": str(Path(cfg.simulator.weights).absolute()),
+        "heldout_tasks": len(held),
+    }
     write_stage(path, record)
     return record
 
@@ -411,13 +479,20 @@ def _misreported(collected: str, out: Path, ops: list[str]) -> int:
         turns, n = misreport(t.turns, t.setup_files.get(INPUT_FILE, "").strip(), ops)
         if n:  # the sampled token view no longer matches the text: the episode keeps none
             turns = [dataclasses.replace(turn, token_span=None) for turn in turns]
-            t = dataclasses.replace(t, token_ids=[], loss_mask=[], behavior_logprobs=None,
-                                    policy_version=None, source="rendered")  # fmt: skip
+            t = dataclasses.replace(
+                t,
+                token_ids=[],
+                loss_mask=[],
+                behavior_logprobs=None,
+                policy_version=None,
+                source="rendered",
+            )
         rewritten.append(dataclasses.replace(t, turns=turns))
         changed += n
     if not changed:
-        raise JobError(f"demo.gating_wrong_ops={ops}: no collected command ran them (nothing "
-                       "to misreport)")  # fmt: skip
+        raise JobError(
+            f"demo.gating_wrong_ops={ops}: no collected command ran them (nothing to misreport)"
+        )
     write_jsonl(out / "misreported-00000.jsonl", rewritten)
     return changed
 
@@ -447,8 +522,11 @@ def _train_agent(args, path: Path, overrides: list[str], done: Done) -> dict:
     write_config(cfg, path)
     began = time.perf_counter()
     summary = asyncio.run(train_agent(cfg, path))
-    record = {"wall_s": round(time.perf_counter() - began, 1), "rl_arm": cfg.orchestrator.arm,
-              **summary}  # fmt: skip
+    record = {
+        "wall_s": round(time.perf_counter() - began, 1),
+        "rl_arm": cfg.orchestrator.arm,
+        **summary,
+    }
     write_stage(path, record)
     return record
 

@@ -60,16 +60,33 @@ def agent_tasks(cfg: SimloopConfig) -> tuple[list, list]:
     return split_textops(cfg.env.textops, cfg.train_agent.eval.tasks)
 
 
-async def evaluate_agent(cfg: SimloopConfig, out: Path, label: str, version: int | None,
-                         clients, renderer, tasks: list, metrics: rundir.MetricsLog,
-                         who: str = "train-agent") -> dict:  # fmt: skip
+async def evaluate_agent(
+    cfg: SimloopConfig,
+    out: Path,
+    label: str,
+    version: int | None,
+    clients,
+    renderer,
+    tasks: list,
+    metrics: rundir.MetricsLog,
+    who: str = "train-agent",
+) -> dict:
     """The held-out evaluation of the policy `clients["agent"]` serves
     (`rl.session.evaluate.evaluate_agent`) with the config's settings."""
     from rl.session.evaluate import evaluate_agent as evaluate
 
     return await evaluate(
-        out=out, label=label, version=version, agent=clients["agent"],
-        backends=lambda: job_backends(cfg, clients.get("simulator")), renderer=renderer,
-        tasks=tasks, metrics=metrics, eval_cfg=cfg.train_agent.eval,
-        orchestrator=cfg.orchestrator, terminal=cfg.env.terminal, seed=cfg.run.seed, who=who,
-    )  # fmt: skip
+        out=out,
+        label=label,
+        version=version,
+        agent=clients["agent"],
+        backends=lambda: job_backends(cfg, clients.get("simulator")),
+        renderer=renderer,
+        tasks=tasks,
+        metrics=metrics,
+        eval_cfg=cfg.train_agent.eval,
+        orchestrator=cfg.orchestrator,
+        terminal=cfg.env.terminal,
+        seed=cfg.run.seed,
+        who=who,
+    )

@@ -84,8 +84,17 @@ async def _evaluate(cfg: SimloopConfig, out: Path) -> dict[str, dict]:
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     _, tasks = agent_tasks(cfg)
     async with role_clients(cfg, out, _roles(cfg), who="eval-agent") as clients:
-        return await evaluate_agent(cfg, out, LABEL, None, clients, renderer, tasks,
-                                    rundir.MetricsLog(out), who="eval-agent")  # fmt: skip
+        return await evaluate_agent(
+            cfg,
+            out,
+            LABEL,
+            None,
+            clients,
+            renderer,
+            tasks,
+            rundir.MetricsLog(out),
+            who="eval-agent",
+        )
 
 
 def transfer_gap(results: dict[str, dict]) -> float | None:

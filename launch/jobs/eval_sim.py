@@ -101,8 +101,12 @@ async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     async with role_clients(cfg, out, ["simulator"], who="eval-sim") as clients:
         writer = TrajectoryWriter(out, prefix="replay")
-        columns = [TextColumn("[bold]eval-sim[/] {task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
+        columns = [
+            TextColumn("[bold]eval-sim[/] {task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns) as progress:
             bar = progress.add_task("replaying", total=len(trajs))
 
@@ -121,8 +125,9 @@ async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
     result["wall_s"] = runner.metrics.summary()["wall_s"]
     (out / rundir.FIDELITY).write_text(json.dumps(result, indent=1))
     # The headline scores also go to the metrics log (and so to TensorBoard / W&B).
-    rundir.MetricsLog(out).write({"stage": "fidelity", "pairs": result["pairs"],
-                                  "hygiene": result["hygiene"]})  # fmt: skip
+    rundir.MetricsLog(out).write(
+        {"stage": "fidelity", "pairs": result["pairs"], "hygiene": result["hygiene"]}
+    )
     return result
 
 
@@ -144,13 +149,20 @@ def print_fidelity(result: dict[str, Any]) -> None:
     t = Table(title=f"Simulator fidelity, arm (c): {p['count']} observations")
     for col in ("exact", "exact (masked)", "return code", "similarity", "length ratio"):
         t.add_column(col, justify="right")
-    t.add_row(num(p, "exact"), num(p, "exact_masked"), num(p, "exit_code_agreement"),
-              num(p, "similarity"), num(p, "length_ratio_geomean", ".2f"))  # fmt: skip
+    t.add_row(
+        num(p, "exact"),
+        num(p, "exact_masked"),
+        num(p, "exit_code_agreement"),
+        num(p, "similarity"),
+        num(p, "length_ratio_geomean", ".2f"),
+    )
     console.print(t)
     failed = {k: v for k, v in result.get("statuses", {}).items() if k != "ok"}
     if failed:
-        console.print(f"replays that did not finish (their turns are not scored): {failed}; "
-                      "see trajectories/replay-* for the reasons")  # fmt: skip
+        console.print(
+            f"replays that did not finish (their turns are not scored): {failed}; "
+            "see trajectories/replay-* for the reasons"
+        )
     t = Table(title="Observation hygiene (rates)")
     t.add_column("")
     names = ("cap_hit", "think_leak", "repetition", "empty", "malformed")
@@ -159,13 +171,20 @@ def print_fidelity(result: dict[str, Any]) -> None:
     t.add_row("simulated", *(f"{h.get(n, 0.0):.3f}" for n in names))
     t.add_row("real", *(f"{r.get(n, 0.0):.3f}" if n in r else "-" for n in names))
     console.print(t)
-    for key, title, label in (("by_context", "By prompt length (tokens)", "prompt tokens"),
-                              ("by_depth", "By depth (turns before the command)", "turns"),
-                              ("by_command", "By command", "command")):  # fmt: skip
+    for key, title, label in (
+        ("by_context", "By prompt length (tokens)", "prompt tokens"),
+        ("by_depth", "By depth (turns before the command)", "turns"),
+        ("by_command", "By command", "command"),
+    ):
         t = Table(title=title)
         for col in (label, "n", "exact (masked)", "return code", "similarity"):
             t.add_column(col, justify="right" if col != label else "left")
         for name, s in result.get(key, {}).items():
-            t.add_row(name, str(s["count"]), num(s, "exact_masked"),
-                      num(s, "exit_code_agreement"), num(s, "similarity"))  # fmt: skip
+            t.add_row(
+                name,
+                str(s["count"]),
+                num(s, "exact_masked"),
+                num(s, "exit_code_agreement"),
+                num(s, "similarity"),
+            )
         console.print(t)

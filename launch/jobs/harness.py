@@ -50,9 +50,11 @@ def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
     python = [p for p in (sys.prefix, sys.base_prefix) if p not in ("/usr", "/")]
     visible = list(dict.fromkeys([*shell.local.visible_paths, *python]))
     local = dataclasses.replace(
-        shell.local, isolate_network=False, visible_paths=visible,
+        shell.local,
+        isolate_network=False,
+        visible_paths=visible,
         cpu_time_s=max(shell.local.cpu_time_s, int(cfg.harness.wall_s) + 1),
-    )  # fmt: skip
+    )
     env = dataclasses.replace(cfg.env, shell=dataclasses.replace(shell, local=local))
     return dataclasses.replace(cfg, env=env)
 
@@ -73,9 +75,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     cfg = harness_shell(cfg)
     write_config(cfg, out)
     summary = asyncio.run(run_harness(cfg, out, tasks))
-    print(f"simloop harness: {summary['rollouts']} rollouts, mean reward "
-          f"{summary['reward_mean']:.2f}, statuses {summary['statuses']}, "
-          f"{summary['trajectories']} trajectories -> {out / rundir.TRAJECTORIES}")  # fmt: skip
+    print(
+        f"simloop harness: {summary['rollouts']} rollouts, mean reward "
+        f"{summary['reward_mean']:.2f}, statuses {summary['statuses']}, "
+        f"{summary['trajectories']} trajectories -> {out / rundir.TRAJECTORIES}"
+    )
     return 0
 
 
@@ -106,10 +110,12 @@ async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
                     metrics.write({"stage": "harness", **r.summary()})
                     failed = r.finish.get("error")  # not written with this reward
                     note = f" FINISH FAILED: {failed}" if failed else ""
-                    print(f"  {r.rollout_id}: {r.status} reward={r.reward} "
-                          f"exit={r.exit_code} {r.wall_s:.1f}s "
-                          f"segments={len(r.finish.get('segments', []))}{note}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  {r.rollout_id}: {r.status} reward={r.reward} "
+                        f"exit={r.exit_code} {r.wall_s:.1f}s "
+                        f"segments={len(r.finish.get('segments', []))}{note}",
+                        flush=True,
+                    )
 
             await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks)))
     rewards = [r.reward for r in results if r.reward is not None]
@@ -117,11 +123,12 @@ async def run_harness(cfg: SimloopConfig, out: Path, tasks: list) -> dict:
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
     summary = {
-        "harness": hcfg.kind, "rollouts": len(results),
+        "harness": hcfg.kind,
+        "rollouts": len(results),
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "statuses": statuses,
         "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
         "results": [r.summary() for r in results],
-    }  # fmt: skip
+    }
     (out / "harness.json").write_text(json.dumps(summary, indent=1))
     return summary

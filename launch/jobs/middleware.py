@@ -66,8 +66,9 @@ class RunningMiddleware(NamedTuple):
 
 
 @contextlib.asynccontextmanager
-async def running_middleware(cfg: SimloopConfig, out: Path, agent,
-                             on_written=None) -> AsyncIterator[RunningMiddleware]:  # fmt: skip
+async def running_middleware(
+    cfg: SimloopConfig, out: Path, agent, on_written=None
+) -> AsyncIterator[RunningMiddleware]:
     """The middleware in front of the client `agent`, serving its APIs on
     `middleware.host:port` and its admin routes on their own listener, writing finished
     rollouts into `out` (and handing them to `on_written(trajectories)`): yields
@@ -91,19 +92,24 @@ async def running_middleware(cfg: SimloopConfig, out: Path, agent,
         if on_written is not None:
             on_written(trajectories)
         first = trajectories[0]
-        metrics.write({"stage": "middleware", "rollout_id": first.rollout_id,
-                       "segments": len(trajectories), "status": first.status,
-                       "reward": first.reward,
-                       "sampled_tokens": sum(sum(t.loss_mask) for t in trajectories),
-                       "turns": sum(len(t.turns) for t in trajectories)})  # fmt: skip
+        metrics.write(
+            {
+                "stage": "middleware",
+                "rollout_id": first.rollout_id,
+                "segments": len(trajectories),
+                "status": first.status,
+                "reward": first.reward,
+                "sampled_tokens": sum(sum(t.loss_mask) for t in trajectories),
+                "turns": sum(len(t.turns) for t in trajectories),
+            }
+        )
         return paths
 
     tokenizer_name = cfg.agent.tokenizer.path or cfg.agent.tokenizer.kind
     middleware = Middleware(mcfg, agent, renderer, sink, tokenizer_name=tokenizer_name)
     try:
         async with serve(middleware, mcfg.host, mcfg.port) as where:
-            admin = AdminAccess(where.admin_token, socket=where.admin_socket,
-                                url=where.admin_url)  # fmt: skip
+            admin = AdminAccess(where.admin_token, socket=where.admin_socket, url=where.admin_url)
             yield RunningMiddleware(middleware, where.url, admin)
     finally:
         middleware.unfinished = await middleware.flush_all(
@@ -112,8 +118,9 @@ async def running_middleware(cfg: SimloopConfig, out: Path, agent,
         writer.close()
 
 
-async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | None = None,
-                           ready=None) -> None:  # fmt: skip
+async def serve_middleware(
+    cfg: SimloopConfig, out: Path, stop: asyncio.Event | None = None, ready=None
+) -> None:
     """Run until `stop` is set (or SIGINT/SIGTERM); `ready(url)` once it listens."""
     from launch.deploy.local import role_clients
 
@@ -126,11 +133,14 @@ async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | 
         async with running_middleware(cfg, out, clients["agent"]) as (middleware, url, admin):
             note = write_admin_note(out, admin)
             upstream = ", ".join(clients.urls.get("agent", []))
-            print(f"simloop middleware: {url} in front of the agent server {upstream}\n"
-                  f"  Anthropic: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY=<rollout id>\n"
-                  f"  OpenAI:    OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=<rollout id>\n"
-                  f"  admin:     {admin.socket or admin.url} (its token in {note})\n"
-                  f"  finish:    {finish_command(admin, note)}", flush=True)  # fmt: skip
+            print(
+                f"simloop middleware: {url} in front of the agent server {upstream}\n"
+                f"  Anthropic: ANTHROPIC_BASE_URL={url} ANTHROPIC_API_KEY=<rollout id>\n"
+                f"  OpenAI:    OPENAI_BASE_URL={url}/v1 OPENAI_API_KEY=<rollout id>\n"
+                f"  admin:     {admin.socket or admin.url} (its token in {note})\n"
+                f"  finish:    {finish_command(admin, note)}",
+                flush=True,
+            )
             try:
                 if ready is not None:
                     ready(url)
@@ -138,17 +148,23 @@ async def serve_middleware(cfg: SimloopConfig, out: Path, stop: asyncio.Event | 
             finally:
                 note.unlink(missing_ok=True)
         where = out / rundir.TRAJECTORIES
-        print(f"simloop middleware: stopped; {middleware.finished} rollouts written "
-              f"({middleware.unfinished} of them unfinished, as aborted) -> {where}")  # fmt: skip
+        print(
+            f"simloop middleware: stopped; {middleware.finished} rollouts written "
+            f"({middleware.unfinished} of them unfinished, as aborted) -> {where}"
+        )
 
 
 def write_admin_note(out: Path, admin) -> Path:
     """`out/middleware-admin.json`: the admin listener and its token, readable by this user
     only (a sandbox runs as another)."""
     path = out / ADMIN_FILE
-    note = {"socket": admin.socket, "url": admin.url, "token": admin.token,
-            "finish": "POST /rollouts/<rollout id>/finish {\"reward\": r}",
-            "auth": "Authorization: Bearer <token>"}  # fmt: skip
+    note = {
+        "socket": admin.socket,
+        "url": admin.url,
+        "token": admin.token,
+        "finish": 'POST /rollouts/<rollout id>/finish {"reward": r}',
+        "auth": "Authorization: Bearer <token>",
+    }
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)  # an older note may have had other bits
@@ -164,5 +180,7 @@ def finish_command(admin, note: Path) -> str:
         where = f"--unix-socket {shlex.quote(admin.socket)} http://middleware"
     else:
         where = admin.url.rstrip("/")
-    return (f'curl -s -H "Authorization: Bearer {token}" -X POST '
-            f"{where}/rollouts/<rollout id>/finish -d '{{\"reward\": 1.0}}'")  # fmt: skip
+    return (
+        f'curl -s -H "Authorization: Bearer {token}" -X POST '
+        f"{where}/rollouts/<rollout id>/finish -d '{{\"reward\": 1.0}}'"
+    )

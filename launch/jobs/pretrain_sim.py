@@ -60,8 +60,11 @@ def transcripts(path: Path, cfg: Any, n: int, *, offset: int, concurrency: int) 
     def progress(done: int, total: int) -> None:
         if done % step == 0 or done == total:
             rate = done / max(time.perf_counter() - began, 1e-9)
-            print(f"simloop pretrain-sim: {path.name}: {done}/{total} workspaces in real bash "
-                  f"({rate:.0f}/s)", flush=True)  # fmt: skip
+            print(
+                f"simloop pretrain-sim: {path.name}: {done}/{total} workspaces in real bash "
+                f"({rate:.0f}/s)",
+                flush=True,
+            )
 
     results = asyncio.run(run_cases(cases, concurrency=concurrency, progress=progress))
     trajs = []
@@ -75,12 +78,23 @@ def transcripts(path: Path, cfg: Any, n: int, *, offset: int, concurrency: int) 
             arm="real", env_backend="local", status="ok", reward=0.0, setup_files=res.case.files
         )
         for j, (turn, cmd) in enumerate(zip(turns, res.case.commands, strict=True)):
-            trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-{j}", turns=[turn],
-                                    task_kind=cmd.kind, **common))  # fmt: skip
+            trajs.append(
+                Trajectory(
+                    task_id=f"grammar-{cfg.seed}-{i}-{j}",
+                    turns=[turn],
+                    task_kind=cmd.kind,
+                    **common,
+                )
+            )
         if res.case.session and len(turns) > 1:
-            trajs.append(Trajectory(task_id=f"grammar-{cfg.seed}-{i}-s",
-                                    turns=turns[: cfg.session_turns],
-                                    task_kind="session", **common))  # fmt: skip
+            trajs.append(
+                Trajectory(
+                    task_id=f"grammar-{cfg.seed}-{i}-s",
+                    turns=turns[: cfg.session_turns],
+                    task_kind="session",
+                    **common,
+                )
+            )
     write_jsonl(path, trajs)
     return trajs
 
@@ -171,12 +185,19 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     tdir = out / rundir.TRAJECTORIES
 
     def run_or_read() -> tuple[list, list, list]:
-        train = transcripts(tdir / TRAIN_FILE, p.grammar, p.cases, offset=0,
-                            concurrency=p.concurrency)  # fmt: skip
-        held = transcripts(tdir / EVAL_FILE, p.grammar, p.eval_cases, offset=p.cases,
-                           concurrency=p.concurrency)  # fmt: skip
-        drill = (transcripts(tdir / DRILL_FILE, p.drill, p.drill_cases, offset=0,
-                             concurrency=p.concurrency) if p.drill_cases else [])  # fmt: skip
+        train = transcripts(
+            tdir / TRAIN_FILE, p.grammar, p.cases, offset=0, concurrency=p.concurrency
+        )
+        held = transcripts(
+            tdir / EVAL_FILE, p.grammar, p.eval_cases, offset=p.cases, concurrency=p.concurrency
+        )
+        drill = (
+            transcripts(
+                tdir / DRILL_FILE, p.drill, p.drill_cases, offset=0, concurrency=p.concurrency
+            )
+            if p.drill_cases
+            else []
+        )
         return train, held, drill
 
     # Several processes: process 0 runs the workspaces in bash and writes the transcripts,
@@ -186,8 +207,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     train, held, drill = made or run_or_read()
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim = cfg.env.shell.simulated
-    prompt = dict(system_prompt=sim.system_prompt, show_task=sim.show_task,
-                  context_budget=sim.prompt_budget)  # fmt: skip
+    prompt = dict(
+        system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=sim.prompt_budget
+    )
     built = dict(max_len=p.data.seq_len + 1, cut_targets=p.data.cut_targets)
     examples, stats = sim_sft_examples(train, tok, **built, **prompt)
     drilled, n_drill = "", 0
@@ -198,23 +220,40 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         examples, n_drill = examples + extra, extra_stats.examples
     short = [e for e in examples if len(e["tokens"]) <= p.short_data.seq_len + 1]
     evals, kinds = labelled_sim_examples(
-        [t for t in held if t.task_kind != "session"], lambda t: t.task_kind, tok,
-        max_len=p.data.seq_len + 1, **prompt,
-    )  # fmt: skip
+        [t for t in held if t.task_kind != "session"],
+        lambda t: t.task_kind,
+        tok,
+        max_len=p.data.seq_len + 1,
+        **prompt,
+    )
     # A session's later commands, each after the turns before it: the "session" row.
     later, _ = labelled_sim_examples(
-        [t for t in held if t.task_kind == "session"], lambda t: "session", tok,
-        min_turn=1, max_len=p.data.seq_len + 1, **prompt,
-    )  # fmt: skip
+        [t for t in held if t.task_kind == "session"],
+        lambda t: "session",
+        tok,
+        min_turn=1,
+        max_len=p.data.seq_len + 1,
+        **prompt,
+    )
     evals, kinds = evals + later, kinds + ["session"] * len(later)
     cut = stats.cut_targets + (extra_stats.cut_targets if drill else 0)
-    print(f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples"
-          f"{drilled} ({len(short)} short{f', {cut} cut to fit' if cut else ''}), "
-          f"{stats.target_tokens} target tokens; {len(evals)} held out", flush=True)  # fmt: skip
+    print(
+        f"simloop pretrain-sim: {len(train)} transcripts -> {stats.examples} examples"
+        f"{drilled} ({len(short)} short{f', {cut} cut to fit' if cut else ''}), "
+        f"{stats.target_tokens} target tokens; {len(evals)} held out",
+        flush=True,
+    )
 
-    trainer = build_trainer(cfg.simulator, tok, optim=p.optim, steps=p.steps, loss="sft",
-                            rules=cfg.sharding.rules, seed=cfg.run.seed,
-                            device_ids=trainer_device_ids(cfg, "simulator"))  # fmt: skip
+    trainer = build_trainer(
+        cfg.simulator,
+        tok,
+        optim=p.optim,
+        steps=p.steps,
+        loss="sft",
+        rules=cfg.sharding.rules,
+        seed=cfg.run.seed,
+        device_ids=trainer_device_ids(cfg, "simulator"),
+    )
     stages: list[tuple[int | None, Any]] = []
     if p.short_steps and short:
         stages.append((p.short_steps, packed_dataset(short, p.short_data, pad_id=tok.pad_id)))
@@ -228,20 +267,28 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
     def evaluate(step: int) -> None:
         r = greedy_exact_by_group(trainer, evals, groups, batch_size=rows, pad_id=tok.pad_id)
-        ind = greedy_exact_by_group(trainer, induction, ["induction"] * len(induction),
-                                    batch_size=rows, pad_id=tok.pad_id)  # fmt: skip
+        ind = greedy_exact_by_group(
+            trainer, induction, ["induction"] * len(induction), batch_size=rows, pad_id=tok.pad_id
+        )
         by = r["by_group"]
         textops = [by[k] * r["counts"][k] for k in TEXTOPS_KINDS if k in by]
         n_textops = sum(r["counts"].get(k, 0) for k in TEXTOPS_KINDS)
-        rec = {"stage": "pretrain_sim_eval", "step": step, "exact": r["exact"],
-               "textops": sum(textops) / n_textops if n_textops else float("nan"),
-               "induction": ind["exact"], **{f"exact_{g}": v for g, v in by.items()}}  # fmt: skip
+        rec = {
+            "stage": "pretrain_sim_eval",
+            "step": step,
+            "exact": r["exact"],
+            "textops": sum(textops) / n_textops if n_textops else float("nan"),
+            "induction": ind["exact"],
+            **{f"exact_{g}": v for g, v in by.items()},
+        }
         log.write(rec)
         result.update(rec, counts=r["counts"])
         shown = " ".join(f"{g} {v:.2f}" for g, v in by.items())
-        print(f"simloop pretrain-sim: step {step}: held-out greedy exact {rec['exact']:.3f} "
-              f"(textops {rec['textops']:.3f}; {shown}); induction {rec['induction']:.2f}",
-              flush=True)  # fmt: skip
+        print(
+            f"simloop pretrain-sim: step {step}: held-out greedy exact {rec['exact']:.3f} "
+            f"(textops {rec['textops']:.3f}; {shown}); induction {rec['induction']:.2f}",
+            flush=True,
+        )
 
     seen = {"step": 0}
 
@@ -260,9 +307,17 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             # The training wall of the invocations before this one (as their last record says).
             earlier_wall = float((rundir.read_json(out / RESULT) or {}).get("wall_s") or 0.0)
         seen["step"] = trainer.step_count
-        summary = sft_loop(trainer, batches, steps=p.steps, log=log, stage="pretrain_sim",
-                           log_every=p.log_every, ckpt=ckpt, ckpt_every=p.checkpoint.every_steps,
-                           on_log=on_log)  # fmt: skip
+        summary = sft_loop(
+            trainer,
+            batches,
+            steps=p.steps,
+            log=log,
+            stage="pretrain_sim",
+            log_every=p.log_every,
+            ckpt=ckpt,
+            ckpt_every=p.checkpoint.every_steps,
+            on_log=on_log,
+        )
     if not result:
         evaluate(trainer.step_count)
     path = export_weights(trainer, out, "final", p.checkpoint)
@@ -284,12 +339,15 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         grammar=dataclasses.asdict(p.grammar),
     )
     if p.drill_cases:
-        result.update(drill=dataclasses.asdict(p.drill), drill_cases=p.drill_cases,
-                      drill_examples=n_drill)  # fmt: skip
+        result.update(
+            drill=dataclasses.asdict(p.drill), drill_cases=p.drill_cases, drill_examples=n_drill
+        )
     # The whole learning curve (a resumed run's earlier evaluations included), by step.
-    curve = {r["step"]: {k: v for k, v in r.items() if k != "stage"}
-             for r in rundir.read_metrics(out / rundir.METRICS)
-             if r.get("stage") == "pretrain_sim_eval"}  # fmt: skip
+    curve = {
+        r["step"]: {k: v for k, v in r.items() if k != "stage"}
+        for r in rundir.read_metrics(out / rundir.METRICS)
+        if r.get("stage") == "pretrain_sim_eval"
+    }
     result["curve"] = [curve[k] for k in sorted(curve)]
     earlier = lineage(cfg.simulator.weights)
     if earlier:  # it continued another pretraining: the record says which, and what it cost

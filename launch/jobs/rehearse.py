@@ -74,13 +74,23 @@ WAIT_S = 1500.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout-s", type=float, default=WAIT_S,
-                   help=f"stop the rehearsal after this long (default {WAIT_S:.0f})")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true",
-                   help="print every pod's processes (command, environment), start nothing "
-                        "and write nothing")  # fmt: skip
-    p.add_argument("--format", choices=["text", "json"], default="text",
-                   help="--dry-run output: one process per line, or JSON")  # fmt: skip
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=WAIT_S,
+        help=f"stop the rehearsal after this long (default {WAIT_S:.0f})",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every pod's processes (command, environment), start nothing and write nothing",
+    )
+    p.add_argument(
+        "--format",
+        choices=["text", "json"],
+        default="text",
+        help="--dry-run output: one process per line, or JSON",
+    )
 
 
 def _target(config_path: str | None) -> str:
@@ -140,8 +150,9 @@ def _free_base(n: int) -> int:
     raise JobError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
-def rehearsal_config(cfg: SimloopConfig, out: Path, target: str, *,
-                     write: bool = True) -> tuple[SimloopConfig, Path]:  # fmt: skip
+def rehearsal_config(
+    cfg: SimloopConfig, out: Path, target: str, *, write: bool = True
+) -> tuple[SimloopConfig, Path]:
     """The config as rehearsed (see the module docstring), written where the pods read it
     (`out/fs/config/config.yaml`) unless `write` is false; returns it, read back from that
     text, and its path."""
@@ -154,9 +165,14 @@ def rehearsal_config(cfg: SimloopConfig, out: Path, target: str, *,
 
     models = out / "models"
     for role in ("agent", "simulator"):
-        rcfg = dataclasses.replace(getattr(cfg, role), model=tiny(), weights=None,
-                                   hf_path=str(models / role), tokenizer=TokenizerConfig(),
-                                   server_url=None)  # fmt: skip
+        rcfg = dataclasses.replace(
+            getattr(cfg, role),
+            model=tiny(),
+            weights=None,
+            hf_path=str(models / role),
+            tokenizer=TokenizerConfig(),
+            server_url=None,
+        )
         cfg = dataclasses.replace(cfg, **{role: rcfg})
     for key, value in OVERRIDES.items():
         cfg = _set(cfg, key, value)
@@ -208,14 +224,23 @@ def _trajectories(cfg: SimloopConfig) -> None:
             continue
         tasks, _ = agent_tasks(cfg)
         renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
-        demos = asyncio.run(collect_demos(WarmStartConfig(num_demos=DEMOS), cfg.orchestrator,
-                                          cfg.env.terminal, renderer, job_backends(cfg), tasks,
-                                          seed=cfg.run.seed))  # fmt: skip
+        demos = asyncio.run(
+            collect_demos(
+                WarmStartConfig(num_demos=DEMOS),
+                cfg.orchestrator,
+                cfg.env.terminal,
+                renderer,
+                job_backends(cfg),
+                tasks,
+                seed=cfg.run.seed,
+            )
+        )
         file = p if p.suffix == ".jsonl" else p / "rehearsal.jsonl"
         file.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(file, demos)
-        print(f"simloop rehearse: {len(demos)} scripted episodes in real bash -> {file}",
-              flush=True)  # fmt: skip
+        print(
+            f"simloop rehearse: {len(demos)} scripted episodes in real bash -> {file}", flush=True
+        )
 
 
 def layout(cfg: SimloopConfig, config_path: Path, work: Path) -> dict[str, Any]:
@@ -232,8 +257,9 @@ def layout(cfg: SimloopConfig, config_path: Path, work: Path) -> dict[str, Any]:
     for host in lay["hosts"]:
         for proc in host["processes"]:
             devices = f"{DEVICE_COUNT_FLAG}={len(proc['chips'])}"
-            proc["env"].update({"XLA_FLAGS": devices, "JAX_PLATFORMS": "cpu",
-                                "SIMLOOP_CONFIG": str(config_path)})  # fmt: skip
+            proc["env"].update(
+                {"XLA_FLAGS": devices, "JAX_PLATFORMS": "cpu", "SIMLOOP_CONFIG": str(config_path)}
+            )
     return lay
 
 
@@ -247,15 +273,19 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if not args.out:
         raise UsageError("--out DIR is required")
     if not _accelerator(cfg).is_tpu:
-        raise UsageError(f"chips.accelerator={cfg.chips.accelerator!r}: rehearse takes a TPU "
-                         "config (configs/v6e-8.yaml, v6e-32.yaml, gke-v6e-8.yaml, "
-                         "gke-v6e-32.yaml); cpu-N plans already run here")  # fmt: skip
+        raise UsageError(
+            f"chips.accelerator={cfg.chips.accelerator!r}: rehearse takes a TPU "
+            "config (configs/v6e-8.yaml, v6e-32.yaml, gke-v6e-8.yaml, "
+            "gke-v6e-32.yaml); cpu-N plans already run here"
+        )
     out = Path(args.out).absolute()
     target = _target(args.config)
     command = list((cfg.gke.command if target == "gke" else cfg.tpu_vm.command) or [])
     if not command:
-        raise UsageError(f"{target}: the config names no trainer command "
-                         f"({'gke' if target == 'gke' else 'tpu_vm'}.command)")  # fmt: skip
+        raise UsageError(
+            f"{target}: the config names no trainer command "
+            f"({'gke' if target == 'gke' else 'tpu_vm'}.command)"
+        )
     command = [_rebase(w, _pod_prefixes(cfg, target), out / "fs") for w in command]
     work = out / "work"
     if getattr(args, "dry_run", False):
@@ -278,8 +308,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         return code
     summary = _check(out)
     (out / "rehearse.json").write_text(json.dumps(summary, indent=1))
-    print(f"simloop rehearse: {args.config} ({target}, {len(lay['hosts'])} hosts) exited 0 in "
-          f"{time.monotonic() - began:.0f} s: {json.dumps(summary)}", flush=True)  # fmt: skip
+    print(
+        f"simloop rehearse: {args.config} ({target}, {len(lay['hosts'])} hosts) exited 0 in "
+        f"{time.monotonic() - began:.0f} s: {json.dumps(summary)}",
+        flush=True,
+    )
     return 0
 
 
@@ -293,12 +326,25 @@ def _dry_run(lay: dict, plan_path: Path, command: list[str], fmt: str) -> str:
     coordinator, command, environment)."""
     pods = []
     for h in lay["hosts"]:
-        procs = [{"role": p["role"], "kind": p["kind"], "rank": p["rank"],
-                  "coordinator": p["coordinator"], "chips": p["chips"],
-                  "command": list(p.get("command") or command), "env": p["env"]}
-                 for p in h["processes"]]  # fmt: skip
-        pods.append({"host": h["index"], "pod": _pod_argv(plan_path, h["index"], command),
-                     "processes": procs})  # fmt: skip
+        procs = [
+            {
+                "role": p["role"],
+                "kind": p["kind"],
+                "rank": p["rank"],
+                "coordinator": p["coordinator"],
+                "chips": p["chips"],
+                "command": list(p.get("command") or command),
+                "env": p["env"],
+            }
+            for p in h["processes"]
+        ]
+        pods.append(
+            {
+                "host": h["index"],
+                "pod": _pod_argv(plan_path, h["index"], command),
+                "processes": procs,
+            }
+        )
     if fmt == "json":
         return json.dumps({"pods": pods}, indent=1)
     lines = []
@@ -306,48 +352,68 @@ def _dry_run(lay: dict, plan_path: Path, command: list[str], fmt: str) -> str:
         lines.append(f"pod {pod['host']}: {' '.join(pod['pod'])}")
         for p in pod["processes"]:
             job = f" process {p['rank']} coordinator {p['coordinator']}" if p["coordinator"] else ""
-            lines.append(f"  {p['role']} [{p['kind']}] chips {p['chips']}{job}: "
-                         + " ".join(f"{k}={v}" for k, v in sorted(p["env"].items()))
-                         + " " + " ".join(p["command"]))  # fmt: skip
+            lines.append(
+                f"  {p['role']} [{p['kind']}] chips {p['chips']}{job}: "
+                + " ".join(f"{k}={v}" for k, v in sorted(p["env"].items()))
+                + " "
+                + " ".join(p["command"])
+            )
     return "\n".join(lines)
 
 
-def _run_pods(lay: dict, plan_path: Path, command: list[str], out: Path, work: Path,
-              timeout_s: float) -> int:  # fmt: skip
+def _run_pods(
+    lay: dict, plan_path: Path, command: list[str], out: Path, work: Path, timeout_s: float
+) -> int:
     logs = out / "pods"
     logs.mkdir(exist_ok=True)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path}
-    for k in ("XLA_FLAGS", "SIMLOOP_COORDINATOR", "SIMLOOP_NUM_PROCESSES", "SIMLOOP_PROCESS_ID",
-              "SIMLOOP_SERVER_URLS"):  # fmt: skip
+    for k in (
+        "XLA_FLAGS",
+        "SIMLOOP_COORDINATOR",
+        "SIMLOOP_NUM_PROCESSES",
+        "SIMLOOP_PROCESS_ID",
+        "SIMLOOP_SERVER_URLS",
+    ):
         env.pop(k, None)
-    trainers = {h["index"] for h in lay["hosts"] if any(p["kind"] != "serve"
-                                                          for p in h["processes"])}  # fmt: skip
+    trainers = {
+        h["index"] for h in lay["hosts"] if any(p["kind"] != "serve" for p in h["processes"])
+    }
     pods: dict[int, subprocess.Popen] = {}
     files = []
-    print(f"simloop rehearse: {len(lay['hosts'])} pods (logs: {logs}/host-<i>.log), trainers "
-          f"on hosts {sorted(trainers)}", flush=True)  # fmt: skip
+    print(
+        f"simloop rehearse: {len(lay['hosts'])} pods (logs: {logs}/host-<i>.log), trainers "
+        f"on hosts {sorted(trainers)}",
+        flush=True,
+    )
     try:
         for h in lay["hosts"]:
             i = h["index"]
             f = open(logs / f"host-{i}.log", "wb")  # noqa: SIM115 (closed below)
             files.append(f)
             argv = _pod_argv(plan_path, i, command)
-            pods[i] = subprocess.Popen(argv, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # fmt: skip
+            pods[i] = subprocess.Popen(
+                argv, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             failed = [(i, p.returncode) for i, p in pods.items() if p.poll() not in (None, 0)]
             if failed:
                 i, rc = failed[0]
-                print(f"simloop rehearse: host {i} failed (exit {rc}); its log: "
-                      f"{logs}/host-{i}.log", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"simloop rehearse: host {i} failed (exit {rc}); its log: {logs}/host-{i}.log",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             if all(pods[i].poll() == 0 for i in trainers):
                 return 0
             if time.monotonic() > deadline:
-                print(f"simloop rehearse: not done after {timeout_s:.0f} s; stopped (logs: "
-                      f"{logs})", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"simloop rehearse: not done after {timeout_s:.0f} s; stopped (logs: {logs})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             time.sleep(0.5)
     finally:
@@ -375,13 +441,20 @@ def _check(out: Path) -> dict[str, Any]:
             r = json.loads(line)
             if "step" in r and "event" not in r and r.get("stage"):
                 steps[r["stage"]] = max(steps.get(r["stage"], 0), int(r["step"]))
-        episodes = sum(len(p.read_text().splitlines())
-                       for p in (run / "trajectories").glob("rl-*.jsonl"))  # fmt: skip
+        episodes = sum(
+            len(p.read_text().splitlines()) for p in (run / "trajectories").glob("rl-*.jsonl")
+        )
         versions = sorted(p.name for p in (run / "weights").glob("v[0-9]*"))
-        found[str(run.relative_to(out))] = {"steps": steps, "rl_episodes": episodes,
-                                            "published": versions}  # fmt: skip
-    if not any(v["steps"].get("rl") and v["rl_episodes"] and v["published"]
-               for v in found.values()):  # fmt: skip
-        raise JobError(f"the pods exited 0 but no run directory under {out} holds RL steps, "
-                       f"episodes and published weights: {json.dumps(found)}")  # fmt: skip
+        found[str(run.relative_to(out))] = {
+            "steps": steps,
+            "rl_episodes": episodes,
+            "published": versions,
+        }
+    if not any(
+        v["steps"].get("rl") and v["rl_episodes"] and v["published"] for v in found.values()
+    ):
+        raise JobError(
+            f"the pods exited 0 but no run directory under {out} holds RL steps, "
+            f"episodes and published weights: {json.dumps(found)}"
+        )
     return found

@@ -29,8 +29,12 @@ from rl.data import rundir
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", metavar="FILE", help="tasks JSONL (default: the textops family)")
-    p.add_argument("--replay", nargs="+", metavar="PATH",
-                   help="recorded trajectories (JSONL files or folders), replay arm")  # fmt: skip
+    p.add_argument(
+        "--replay",
+        nargs="+",
+        metavar="PATH",
+        help="recorded trajectories (JSONL files or folders), replay arm",
+    )
 
 
 def _needs(arm: str) -> tuple[bool, bool]:
@@ -41,9 +45,11 @@ def _needs(arm: str) -> tuple[bool, bool]:
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     arm = cfg.orchestrator.arm
     if arm == "gated":
-        raise UsageError("orchestrator.arm=gated routes an RL run's episodes by the simulator's "
-                         "live fidelity: use `simloop train-agent`; rollout takes real, "
-                         "closed_loop, mixed or replay")  # fmt: skip
+        raise UsageError(
+            "orchestrator.arm=gated routes an RL run's episodes by the simulator's "
+            "live fidelity: use `simloop train-agent`; rollout takes real, "
+            "closed_loop, mixed or replay"
+        )
     need_agent, need_sim = _needs(arm)
     roles = [r for r, needed in (("agent", need_agent), ("simulator", need_sim)) if needed]
     if getattr(args, "dry_run", False):
@@ -56,9 +62,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     check_servers(cfg, roles)
     write_config(cfg, out)
     summary = asyncio.run(_rollout(cfg, out, args))
-    print(f"simloop rollout: {summary['episodes']} episodes {summary['status']} "
-          f"success {summary['success_rate']:.2f}, {summary['tokens_per_s']:.0f} tok/s -> "
-          f"{out / rundir.TRAJECTORIES}")  # fmt: skip
+    print(
+        f"simloop rollout: {summary['episodes']} episodes {summary['status']} "
+        f"success {summary['success_rate']:.2f}, {summary['tokens_per_s']:.0f} tok/s -> "
+        f"{out / rundir.TRAJECTORIES}"
+    )
     return 0 if summary["episodes"] else 1
 
 
@@ -86,8 +94,12 @@ async def _rollout(cfg: SimloopConfig, out: Path, args) -> dict:
         replay = load_trajectories(args.replay) if args.replay else None
         total = len(replay) if replay is not None else len(tasks) * ocfg.group_size
         writer = TrajectoryWriter(out)
-        columns = [TextColumn("[bold]rollout[/] {task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]  # fmt: skip
+        columns = [
+            TextColumn("[bold]rollout[/] {task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns) as progress:
             bar = progress.add_task(ocfg.arm, total=total)
 
@@ -99,8 +111,14 @@ async def _rollout(cfg: SimloopConfig, out: Path, args) -> dict:
                 text = f"{ocfg.arm} ({statuses}) active={m.active} tok/s={rate:.0f}"
                 progress.update(bar, advance=1, description=text)
 
-            runner = RolloutRunner(ocfg, cfg.env.terminal, agent_renderer, backends,
-                                   client=clients.get("agent"), sinks=(sink,))  # fmt: skip
+            runner = RolloutRunner(
+                ocfg,
+                cfg.env.terminal,
+                agent_renderer,
+                backends,
+                client=clients.get("agent"),
+                sinks=(sink,),
+            )
             try:
                 await runner.run(tasks, replay=replay)
             finally:

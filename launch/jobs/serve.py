@@ -57,13 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-cap", type=int, help="clamp every request's max_tokens")
     p.add_argument("--num-slots", type=int, help="sequences decoded together")
     p.add_argument("--max-seq-len", type=int, help="context per sequence")
-    p.add_argument("--speculate", type=int, metavar="K",
-                   help="guess up to K tokens a call by prompt lookup and verify them (the "
-                        "same tokens, fewer device calls where outputs copy their context; "
-                        "0: off)")  # fmt: skip
-    p.add_argument("--dtype", choices=["float32", "bfloat16"],
-                   help="weights and compute (default: the checkpoint's or the config's; on "
-                        "CPU float32 decodes faster, see rl.model.with_dtype)")  # fmt: skip
+    p.add_argument(
+        "--speculate",
+        type=int,
+        metavar="K",
+        help="guess up to K tokens a call by prompt lookup and verify them (the "
+        "same tokens, fewer device calls where outputs copy their context; "
+        "0: off)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="weights and compute (default: the checkpoint's or the config's; on "
+        "CPU float32 decodes faster, see rl.model.with_dtype)",
+    )
 
 
 def flag_overrides(args: argparse.Namespace) -> list[str]:
@@ -139,8 +146,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
         server_cfg = dataclasses.replace(server_cfg, model_name=name)
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        print(f"simloop serve: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-              f"{model.cfg.vocab_size} embeddings", file=sys.stderr)  # fmt: skip
+        print(
+            f"simloop serve: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+            f"{model.cfg.vocab_size} embeddings",
+            file=sys.stderr,
+        )
         return 2
     engine = Engine(model, tokenizer, cfg.serve.engine)
 
@@ -149,10 +159,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     devices = jax.devices()
 
     def ready(port: int) -> None:
-        print(f"simloop serve: listening on http://{server_cfg.host}:{port} "
-              f"(model {server_cfg.model_name!r}, {model.cfg.num_params() / 1e6:.1f}M params, "
-              f"{cfg.serve.engine.num_slots} slots, {len(devices)} {devices[0].platform} "
-              f"device(s))", flush=True)  # fmt: skip
+        print(
+            f"simloop serve: listening on http://{server_cfg.host}:{port} "
+            f"(model {server_cfg.model_name!r}, {model.cfg.num_params() / 1e6:.1f}M params, "
+            f"{cfg.serve.engine.num_slots} slots, {len(devices)} {devices[0].platform} "
+            f"device(s))",
+            flush=True,
+        )
 
     try:
         asyncio.run(run_server(engine, tokenizer, server_cfg, ready=ready))
@@ -162,8 +175,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     st = engine.stats
     spec = ""
     if cfg.serve.engine.speculate:
-        spec = (f"; {st['spec_steps']} verify calls kept {st['spec_kept']} of "
-                f"{st['spec_guessed']} guessed tokens")  # fmt: skip
-    print(f"simloop serve: stopped ({st['requests']} requests, {st['generated_tokens']} tokens "
-          f"generated in {st['steps']} device steps{spec})", flush=True)  # fmt: skip
+        spec = (
+            f"; {st['spec_steps']} verify calls kept {st['spec_kept']} of "
+            f"{st['spec_guessed']} guessed tokens"
+        )
+    print(
+        f"simloop serve: stopped ({st['requests']} requests, {st['generated_tokens']} tokens "
+        f"generated in {st['steps']} device steps{spec})",
+        flush=True,
+    )
     return 0

@@ -86,8 +86,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             "new weights can be published to it"
         )
     if cfg.train_agent.tasks == "swe" and ocfg.arm == "gated":
-        raise UsageError("train_agent.tasks=swe runs harnesses in real sandboxes: there is no "
-                         "simulator to gate; use orchestrator.arm real")  # fmt: skip
+        raise UsageError(
+            "train_agent.tasks=swe runs harnesses in real sandboxes: there is no "
+            "simulator to gate; use orchestrator.arm real"
+        )
     if cfg.train_agent.tasks == "swe":
         cfg = _swe_config(cfg)
     check_servers(cfg, _roles(cfg))
@@ -117,8 +119,9 @@ def _swe_config(cfg: SimloopConfig) -> SimloopConfig:
             "train_agent.warm_start.trajectories"
         )
     if cfg.orchestrator.max_staleness != 0:
-        raise UsageError("train_agent.tasks=swe runs synchronous RL: set "
-                         "--orchestrator.max_staleness 0")  # fmt: skip
+        raise UsageError(
+            "train_agent.tasks=swe runs synchronous RL: set --orchestrator.max_staleness 0"
+        )
     return harness_shell(cfg)
 
 
@@ -132,8 +135,9 @@ def _trainer(cfg: SimloopConfig, role: str, tok, **kwargs):
     ids = trainer_device_ids(cfg, role)
     what = "the agent trainer" if role == "agent" else "the simulator co-trainer"
     check_trainer_memory(role_model(rcfg), ids, what)
-    return build_trainer(rcfg, tok, rules=cfg.sharding.rules, seed=cfg.run.seed,
-                         device_ids=ids, **kwargs)  # fmt: skip
+    return build_trainer(
+        rcfg, tok, rules=cfg.sharding.rules, seed=cfg.run.seed, device_ids=ids, **kwargs
+    )
 
 
 def _servers(cfg: SimloopConfig, out: Path):
@@ -154,7 +158,7 @@ def _servers(cfg: SimloopConfig, out: Path):
             clients = await stack.enter_async_context(
                 role_clients(
                     cfg, out, roles, who="train-agent", admin_token=token, admin_roles=publishing
-                )  # fmt: skip
+                )
             )
             opened: list[VllmPublisher] = []
             stack.push_async_callback(lambda: asyncio.gather(*(p.close() for p in opened)))
@@ -170,8 +174,7 @@ def _servers(cfg: SimloopConfig, out: Path):
                     return PoolPublisher(clients[role], lambda r: one([r.url], [r.client]))
                 return one(clients.urls[role], clients.replicas[role])
 
-            yield Servers(clients, publisher,
-                          tag_versions=cfg.serve.backend_of("agent") == "vllm")  # fmt: skip
+            yield Servers(clients, publisher, tag_versions=cfg.serve.backend_of("agent") == "vllm")
 
     return servers
 
@@ -200,15 +203,24 @@ def session(cfg: SimloopConfig, out: Path):
             return _trainer(cfg, "simulator", sim_tok, optim=optim, steps=steps, loss="sft")
 
         cotrain = SimCoTraining(cfg.train_sim, cfg.env.shell.simulated, sim_tok, sim_trainer)
-    harness = HarnessSetup(cfg.harness, lambda agent, written: running_middleware(
-        cfg, out, agent, on_written=written))  # fmt: skip
+    harness = HarnessSetup(
+        cfg.harness, lambda agent, written: running_middleware(cfg, out, agent, on_written=written)
+    )
     return RLSession(
-        out, cfg.train_agent, cfg.orchestrator, cfg.env.terminal, cfg.run.seed,
-        renderer=ChatRenderer(tok), tasks=tasks, eval_tasks=eval_tasks,
+        out,
+        cfg.train_agent,
+        cfg.orchestrator,
+        cfg.env.terminal,
+        cfg.run.seed,
+        renderer=ChatRenderer(tok),
+        tasks=tasks,
+        eval_tasks=eval_tasks,
         trainer=lambda **kw: _trainer(cfg, "agent", tok, **kw),
         backends=lambda sim_client: job_backends(cfg, sim_client),
-        servers=_servers(cfg, out), cotrain=cotrain, harness=harness,
-    )  # fmt: skip
+        servers=_servers(cfg, out),
+        cotrain=cotrain,
+        harness=harness,
+    )
 
 
 async def train_agent(cfg: SimloopConfig, out: Path) -> dict[str, Any]:

@@ -62,13 +62,23 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     tok = load_tokenizer(cfg.simulator.tokenizer)
     sim_shell = cfg.env.shell.simulated  # the prompt the simulated shell will ask with
     # The prompts the simulated shell will send: over its context, whole oldest turns go.
-    prompt = dict(system_prompt=sim_shell.system_prompt, show_task=sim_shell.show_task,
-                  context_budget=sim_shell.prompt_budget)  # fmt: skip
-    ds, stats = sim_sft_dataset(weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data,
-                                **prompt)  # fmt: skip
+    prompt = dict(
+        system_prompt=sim_shell.system_prompt,
+        show_task=sim_shell.show_task,
+        context_budget=sim_shell.prompt_budget,
+    )
+    ds, stats = sim_sft_dataset(
+        weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data, **prompt
+    )
     log = rundir.MetricsLog(out)
-    log.write({"stage": "train_sim_data", "trajectories": len(train),
-               "heldout_tasks": len(heldout), **stats.to_dict()})  # fmt: skip
+    log.write(
+        {
+            "stage": "train_sim_data",
+            "trajectories": len(train),
+            "heldout_tasks": len(heldout),
+            **stats.to_dict(),
+        }
+    )
     notes = f" ({stats.cut_targets} observations cut to fit)" if stats.cut_targets else ""
     if tcfg.kind_weights:
         notes += " with " + ", ".join(f"{k} x{v}" for k, v in sorted(tcfg.kind_weights.items()))
@@ -93,8 +103,9 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     on_log = None
     if tcfg.eval_every:
         held = set(heldout)
-        on_log = heldout_curve(trainer, [t for t in trajs if t.task_id in held], tok, tcfg,
-                               prompt, log)  # fmt: skip
+        on_log = heldout_curve(
+            trainer, [t for t in trajs if t.task_id in held], tok, tcfg, prompt, log
+        )
     with Checkpointer(out / rundir.CHECKPOINTS, tcfg.checkpoint) as ckpt:
         if resume(trainer, ckpt, batches) is not None:
             print(f"simloop train-sim: resuming at step {trainer.step_count}", flush=True)
@@ -113,8 +124,10 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     last = summary["last"]
     loss = f"loss {last['loss']:.4f}" if last.get("loss") is not None else "no loss logged"
     if summary["started_at_step"] >= tcfg.steps:
-        print(f"simloop train-sim: already at step {summary['steps']} of {tcfg.steps}, nothing "
-              f"to train (last {loss}) -> {path}")  # fmt: skip
+        print(
+            f"simloop train-sim: already at step {summary['steps']} of {tcfg.steps}, nothing "
+            f"to train (last {loss}) -> {path}"
+        )
         return 0
     print(
         f"simloop train-sim: step {summary['steps']} {loss} "
@@ -138,9 +151,12 @@ def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):
     from rl.train.loop import greedy_exact_by_group
 
     examples, kinds = labelled_sim_examples(
-        trajs, lambda t: t.task_kind or "all", tok,
-        max_len=tcfg.data.seq_len + 1, **prompt,
-    )  # fmt: skip
+        trajs,
+        lambda t: t.task_kind or "all",
+        tok,
+        max_len=tcfg.data.seq_len + 1,
+        **prompt,
+    )
     if not examples:
         return None
 
@@ -148,12 +164,22 @@ def heldout_curve(trainer, trajs: list, tok, tcfg, prompt: dict, log):
         step = int(last["step"])
         if step % tcfg.eval_every and step != tcfg.steps:
             return
-        r = greedy_exact_by_group(trainer, examples, kinds, batch_size=tcfg.data.batch_size,
-                                  pad_id=tok.pad_id)  # fmt: skip
-        log.write({"stage": "sim_sft_eval", "step": step, "exact": r["exact"],
-                   **{f"exact_{k}": v for k, v in r["by_group"].items()}})  # fmt: skip
+        r = greedy_exact_by_group(
+            trainer, examples, kinds, batch_size=tcfg.data.batch_size, pad_id=tok.pad_id
+        )
+        log.write(
+            {
+                "stage": "sim_sft_eval",
+                "step": step,
+                "exact": r["exact"],
+                **{f"exact_{k}": v for k, v in r["by_group"].items()},
+            }
+        )
         kinds_text = " ".join(f"{k} {v:.2f}" for k, v in r["by_group"].items())
-        print(f"simloop train-sim: step {step}: held-out greedy exact {r['exact']:.3f} "
-              f"({kinds_text})", flush=True)  # fmt: skip
+        print(
+            f"simloop train-sim: step {step}: held-out greedy exact {r['exact']:.3f} "
+            f"({kinds_text})",
+            flush=True,
+        )
 
     return on_log

@@ -33,10 +33,11 @@ def line_chart(
     pts = [p for s in series.values() for p in s if p[1] is not None]
     left, right, top, bottom = 56, 12, 28, 36
     w, h = width - left - right, height - top - bottom
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{esc(title)}" class="chart">',
-             f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">'
-             f"{esc(title)}</text>"]  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'role="img" aria-label="{esc(title)}" class="chart">',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">{esc(title)}</text>',
+    ]
     if not pts:
         parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no data</text>')
         return "".join(parts) + "</svg>"
@@ -56,14 +57,18 @@ def line_chart(
 
     parts.append(f'<rect x="{left}" y="{top}" width="{w}" height="{h}" class="frame"/>')
     for y in (y0, (y0 + y1) / 2, y1):
-        parts.append(f'<line x1="{left}" x2="{left + w}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                     f'class="grid"/><text x="{left - 4}" y="{sy(y) + 4:.1f}" '
-                     f'text-anchor="end">{_nice(y)}</text>')  # fmt: skip
+        parts.append(
+            f'<line x1="{left}" x2="{left + w}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+            f'class="grid"/><text x="{left - 4}" y="{sy(y) + 4:.1f}" '
+            f'text-anchor="end">{_nice(y)}</text>'
+        )
     for x in (x0, x1):
-        parts.append(f'<text x="{sx(x):.1f}" y="{top + h + 14}" text-anchor="middle">'
-                     f"{_nice(x)}</text>")  # fmt: skip
-    parts.append(f'<text x="{left + w / 2}" y="{height - 4}" text-anchor="middle">'
-                 f"{esc(xlabel)}</text>")  # fmt: skip
+        parts.append(
+            f'<text x="{sx(x):.1f}" y="{top + h + 14}" text-anchor="middle">{_nice(x)}</text>'
+        )
+    parts.append(
+        f'<text x="{left + w / 2}" y="{height - 4}" text-anchor="middle">{esc(xlabel)}</text>'
+    )
     for i, (name, s) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
         s = [(x, y) for x, y in s if y is not None]
@@ -74,31 +79,43 @@ def line_chart(
         )
         parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.8"/>')
         if len(s) <= 40:
-            parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}"/>'
-                      for x, y in s]  # fmt: skip
+            parts += [
+                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}"/>' for x, y in s
+            ]
         ly = top + 12 + 14 * i
-        parts.append(f'<rect x="{left + 8}" y="{ly - 8}" width="10" height="3" fill="{color}"/>'
-                     f'<text x="{left + 22}" y="{ly - 3}">{esc(name)}</text>')  # fmt: skip
+        parts.append(
+            f'<rect x="{left + 8}" y="{ly - 8}" width="10" height="3" fill="{color}"/>'
+            f'<text x="{left + 22}" y="{ly - 3}">{esc(name)}</text>'
+        )
     return "".join(parts) + "</svg>"
 
 
-def bar_chart(title: str, groups: dict[str, dict[str, float | None]], *, width: int = 460,
-              height: int = 240,
-              intervals: dict[str, dict[str, Sequence[float]]] | None = None) -> str:  # fmt: skip
+def bar_chart(
+    title: str,
+    groups: dict[str, dict[str, float | None]],
+    *,
+    width: int = 460,
+    height: int = 240,
+    intervals: dict[str, dict[str, Sequence[float]]] | None = None,
+) -> str:
     """Grouped bars in [0, 1] (e.g. success by arm, before and after): {group: {bar: value}};
     `intervals` ({group: {bar: [low, high]}}) draws an error bar on a bar (a 95% interval)."""
     esc = html.escape
     left, top, bottom = 40, 28, 40
     w, h = width - left - 12, height - top - bottom
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'role="img" aria-label="{esc(title)}" class="chart">',
-             f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">{esc(title)}</text>',
-             f'<rect x="{left}" y="{top}" width="{w}" height="{h}" class="frame"/>']  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'role="img" aria-label="{esc(title)}" class="chart">',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" class="ct">{esc(title)}</text>',
+        f'<rect x="{left}" y="{top}" width="{w}" height="{h}" class="frame"/>',
+    ]
     for y in (0.0, 0.5, 1.0):
         yy = top + h - y * h
-        parts.append(f'<line x1="{left}" x2="{left + w}" y1="{yy}" y2="{yy}" class="grid"/>'
-                     f'<text x="{left - 4}" y="{yy + 4}" text-anchor="end">'
-                     f"{y:g}</text>")  # fmt: skip
+        parts.append(
+            f'<line x1="{left}" x2="{left + w}" y1="{yy}" y2="{yy}" class="grid"/>'
+            f'<text x="{left - 4}" y="{yy + 4}" text-anchor="end">'
+            f"{y:g}</text>"
+        )
     names = list(groups)
     bars = sorted({b for g in groups.values() for b in g}, key=lambda b: (b != "before", b))
     gw = w / max(len(names), 1)
@@ -111,20 +128,28 @@ def bar_chart(title: str, groups: dict[str, dict[str, float | None]], *, width: 
                 continue
             bh = max(0.0, min(1.0, v)) * h
             x = gx + bi * bw
-            parts.append(f'<rect x="{x:.1f}" y="{top + h - bh:.1f}" width="{bw - 2:.1f}" '
-                         f'height="{bh:.1f}" fill="{PALETTE[bi % len(PALETTE)]}"/>'
-                         f'<text x="{x + bw / 2 - 1:.1f}" y="{top + h - bh - 3:.1f}" '
-                         f'text-anchor="middle" class="small">{v:.2f}</text>')  # fmt: skip
+            parts.append(
+                f'<rect x="{x:.1f}" y="{top + h - bh:.1f}" width="{bw - 2:.1f}" '
+                f'height="{bh:.1f}" fill="{PALETTE[bi % len(PALETTE)]}"/>'
+                f'<text x="{x + bw / 2 - 1:.1f}" y="{top + h - bh - 3:.1f}" '
+                f'text-anchor="middle" class="small">{v:.2f}</text>'
+            )
             ci = (intervals or {}).get(name, {}).get(bar)
             if ci:
                 lo, hi = (top + h - max(0.0, min(1.0, c)) * h for c in ci)
                 cx = x + bw / 2 - 1
-                parts.append(f'<path d="M{cx:.1f} {lo:.1f}V{hi:.1f}M{cx - 4:.1f} {lo:.1f}'
-                             f'h8M{cx - 4:.1f} {hi:.1f}h8" class="ci"/>')  # fmt: skip
-        parts.append(f'<text x="{left + gi * gw + gw / 2:.1f}" y="{top + h + 14}" '
-                     f'text-anchor="middle">{esc(name)}</text>')  # fmt: skip
+                parts.append(
+                    f'<path d="M{cx:.1f} {lo:.1f}V{hi:.1f}M{cx - 4:.1f} {lo:.1f}'
+                    f'h8M{cx - 4:.1f} {hi:.1f}h8" class="ci"/>'
+                )
+        parts.append(
+            f'<text x="{left + gi * gw + gw / 2:.1f}" y="{top + h + 14}" '
+            f'text-anchor="middle">{esc(name)}</text>'
+        )
     for bi, bar in enumerate(bars):
-        parts.append(f'<rect x="{left + 8 + 90 * bi}" y="{height - 12}" width="10" height="8" '
-                     f'fill="{PALETTE[bi % len(PALETTE)]}"/><text x="{left + 22 + 90 * bi}" '
-                     f'y="{height - 4}">{esc(bar)}</text>')  # fmt: skip
+        parts.append(
+            f'<rect x="{left + 8 + 90 * bi}" y="{height - 12}" width="10" height="8" '
+            f'fill="{PALETTE[bi % len(PALETTE)]}"/><text x="{left + 22 + 90 * bi}" '
+            f'y="{height - 4}">{esc(bar)}</text>'
+        )
     return "".join(parts) + "</svg>"

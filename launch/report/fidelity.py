@@ -28,20 +28,34 @@ def fidelity_section(fid: dict | None) -> str:
                     p.get("length_ratio_geomean"),
                 ]
             ],
-        ),  # fmt: skip
+        ),
         "<h3>Hygiene (rates)</h3>",
     ]
     names = ["cap_hit", "think_leak", "repetition", "empty", "malformed"]
-    out.append(table([""] + [n.replace("_", " ") for n in names],
-                      [["simulated"] + [h.get(n) for n in names],
-                       ["real"] + [r.get(n) for n in names]]))  # fmt: skip
-    for key, title, first in (("by_kind", "By operation (the replayed task's)", "operation"),
-                              ("by_context", "By context length (prompt tokens)", "prompt tokens"),
-                              ("by_depth", "By depth (turns before the command)", "turns"),
-                              ("by_command", "By command", "command")):  # fmt: skip
+    out.append(
+        table(
+            [""] + [n.replace("_", " ") for n in names],
+            [["simulated"] + [h.get(n) for n in names], ["real"] + [r.get(n) for n in names]],
+        )
+    )
+    for key, title, first in (
+        ("by_kind", "By operation (the replayed task's)", "operation"),
+        ("by_context", "By context length (prompt tokens)", "prompt tokens"),
+        ("by_depth", "By depth (turns before the command)", "turns"),
+        ("by_command", "By command", "command"),
+    ):
         out.append(f"<h3>{title}</h3>")
-        rows = [[k, v.get("count"), v.get("exact_masked"), v.get("exit_code_agreement"),
-                 v.get("similarity")] for k, v in fid.get(key, {}).items()]  # fmt: skip
-        out.append(table([first, "observations", "exact (masked)", "return code", "similarity"],
-                          rows))  # fmt: skip
+        rows = [
+            [
+                k,
+                v.get("count"),
+                v.get("exact_masked"),
+                v.get("exit_code_agreement"),
+                v.get("similarity"),
+            ]
+            for k, v in fid.get(key, {}).items()
+        ]
+        out.append(
+            table([first, "observations", "exact (masked)", "return code", "similarity"], rows)
+        )
     return "".join(out)

@@ -32,9 +32,17 @@ def gating_body(run_dir: Path, summary: dict) -> list[str]:
     for arm in ARMS:
         diff = None if arm == "real_only" else g[f"{arm}_minus_real_only"]
         dci = None if arm == "real_only" else ci[f"{arm}_minus_real_only"]
-        rows.append([arm, g[arm]["real"], f"[{ci[arm][0]:.3f}, {ci[arm][1]:.3f}]",
-                     diff, "" if dci is None else f"[{dci[0]:+.3f}, {dci[1]:+.3f}]",
-                     g[arm]["real_episodes"], g[arm]["episodes"]])  # fmt: skip
+        rows.append(
+            [
+                arm,
+                g[arm]["real"],
+                f"[{ci[arm][0]:.3f}, {ci[arm][1]:.3f}]",
+                diff,
+                "" if dci is None else f"[{dci[0]:+.3f}, {dci[1]:+.3f}]",
+                g[arm]["real_episodes"],
+                g[arm]["episodes"],
+            ]
+        )
     share = g["gated"].get("sim_share_by_family") or {}
     acc = g.get("acceptance") or {}
     out = [
@@ -56,14 +64,14 @@ def gating_body(run_dir: Path, summary: dict) -> list[str]:
                 "RL episodes",
             ],
             rows,
-        ),  # fmt: skip
+        ),
         f"<p>The gated arm ran {fmt(g['gated_real_share'], 2)} of real-only's real-shell "
         "episodes. Simulator share by operation: "
         + ", ".join(f"{html.escape(k)} {v:.2f}" for k, v in share.items())
         + ".</p>",
         "<p>Acceptance: "
         + ", ".join(f"{html.escape(k)}: <b>{fmt(v)}</b>" for k, v in acc.items())
-        + "</p>",  # fmt: skip
+        + "</p>",
         "<h2>The gate over time</h2>",
         *_gate_over_time(g.get("gate_history") or []),
         "<h2>The weak simulator's fidelity (arm c, held out)</h2>",
@@ -80,14 +88,19 @@ def _weak_simulator(weak: dict) -> str:
     if not weak:
         return ""
     steps = weak.get("steps")
-    what = ("the pretrained simulator as it is (no fine-tune)" if not steps
-            else f"the pretrained simulator fine-tuned for {steps} train-sim steps")  # fmt: skip
+    what = (
+        "the pretrained simulator as it is (no fine-tune)"
+        if not steps
+        else f"the pretrained simulator fine-tuned for {steps} train-sim steps"
+    )
     wrong = weak.get("wrong_ops")
     if wrong:
-        what += (f" on the collection with {html.escape(', '.join(wrong))} misreported (their "
-                 f"commands shown printing the input unchanged: "
-                 f"{weak.get('misreported_turns')} turns rewritten), so it is wrong about "
-                 "those operations and right about the rest")  # fmt: skip
+        what += (
+            f" on the collection with {html.escape(', '.join(wrong))} misreported (their "
+            f"commands shown printing the input unchanged: "
+            f"{weak.get('misreported_turns')} turns rewritten), so it is wrong about "
+            "those operations and right about the rest"
+        )
     return f"<p>The weak simulator: {what}.</p>"
 
 
@@ -107,8 +120,18 @@ def _gate_over_time(history: list[dict]) -> list[str]:
             if routed:
                 share[unit].append((v, u["routed_sim"] / routed))
     last = gates[-1]["units"]
-    rows = [[unit, u["fidelity"], u["lower"], u["measured"], u["sim_share"], u["success_sim"],
-             u["success_real"]] for unit, u in last.items()]  # fmt: skip
+    rows = [
+        [
+            unit,
+            u["fidelity"],
+            u["lower"],
+            u["measured"],
+            u["sim_share"],
+            u["success_sim"],
+            u["success_real"],
+        ]
+        for unit, u in last.items()
+    ]
     first: dict[int, int] = {}  # each simulator version: the first policy version it served
     for r in sorted(gates, key=lambda r: r["policy_version"]):
         first.setdefault(r["sim_version"], r["policy_version"])
@@ -131,16 +154,35 @@ def _gate_over_time(history: list[dict]) -> list[str]:
                 "success in real",
             ],
             rows,
-        ),  # fmt: skip
+        ),
         "<p>Simulator versions seen by the router: " + html.escape(", ".join(changes)) + "</p>",
     ]
     if rounds:
-        out.append(table(["co-training round at policy version", "simulator version",
-                           "real episodes", "original episodes", "loss", "train s",
-                           "publish s"],
-                          [[r.get("step"), r.get("sim_version"), r.get("real"), r.get("base"),
-                            r.get("loss"), r.get("train_s"), r.get("publish_s")]
-                           for r in rounds]))  # fmt: skip
+        out.append(
+            table(
+                [
+                    "co-training round at policy version",
+                    "simulator version",
+                    "real episodes",
+                    "original episodes",
+                    "loss",
+                    "train s",
+                    "publish s",
+                ],
+                [
+                    [
+                        r.get("step"),
+                        r.get("sim_version"),
+                        r.get("real"),
+                        r.get("base"),
+                        r.get("loss"),
+                        r.get("train_s"),
+                        r.get("publish_s"),
+                    ]
+                    for r in rounds
+                ],
+            )
+        )
     return out
 
 
@@ -148,7 +190,9 @@ def gating_page(run_dir: Path, summary: dict) -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     walls = summary.get("stages_wall_s") or {}
     wall = ", ".join(f"{k} {v:.0f} s" for k, v in walls.items() if v is not None)
-    head = (f"<h1>simloop report: the gating experiment</h1><p class='note'>"
-            f"{html.escape(str(run_dir.resolve()))} · {stamp} · stage walls: {html.escape(wall)}"
-            f" · total {summary.get('wall_s', 0):.0f} s</p>")  # fmt: skip
+    head = (
+        f"<h1>simloop report: the gating experiment</h1><p class='note'>"
+        f"{html.escape(str(run_dir.resolve()))} · {stamp} · stage walls: {html.escape(wall)}"
+        f" · total {summary.get('wall_s', 0):.0f} s</p>"
+    )
     return document("simloop report: gating", head + "".join(gating_body(run_dir, summary)))

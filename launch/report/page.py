@@ -55,8 +55,12 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
         f"{fmt(rl.get('steps'))} RL steps in arm <b>{fmt(rl.get('arm'))}</b> "
         f"(batch reward {fmt(rl.get('reward_first'))} → {fmt(rl.get('reward_last'))})",
     ]
-    return ("<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
-            + table(["stage", "wall (s)"], rows))  # fmt: skip
+    return (
+        "<ul>"
+        + "".join(f"<li>{i}</li>" for i in items)
+        + "</ul>"
+        + table(["stage", "wall (s)"], rows)
+    )
 
 
 def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: list[dict]) -> str:
@@ -67,17 +71,25 @@ def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: lis
         why = html.escape(t["missing"])
         return f'<p class="missing">The deciding experiment is incomplete: {why}.</p>'
     ci = t["ci95"]
-    bars = {"warm start": {"real shell": t["warm_start"]["real"]},
-            "RL in the simulator": {"real shell": t["rl_in_sim"]["real"]},
-            "RL in the real shell": {"real shell": t["rl_in_real"]["real"]}}  # fmt: skip
-    intervals = {"warm start": {"real shell": ci["warm_start"]},
-                 "RL in the simulator": {"real shell": ci["rl_in_sim"]},
-                 "RL in the real shell": {"real shell": ci["rl_in_real"]}}  # fmt: skip
+    bars = {
+        "warm start": {"real shell": t["warm_start"]["real"]},
+        "RL in the simulator": {"real shell": t["rl_in_sim"]["real"]},
+        "RL in the real shell": {"real shell": t["rl_in_real"]["real"]},
+    }
+    intervals = {
+        "warm start": {"real shell": ci["warm_start"]},
+        "RL in the simulator": {"real shell": ci["rl_in_sim"]},
+        "RL in the real shell": {"real shell": ci["rl_in_real"]},
+    }
     rl_sim = [m for m in metrics if m.get("stage") == "rl" and "step" in m]
     rl_real = [m for m in real_metrics if m.get("stage") == "rl" and "step" in m]
-    curves = line_chart("RL: batch reward where it trains",
-                        {"in the simulator": _series(rl_sim, "reward_mean"),
-                         "in the real shell": _series(rl_real, "reward_mean")})  # fmt: skip
+    curves = line_chart(
+        "RL: batch reward where it trains",
+        {
+            "in the simulator": _series(rl_sim, "reward_mean"),
+            "in the real shell": _series(rl_real, "reward_mean"),
+        },
+    )
     g = t["gain"]
     rows = [
         ["warm start", t["warm_start"]["real"], ci["warm_start"], "", ""],
@@ -101,14 +113,22 @@ def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: lis
         "95%.</p>"
         + '<div class="charts">'
         + bar_chart("Real-shell success (95% intervals)", bars, intervals=intervals)
-        + curves + "</div>"
-        + table(["policy", "real-shell success", "95% interval", "gain over warm start",
-                 "95% interval"],
-                [[r[0], r[1], interval(r[2]), r[3], interval(r[4])] for r in rows])
+        + curves
+        + "</div>"
+        + table(
+            [
+                "policy",
+                "real-shell success",
+                "95% interval",
+                "gain over warm start",
+                "95% interval",
+            ],
+            [[r[0], r[1], interval(r[2]), r[3], interval(r[4])] for r in rows],
+        )
         + f"<p>RL in the simulator minus RL in the real shell: {fmt(t['sim_minus_real'])} "
         f"(95% interval {interval(ci['sim_minus_real'])}). In the simulator itself the RL-in-sim "
         f"policy succeeds {fmt(t['rl_in_sim'].get('sim'))}.</p><ul>{verdicts}</ul>"
-    )  # fmt: skip
+    )
 
 
 def _runs(record: dict) -> list[dict]:
@@ -139,8 +159,7 @@ def _pretraining(pre: dict) -> str:
     )
 
 
-def _section_simulator(summary: dict | None, sim_metrics: list[dict],
-                       pretrain: dict | None) -> str:  # fmt: skip
+def _section_simulator(summary: dict | None, sim_metrics: list[dict], pretrain: dict | None) -> str:
     """What the simulator is, and its fidelity learning curves by operation."""
     sim = ((summary or {}).get("fidelity") or {}).get("simulator") or {}
     out = []
@@ -156,7 +175,7 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
             + f", then fine-tuned {fmt(sim.get('fine_tune_steps'))} steps on "
             f"{fmt(ft.get('examples'))} examples from the collected real trajectories. Every "
             "simulated observation is written by this model from its context.</p>"
-        )  # fmt: skip
+        )
     charts = []
     curve = pretrain_curve(pretrain or {})
     if curve:
@@ -165,14 +184,22 @@ def _section_simulator(summary: dict | None, sim_metrics: list[dict],
         title = "Pretraining: held-out greedy exact by kind" + (
             f" ({runs} runs, each scored on its own held-out set)" if runs > 1 else ""
         )
-        charts.append(line_chart(title,
-                                 {k[6:]: _series(curve, k) for k in keys}
-                                 | {"induction": _series(curve, "induction")}))  # fmt: skip
+        charts.append(
+            line_chart(
+                title,
+                {k[6:]: _series(curve, k) for k in keys}
+                | {"induction": _series(curve, "induction")},
+            )
+        )
     ev = [m for m in sim_metrics if m.get("stage") == "sim_sft_eval"]
     if ev:
         keys = sorted({k for r in ev for k in r if k.startswith("exact_")})
-        charts.append(line_chart("Fine-tuning: held-out greedy exact by operation",
-                                 {k[6:]: _series(ev, k) for k in keys}))  # fmt: skip
+        charts.append(
+            line_chart(
+                "Fine-tuning: held-out greedy exact by operation",
+                {k[6:]: _series(ev, k) for k in keys},
+            )
+        )
     if charts:
         out.append('<div class="charts">' + "".join(charts) + "</div>")
     return "".join(out)
@@ -194,11 +221,11 @@ def _section_training(metrics: list[dict], sim_metrics: list[dict]) -> str:
         line_chart(
             "RL: sampler/trainer mismatch KL",
             {"k1": _series(rl, "mismatch_kl"), "k3": _series(rl, "mismatch_kl_k3")},
-        ),  # fmt: skip
+        ),
         line_chart(
             "RL: staleness (versions)",
             {"mean": _series(rl, "staleness_mean"), "max": _series(rl, "staleness_max")},
-        ),  # fmt: skip
+        ),
         line_chart("Agent warm start: SFT loss", {"loss": _series(ws, "loss")}),
         line_chart("Simulator: SFT loss", {"loss": _series(sim, "loss")}),
     ]
@@ -211,8 +238,12 @@ def _section_success(evals: dict | None, summary: dict | None) -> str:
         return missing(rundir.EVAL, "`simloop train-agent` with train_agent.eval.tasks > 0")
     arms = sorted({arm for label in evals.values() for arm in label})
     label = {"real": "real shell", "closed_loop": "simulator"}
-    groups = {label.get(a, a): {k: evals.get(k, {}).get(a, {}).get("success_rate")
-                                for k in ("before", "after")} for a in arms}  # fmt: skip
+    groups = {
+        label.get(a, a): {
+            k: evals.get(k, {}).get(a, {}).get("success_rate") for k in ("before", "after")
+        }
+        for a in arms
+    }
     rows = []
     for a in arms:
         for k in ("before", "after"):
@@ -223,13 +254,25 @@ def _section_success(evals: dict | None, summary: dict | None) -> str:
                     [label.get(a, a), k, r["version"], r["episodes"], r["success_rate"], kinds]
                 )
     gap = (summary or {}).get("transfer_gap", {})
-    gap_text = (f'<p class="note">Transfer gap (success in the simulator minus success in the '
-                f"real shell): before RL {fmt(gap.get('before'))}, after RL "
-                f"{fmt(gap.get('after'))}.</p>") if gap else ""  # fmt: skip
-    listing = table(["shell", "when", "policy version", "episodes", "success", "by operation"],
-                    rows)  # fmt: skip
-    return (bar_chart("Held-out success before and after RL", groups) + gap_text + listing
-            + _trials(evals, arms, label) + _actions(evals, arms, label))  # fmt: skip
+    gap_text = (
+        (
+            f'<p class="note">Transfer gap (success in the simulator minus success in the '
+            f"real shell): before RL {fmt(gap.get('before'))}, after RL "
+            f"{fmt(gap.get('after'))}.</p>"
+        )
+        if gap
+        else ""
+    )
+    listing = table(
+        ["shell", "when", "policy version", "episodes", "success", "by operation"], rows
+    )
+    return (
+        bar_chart("Held-out success before and after RL", groups)
+        + gap_text
+        + listing
+        + _trials(evals, arms, label)
+        + _actions(evals, arms, label)
+    )
 
 
 def _trials(evals: dict, arms: list[str], label: dict[str, str]) -> str:
@@ -254,8 +297,12 @@ def _trials(evals: dict, arms: list[str], label: dict[str, str]) -> str:
 
 def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10) -> str:
     """What the agent ran (share of commands by program pipeline) in each evaluation."""
-    cols = [(a, k) for a in arms for k in ("before", "after")
-            if evals.get(k, {}).get(a, {}).get("actions")]  # fmt: skip
+    cols = [
+        (a, k)
+        for a in arms
+        for k in ("before", "after")
+        if evals.get(k, {}).get(a, {}).get("actions")
+    ]
     if not cols:
         return ""
     from rl.orchestrator.evaluate import top_actions
@@ -263,8 +310,10 @@ def _actions(evals: dict, arms: list[str], label: dict[str, str], top: int = 10)
     dists = [evals[k][a]["actions"] for a, k in cols]
     rows = [[cmd] + [d.get(cmd, 0.0) for d in dists] for cmd in top_actions(dists, top)]
     header = ["command (programs)"] + [f"{label.get(a, a)}, {k} RL" for a, k in cols]
-    return (f'<p class="note">The agent\'s commands in each evaluation (top {top}, share of all '
-            "commands it ran).</p>" + table(header, rows))  # fmt: skip
+    return (
+        f'<p class="note">The agent\'s commands in each evaluation (top {top}, share of all '
+        "commands it ran).</p>" + table(header, rows)
+    )
 
 
 def _section_tail(metrics: list[dict]) -> str:
@@ -277,20 +326,25 @@ def _section_tail(metrics: list[dict]) -> str:
     for m in rows:
         active = list(m["active_per_turn"]) + [None] * (width - len(m["active_per_turn"]))
         body.append([m.get("stage", "?"), m.get("arm", "–"), m.get("episodes")] + active)
-    return ('<p class="note">Episodes still running at each turn index: the tail of a batch '
-            "(docs/architecture.md §8, stragglers).</p>" + table(header, body))  # fmt: skip
+    return (
+        '<p class="note">Episodes still running at each turn index: the tail of a batch '
+        "(docs/architecture.md §8, stragglers).</p>" + table(header, body)
+    )
 
 
 def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: list[dict]) -> str:
     out = []
     if replays:
-        out.append('<p class="note">Arm (c): the same command, its real observation and the '
-                   "simulator's; where the simulator is still wrong first.</p>")  # fmt: skip
+        out.append(
+            '<p class="note">Arm (c): the same command, its real observation and the '
+            "simulator's; where the simulator is still wrong first.</p>"
+        )
         for traj in replays[:SAMPLE_EPISODES]:
             for turn in traj.get("turns", [])[:2]:
                 same = (turn.get("info") or {}).get("exact_masked")
-                verdict = ('<span class="ok">match</span>' if same
-                           else '<span class="bad">differs</span>')  # fmt: skip
+                verdict = (
+                    '<span class="ok">match</span>' if same else '<span class="bad">differs</span>'
+                )
                 out.append(
                     f'<div class="side"><div><h4>command (task {html.escape(traj["task_id"])})'
                     f"</h4>{pre_block(turn.get('command'))}</div><div><h4>real (rc "
@@ -310,10 +364,13 @@ def _section_samples(replays: list[dict], agent_real: list[dict], agent_sim: lis
                 if t is None:
                     cells.append(f"<div><h4>{name}</h4>{pre_block(None)}</div>")
                     continue
-                text = "\n".join(f"$ {u.get('command')}\n{u.get('observation') or ''}"
-                                 for u in t.get("turns", []))  # fmt: skip
-                cells.append(f"<div><h4>{name}: reward {fmt(t.get('reward'), 1)}</h4>"
-                             f"{pre_block(text)}</div>")  # fmt: skip
+                text = "\n".join(
+                    f"$ {u.get('command')}\n{u.get('observation') or ''}"
+                    for u in t.get("turns", [])
+                )
+                cells.append(
+                    f"<div><h4>{name}: reward {fmt(t.get('reward'), 1)}</h4>{pre_block(text)}</div>"
+                )
             out.append('<div class="side">' + "".join(cells) + "</div>")
     return "".join(out)
 
@@ -334,12 +391,18 @@ def write_report(run_dir: str | Path) -> Path:
     metrics = read_metrics(agent_dir / rundir.METRICS)
     sim_metrics = read_metrics(find(run_dir, rundir.METRICS, ("sim",)))
     tail_metrics = metrics + read_metrics(find(run_dir, rundir.METRICS, ("collect",)))
-    replays = next((r for sub in ("", "eval_sim")
-                    if (r := trajectories(run_dir / sub / rundir.TRAJECTORIES, "replay",
-                                           500))), [])  # fmt: skip
+    replays = next(
+        (
+            r
+            for sub in ("", "eval_sim")
+            if (r := trajectories(run_dir / sub / rundir.TRAJECTORIES, "replay", 500))
+        ),
+        [],
+    )
     # Where the simulator is still wrong first, then matches.
-    replays.sort(key=lambda t: all((u.get("info") or {}).get("exact_masked")
-                                   for u in t.get("turns", [])[:2]))  # fmt: skip
+    replays.sort(
+        key=lambda t: all((u.get("info") or {}).get("exact_masked") for u in t.get("turns", [])[:2])
+    )
     agent_traj = agent_dir / rundir.TRAJECTORIES
     agent_real = trajectories(agent_traj, "eval-after-real", 200)
     agent_sim = trajectories(agent_traj, "eval-after-closed_loop", 200)
@@ -351,22 +414,44 @@ def write_report(run_dir: str | Path) -> Path:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     body = [
         f"<h1>simloop report</h1><p class='note'>{html.escape(str(run_dir.resolve()))} · {stamp}"
-        + (" · <b>--quick run</b> (CI-sized: the numbers are real but tiny)"
-           if summary and summary.get("quick") else "") + "</p>",  # fmt: skip
-        "<h2>Pipeline</h2>", _section_pipeline(summary, run_dir),
+        + (
+            " · <b>--quick run</b> (CI-sized: the numbers are real but tiny)"
+            if summary and summary.get("quick")
+            else ""
+        )
+        + "</p>",
+        "<h2>Pipeline</h2>",
+        _section_pipeline(summary, run_dir),
         "<h2>The deciding experiment: RL in the simulator vs RL in the real shell</h2>",
         _section_thesis(summary, metrics, real_metrics),
-        "<h2>Agent success: real shell vs simulator</h2>", _section_success(evals, summary),
-        *([_trials({label: {"real": {"trials": rec}} for label, rec in summary["trials"].items()
-                    if label in ("before", "after") and rec.get("success_at")},
-                   ["real"], {"real": "real shell (stage trials/)"})]
-          if summary and summary.get("trials") else []),
-        "<h2>The simulator</h2>", _section_simulator(summary, sim_metrics, pretrain),
-        "<h2>Simulator fidelity (arm c)</h2>", fidelity_section(fid),
-        "<h2>Training curves</h2>", _section_training(metrics, sim_metrics),
-        "<h2>Active episodes per turn</h2>", _section_tail(tail_metrics),
-        "<h2>Sample episodes side by side</h2>", _section_samples(replays, agent_real, agent_sim),
-    ]  # fmt: skip
+        "<h2>Agent success: real shell vs simulator</h2>",
+        _section_success(evals, summary),
+        *(
+            [
+                _trials(
+                    {
+                        label: {"real": {"trials": rec}}
+                        for label, rec in summary["trials"].items()
+                        if label in ("before", "after") and rec.get("success_at")
+                    },
+                    ["real"],
+                    {"real": "real shell (stage trials/)"},
+                )
+            ]
+            if summary and summary.get("trials")
+            else []
+        ),
+        "<h2>The simulator</h2>",
+        _section_simulator(summary, sim_metrics, pretrain),
+        "<h2>Simulator fidelity (arm c)</h2>",
+        fidelity_section(fid),
+        "<h2>Training curves</h2>",
+        _section_training(metrics, sim_metrics),
+        "<h2>Active episodes per turn</h2>",
+        _section_tail(tail_metrics),
+        "<h2>Sample episodes side by side</h2>",
+        _section_samples(replays, agent_real, agent_sim),
+    ]
     path = run_dir / rundir.REPORT
     path.write_text(document("simloop report", "".join(body)), encoding="utf-8")
     return path

@@ -71,9 +71,11 @@ def thesis(run_dir: str | Path, *, min_gain: float = 0.10, max_gap: float = 0.05
     sim_real = episodes(sim_dir, "eval-after-real")
     sim_sim = episodes(sim_dir, "eval-after-closed_loop")
     real_real = episodes(real_dir, "eval-after-real")
-    for name, got in (("the warm start's real-shell evaluation", warm),
-                      ("RL-in-sim's real-shell evaluation", sim_real),
-                      ("RL-in-real's real-shell evaluation", real_real)):  # fmt: skip
+    for name, got in (
+        ("the warm start's real-shell evaluation", warm),
+        ("RL-in-sim's real-shell evaluation", sim_real),
+        ("RL-in-real's real-shell evaluation", real_real),
+    ):
         if not got:
             return {"missing": f"{name} has no stored episodes"}
     w, s, r = per_task(warm), per_task(sim_real), per_task(real_real)

@@ -74,26 +74,44 @@ async def test_trainer_logprobs_equal_the_servers_in_every_compaction_mode(tmp_p
     cfg, hf, run, args = tiny_agent_serve_args(tmp_path, seed=5, context=CONTEXT)
     renderer = ChatRenderer(ByteTokenizer())
     tasks = generate_textops(TextopsConfig(num_tasks=2, seed=4, from_file_prob=1.0))
-    terminal = TerminalConfig(max_turns=TURNS, prompt_template="{instruction}",
-                              format_error_template="Format error: {reason}")  # fmt: skip
+    terminal = TerminalConfig(
+        max_turns=TURNS,
+        prompt_template="{instruction}",
+        format_error_template="Format error: {reason}",
+    )
     backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
     episodes = {}
     with LocalServer.start("agent", run, extra_args=args) as server:
         ccfg = ClientConfig(server.url, model="agent", backoff_s=0.01)
-        async with InferenceClient(ccfg) as plain, ForgetfulClient(ccfg) as forgetful, \
-                LossyClient(ccfg, lose={FORGET_AT}) as lossy:  # fmt: skip
+        async with (
+            InferenceClient(ccfg) as plain,
+            ForgetfulClient(ccfg) as forgetful,
+            LossyClient(ccfg, lose={FORGET_AT}) as lossy,
+        ):
             by_kind = {"forgotten": forgetful, "answer lost": lossy}
             for mode, compaction in MODES.items():
                 client = by_kind.get(mode.partition(", ")[2], plain)
-                ocfg = OrchestratorConfig(arm="real", max_context_tokens=CONTEXT,
-                                          max_tokens_per_turn=24, group_size=2,
-                                          max_staleness=None, seed=7, sessions=True,
-                                          session_compaction=compaction)  # fmt: skip
+                ocfg = OrchestratorConfig(
+                    arm="real",
+                    max_context_tokens=CONTEXT,
+                    max_tokens_per_turn=24,
+                    group_size=2,
+                    max_staleness=None,
+                    seed=7,
+                    sessions=True,
+                    session_compaction=compaction,
+                )
                 runner = RolloutRunner(ocfg, terminal, renderer, backends, client=client)
                 episodes[mode] = await runner.run(tasks)
-    trainer = build_trainer(RoleConfig(model=cfg, hf_path=str(hf)), renderer.tokenizer,
-                            optim=OptimConfig(), steps=1, loss="policy",
-                            rules=SimloopConfig().sharding.rules, seed=0)  # fmt: skip
+    trainer = build_trainer(
+        RoleConfig(model=cfg, hf_path=str(hf)),
+        renderer.tokenizer,
+        optim=OptimConfig(),
+        steps=1,
+        loss="policy",
+        rules=SimloopConfig().sharding.rules,
+        seed=0,
+    )
     assert forgetful.forgotten >= 8  # every episode's session was forgotten at least once
     assert lossy.lost >= 4  # and in the last mode every episode lost one answer
     loss = PolicyLossConfig(truncated_reward=0.0)

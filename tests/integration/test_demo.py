@@ -46,11 +46,20 @@ def demo(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 def test_every_stage_leaves_its_artifacts(demo):
     out, proc = demo
-    for path in ("collect/trajectories", "sim/weights/final", "sim/heldout_tasks.json",
-                 "eval_sim/fidelity.json", "agent/eval.json", "agent/weights/final",
-                 "agent/trajectories/demos.jsonl", "agent/weights/warm_start",
-                 "agent_real/eval.json", "agent_real/weights/final", "summary.json",
-                 "report.html"):  # fmt: skip
+    for path in (
+        "collect/trajectories",
+        "sim/weights/final",
+        "sim/heldout_tasks.json",
+        "eval_sim/fidelity.json",
+        "agent/eval.json",
+        "agent/weights/final",
+        "agent/trajectories/demos.jsonl",
+        "agent/weights/warm_start",
+        "agent_real/eval.json",
+        "agent_real/weights/final",
+        "summary.json",
+        "report.html",
+    ):
         assert (out / path).exists(), path
     for stage in ("collect", "sim", "eval_sim", "agent", "agent_real"):
         assert json.loads((out / stage / "stage.json").read_text())["wall_s"] > 0
@@ -70,8 +79,12 @@ def test_summary_numbers_come_from_the_stages_records(demo):
     assert s["quick"] is True
     # Fidelity: recomputed from the replayed (real, simulated) pairs.
     replays = load_trajectories([out / "eval_sim" / "trajectories"])
-    pairs = [compare_observations(t.sim_observation, t.observation, t.sim_exit_code, t.exit_code)
-             for r in replays for t in r.turns if t.sim_observation is not None]  # fmt: skip
+    pairs = [
+        compare_observations(t.sim_observation, t.observation, t.sim_exit_code, t.exit_code)
+        for r in replays
+        for t in r.turns
+        if t.sim_observation is not None
+    ]
     assert replays and all(r.arm == "replay" and r.env_backend == "simulated" for r in replays)
     assert s["fidelity"]["observations"] == len(pairs) > 0
     assert s["fidelity"]["exact_masked"] == pytest.approx(
@@ -120,10 +133,15 @@ def test_summary_numbers_come_from_the_stages_records(demo):
     by_kind, kinds_all = s["fidelity"]["by_kind"], _collect_kinds(out)
     assert set(by_kind) == {kinds_all[r.task_id] for r in replays}
     for kind, v in by_kind.items():
-        mine = [compare_observations(t.sim_observation, t.observation, t.sim_exit_code,
-                                     t.exit_code).exact_masked
-                for r in replays if kinds_all[r.task_id] == kind
-                for t in r.turns if t.sim_observation is not None]  # fmt: skip
+        mine = [
+            compare_observations(
+                t.sim_observation, t.observation, t.sim_exit_code, t.exit_code
+            ).exact_masked
+            for r in replays
+            if kinds_all[r.task_id] == kind
+            for t in r.turns
+            if t.sim_observation is not None
+        ]
         assert v["observations"] == len(mine)
         assert v["exact_masked"] == pytest.approx(sum(mine) / len(mine))
 
@@ -182,9 +200,11 @@ def test_thesis_is_recomputed_from_the_stored_episodes(demo):
     assert t["rl_in_sim"]["episodes"] == len(rl_sim) == len(rl_real) == t["rl_in_real"]["episodes"]
     # The intervals: mean +- 1.96 sd / sqrt(n) over per-task rates (differences paired).
     w, sr, rr = _task_rates(warm), _task_rates(sim_real), _task_rates(real_real)
-    for key, values in (("warm_start", list(w.values())),
-                        ("gain_rl_in_sim", [sr[k] - w[k] for k in w]),
-                        ("sim_minus_real", [sr[k] - rr[k] for k in w])):  # fmt: skip
+    for key, values in (
+        ("warm_start", list(w.values())),
+        ("gain_rl_in_sim", [sr[k] - w[k] for k in w]),
+        ("sim_minus_real", [sr[k] - rr[k] for k in w]),
+    ):
         m = statistics.fmean(values)
         half = 1.959964 * statistics.stdev(values) / math.sqrt(len(values))
         assert t["ci95"][key] == pytest.approx([m - half, m + half], abs=2e-4), key
@@ -205,8 +225,13 @@ def test_rerun_skips_finished_stages_resumes_an_interrupted_one_and_report_cli(d
     assert (out / "sim" / "stage.json").exists()
     (out / "report.html").unlink()
     env = user_env()
-    proc = subprocess.run([sys.executable, "-m", "launch", "report", str(out)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch", "report", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and (out / "report.html").exists()
 
 
@@ -230,12 +255,22 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     dom = proc.stdout
-    for text in ("Pipeline", "The deciding experiment", "Real-shell success (95% intervals)",
-                 "RL: batch reward where it trains", "The simulator", "By operation",
-                 "Agent success: real shell vs simulator",
-                 "Simulator fidelity (arm c)", "By context length", "Training curves",
-                 "Active episodes per turn", "Sample episodes side by side",
-                 "Held-out success before and after RL", "--quick run"):  # fmt: skip
+    for text in (
+        "Pipeline",
+        "The deciding experiment",
+        "Real-shell success (95% intervals)",
+        "RL: batch reward where it trains",
+        "The simulator",
+        "By operation",
+        "Agent success: real shell vs simulator",
+        "Simulator fidelity (arm c)",
+        "By context length",
+        "Training curves",
+        "Active episodes per turn",
+        "Sample episodes side by side",
+        "Held-out success before and after RL",
+        "--quick run",
+    ):
         assert text in dom, text
     assert dom.count("<svg") >= 7
     gap = s["transfer_gap"]
@@ -269,8 +304,9 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
            "--out", str(run), "--train_agent.steps", "3",
            "--orchestrator.gate.cotrain_every", "1", "--orchestrator.gate.cotrain_steps", "2",
            "--orchestrator.gate.threshold", "0.5"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=user_env(), timeout=900,
-                          cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=user_env(), timeout=900, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("done: skipped") == 4 and "gating" in proc.stdout
     g = json.loads((run / "summary.json").read_text())["gating"]

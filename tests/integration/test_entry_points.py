@@ -17,8 +17,11 @@ BIN = Path(sys.executable).parent
 def test_installed_simloop_script_validates_a_config():
     out = subprocess.run(
         [BIN / "simloop", "config", "--config", "configs/demo_cpu.yaml", "--run.seed", "3"],
-        cwd=REPO, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "seed: 3" in out and "num_layers: 3" in out
 
 
@@ -33,8 +36,12 @@ def test_installed_demo_script_checks_its_arguments_first():
     )  # fmt: skip
     assert proc.returncode == 2 and "DemoConfig.rl_arm='replay' is invalid" in proc.stderr
     assert not (REPO / "runs" / "x").exists()
-    proc = subprocess.run([BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml"],
-                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [BIN / "simloop", "demo", "--config", "configs/demo_cpu.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "--out DIR is required" in proc.stderr
 
 
@@ -59,8 +66,11 @@ def test_engine_bench_quick_runs_and_reports_ratios(tmp_path):
     env = user_env(cheap_compile=True)
     subprocess.run(
         [sys.executable, "bench/engine_throughput.py", "--quick", "--json", str(out)],
-        cwd=REPO, env=env, check=True, capture_output=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())["detail"]
     assert result["decode"]["engine_tok_s"] > 0 and result["decode"]["hf_tok_s"] > 0
     # the speculative rows: the engine and HF both guessing by prompt lookup
@@ -90,8 +100,11 @@ def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
     env = user_env(cheap_compile=True)
     subprocess.run(
         [sys.executable, "bench/train_step.py", "--quick", "--json", str(out)],
-        cwd=REPO, env=env, check=True, capture_output=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     result = json.loads(out.read_text())["detail"]
     (row,) = result["trainer"]
     assert row["size"] == "tiny" and result["peak_flops"] > 0
@@ -110,11 +123,17 @@ def test_publish_bench_quick_times_both_backends_against_the_raw_write(tmp_path)
     env = user_env(cheap_compile=True)  # servers: one device each
     subprocess.run(
         [sys.executable, "bench/publish_latency.py", "--quick", "--json", str(out)],
-        cwd=REPO, env=env, check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     rows = json.loads(out.read_text())["detail"]
     assert [(r["backend"], r["size"], r["replicas"]) for r in rows] == [
-        ("jax", "tiny", 1), ("fake-vllm", "tiny", 1)]  # fmt: skip
+        ("jax", "tiny", 1),
+        ("fake-vllm", "tiny", 1),
+    ]
     for r in rows:
         assert r["checkpoint_mb"] > 0 and r["raw_write_s"] > 0 and r["probe_s"] > 0
         assert r["publish_s"] > r["write_s"] > 0 and r["load_s"] > 0  # the load came on top

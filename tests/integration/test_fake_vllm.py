@@ -61,9 +61,13 @@ def weights(tmp_path_factory):
     root = tmp_path_factory.mktemp("fake_vllm")
     cfg = tiny(initializer_range=0.3)  # spread-out logits: greedy choices are not near-ties
     a, b = Qwen3(cfg, rngs=nnx.Rngs(0)), Qwen3(cfg, rngs=nnx.Rngs(1))
-    return dict(root=root, model_a=a, hf_dir=save_hf(cfg, a, root / "hf"),
-                ckpt_a=save_params(a, root / "ckpt_a"),
-                ckpt_b=save_params(b, root / "ckpt_b", dtype="bfloat16"))  # fmt: skip
+    return dict(
+        root=root,
+        model_a=a,
+        hf_dir=save_hf(cfg, a, root / "hf"),
+        ckpt_a=save_params(a, root / "ckpt_a"),
+        ckpt_b=save_params(b, root / "ckpt_b", dtype="bfloat16"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +78,15 @@ def server(weights):
     proc = Proc("agent_serve", (0, 1), free_port())  # two chips: two tensor-parallel workers
     # n-gram speculation on: the tokens and logprobs below must still be plain decoding's
     cfg = VllmConfig(max_model_len=64, start_stagger_s=0.0, health_timeout_s=180.0, speculate=4)
-    (server,) = launch_servers([proc], cfg, {"agent_serve": ServedModel(str(weights["hf_dir"]),
-                               "agent")}, log_dir=root / "logs", lockfile=root / "libtpu_lock",
-                               spawn=fake_spawn, poll_s=0.2)  # fmt: skip
+    (server,) = launch_servers(
+        [proc],
+        cfg,
+        {"agent_serve": ServedModel(str(weights["hf_dir"]), "agent")},
+        log_dir=root / "logs",
+        lockfile=root / "libtpu_lock",
+        spawn=fake_spawn,
+        poll_s=0.2,
+    )
     yield server
     started = time.monotonic()
     code = server.stop(timeout_s=10.0)  # SIGTERM to its process group; SIGKILL only after 10 s
@@ -101,19 +111,22 @@ async def client(server):
 
 
 async def _greedy(client: InferenceClient, logprobs: int | None = None):
-    return await client.complete(PROMPT, max_tokens=GEN, temperature=0.0, logprobs=logprobs,
-                                 extra={"ignore_eos": True})  # fmt: skip
+    return await client.complete(
+        PROMPT, max_tokens=GEN, temperature=0.0, logprobs=logprobs, extra={"ignore_eos": True}
+    )
 
 
 async def _reference_greedy(engine: Engine):
-    (out,) = await engine.generate(PROMPT, SamplingParams(max_tokens=GEN, temperature=0.0,
-                                                          ignore_eos=True, logprobs=2))  # fmt: skip
+    (out,) = await engine.generate(
+        PROMPT, SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True, logprobs=2)
+    )
     return out
 
 
 async def _workers(client: InferenceClient, method: str, *args) -> list:
-    body, _ = await client.request("POST", "/collective_rpc",
-                                   json_body={"method": method, "args": list(args)})  # fmt: skip
+    body, _ = await client.request(
+        "POST", "/collective_rpc", json_body={"method": method, "args": list(args)}
+    )
     return body["results"]
 
 
@@ -126,9 +139,12 @@ async def test_the_launcher_starts_the_fake_and_it_answers_like_vllm(server, cli
     (card,) = body["data"]
     assert body["object"] == "list"
     assert {k: card[k] for k in ("id", "object", "owned_by", "parent", "max_model_len")} == {
-        "id": "agent", "object": "model", "owned_by": "vllm", "parent": None,
+        "id": "agent",
+        "object": "model",
+        "owned_by": "vllm",
+        "parent": None,
         "max_model_len": 64,
-    }  # fmt: skip
+    }
     assert card["root"] == server.argv[2] and isinstance(card["created"], int)
     # One answer per tensor-parallel worker, from the extension named on the command line.
     assert await _workers(client, "simloop_weight_version") == [{"version": None, "path": None}] * 2
@@ -151,18 +167,31 @@ async def test_completions_carry_token_ids_and_logprobs_of_the_served_weights(cl
     assert out.raw["usage"]["prompt_tokens"] == len(PROMPT)
     assert out.raw["usage"]["completion_tokens"] == GEN
 
-    text = await client.complete("ls -la", max_tokens=3, temperature=0.0, seed=1,
-                                 stop_token_ids=[0], extra={"ignore_eos": True})  # fmt: skip
+    text = await client.complete(
+        "ls -la",
+        max_tokens=3,
+        temperature=0.0,
+        seed=1,
+        stop_token_ids=[0],
+        extra={"ignore_eos": True},
+    )
     assert text.prompt_token_ids == list(b"ls -la") and 1 <= len(text.token_ids) <= 3
 
 
 @on_server
 async def test_chat_renders_chatml_and_returns_logprobs_content(client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    out = await client.chat(messages, max_tokens=4, temperature=0.0, logprobs=True,
-                            top_logprobs=2, enable_thinking=False)  # fmt: skip
-    rendered = ChatRenderer(ByteTokenizer()).render(messages, add_generation_prompt=True,
-                                                    enable_thinking=False)  # fmt: skip
+    out = await client.chat(
+        messages,
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+        enable_thinking=False,
+    )
+    rendered = ChatRenderer(ByteTokenizer()).render(
+        messages, add_generation_prompt=True, enable_thinking=False
+    )
     assert out.raw["prompt_token_ids"] == rendered == out.prompt_token_ids
     content = out.raw["choices"][0]["logprobs"]["content"]
     assert len(content) == len(out.token_ids) == len(out.logprobs) >= 1
@@ -237,8 +266,9 @@ def test_an_unknown_flag_exits_2_with_argparses_message(weights):
             "num_speculative_tokens=0 is invalid",
         ),
     ):
-        done = subprocess.run([*FAKE_VLLM, str(weights["hf_dir"]), *flags],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [*FAKE_VLLM, str(weights["hf_dir"]), *flags], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 2 and expect in done.stderr, done.stderr
     assert time.monotonic() - started < 30  # refused before JAX is imported
 
@@ -248,8 +278,15 @@ def test_a_fake_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
     cfg = VllmConfig(start_stagger_s=0.0, health_timeout_s=120.0)
     models = {"agent_serve": ServedModel(str(tmp_path / "missing"), "agent")}
     with pytest.raises(VllmLaunchError) as e:
-        launch_servers([proc], cfg, models, log_dir=tmp_path, lockfile=tmp_path / "lock",
-                       spawn=fake_spawn, poll_s=0.1)  # fmt: skip
+        launch_servers(
+            [proc],
+            cfg,
+            models,
+            log_dir=tmp_path,
+            lockfile=tmp_path / "lock",
+            spawn=fake_spawn,
+            poll_s=0.1,
+        )
     assert "exited with code 1" in str(e.value)
     assert "model directory" in str(e.value) and "does not exist" in str(e.value)
     assert "Traceback" not in str(e.value)

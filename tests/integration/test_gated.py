@@ -49,9 +49,13 @@ def _local(task):
 
 
 def _simulated(task):
-    return SimulatedShell(HalfRightSimulator(task, {"reverse"}), task_instruction=task.instruction,
-                          setup=task.setup, config=SimulatedShellConfig(max_tokens=64),
-                          renderer=RENDERER)  # fmt: skip
+    return SimulatedShell(
+        HalfRightSimulator(task, {"reverse"}),
+        task_instruction=task.instruction,
+        setup=task.setup,
+        config=SimulatedShellConfig(max_tokens=64),
+        renderer=RENDERER,
+    )
 
 
 async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays_real():
@@ -67,8 +71,15 @@ async def test_the_exact_operation_goes_to_the_simulator_and_the_wrong_one_stays
 
     shadow = ShadowReplayer(router, replay, concurrency=4, remeasure=8)
     cfg = OrchestratorConfig(arm="gated", group_size=2, batch_size=16, gate=gate)
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=_local, simulated=_simulated),
-                           client=FakeAgentClient(tasks), router=router, shadow=shadow)  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local, simulated=_simulated),
+        client=FakeAgentClient(tasks),
+        router=router,
+        shadow=shadow,
+    )
 
     first = await runner.run(tasks)  # nothing measured yet: every group in the real shell
     assert {t.arm for t in first} == {"real"} and all(t.status == "ok" for t in first)
@@ -116,9 +127,15 @@ async def test_gated_groups_take_whole_batches_under_synchronous_rl():
     router = FidelityRouter(gate)
     cfg = OrchestratorConfig(arm="gated", group_size=2, batch_size=4, max_staleness=0, gate=gate)
     queue: asyncio.Queue = asyncio.Queue()
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=_local, simulated=_simulated),
-                           client=FakeAgentClient(tasks), router=router,
-                           sinks=(queue.put_nowait,))  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local, simulated=_simulated),
+        client=FakeAgentClient(tasks),
+        router=router,
+        sinks=(queue.put_nowait,),
+    )
     buffer = RolloutBuffer(runner, tasks, queue=queue, steps=3, seed=0, batch_timeout_s=60.0)
     await buffer.start(1)
     try:

@@ -58,11 +58,16 @@ async def stack(tmp_path_factory):
     from serving.server import background_server
 
     out = tmp_path_factory.mktemp("harness-run")
-    cfg = harness_shell(load_config(SimloopConfig, REPO / "configs/demo_cpu.yaml",
-                                    ["--middleware.port", "0", *SHOW_SCRIPT]))  # fmt: skip
-    engine = Engine(Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0)), TOK,
-                    EngineConfig(num_slots=4, max_seq_len=2048, prefill_chunk=128,
-                                 prefill_batch=2))  # fmt: skip
+    cfg = harness_shell(
+        load_config(
+            SimloopConfig, REPO / "configs/demo_cpu.yaml", ["--middleware.port", "0", *SHOW_SCRIPT]
+        )
+    )
+    engine = Engine(
+        Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0)),
+        TOK,
+        EngineConfig(num_slots=4, max_seq_len=2048, prefill_chunk=128, prefill_batch=2),
+    )
     scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
     async with background_server(engine, TOK, scfg, start_timeout_s=180) as agent_url:
         client = RecordingClient(agent_url)
@@ -73,15 +78,23 @@ async def stack(tmp_path_factory):
                 python = await pick_launcher(hcfg, real, swe_suite(["clamp"])[0])
             except HarnessUnavailable as e:
                 pytest.skip(f"no Python this machine's sandbox user can run: {e}")
-            yield {"out": out, "url": url, "real": real, "python": python, "client": client,
-                   "middleware": middleware, "admin": admin}  # fmt: skip
+            yield {
+                "out": out,
+                "url": url,
+                "real": real,
+                "python": python,
+                "client": client,
+                "middleware": middleware,
+                "admin": admin,
+            }
         await client.close()
 
 
 def runner(stack, *extra: str, admin=None, wall_s: float = 120.0) -> HarnessRunner:
     hcfg = HarnessConfig(kind="command", command=command(*extra), wall_s=wall_s)
-    return HarnessRunner(hcfg, stack["real"], stack["url"], stack["python"],
-                         admin=admin or stack["admin"])  # fmt: skip
+    return HarnessRunner(
+        hcfg, stack["real"], stack["url"], stack["python"], admin=admin or stack["admin"]
+    )
 
 
 @ASYNC
@@ -94,7 +107,7 @@ async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack, c
             runner(stack, "--turns 2", "--fix clamp").run_one(task, "g0", 0),
             runner(stack, "--turns 2").run_one(task, "g0", 1),
             runner(stack, "--turns 2", "--forge").run_one(task, "g0", 2),
-        )  # fmt: skip
+        )
     for r in (fixed, unfixed, forged):
         assert r.status == "ok" and r.exit_code == 0, r.reason
         assert r.finish["trajectories"] == 1 and r.finish["plans"]["extend"] == 1
@@ -103,8 +116,11 @@ async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack, c
     # The harness's own finish with reward 1.0 was refused where it can reach, and said so.
     assert middleware.refused_finishes["api"] == refused + 1
     assert f"refused POST /rollouts/{forged.rollout_id}/finish on the API listener" in caplog.text
-    trajs = {t.rollout_id: t for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
-             for t in read_jsonl(p)}  # fmt: skip
+    trajs = {
+        t.rollout_id: t
+        for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+        for t in read_jsonl(p)
+    }
     for r in (fixed, unfixed, forged):
         t = trajs[r.rollout_id]
         assert (t.reward, t.task_id, t.group_id, t.status) == (r.reward, task.id, "g0", "ok")
@@ -125,8 +141,12 @@ async def test_a_refused_finish_is_reported_and_the_rollout_ends_aborted(stack, 
     middleware = stack["middleware"]
     assert result.rollout_id in middleware.rollouts  # not written with any grade
     assert middleware.reap(time.time() + middleware.cfg.rollout_ttl_s + 1) == 1
-    (t,) = [t for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
-            for t in read_jsonl(p) if t.rollout_id == result.rollout_id]  # fmt: skip
+    (t,) = [
+        t
+        for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+        for t in read_jsonl(p)
+        if t.rollout_id == result.rollout_id
+    ]
     assert (t.status, t.reward) == ("aborted", None) and "no finish (its grade)" in t.reason
 
 
@@ -146,19 +166,23 @@ def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):
            "--harness.max_tokens", "32", "--orchestrator.max_context_tokens", "8192",
            "--serve.engine.max_seq_len", "8192", "--serve.engine.num_slots", "2",
            "--middleware.port", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True, text=True, timeout=600
+    )
     if proc.returncode == 1 and "does not start inside the sandbox" in proc.stdout + proc.stderr:
-        pytest.skip("mini-swe-agent cannot run as this machine's sandbox user: "
-                    + (proc.stdout + proc.stderr)[-500:])  # fmt: skip
+        pytest.skip(
+            "mini-swe-agent cannot run as this machine's sandbox user: "
+            + (proc.stdout + proc.stderr)[-500:]
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "harness.json").read_text())
     assert summary["rollouts"] == 2 and summary["harness"] == "mini-swe-agent"
     for r in summary["results"]:
         assert r["status"] == "ok" and r["exit_code"] == 0 and r["reward"] == 0.0, r
         assert r["trajectories"] >= 1
-    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
-             for t in read_jsonl(p)]  # fmt: skip
+    trajs = [
+        t for p in sorted((out / "trajectories").glob("middleware-*.jsonl")) for t in read_jsonl(p)
+    ]
     assert len(trajs) == summary["trajectories"]
     assert {t.rollout_id for t in trajs} == {r["rollout_id"] for r in summary["results"]}
     assert all(t.meta["harness"] == "mini-swe-agent" and sum(t.loss_mask) > 0 for t in trajs)
@@ -180,15 +204,17 @@ def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
            "--harness.kind", "command", "--harness.command", json.dumps(harness),
            "--harness.tasks", "[clamp]", *SHOW_SCRIPT,
            "--middleware.port", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True, text=True, timeout=900
+    )
     if proc.returncode == 1 and "does not start inside the sandbox" in proc.stdout + proc.stderr:
         pytest.skip("no Python this machine's sandbox user can run: " + proc.stdout[-300:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from rl.data.tools import parse_assistant
 
-    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
-             for t in read_jsonl(p)]  # fmt: skip
+    trajs = [
+        t for p in sorted((out / "trajectories").glob("middleware-*.jsonl")) for t in read_jsonl(p)
+    ]
     assert len(trajs) == 16  # 2 steps x 8 rollouts, one segment each
     for t in trajs:
         first = parse_assistant(t.turns[0].agent_text).content

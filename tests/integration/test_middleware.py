@@ -41,11 +41,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TOK = ByteTokenizer()
 EOS = TOK.eos_id
-BASH = {"name": "bash", "description": "run a shell command",
-        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
-                         "required": ["cmd"]}}  # fmt: skip
-OPENAI_BASH = {"type": "function", "function": {"name": "bash", "description": "run",
-                                                "parameters": BASH["input_schema"]}}  # fmt: skip
+BASH = {
+    "name": "bash",
+    "description": "run a shell command",
+    "input_schema": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}},
+        "required": ["cmd"],
+    },
+}
+OPENAI_BASH = {
+    "type": "function",
+    "function": {"name": "bash", "description": "run", "parameters": BASH["input_schema"]},
+}
 ADMIN = "http://middleware"
 """The admin listener's base URL (its Unix socket is the connector's)."""
 
@@ -53,8 +61,9 @@ ADMIN = "http://middleware"
 class Front:
     """A middleware on a free port, its sink's trajectories and its agent-side client."""
 
-    def __init__(self, middleware: Middleware, where: Listening, client: RecordingClient,
-                 written: list):  # fmt: skip
+    def __init__(
+        self, middleware: Middleware, where: Listening, client: RecordingClient, written: list
+    ):
         self.middleware, self.where, self.client, self.written = middleware, where, client, written
         self.url = where.url
 
@@ -67,8 +76,9 @@ class Front:
     def admin(self, token: str | None = "right") -> aiohttp.ClientSession:
         """A session on the admin listener (its Unix socket): with the token, none or a wrong
         one."""
-        headers = {"right": {"Authorization": f"Bearer {self.where.admin_token}"},
-                   None: {}}.get(token, {"Authorization": f"Bearer {token}"})  # fmt: skip
+        headers = {"right": {"Authorization": f"Bearer {self.where.admin_token}"}, None: {}}.get(
+            token, {"Authorization": f"Bearer {token}"}
+        )
         connector = aiohttp.UnixConnector(path=self.where.admin_socket)
         return aiohttp.ClientSession(connector=connector, headers=headers)
 
@@ -97,8 +107,9 @@ async def _front(agent_url: str, cfg: MiddlewareConfig | None = None):
         written.extend(trajs)
         return ["memory"]
 
-    mw = Middleware(cfg or MiddlewareConfig(port=0), client, ChatRenderer(TOK), sink,
-                    tokenizer_name="byte")  # fmt: skip
+    mw = Middleware(
+        cfg or MiddlewareConfig(port=0), client, ChatRenderer(TOK), sink, tokenizer_name="byte"
+    )
     return mw, client, written
 
 
@@ -110,8 +121,9 @@ async def real():
     from serving.server import background_server
 
     model = Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(0))
-    engine = Engine(model, TOK, EngineConfig(num_slots=8, max_seq_len=1024, prefill_chunk=64,
-                                             prefill_batch=4))  # fmt: skip
+    engine = Engine(
+        model, TOK, EngineConfig(num_slots=8, max_seq_len=1024, prefill_chunk=64, prefill_batch=4)
+    )
     cfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
     async with background_server(engine, TOK, cfg, start_timeout_s=180) as agent_url:
         mw, client, written = await _front(agent_url)
@@ -126,24 +138,34 @@ async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
     async def harness(rollout: str, stream: bool) -> None:
         c = real.anthropic(rollout)
         first = [{"role": "user", "content": f"task {rollout}: list the files"}]
-        m1 = await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
-                                     tools=[BASH], messages=first)  # fmt: skip
+        m1 = await c.messages.create(
+            model="tiny", max_tokens=12, system="You are terse.", tools=[BASH], messages=first
+        )
         assert m1.stop_reason in ("end_turn", "max_tokens") and m1.usage.output_tokens >= 1
-        history = [*first, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
-                                                             for b in m1.content]},
-                   {"role": "user", "content": "go on"}]  # fmt: skip
+        history = [
+            *first,
+            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+            {"role": "user", "content": "go on"},
+        ]
         if stream:
-            async with c.messages.stream(model="tiny", max_tokens=12, system="You are terse.",
-                                         tools=[BASH], messages=history) as s:  # fmt: skip
+            async with c.messages.stream(
+                model="tiny", max_tokens=12, system="You are terse.", tools=[BASH], messages=history
+            ) as s:
                 m2 = await s.get_final_message()
         else:
-            m2 = await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
-                                         tools=[BASH], messages=history)  # fmt: skip
+            m2 = await c.messages.create(
+                model="tiny", max_tokens=12, system="You are terse.", tools=[BASH], messages=history
+            )
         assert m2.usage.input_tokens > m1.usage.input_tokens
         if rollout.endswith("-0"):  # the harness compacts: one summary message instead
             compacted = [{"role": "user", "content": "summary of the task so far"}]
-            await c.messages.create(model="tiny", max_tokens=12, system="You are terse.",
-                                    tools=[BASH], messages=compacted)  # fmt: skip
+            await c.messages.create(
+                model="tiny",
+                max_tokens=12,
+                system="You are terse.",
+                tools=[BASH],
+                messages=compacted,
+            )
         await c.close()
 
     names = [f"rollout-{i}" for i in range(4)]
@@ -175,16 +197,25 @@ async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
 
 async def test_openai_client_streamed_and_not_over_the_real_server(real):
     c = real.openai("oa-1")
-    r = await c.chat.completions.create(model="tiny", max_tokens=10, tools=[OPENAI_BASH],
-                                        messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    r = await c.chat.completions.create(
+        model="tiny",
+        max_tokens=10,
+        tools=[OPENAI_BASH],
+        messages=[{"role": "user", "content": "hi"}],
+    )
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
     stream = await c.chat.completions.create(
-        model="tiny", max_tokens=10, stream=True, stream_options={"include_usage": True},
+        model="tiny",
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
         tools=[OPENAI_BASH],
-        messages=[{"role": "user", "content": "hi"},
-                  {"role": "assistant", "content": r.choices[0].message.content},
-                  {"role": "user", "content": "more"}],
-    )  # fmt: skip
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ],
+    )
     chunks = [ch async for ch in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens >= 1
@@ -210,9 +241,14 @@ async def test_a_harness_that_disconnects_aborts_the_generation(real):
         gate = StepGate(engine, mp)
         try:
             async with aiohttp.ClientSession() as http:
-                post = asyncio.create_task(http.post(
-                    f"{real.url}/v1/messages", json=body, headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=0.5)))  # fmt: skip
+                post = asyncio.create_task(
+                    http.post(
+                        f"{real.url}/v1/messages",
+                        json=body,
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=0.5),
+                    )
+                )
                 await gate.engine_waits()  # the engine holds the request before a step ...
                 with pytest.raises(asyncio.TimeoutError):  # ... until the harness gave up
                     await post
@@ -242,34 +278,51 @@ async def test_count_tokens_counts_what_a_new_segment_would_render(real):
 async def test_errors_come_back_in_each_apis_shape(real):
     c = real.anthropic("bad-1")
     with pytest.raises(anthropic.BadRequestError, match="image"):
-        await c.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                         "data": "AAAA"}}]}])  # fmt: skip
+        await c.messages.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"},
+                        }
+                    ],
+                }
+            ],
+        )
     with pytest.raises(anthropic.AuthenticationError, match="names the rollout"):
         await real.anthropic("no spaces allowed").messages.create(
-            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}])  # fmt: skip
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        )
     # longer than the agent server's context (its /v1/models says 1024): named, in the phrase
     # clients read as "too long" (litellm stops instead of retrying)
     with pytest.raises(anthropic.BadRequestError, match="maximum context length is 1024"):
-        await c.messages.create(model="tiny", max_tokens=4,
-                                messages=[{"role": "user", "content": "y" * 1500}])  # fmt: skip
+        await c.messages.create(
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "y" * 1500}]
+        )
     # more max_tokens than fit (Claude Code asks for 64,000): clamped to what is left
-    async with c.messages.stream(model="tiny", max_tokens=64_000,
-                                 messages=[{"role": "user", "content": "z"}]) as s:  # fmt: skip
+    async with c.messages.stream(
+        model="tiny", max_tokens=64_000, messages=[{"role": "user", "content": "z"}]
+    ) as s:
         m = await s.get_final_message()
     assert m.usage.input_tokens + m.usage.output_tokens <= 1024
     o = real.openai("bad-2")
     with pytest.raises(openai.BadRequestError, match="n=3"):
-        await o.chat.completions.create(model="tiny", n=3,
-                                        messages=[{"role": "user", "content": "x"}])  # fmt: skip
+        await o.chat.completions.create(
+            model="tiny", n=3, messages=[{"role": "user", "content": "x"}]
+        )
     async with real.admin() as http:
         async with http.post(f"{ADMIN}/rollouts/never/finish", json={"reward": 1}) as r:
             assert r.status == 404 and "never" in (await r.json())["error"]["message"]
         async with http.post(f"{ADMIN}/rollouts/bad-1/finish", json={"status": "ok"}) as r:
             assert r.status == 400 and "reward is required" in (await r.json())["error"]["message"]
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{real.url}/v1/messages", data=b"{nope",
-                             headers={"x-api-key": "bad-3"}) as r:  # fmt: skip
+        async with http.post(
+            f"{real.url}/v1/messages", data=b"{nope", headers={"x-api-key": "bad-3"}
+        ) as r:
             err = await r.json()
             assert r.status == 400 and err["type"] == "error"
             assert err["error"]["type"] == "invalid_request_error"
@@ -280,8 +333,9 @@ async def test_errors_come_back_in_each_apis_shape(real):
 
 
 async def _raw(http: aiohttp.ClientSession, url: str, data: bytes | str, **headers) -> tuple:
-    async with http.post(url, data=data, headers={"Content-Type": "application/json",
-                                                  **headers}) as r:  # fmt: skip
+    async with http.post(
+        url, data=data, headers={"Content-Type": "application/json", **headers}
+    ) as r:
         assert r.content_type == "application/json", await r.text()  # never plain text
         return r.status, await r.json()
 
@@ -303,9 +357,12 @@ async def test_hostile_input_gets_a_4xx_in_the_apis_shape_never_a_plain_500(real
         status, err = await _raw(http, oai, lone, Authorization="Bearer hostile-2")
         assert status == 400 and err["error"]["code"] == 400  # OpenAI's shape
         assert "lone surrogate (\\ud800)" in err["error"]["message"]
-        status, err = await _raw(http, anth, '{"max_tokens": 4, "temperature": NaN, '
-                                             '"messages": [{"role": "user", "content": "x"}]}',
-                                 **key)  # fmt: skip
+        status, err = await _raw(
+            http,
+            anth,
+            '{"max_tokens": 4, "temperature": NaN, "messages": [{"role": "user", "content": "x"}]}',
+            **key,
+        )
         assert status == 400 and "NaN is not a JSON value" in err["error"]["message"]
         body = {"max_tokens": 4, "top_k": 1e999, "messages": [user]}  # inf: int(inf) raised
         status, err = await _raw(http, anth, json.dumps(body).replace("Infinity", "1e999"), **key)
@@ -316,8 +373,9 @@ async def test_hostile_input_gets_a_4xx_in_the_apis_shape_never_a_plain_500(real
             assert r.status == 404 and "nowhere" in (await r.json())["error"]["message"]
     async with real.admin() as http:
         for reward in ("NaN", "Infinity", "-Infinity", "1e999"):
-            status, err = await _raw(http, f"{ADMIN}/rollouts/any/finish",
-                                     f'{{"reward": {reward}}}')  # fmt: skip
+            status, err = await _raw(
+                http, f"{ADMIN}/rollouts/any/finish", f'{{"reward": {reward}}}'
+            )
             message = err["error"]["message"]
             assert status == 400 and reward.strip("-") in message or "reward=inf" in message, err
     c = real.anthropic("hostile-3")
@@ -325,11 +383,13 @@ async def test_hostile_input_gets_a_4xx_in_the_apis_shape_never_a_plain_500(real
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.role='system'.*top-level"):
         await c.messages.create(model="tiny", max_tokens=4, messages=system_msg)
     with pytest.raises(anthropic.BadRequestError, match="stop is a parameter of the OpenAI"):
-        await c.messages.create(model="tiny", max_tokens=4, messages=[user],
-                                extra_body={"stop": ["x"]})  # fmt: skip
+        await c.messages.create(
+            model="tiny", max_tokens=4, messages=[user], extra_body={"stop": ["x"]}
+        )
     with pytest.raises(openai.BadRequestError, match="top_k is a parameter of the Anthropic"):
         await real.openai("hostile-4").chat.completions.create(
-            model="tiny", messages=[user], extra_body={"top_k": 5})  # fmt: skip
+            model="tiny", messages=[user], extra_body={"top_k": 5}
+        )
     await c.close()
     assert not {f"hostile-{i}" for i in range(1, 5)} & set(real.middleware.rollouts)
 
@@ -342,8 +402,9 @@ async def test_an_unexpected_exception_is_a_json_500_in_the_apis_shape(real, cap
     with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.ERROR):
         mp.setattr(real.middleware, "_parse", boom)
         with pytest.raises(anthropic.InternalServerError, match="KeyError") as e:
-            await real.anthropic("boom-1").messages.create(model="tiny", max_tokens=4,
-                                                            messages=msgs)  # fmt: skip
+            await real.anthropic("boom-1").messages.create(
+                model="tiny", max_tokens=4, messages=msgs
+            )
         assert e.value.body["error"]["type"] == "api_error"
         with pytest.raises(openai.InternalServerError, match="KeyError"):
             await real.openai("boom-2").chat.completions.create(model="tiny", messages=msgs)
@@ -363,17 +424,28 @@ async def test_admin_routes_live_on_the_admin_socket_behind_its_token(real, capl
     # The API listener (what a harness reaches) serves no /rollouts route at all.
     with caplog.at_level(logging.WARNING, logger="serving.middleware.app"):
         async with aiohttp.ClientSession() as http:
-            for method, path in [("POST", "/rollouts/self-grader/finish"), ("GET", "/rollouts"),
-                                 ("GET", "/rollouts/self-grader")]:  # fmt: skip
-                async with http.request(method, f"{real.url}{path}", json={"reward": 1.0},
-                                        headers={"x-api-key": "self-grader"}) as r:  # fmt: skip
+            for method, path in [
+                ("POST", "/rollouts/self-grader/finish"),
+                ("GET", "/rollouts"),
+                ("GET", "/rollouts/self-grader"),
+            ]:
+                async with http.request(
+                    method,
+                    f"{real.url}{path}",
+                    json={"reward": 1.0},
+                    headers={"x-api-key": "self-grader"},
+                ) as r:
                     err = await r.json()
                     assert r.status == 404 and err["type"] == "error", err  # Anthropic's shape
                     assert "not served here" in err["error"]["message"]
-    assert "refused POST /rollouts/self-grader/finish on the API listener (API key " \
-           "'self-grader'" in caplog.text  # fmt: skip
-    assert await real.metric(
-        'simloop_middleware_refused_finishes_total{listener="api"}') == refused + 3  # fmt: skip
+    assert (
+        "refused POST /rollouts/self-grader/finish on the API listener (API key "
+        "'self-grader'" in caplog.text
+    )
+    assert (
+        await real.metric('simloop_middleware_refused_finishes_total{listener="api"}')
+        == refused + 3
+    )
     # The admin listener: no token or a wrong one is a 401 (logged, counted) ...
     for token in (None, "self-grader", where.admin_token + "x"):
         async with real.admin(token) as http:
@@ -424,15 +496,27 @@ class Scripted:
             await self.gate.wait()
         ids = TOK.encode_text(self.replies.pop(0)) + [EOS]
         n = len(ids)
-        return web.json_response({
-            "id": "cmpl-1", "object": "text_completion", "model": "scripted",
-            "choices": [{"index": 0, "text": TOK.decode(ids[:-1]), "token_ids": ids,
-                         "prompt_token_ids": body["prompt"], "token_versions": [7] * n,
-                         "logprobs": {"token_logprobs": [-0.25] * n, "top_logprobs": [{}] * n},
-                         "finish_reason": "stop", "stop_reason": None}],
-            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n},
-            "weight_version": 7,
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": "scripted",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": TOK.decode(ids[:-1]),
+                        "token_ids": ids,
+                        "prompt_token_ids": body["prompt"],
+                        "token_versions": [7] * n,
+                        "logprobs": {"token_logprobs": [-0.25] * n, "top_logprobs": [{}] * n},
+                        "finish_reason": "stop",
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n},
+                "weight_version": 7,
+            }
+        )
 
 
 @contextlib.asynccontextmanager
@@ -471,10 +555,16 @@ async def test_anthropic_tool_use_round_trip(scripted):
     assert m1.content[0].text == "Let me look."
     use = m1.content[1]
     assert (use.name, use.input) == ("bash", {"cmd": "ls -l"}) and use.id.startswith("toolu_")
-    history = [*first, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
-                                                         for b in m1.content]},
-               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                             "content": "-rw-r--r-- 1 a.txt"}]}]  # fmt: skip
+    history = [
+        *first,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "-rw-r--r-- 1 a.txt"}
+            ],
+        },
+    ]
     async with c.messages.stream(model="m", max_tokens=64, tools=[BASH], messages=history) as s:
         m2 = await s.get_final_message()
     assert m2.stop_reason == "end_turn" and m2.content[0].text == "There is one file."
@@ -493,7 +583,9 @@ async def test_anthropic_tool_use_round_trip(scripted):
     assert result["plans"] == {"new": 1, "extend": 1, "retry": 0}
     (traj,) = scripted.written
     assert [t.token_span[1] - t.token_span[0] for t in traj.turns] == [
-        len(first_out.token_ids), len(scripted.client.calls[1][1].token_ids)]  # fmt: skip
+        len(first_out.token_ids),
+        len(scripted.client.calls[1][1].token_ids),
+    ]
     assert set(traj.policy_version) == {None, 7}
     assert traj.turns[0].env_messages == [{"role": "tool", "content": "-rw-r--r-- 1 a.txt"}]
 
@@ -501,8 +593,9 @@ async def test_anthropic_tool_use_round_trip(scripted):
 async def test_openai_tool_calls_streamed_round_trip(scripted):
     c = scripted.openai("tools-o")
     first = [{"role": "user", "content": "what is here?"}]
-    stream = await c.chat.completions.create(model="m", tools=[OPENAI_BASH], messages=first,
-                                             stream=True)  # fmt: skip
+    stream = await c.chat.completions.create(
+        model="m", tools=[OPENAI_BASH], messages=first, stream=True
+    )
     calls: dict[int, dict] = {}
     text, finish = "", None
     async for chunk in stream:
@@ -516,11 +609,21 @@ async def test_openai_tool_calls_streamed_round_trip(scripted):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and text == "Let me look."
     assert calls[0]["name"] == "bash" and json.loads(calls[0]["arguments"]) == {"cmd": "ls -l"}
-    history = [*first,
-               {"role": "assistant", "content": text, "tool_calls": [
-                   {"id": calls[0]["id"], "type": "function",
-                    "function": {"name": "bash", "arguments": calls[0]["arguments"]}}]},
-               {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
+    history = [
+        *first,
+        {
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [
+                {
+                    "id": calls[0]["id"],
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": calls[0]["arguments"]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"},
+    ]
     r = await c.chat.completions.create(model="m", tools=[OPENAI_BASH], messages=history)
     assert r.choices[0].message.content == "There is one file."
     assert r.choices[0].finish_reason == "stop"
@@ -547,13 +650,14 @@ async def test_open_rollouts_and_waiting_requests_are_capped_and_refusals_keep_n
         gate.set()
         assert (await first).content[0].text == "one"
         assert await front.metric('simloop_middleware_refused_total{reason="max_rollouts"}') == 1
-        assert await front.metric(
-            'simloop_middleware_refused_total{reason="max_waiting_requests"}') == 1  # fmt: skip
+        assert (
+            await front.metric('simloop_middleware_refused_total{reason="max_waiting_requests"}')
+            == 1
+        )
         assert await front.metric("simloop_middleware_rollouts_open") == 1
         await front.finish("cap-a", reward=1.0)
         assert front.middleware.rollouts == {}
-        assert await front.metric(
-            'simloop_middleware_rollouts_finished_total{status="ok"}') == 1  # fmt: skip
+        assert await front.metric('simloop_middleware_rollouts_finished_total{status="ok"}') == 1
         m = await b.messages.create(model="m", max_tokens=8, messages=msgs)
         assert m.content[0].text == "two"  # room again
         for c in (a, b, a2):
@@ -567,8 +671,9 @@ async def test_the_admin_listener_on_tcp_still_needs_its_token():
         assert where.admin_socket is None and where.admin_url.startswith("http://127.0.0.1:")
         assert where.admin_url != front.url and where.admin_token == "configured-secret"
         c = front.anthropic("tcp-1")
-        await c.messages.create(model="m", max_tokens=8,
-                                messages=[{"role": "user", "content": "x"}])  # fmt: skip
+        await c.messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+        )
         await c.close()
         finish = f"{where.admin_url}/rollouts/tcp-1/finish"
         token = {"Authorization": "Bearer configured-secret"}

@@ -35,8 +35,9 @@ SMALL = ["--serve.engine.num_slots", "4", "--serve.engine.max_seq_len", "1024"]
 def test_dry_run_lists_the_agent_server(tmp_path):
     cmd = [SIMLOOP, "middleware", "--config", "configs/demo_cpu.yaml", "--out", str(tmp_path),
            "--dry-run", "--format", "json"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=user_env(), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=user_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     processes = json.loads(proc.stdout)["processes"]
     assert [p["role"] for p in processes] == ["agent_serve", "middleware"]
@@ -66,8 +67,14 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
     out = tmp_path / "mw"
     cmd = [SIMLOOP, "middleware", "--config", "configs/demo_cpu.yaml", "--out", str(out),
            "--middleware.port", str(port), *SMALL]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=user_env(cheap_compile=True), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=user_env(cheap_compile=True),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
     seen: list[str] = []
@@ -80,16 +87,18 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
                 break
         url = f"http://127.0.0.1:{port}"
         client = anthropic.Anthropic(base_url=url, api_key="job-1", max_retries=0)
-        m = client.messages.create(model="tiny", max_tokens=8,
-                                   messages=[{"role": "user", "content": "ls"}])  # fmt: skip
+        m = client.messages.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": "ls"}]
+        )
         assert m.usage.output_tokens >= 1
         left = anthropic.Anthropic(base_url=url, api_key="job-2", max_retries=0)
         left.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "x"}]
         )
         # the API listener, where harnesses talk, does not finish rollouts
-        request = urllib.request.Request(f"{url}/rollouts/job-1/finish", method="POST",
-                                         data=json.dumps({"reward": 1.0}).encode())  # fmt: skip
+        request = urllib.request.Request(
+            f"{url}/rollouts/job-1/finish", method="POST", data=json.dumps({"reward": 1.0}).encode()
+        )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=60)
         assert refused.value.code == 404
@@ -108,8 +117,12 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
         admin.request("POST", "/rollouts/job-1/finish", body=json.dumps({"reward": 1.0}))
         assert admin.getresponse().status == 401  # no token
         admin = UnixHTTPConnection(note["socket"])
-        admin.request("POST", "/rollouts/job-1/finish", body=json.dumps({"reward": 1.0}),
-                      headers={"Authorization": f"Bearer {note['token']}"})  # fmt: skip
+        admin.request(
+            "POST",
+            "/rollouts/job-1/finish",
+            body=json.dumps({"reward": 1.0}),
+            headers={"Authorization": f"Bearer {note['token']}"},
+        )
         answer = admin.getresponse()
         finished = json.loads(answer.read())
         assert answer.status == 200 and finished["trajectories"] == 1 and finished["paths"]
@@ -121,11 +134,14 @@ def test_middleware_job_serves_and_writes_trajectories(tmp_path):
     assert code == 0, "".join(seen)[-3000:]
     assert "1 of them unfinished" in "".join(seen)
     assert not (out / "middleware-admin.json").exists()  # the secret goes with the run
-    trajs = [t for p in sorted((out / "trajectories").glob("middleware-*.jsonl"))
-             for t in read_jsonl(p)]  # fmt: skip
+    trajs = [
+        t for p in sorted((out / "trajectories").glob("middleware-*.jsonl")) for t in read_jsonl(p)
+    ]
     assert {(t.rollout_id, t.status) for t in trajs} == {("job-1", "ok"), ("job-2", "aborted")}
     done = next(t for t in trajs if t.rollout_id == "job-1")
     assert done.reward == 1.0 and sum(done.loss_mask) == m.usage.output_tokens
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["rollout_id"] for r in records if r.get("stage") == "middleware") == [
-        "job-1", "job-2"]  # fmt: skip
+        "job-1",
+        "job-2",
+    ]

@@ -59,10 +59,18 @@ def data(tmp_path_factory) -> Path:
                 command=f"printf '%s' {w} | wc -c",
                 observation=f"{len(w)}\n",
                 exit_code=0,
-            ),  # fmt: skip
+            ),
         ]
-        trajs.append(Trajectory(task_id=f"mh-{i}", arm="real", env_backend="local",
-                                status="ok", reward=0.0, turns=turns))  # fmt: skip
+        trajs.append(
+            Trajectory(
+                task_id=f"mh-{i}",
+                arm="real",
+                env_backend="local",
+                status="ok",
+                reward=0.0,
+                turns=turns,
+            )
+        )
     write_jsonl(out, trajs)
     return out
 
@@ -87,8 +95,9 @@ def train_sim(out: Path, data: Path, *, processes: int, steps: int) -> list[str]
 
 
 def run(cmd: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -127,8 +136,9 @@ def test_two_processes_train_as_one_process_over_the_same_devices(data, tmp_path
 def test_a_killed_process_ends_the_job_and_the_rerun_resumes(data, tmp_path):
     out, steps = tmp_path / "run", 10
     cmd = train_sim(out, data, processes=2, steps=steps)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 300
         ckpts = out / "checkpoints"
@@ -202,7 +212,10 @@ def test_rl_with_two_processes_runs_each_episode_once_and_publishes_each_version
     assert all("publish_load_s" in r for r in rl)
     # The agent server loaded versions 1 (the start), 2 and 3, each once.
     log = (two / "logs" / "agent-server.log").read_text()
-    served = [int(x.split("serving weights version ")[1].split()[0])
-              for x in log.splitlines() if "serving weights version" in x]  # fmt: skip
+    served = [
+        int(x.split("serving weights version ")[1].split()[0])
+        for x in log.splitlines()
+        if "serving weights version" in x
+    ]
     assert served == [1, 2, 3]
     assert "simloop train-agent:" in log1.read_text()

@@ -25,8 +25,9 @@ def test_the_gke_v6e_32_config_rehearses_every_pod_on_cpu(tmp_path):
     out = tmp_path / "rehearse"
     cmd = [sys.executable, "-m", "launch", "rehearse", "--config",
            str(ROOT / "configs" / "gke-v6e-32.yaml"), "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=900
+    )
     logs = "".join(p.read_text()[-1500:] for p in sorted((out / "pods").glob("*.log")))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + logs
     summary = json.loads((out / "rehearse.json").read_text())
@@ -40,7 +41,9 @@ def test_the_gke_v6e_32_config_rehearses_every_pod_on_cpu(tmp_path):
         text = (out / "pods" / f"host-{i}.log").read_text()
         for role, rank, n, coord in re.findall(
             r"host \d+: (\w+) \[train\] rank \d+, chips [\d,]+, process (\d+) of (\d+), "
-            r"coordinator (\S+)", text):  # fmt: skip
+            r"coordinator (\S+)",
+            text,
+        ):
             jobs.setdefault(role, set()).add((int(rank), int(n), coord))
     assert {r for r, _, _ in jobs["policy_train"]} == {0, 1, 2, 3}
     assert {r for r, _, _ in jobs["sim_train"]} == {0, 1}

@@ -62,16 +62,21 @@ def _config(port: int, tasks: int, *more: str) -> SimloopConfig:
 
 
 async def _rpc_version(client) -> list:
-    body, _ = await client.request("POST", "/collective_rpc",
-                                   json_body={"method": "simloop_weight_version"})  # fmt: skip
+    body, _ = await client.request(
+        "POST", "/collective_rpc", json_body={"method": "simloop_weight_version"}
+    )
     return [r["version"] for r in body["results"]]
 
 
 async def _completions_served(client) -> int:
     text, _ = await client.request("GET", "/metrics")
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith("simloop_requests_total") and '"/v1/completions"' in line
-               and 'status="200"' in line)  # fmt: skip
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("simloop_requests_total")
+        and '"/v1/completions"' in line
+        and 'status="200"' in line
+    )
 
 
 async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_the_version(
@@ -97,8 +102,14 @@ async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_th
 
             # Round 1: SIGKILL replica 0 while both replicas have requests in flight.
             writer = TrajectoryWriter(out)
-            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, job_backends(cfg),
-                                   client=pool, sinks=(writer.add,))  # fmt: skip
+            runner = RolloutRunner(
+                ocfg,
+                cfg.env.terminal,
+                renderer,
+                job_backends(cfg),
+                client=pool,
+                sinks=(writer.add,),
+            )
             rollout = asyncio.create_task(runner.run(tasks), name="round-1")
             both_busy = lambda: doomed.in_flight > 0 and keep.in_flight > 0  # noqa: E731
             assert await wait_until(lambda: both_busy() or rollout.done(), timeout_s=60)
@@ -127,8 +138,7 @@ async def test_a_killed_agent_replica_aborts_only_its_episodes_and_returns_at_th
             assert stats["restarts"] == 1 and stats["ejections"] == 1, stats
 
             # Round 2: the readmitted replica takes new episodes.
-            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, job_backends(cfg),
-                                   client=pool)  # fmt: skip
+            runner = RolloutRunner(ocfg, cfg.env.terminal, renderer, job_backends(cfg), client=pool)
             again = await runner.run(tasks)
             assert {t.status for t in again} <= {"ok", "truncated"}
             assert await _completions_served(doomed.client) > 0

@@ -57,17 +57,26 @@ async def test_sigkilled_rollout_leaves_only_whole_valid_records(tmp_path):
         if any(t.instruction in text for t in tasks if t.id in held):
             await asyncio.Event().wait()  # in flight until the job dies
         out = await agent.complete(body["prompt"], max_tokens=body["max_tokens"])
-        choice = {"index": 0, "text": out.text, "token_ids": out.token_ids,
-                  "finish_reason": out.finish_reason, "token_versions": out.token_versions,
-                  "logprobs": {"token_logprobs": out.logprobs}}  # fmt: skip
+        choice = {
+            "index": 0,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "token_versions": out.token_versions,
+            "logprobs": {"token_logprobs": out.logprobs},
+        }
         return web.json_response({"choices": [choice], "weight_version": out.weight_version})
 
     async def simulate(request):
         text = agent.tok.decode((await request.json())["prompt"])
         command = text.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
         obs = format_observation(command.strip()[-20:], 0)
-        choice = {"index": 0, "text": obs, "token_ids": agent.tok.encode(obs),
-                  "finish_reason": "stop"}  # fmt: skip
+        choice = {
+            "index": 0,
+            "text": obs,
+            "token_ids": agent.tok.encode(obs),
+            "finish_reason": "stop",
+        }
         return web.json_response({"choices": [choice]})
 
     servers = [
@@ -80,10 +89,22 @@ async def test_sigkilled_rollout_leaves_only_whole_valid_records(tmp_path):
     log = tmp_path / "rollout.log"
     with open(log, "wb") as sink:
         proc = await asyncio.create_subprocess_exec(
-            SIMLOOP, "rollout", "--config", "configs/demo_cpu.yaml", "--out", str(out),
-            "--agent.server_url", agent_url, "--simulator.server_url", sim_url, *ARGS,
-            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            SIMLOOP,
+            "rollout",
+            "--config",
+            "configs/demo_cpu.yaml",
+            "--out",
+            str(out),
+            "--agent.server_url",
+            agent_url,
+            "--simulator.server_url",
+            sim_url,
+            *ARGS,
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     shards = out / "trajectories"
     try:
         # Killed once every episode that can finish is on disk (the others are in flight).

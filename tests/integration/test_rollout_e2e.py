@@ -66,8 +66,14 @@ def _rollout(out: Path, servers, *extra: str) -> list:
 def test_32_episodes_per_arm_all_validate(servers, tmp_path):
     real = _rollout(tmp_path / "real", servers, "--orchestrator.arm", "real")
     closed = _rollout(tmp_path / "closed", servers, "--orchestrator.arm", "closed_loop")
-    replay = _rollout(tmp_path / "replay", servers, "--orchestrator.arm", "replay",
-                      "--replay", str(tmp_path / "real" / "trajectories"))  # fmt: skip
+    replay = _rollout(
+        tmp_path / "replay",
+        servers,
+        "--orchestrator.arm",
+        "replay",
+        "--replay",
+        str(tmp_path / "real" / "trajectories"),
+    )
     assert len(real) == len(closed) == len(replay) == 32
     assert {t.env_backend for t in real} == {"local"}
     assert {t.env_backend for t in closed} == {"simulated"}
@@ -87,18 +93,22 @@ async def test_killed_agent_server_fails_in_flight_episodes_then_the_run_recover
     args = ["--port", str(port)]
     server = await asyncio.to_thread(LocalServer.start, "agent", tmp_path, extra_args=args)
     tasks = generate_textops(TextopsConfig(num_tasks=16, seed=5))
-    ocfg = OrchestratorConfig(arm="real", batch_size=8, max_staleness=0,
-                              max_tokens_per_turn=48, request_timeout_s=30)  # fmt: skip
+    ocfg = OrchestratorConfig(
+        arm="real", batch_size=8, max_staleness=0, max_tokens_per_turn=48, request_timeout_s=30
+    )
     admission = AdmissionController(ocfg.batch_size, ocfg.max_staleness)
     delivered = []
     client_cfg = ClientConfig(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.1)
     async with InferenceClient(client_cfg) as client:
         runner = RolloutRunner(
-            ocfg, TerminalConfig(max_turns=3, max_format_errors=3),
+            ocfg,
+            TerminalConfig(max_turns=3, max_format_errors=3),
             ChatRenderer(ByteTokenizer()),
             Backends(real=lambda task: LocalShell(LocalShellConfig(), setup=task.setup)),
-            client=client, admission=admission, sinks=(delivered.append,),
-        )  # fmt: skip
+            client=client,
+            admission=admission,
+            sinks=(delivered.append,),
+        )
         job = asyncio.create_task(runner.run(tasks), name="rollout")
         assert await wait_until(lambda: runner.metrics.active == 8, 120), "8 in flight"
         await asyncio.sleep(0.2)
@@ -142,10 +152,11 @@ async def test_token_in_token_out_against_a_real_server(servers):
         rec = Recording(client)
         runner = RolloutRunner(
             OrchestratorConfig(arm="real", max_tokens_per_turn=48),
-            TerminalConfig(max_turns=3, max_format_errors=3), renderer,
+            TerminalConfig(max_turns=3, max_format_errors=3),
+            renderer,
             Backends(real=lambda task: LocalShell(LocalShellConfig(), setup=task.setup)),
             client=rec,
-        )  # fmt: skip
+        )
         trajs = await runner.run(tasks)
     replies = {tuple(p): g for p, g in rec.seen}
     for t in trajs:

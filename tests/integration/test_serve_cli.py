@@ -63,8 +63,9 @@ def test_simloop_serve_answers_and_stops_on_sigterm(tmp_path):
         assert "'tiny'" in line and "4 slots" in line
         url = match.group(1)
 
-        status, out = _request(f"{url}/v1/completions",
-                               {"prompt": "ls", "max_tokens": 5, "ignore_eos": True})  # fmt: skip
+        status, out = _request(
+            f"{url}/v1/completions", {"prompt": "ls", "max_tokens": 5, "ignore_eos": True}
+        )
         assert status == 200, out
         assert out["model"] == "tiny" and out["usage"]["completion_tokens"] == 5
         assert out["choices"][0]["finish_reason"] == "length"

@@ -62,8 +62,9 @@ async def client(server_url):
 async def test_simulated_shell_talks_to_a_real_server(client):
     cfg = SimulatedShellConfig(max_tokens=24, temperature=1.0, seed=3)
     renderer = ChatRenderer(ByteTokenizer())
-    async with SimulatedShell(client, task_instruction="Reverse 'abc'.", config=cfg,
-                              renderer=renderer) as shell:  # fmt: skip
+    async with SimulatedShell(
+        client, task_instruction="Reverse 'abc'.", config=cfg, renderer=renderer
+    ) as shell:
         first = await shell.run("echo abc | rev", timeout_s=5)
         second = await shell.run("ls -la", timeout_s=5)
     for obs in (first, second):
@@ -75,8 +76,9 @@ async def test_simulated_shell_talks_to_a_real_server(client):
     assert second.info["prompt_tokens"] > first.info["prompt_tokens"]
 
     # Same seed, same session -> the same simulated observations (seeded per turn).
-    async with SimulatedShell(client, task_instruction="Reverse 'abc'.", config=cfg,
-                              renderer=renderer) as again:  # fmt: skip
+    async with SimulatedShell(
+        client, task_instruction="Reverse 'abc'.", config=cfg, renderer=renderer
+    ) as again:
         assert (await again.run("echo abc | rev", timeout_s=5)).output == first.output
 
     # Turn 2 extended turn 1's prompt: the server reused cached KV instead of re-prefilling.
@@ -98,8 +100,13 @@ COMMANDS = ["echo abc | rev", "ls -la", "cat input.txt", "wc -c input.txt", "pwd
 
 async def _episode(client, cfg: SimulatedShellConfig) -> tuple[list[Observation], SimulatedShell]:
     renderer = ChatRenderer(ByteTokenizer())
-    shell = SimulatedShell(client, task_instruction="t", config=cfg, renderer=renderer,
-                           setup=TaskSetup(files={"input.txt": "hello\n"}))  # fmt: skip
+    shell = SimulatedShell(
+        client,
+        task_instruction="t",
+        config=cfg,
+        renderer=renderer,
+        setup=TaskSetup(files={"input.txt": "hello\n"}),
+    )
     async with shell:
         return [await shell.run(c, timeout_s=5) for c in COMMANDS], shell
 
@@ -108,8 +115,9 @@ async def _episode(client, cfg: SimulatedShellConfig) -> tuple[list[Observation]
 async def test_simulator_sessions_give_the_stateless_observations(client):
     # A context that fills up: later prompts drop their oldest turns, so the session must
     # rewind to where the new prompt departs from what it holds (the system prompt).
-    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
-                               system_prompt="", show_task=False)  # fmt: skip
+    cfg = SimulatedShellConfig(
+        max_tokens=24, temperature=0.0, max_context_tokens=300, system_prompt="", show_task=False
+    )
     plain, _ = await _episode(client, cfg)
     cfg_s = dataclasses.replace(cfg, sessions=True)
     via, shell = await _episode(client, cfg_s)
@@ -132,9 +140,15 @@ async def test_simulator_sessions_give_the_stateless_observations(client):
 async def test_a_compacting_simulator_session_runs_past_its_context(client):
     # markovian: the server keeps the prompt and the last turn; the whole history is sent.
     markovian = {"mode": "markovian", "n_protect_turns": 1}
-    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
-                               system_prompt="", show_task=False, sessions=True,
-                               session_compaction=markovian)  # fmt: skip
+    cfg = SimulatedShellConfig(
+        max_tokens=24,
+        temperature=0.0,
+        max_context_tokens=300,
+        system_prompt="",
+        show_task=False,
+        sessions=True,
+        session_compaction=markovian,
+    )
     obs, _ = await _episode(client, cfg)
     assert len(obs) == len(COMMANDS)
     assert not any(o.info.get("history_dropped") for o in obs)  # nothing dropped client-side
@@ -144,33 +158,44 @@ async def test_a_compacting_simulator_session_runs_past_its_context(client):
 
 @pytest.mark.slow
 async def test_a_forgotten_simulator_session_is_opened_again(client):
-    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, system_prompt="",
-                               show_task=False, sessions=True)  # fmt: skip
+    cfg = SimulatedShellConfig(
+        max_tokens=24, temperature=0.0, system_prompt="", show_task=False, sessions=True
+    )
     renderer = ChatRenderer(ByteTokenizer())
-    async with SimulatedShell(client, task_instruction="t", config=cfg,
-                              renderer=renderer) as shell:  # fmt: skip
+    async with SimulatedShell(client, task_instruction="t", config=cfg, renderer=renderer) as shell:
         await shell.run("pwd", timeout_s=5)
         first = shell._session
         await client.close_session(first)  # as a TTL or memory pressure would
         again = await shell.run("ls", timeout_s=5)
         assert shell._session not in (None, first)
         assert again.info["appended_tokens"] == again.info["prompt_tokens"]  # all of it
-    async with SimulatedShell(client, task_instruction="t", config=cfg,
-                              renderer=renderer) as plain:  # fmt: skip
+    async with SimulatedShell(client, task_instruction="t", config=cfg, renderer=renderer) as plain:
         await plain.run("pwd", timeout_s=5)
         assert (await plain.run("ls", timeout_s=5)).output == again.output
 
 
 @pytest.mark.slow
 async def test_a_lost_answer_is_retried_from_the_turn_boundary(client, server_url):
-    cfg = SimulatedShellConfig(max_tokens=24, temperature=0.0, max_context_tokens=300,
-                               system_prompt="", show_task=False, sessions=True)  # fmt: skip
+    cfg = SimulatedShellConfig(
+        max_tokens=24,
+        temperature=0.0,
+        max_context_tokens=300,
+        system_prompt="",
+        show_task=False,
+        sessions=True,
+    )
     plain, _ = await _episode(client, cfg)
-    async with LossyClient(ClientConfig(server_url, timeout_s=60, backoff_s=0.01),
-                           lose={2, 5}) as lossy:  # fmt: skip
+    async with LossyClient(
+        ClientConfig(server_url, timeout_s=60, backoff_s=0.01), lose={2, 5}
+    ) as lossy:
         renderer = ChatRenderer(ByteTokenizer())
-        shell = SimulatedShell(lossy, task_instruction="t", config=cfg, renderer=renderer,
-                               setup=TaskSetup(files={"input.txt": "hello\n"}))  # fmt: skip
+        shell = SimulatedShell(
+            lossy,
+            task_instruction="t",
+            config=cfg,
+            renderer=renderer,
+            setup=TaskSetup(files={"input.txt": "hello\n"}),
+        )
         async with shell:
             via = []
             for command in COMMANDS:

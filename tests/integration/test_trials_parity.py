@@ -34,17 +34,28 @@ async def test_trainer_logprobs_equal_the_servers_over_three_trials(tmp_path):
     cfg, hf, run, args = tiny_agent_serve_args(tmp_path, seed=3, context=CONTEXT)
     renderer = ChatRenderer(ByteTokenizer())
     tasks = generate_textops(TextopsConfig(num_tasks=2, seed=4, from_file_prob=1.0))
-    terminal = TerminalConfig(trials=K, turns_per_trial=1, prompt_template="{instruction}",
-                              format_error_template="Format error: {reason}",
-                              trial_feedback_template="Wrong.{verdict}",
-                              trial_reward="per_trial")  # fmt: skip
-    ocfg = OrchestratorConfig(arm="real", max_context_tokens=CONTEXT, max_tokens_per_turn=32,
-                              group_size=2, max_staleness=None, seed=7)  # fmt: skip
+    terminal = TerminalConfig(
+        trials=K,
+        turns_per_trial=1,
+        prompt_template="{instruction}",
+        format_error_template="Format error: {reason}",
+        trial_feedback_template="Wrong.{verdict}",
+        trial_reward="per_trial",
+    )
+    ocfg = OrchestratorConfig(
+        arm="real",
+        max_context_tokens=CONTEXT,
+        max_tokens_per_turn=32,
+        group_size=2,
+        max_staleness=None,
+        seed=7,
+    )
     with LocalServer.start("agent", run, extra_args=args) as server:
         async with InferenceClient(ClientConfig(server.url, model="agent")) as client:
             backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
-            trajs = await RolloutRunner(ocfg, terminal, renderer, backends,
-                                        client=client).run(tasks)  # fmt: skip
+            trajs = await RolloutRunner(ocfg, terminal, renderer, backends, client=client).run(
+                tasks
+            )
     # An untrained model never submits: every trial ends at its one turn, so each episode
     # holds K trials, K sampled turns and K - 1 feedback messages in one token stream.
     assert len(trajs) == 4
@@ -52,9 +63,15 @@ async def test_trainer_logprobs_equal_the_servers_over_three_trials(tmp_path):
         validate(t)
         assert t.status == "truncated" and len(t.trials) == K and len(t.turns) == K
         assert len({x.workspace_hash for x in t.trials}) == 1
-    trainer = build_trainer(RoleConfig(model=cfg, hf_path=str(hf)), renderer.tokenizer,
-                            optim=OptimConfig(), steps=1, loss="policy",
-                            rules=SimloopConfig().sharding.rules, seed=0)  # fmt: skip
+    trainer = build_trainer(
+        RoleConfig(model=cfg, hf_path=str(hf)),
+        renderer.tokenizer,
+        optim=OptimConfig(),
+        steps=1,
+        loss="policy",
+        rules=SimloopConfig().sharding.rules,
+        seed=0,
+    )
     loss = PolicyLossConfig(truncated_reward=0.0)
     batch, stats = build_rl_batch(trajs, rows=4, seq_len=CONTEXT, cfg=loss, version=0)
     assert stats.used == 4 and stats.truncated_rows == 0

@@ -46,8 +46,9 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
            "--orchestrator.group_size", "2", "--orchestrator.gate.cotrain_every", "1",
            "--orchestrator.gate.cotrain_steps", "1", "--train_agent.steps", "3",
            "--train_agent.warm_start.steps", "120", "--train_agent.eval.tasks", "0"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    done = subprocess.run(
+        cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "vLLM agent server(s)" in done.stdout and "vLLM simulator server(s)" in done.stdout
 
@@ -85,8 +86,11 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
     gates = [r for r in records if r.get("stage") == "gate"]
     assert [r["sim_version"] for r in gates] == [0, 0, 1], gates
     # Real episodes were replayed against version 0, then again against version 1.
-    shadow = [json.loads(line) for f in (out / "trajectories").glob("shadow-*.jsonl")
-              for line in f.read_text().splitlines()]  # fmt: skip
+    shadow = [
+        json.loads(line)
+        for f in (out / "trajectories").glob("shadow-*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     assert {t["meta"]["sim_version"] for t in shadow} == {0, 1}
     # TensorBoard has each operation's live fidelity bound and routing at every policy version
     # that saw it, and the simulator version the router was on.

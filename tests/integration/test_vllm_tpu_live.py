@@ -72,22 +72,40 @@ def test_published_weights_are_the_weights_served(tmp_path):
     ckpt_b = save_params(weights_b, tmp_path / "weights" / "v000002", dtype="bfloat16")
 
     tpu_port = int(os.environ.get("TPU_PROCESS_PORT", "8476")) + 1
-    proc = Proc("agent_serve", (chip,), free_port(), {
-        "TPU_VISIBLE_CHIPS": str(chip), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-        "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_PORT": str(tpu_port),
-        "TPU_PROCESS_ADDRESSES": f"localhost:{tpu_port}", "CLOUD_TPU_TASK_ID": "0",
-        "VLLM_XLA_CACHE_PATH": str(tmp_path / "xla_cache"),
-    })  # fmt: skip
+    proc = Proc(
+        "agent_serve",
+        (chip,),
+        free_port(),
+        {
+            "TPU_VISIBLE_CHIPS": str(chip),
+            "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+            "TPU_PROCESS_BOUNDS": "1,1,1",
+            "TPU_PROCESS_PORT": str(tpu_port),
+            "TPU_PROCESS_ADDRESSES": f"localhost:{tpu_port}",
+            "CLOUD_TPU_TASK_ID": "0",
+            "VLLM_XLA_CACHE_PATH": str(tmp_path / "xla_cache"),
+        },
+    )
     # The server gets its own chip environment, not pytest's (nor conftest's fake CPU devices).
     base_env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("TPU_", "CLOUD_TPU_")) and k != "XLA_FLAGS"
     }
-    vllm_cfg = VllmConfig(max_model_len=256, gpu_memory_utilization=0.3, health_timeout_s=1500.0,
-                          extra_args=["--max-num-seqs", "8"])  # fmt: skip
-    servers = launch_servers([proc], vllm_cfg, {"agent_serve": ServedModel(str(hf_dir), "tiny")},
-                             log_dir=tmp_path / "logs", base_env=base_env, poll_s=5.0)  # fmt: skip
+    vllm_cfg = VllmConfig(
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        health_timeout_s=1500.0,
+        extra_args=["--max-num-seqs", "8"],
+    )
+    servers = launch_servers(
+        [proc],
+        vllm_cfg,
+        {"agent_serve": ServedModel(str(hf_dir), "tiny")},
+        log_dir=tmp_path / "logs",
+        base_env=base_env,
+        poll_s=5.0,
+    )
     try:
         url = servers[0].url
 

@@ -21,9 +21,15 @@ import urllib.request
 
 import anthropic
 
-BASH = {"name": "bash", "description": "run a bash command in the repository",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
-                         "required": ["command"]}}  # fmt: skip
+BASH = {
+    "name": "bash",
+    "description": "run a bash command in the repository",
+    "input_schema": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}},
+        "required": ["command"],
+    },
+}
 
 
 def main() -> None:
@@ -42,9 +48,13 @@ def main() -> None:
     messages = [{"role": "user", "content": pathlib.Path(args.task_file).read_text()}]
     first = None
     for _ in range(args.turns):
-        m = client.messages.create(model="simloop-agent", max_tokens=16, tools=[BASH],
-                                   system="You fix bugs with the bash tool.",
-                                   messages=messages)  # fmt: skip
+        m = client.messages.create(
+            model="simloop-agent",
+            max_tokens=16,
+            tools=[BASH],
+            system="You fix bugs with the bash tool.",
+            messages=messages,
+        )
         if first is None:
             first = "".join(b.text for b in m.content if b.type == "text")
         content = [b.model_dump(exclude_none=True) for b in m.content]
@@ -55,10 +65,16 @@ def main() -> None:
             continue
         results = []
         for use in uses:
-            run = subprocess.run(str(use.input.get("command", "")), shell=True, text=True,
-                                 capture_output=True, timeout=30)  # fmt: skip
-            results.append({"type": "tool_result", "tool_use_id": use.id,
-                            "content": run.stdout + run.stderr})  # fmt: skip
+            run = subprocess.run(
+                str(use.input.get("command", "")),
+                shell=True,
+                text=True,
+                capture_output=True,
+                timeout=30,
+            )
+            results.append(
+                {"type": "tool_result", "tool_use_id": use.id, "content": run.stdout + run.stderr}
+            )
         messages.append({"role": "user", "content": results})
     if args.fix == "clamp" or (args.fix_if_even and len(first or "") % 2 == 0):
         path = pathlib.Path("clamp.py")
@@ -70,11 +86,15 @@ def main() -> None:
 def forge(base_url: str, api_key: str) -> None:
     """Finish this rollout with reward 1.0, as a harness that wants to grade itself would."""
     request = urllib.request.Request(
-        f"{base_url.rstrip('/')}/rollouts/{api_key}/finish", method="POST",
+        f"{base_url.rstrip('/')}/rollouts/{api_key}/finish",
+        method="POST",
         data=json.dumps({"reward": 1.0}).encode(),
-        headers={"Content-Type": "application/json", "x-api-key": api_key,
-                 "Authorization": f"Bearer {api_key}"},
-    )  # fmt: skip
+        headers={
+            "Content-Type": "application/json",
+            "x-api-key": api_key,
+            "Authorization": f"Bearer {api_key}",
+        },
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
             print(f"forged finish: {r.status} {r.read()[:300]!r}")

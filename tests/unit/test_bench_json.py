@@ -46,7 +46,7 @@ def test_write_json_puts_rows_in_the_common_shape_and_keeps_the_detail(tmp_path)
         results.Row("decode tiny B=8", 500.0, 100.0, "tokens/s", ">= 3x"),
         results.Row(
             "64 requests: concurrent vs one at a time", 2.0, 30.0, "s", 10, ratio_of="peer/ours"
-        ),  # fmt: skip
+        ),
         results.Row("overhead per turn", 0.15, None, "ms", "< 0.2 ms"),
         results.Row("max staleness", 2, 0, "versions"),  # a zero peer: no ratio
         results.Row("latency CV", float("nan"), float("inf"), ""),  # JSON has no nan/inf
@@ -88,15 +88,21 @@ def test_json_path_in_a_missing_folder_is_refused_before_the_bench_runs(tmp_path
 
 
 def _run_bench(script: str, *args: str, out: Path) -> dict:
-    done = subprocess.run([sys.executable, f"bench/{script}.py", *args, "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}.py", *args, "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(out.read_text())
 
 
 def test_orchestrator_bench_writes_overhead_and_memory_rows(tmp_path):
-    doc = _run_bench("orchestrator_overhead", "--episodes", "100", "--turns", "3",
-                     out=tmp_path / "orch.json")  # fmt: skip
+    doc = _run_bench(
+        "orchestrator_overhead", "--episodes", "100", "--turns", "3", out=tmp_path / "orch.json"
+    )
     rows = {r["measure"]: r for r in _check_document(doc, "orchestrator_overhead")}
     for n in (1, 64, 100):
         assert rows[f"overhead per turn, {n} in flight"]["unit"] == "ms"
@@ -109,9 +115,21 @@ def test_orchestrator_bench_writes_overhead_and_memory_rows(tmp_path):
 
 
 def test_model_bench_without_a_peer_writes_null_peers(tmp_path):
-    doc = _run_bench("model_forward", "--sizes", "tiny", "--repeats", "1", "--seq", "16",
-                     "--prompt", "4", "--decode-steps", "2", "--no-hf",
-                     out=tmp_path / "model.json")  # fmt: skip
+    doc = _run_bench(
+        "model_forward",
+        "--sizes",
+        "tiny",
+        "--repeats",
+        "1",
+        "--seq",
+        "16",
+        "--prompt",
+        "4",
+        "--decode-steps",
+        "2",
+        "--no-hf",
+        out=tmp_path / "model.json",
+    )
     rows = _check_document(doc, "model_forward")
     assert [r["measure"] for r in rows] == ["forward tiny B=8 T=16", "decode tiny B=8 prompt 4 +2"]
     assert all(r["peer"] is None and r["unit"] == "tokens/s" and r["ours"] > 0 for r in rows)
@@ -119,8 +137,17 @@ def test_model_bench_without_a_peer_writes_null_peers(tmp_path):
 
 
 def test_a_bench_refuses_a_bad_json_path_without_a_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "bench/orchestrator_overhead.py", "--json",
-                           str(tmp_path / "missing" / "o.json")], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/orchestrator_overhead.py",
+            "--json",
+            str(tmp_path / "missing" / "o.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "does not exist" in done.stderr and "Traceback" not in done.stderr

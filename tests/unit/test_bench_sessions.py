@@ -19,8 +19,13 @@ PEERS = ("vs stateless + prefix reuse", "vs re-prefill")
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "sessions.json"
-    done = subprocess.run([sys.executable, "bench/sessions.py", "--quick", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "bench/sessions.py", "--quick", "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -32,12 +37,14 @@ def test_quick_run_writes_rows_against_both_peers(quick):
     for vs in PEERS:
         mine = [r for r in rows if r["measure"].endswith(vs)]
         assert [(m["measure"].split(" (")[0].split(",")[0], m["unit"]) for m in mine] == [
-            ("per-turn latency", "ms"), ("per-turn latency", "ms"),
+            ("per-turn latency", "ms"),
+            ("per-turn latency", "ms"),
             (f"latency drift without compaction: last turns / turns 2-8 {vs}", "x"),
             ("latency added by sessions", "ms"),
-            ("tokens prefilled", "tokens"), ("tokens prefilled beyond those appended", "tokens"),
+            ("tokens prefilled", "tokens"),
+            ("tokens prefilled beyond those appended", "tokens"),
             ("wall time", "s"),
-        ]  # fmt: skip
+        ]
         added = mine[3]
         assert added["ratio_of"] == "ours/peer" and added["target"] == "ratio <= 1.2"
         assert added["ratio"] == added["ours"] / added["peer"]
@@ -108,10 +115,24 @@ def bench(monkeypatch):
 
 
 def test_rounds_pool_turn_by_turn_and_keep_the_worst_extra_prefill(bench):
-    one = {"wall_s": 10.0, "early_ms": 100.0, "late_ms": 150.0, "drift": 1.5, "prefilled": 7,
-           "max_extra_prefill": 1, "turn_ms": [50.0, 100.0], "replies": [[1, 2]]}  # fmt: skip
-    two = one | {"wall_s": 20.0, "early_ms": 300.0, "late_ms": 250.0, "drift": 250 / 300,
-                 "max_extra_prefill": 2, "turn_ms": [150.0, 300.0]}  # fmt: skip
+    one = {
+        "wall_s": 10.0,
+        "early_ms": 100.0,
+        "late_ms": 150.0,
+        "drift": 1.5,
+        "prefilled": 7,
+        "max_extra_prefill": 1,
+        "turn_ms": [50.0, 100.0],
+        "replies": [[1, 2]],
+    }
+    two = one | {
+        "wall_s": 20.0,
+        "early_ms": 300.0,
+        "late_ms": 250.0,
+        "drift": 250 / 300,
+        "max_extra_prefill": 2,
+        "turn_ms": [150.0, 300.0],
+    }
     got = bench.pooled([one, two])
     # (150 + 250) / 2 over (100 + 300) / 2: a ratio of the pooled means, not a mean of ratios
     assert got["drift"] == 200.0 / 200.0 and got["drift_by_run"] == [1.5, 250 / 300]

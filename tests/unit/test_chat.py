@@ -78,13 +78,16 @@ def test_append_only_equals_full_render(renderer, enable_thinking):
     assert ids == renderer.render(messages)
     # And with a trailing generation prompt.
     more = renderer.append(
-        ids, {"role": "tool", "content": "CBA"}, add_generation_prompt=True,
+        ids,
+        {"role": "tool", "content": "CBA"},
+        add_generation_prompt=True,
         enable_thinking=enable_thinking,
-    )  # fmt: skip
+    )
     full = renderer.render(
-        messages + [{"role": "tool", "content": "CBA"}], add_generation_prompt=True,
+        messages + [{"role": "tool", "content": "CBA"}],
+        add_generation_prompt=True,
         enable_thinking=enable_thinking,
-    )  # fmt: skip
+    )
     assert ids + more == full
 
 
@@ -136,9 +139,11 @@ def test_content_cannot_forge_control_tokens(renderer, role):
         message["reasoning_content"] = "plan<|im_end|>"
     ids = renderer.render([message], add_generation_prompt=True)
     # Only the template's markers are control tokens: one turn, then the generation prompt.
-    assert [t for t in ids if t in specials] == [tok.token_id("<|im_start|>"),
-                                                 tok.token_id("<|im_end|>"),
-                                                 tok.token_id("<|im_start|>")]  # fmt: skip
+    assert [t for t in ids if t in specials] == [
+        tok.token_id("<|im_start|>"),
+        tok.token_id("<|im_end|>"),
+        tok.token_id("<|im_start|>"),
+    ]
     # The content is still all there, as text.
     assert tok.decode(ids) == render_text([message], add_generation_prompt=True)
     assert renderer.append([], message, add_generation_prompt=True) == ids

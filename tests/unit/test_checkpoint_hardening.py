@@ -66,16 +66,21 @@ class Batches:
 
 @pytest.fixture(scope="module")
 def shared():
-    trainer = Trainer(tiny(), OptimConfig(lr=1e-3, warmup_steps=0), total_steps=50,
-                      loss="sft", valid_vocab=VALID, seed=0)  # fmt: skip
+    trainer = Trainer(
+        tiny(),
+        OptimConfig(lr=1e-3, warmup_steps=0),
+        total_steps=50,
+        loss="sft",
+        valid_vocab=VALID,
+        seed=0,
+    )
     return trainer, jax.device_get(trainer.state)
 
 
 @pytest.fixture
 def trainer(shared):
     t, initial = shared
-    t.state = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), initial,
-                           t.state_shardings)  # fmt: skip
+    t.state = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), initial, t.state_shardings)
     return t
 
 
@@ -167,8 +172,16 @@ def _resume_and_train(trainer, run: Path, steps: int) -> tuple[int, dict[int, fl
     with Checkpointer(run / "ckpt", CFG) as ckpt:
         resume(trainer, ckpt, batches)
         at = trainer.step_count
-        sft_loop(trainer, batches, steps=steps, log=MetricsLog(run), ckpt=ckpt, ckpt_every=2,
-                 log_every=1, progress=False)  # fmt: skip
+        sft_loop(
+            trainer,
+            batches,
+            steps=steps,
+            log=MetricsLog(run),
+            ckpt=ckpt,
+            ckpt_every=2,
+            log_every=1,
+            progress=False,
+        )
     losses = {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
     return at, losses, jax.device_get(trainer.state)
 
@@ -180,8 +193,16 @@ def test_a_fallback_resume_trains_exactly_as_a_plain_resume(trainer, tmp_path, c
     (unsealed), nor when the resumed run saves that step's number again and a later resume
     restores the new one. Losses and state equal a resume whose newest was deleted instead."""
     with Checkpointer(tmp_path / "fallback" / "ckpt", CFG) as ckpt:
-        sft_loop(trainer, Batches(), steps=4, log=MetricsLog(tmp_path / "fallback"), ckpt=ckpt,
-                 ckpt_every=2, log_every=1, progress=False)  # fmt: skip
+        sft_loop(
+            trainer,
+            Batches(),
+            steps=4,
+            log=MetricsLog(tmp_path / "fallback"),
+            ckpt=ckpt,
+            ckpt_every=2,
+            log_every=1,
+            progress=False,
+        )
     shutil.copytree(tmp_path / "fallback", tmp_path / "plain")
     newest = tmp_path / "fallback" / "ckpt" / "4"
     if damage == "unsealed_and_truncated":
@@ -327,8 +348,16 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_checkpoint(trainer,
         trainer.state = _poisoned(trainer.state, jnp.inf)
         stopped = r"loss is nan.* at step 3.*checkpoint is step 2"
         with pytest.raises(TrainingDiverged, match=stopped):
-            sft_loop(trainer, Batches(2), steps=6, log=log, ckpt=ckpt, ckpt_every=1,
-                     log_every=5, progress=False)  # fmt: skip
+            sft_loop(
+                trainer,
+                Batches(2),
+                steps=6,
+                log=log,
+                ckpt=ckpt,
+                ckpt_every=1,
+                log_every=5,
+                progress=False,
+            )
         assert ckpt.all_steps() == [2]
     verify_checkpoint(tmp_path / "ckpt" / "2")
 
@@ -338,21 +367,29 @@ def test_a_resumed_loop_logs_every_step_once_and_a_noop_rerun_reports_the_loss(
 ):
     log = MetricsLog(tmp_path)
     with Checkpointer(tmp_path / "ckpt", CFG) as ckpt:
-        sft_loop(trainer, Batches(), steps=3, log=log, ckpt=ckpt, ckpt_every=2, log_every=1,
-                 progress=False)  # fmt: skip
+        sft_loop(
+            trainer,
+            Batches(),
+            steps=3,
+            log=log,
+            ckpt=ckpt,
+            ckpt_every=2,
+            log_every=1,
+            progress=False,
+        )
     # Killed after step 3 was logged, before its checkpoint: a torn line at the end too.
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"stage": "sft", "ste')
     (tmp_path / "ckpt" / "3").rename(tmp_path / "gone")
     t, initial = shared
-    t.state = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), initial,
-                           t.state_shardings)  # fmt: skip
+    t.state = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), initial, t.state_shardings)
     batches = Batches()
     with Checkpointer(tmp_path / "ckpt", CFG) as ckpt:
         resume(t, ckpt, batches)
         assert t.step_count == 2
-        summary = sft_loop(t, batches, steps=4, log=log, ckpt=ckpt, ckpt_every=2,
-                           log_every=1, progress=False)  # fmt: skip
+        summary = sft_loop(
+            t, batches, steps=4, log=log, ckpt=ckpt, ckpt_every=2, log_every=1, progress=False
+        )
         rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "step" in r]
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         again = sft_loop(t, batches, steps=4, log=log, ckpt=ckpt, progress=False)
@@ -369,8 +406,11 @@ def test_resumed_rl_keeps_the_kl_reference_it_started_from(shared, tmp_path):
     from launch.jobs.train_agent import session
     from rl.session import REFERENCE
 
-    cfg = load_config(SimloopConfig, None, ["--train_agent.loss.kl_coef", "0.1",
-                                            "--chips.roles", "{policy_train: 1}"])  # fmt: skip
+    cfg = load_config(
+        SimloopConfig,
+        None,
+        ["--train_agent.loss.kl_coef", "0.1", "--chips.roles", "{policy_train: 1}"],
+    )
     run = session(cfg, tmp_path)
     # The warm-started policy (the agent is tiny() too): not what a rebuilt trainer starts
     # from (its seeded random init).
@@ -398,8 +438,15 @@ def test_resumed_rl_keeps_the_kl_reference_it_started_from(shared, tmp_path):
 def policy_trainer():
     from rl.train.config import PolicyLossConfig
 
-    t = Trainer(tiny(), OptimConfig(lr=1e-3, warmup_steps=0), total_steps=10, loss="policy",
-                loss_cfg=PolicyLossConfig(), valid_vocab=VALID, seed=0)  # fmt: skip
+    t = Trainer(
+        tiny(),
+        OptimConfig(lr=1e-3, warmup_steps=0),
+        total_steps=10,
+        loss="policy",
+        loss_cfg=PolicyLossConfig(),
+        valid_vocab=VALID,
+        seed=0,
+    )
     return t, jax.device_get(t.state)
 
 
@@ -415,9 +462,20 @@ def _rl(trainer, publisher, tmp_path, steps=3):
         lambda v: [make_traj(reward=float(i % 2), group="g", gens=((4, v),)) for i in range(4)]
     )
     with Checkpointer(tmp_path / "ckpt", CFG) as ckpt:
-        run = rl_loop(trainer, source, publisher, run_dir=tmp_path, steps=steps, rows=4,
-                      seq_len=16, loss_cfg=PolicyLossConfig(), pad_id=0, ckpt=ckpt,
-                      ckpt_every=1, progress=False)  # fmt: skip
+        run = rl_loop(
+            trainer,
+            source,
+            publisher,
+            run_dir=tmp_path,
+            steps=steps,
+            rows=4,
+            seq_len=16,
+            loss_cfg=PolicyLossConfig(),
+            pad_id=0,
+            ckpt=ckpt,
+            ckpt_every=1,
+            progress=False,
+        )
         try:
             return asyncio.run(run)
         finally:
@@ -430,8 +488,9 @@ def test_rl_stops_on_a_failed_publish_or_a_diverged_step(policy_trainer, tmp_pat
     from rl.model.publish import InMemoryPublisher
 
     trainer, initial = policy_trainer
-    trainer.state = jax.tree.map(lambda x, s: jax.device_put(np.array(x), s), initial,
-                                 trainer.state_shardings)  # fmt: skip
+    trainer.state = jax.tree.map(
+        lambda x, s: jax.device_put(np.array(x), s), initial, trainer.state_shardings
+    )
     published = []
 
     def on_publish(path, version):

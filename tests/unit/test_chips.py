@@ -30,7 +30,7 @@ def _env(plan, role):
                 "policy_train": ("0,1,2,3", "1,4,1"),
                 "agent_serve": ("4,5", "1,2,1"),
                 "sim_serve": ("6,7", "1,2,1"),
-            },  # fmt: skip
+            },
         ),
         (
             {"policy_train": 2, "sim_train": 2, "agent_serve": 2, "sim_serve": 2},
@@ -39,7 +39,7 @@ def _env(plan, role):
                 "sim_train": ("2,3", "1,2,1"),
                 "agent_serve": ("4,5", "1,2,1"),
                 "sim_serve": ("6,7", "1,2,1"),
-            },  # fmt: skip
+            },
         ),
         (
             {f"r{i}_serve": 1 for i in range(8)},

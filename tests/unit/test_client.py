@@ -114,8 +114,14 @@ async def test_retries_5xx_and_429_then_succeeds(scripted_server):
 
 
 async def test_other_4xx_is_not_retried(scripted_server):
-    bad = {"error": {"message": "'top_p'=2 is invalid", "type": "invalid_request_error",
-                     "param": "top_p", "code": None}}  # fmt: skip
+    bad = {
+        "error": {
+            "message": "'top_p'=2 is invalid",
+            "type": "invalid_request_error",
+            "param": "top_p",
+            "code": None,
+        }
+    }
     peer, url = await scripted_server([(400, bad)])
     async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
         with pytest.raises(ClientError, match="400.*top_p") as info:
@@ -131,8 +137,11 @@ async def test_an_answer_without_the_logprobs_asked_for_is_an_error(scripted_ser
     peer, url = await scripted_server([(200, none), (200, none), (200, short)])
     async with InferenceClient(ClientConfig(url, backoff_s=0.01)) as client:
         assert (await client.complete([1], max_tokens=4)).logprobs is None  # none asked for
-        with pytest.raises(BadAnswer, match=r"without the logprobs asked for \(logprobs=0\): "
-                           "choice 0 has no logprobs for 4 tokens") as info:  # fmt: skip
+        with pytest.raises(
+            BadAnswer,
+            match=r"without the logprobs asked for \(logprobs=0\): "
+            "choice 0 has no logprobs for 4 tokens",
+        ) as info:
             await client.complete([1], max_tokens=4, logprobs=0)
         assert not info.value.retryable and peer.calls == 2  # the same answer again: not retried
         with pytest.raises(BadAnswer, match="choice 0 has 3 logprobs for 4 tokens"):
@@ -160,8 +169,9 @@ async def test_gives_up_after_max_retries(scripted_server):
 
 
 async def test_connection_refused_is_retried_then_reported():
-    async with InferenceClient(ClientConfig("http://127.0.0.1:9", backoff_s=0.01,
-                                            max_retries=2)) as client:  # fmt: skip
+    async with InferenceClient(
+        ClientConfig("http://127.0.0.1:9", backoff_s=0.01, max_retries=2)
+    ) as client:
         with pytest.raises(ClientError, match="Connect") as info:
             await client.complete([1], max_tokens=4)
     assert info.value.attempts == 3 and info.value.status is None
@@ -236,8 +246,13 @@ async def test_a_session_call_is_retried_only_from_its_turn_boundary(serve_app):
         failures[0] = 2
         out = await client.session_generate("s", [3], max_tokens=4, rewind_to=40)
         assert out.token_ids == [7, 8] and out.attempts == 3
-        assert calls == [("generate", [3]), ("rewind", 40), ("generate", [3]),
-                         ("rewind", 40), ("generate", [3])]  # fmt: skip
+        assert calls == [
+            ("generate", [3]),
+            ("rewind", 40),
+            ("generate", [3]),
+            ("rewind", 40),
+            ("generate", [3]),
+        ]
         # The server forgot the session meanwhile: the rewind's 404 is the caller's (it
         # reopens), and nothing is appended to a session that is not there.
         calls.clear()
@@ -255,11 +270,15 @@ async def test_a_session_call_is_retried_only_from_its_turn_boundary(serve_app):
 @pytest_asyncio.fixture
 async def simloop_url():
     tok = ByteTokenizer()
-    engine = Engine(Qwen3(tiny(), rngs=nnx.Rngs(0)), tok,
-                    EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32))  # fmt: skip
+    engine = Engine(
+        Qwen3(tiny(), rngs=nnx.Rngs(0)),
+        tok,
+        EngineConfig(num_slots=4, max_seq_len=128, prefill_chunk=32),
+    )
     await engine.start()
-    runner = web.AppRunner(Server(engine, tok, ServerConfig(model_name="tiny")).app(),
-                           handler_cancellation=True)  # fmt: skip
+    runner = web.AppRunner(
+        Server(engine, tok, ServerConfig(model_name="tiny")).app(), handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -282,8 +301,9 @@ async def test_round_trip_with_a_simloop_server(simloop_url):
         assert again.token_ids == out.token_ids
         many = await client.complete_n(prompt, n=3, max_tokens=4, temperature=1.0, seed=1)
         assert len(many) == 3 and len({tuple(m.token_ids) for m in many}) > 1
-        chat = await client.chat([{"role": "user", "content": "hi"}], max_tokens=3,
-                                 enable_thinking=False, logprobs=True)  # fmt: skip
+        chat = await client.chat(
+            [{"role": "user", "content": "hi"}], max_tokens=3, enable_thinking=False, logprobs=True
+        )
         assert len(chat.token_ids) == 3 and len(chat.logprobs) == 3
         with pytest.raises(ClientError) as info:
             await client.complete([10_000], max_tokens=2)

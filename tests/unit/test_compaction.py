@@ -31,8 +31,15 @@ TURNS = [10, 20, 30]
 def keep(mode: str, **kw) -> list[int]:
     extra = {k: kw.pop(k) for k in ("mass", "incoming", "compacted") if k in kw}
     cfg = SessionCompaction(mode=mode, **kw)
-    return plan_keep(cfg, HELD, TURNS, 40, compacted=extra.get("compacted", set()),
-                     mass=extra.get("mass"), incoming=extra.get("incoming", 0))  # fmt: skip
+    return plan_keep(
+        cfg,
+        HELD,
+        TURNS,
+        40,
+        compacted=extra.get("compacted", set()),
+        mass=extra.get("mass"),
+        incoming=extra.get("incoming", 0),
+    )
 
 
 def test_none_keeps_everything_and_markovian_the_prompt_and_the_last_turns():
@@ -53,8 +60,9 @@ def test_turn_keeps_the_most_attended_share_of_each_older_turn_once():
     assert kept == list(range(10)) + [12, 13, 25, 29] + list(range(30, 35))
     assert compacted == {0, 1}
     # thinned once: a later call (no scores at all) leaves them as they are
-    again = plan_keep(SessionCompaction(mode="turn", keep_ratio=0.2), kept, TURNS, 40,
-                      compacted=compacted)  # fmt: skip
+    again = plan_keep(
+        SessionCompaction(mode="turn", keep_ratio=0.2), kept, TURNS, 40, compacted=compacted
+    )
     assert again == kept
 
 
@@ -65,14 +73,17 @@ def test_budget_drops_whole_old_turns_only_when_over_and_only_as_many_as_needed(
     assert keep("budget", kv_budget=5, incoming=10) == list(range(10)) + list(range(30, 35))
 
 
-@pytest.mark.parametrize("bad, says", [
-    ({"mode": "lru"}, "compaction.mode='lru' is invalid"),
-    ({"mode": "turn", "n_protect_turns": 0}, "an integer >= 1"),
-    ({"mode": "turn", "keep_ratio": 0}, "a number in (0, 1]"),
-    ({"mode": "budget"}, "required by mode 'budget'"),
-    ({"mode": "budget", "kv_budget": -4}, "an integer >= 1"),
-    ({"mode": "none", "extra": 1}, "unknown field(s) ['extra']"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"mode": "lru"}, "compaction.mode='lru' is invalid"),
+        ({"mode": "turn", "n_protect_turns": 0}, "an integer >= 1"),
+        ({"mode": "turn", "keep_ratio": 0}, "a number in (0, 1]"),
+        ({"mode": "budget"}, "required by mode 'budget'"),
+        ({"mode": "budget", "kv_budget": -4}, "an integer >= 1"),
+        ({"mode": "none", "extra": 1}, "unknown field(s) ['extra']"),
+    ],
+)
 def test_bad_settings_name_the_field_and_what_is_allowed(bad, says):
     with pytest.raises(ValueError, match=None) as e:
         SessionCompaction.from_json(bad)
@@ -86,14 +97,14 @@ def test_ranges_are_half_open_runs():
 
 def test_visibility_mask_is_causal_for_one_empty_epoch_and_follows_the_kept_keys():
     t = 6
-    plain = KVVisibility(np.zeros((1, t), np.int32), np.zeros((1, 1), np.int32),
-                         np.zeros((1, 1, t), bool))  # fmt: skip
+    plain = KVVisibility(
+        np.zeros((1, t), np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1, t), bool)
+    )
     assert np.asarray(plain.mask(t)).all()  # combined with causality by the model
     # epoch 1 from index 3 kept only key 0
     kept = np.zeros((1, 2, t), bool)
     kept[0, 1, 0] = True
-    vis = KVVisibility(np.array([[0, 0, 0, 1, 1, 1]], np.int32), np.array([[0, 3]], np.int32),
-                       kept)  # fmt: skip
+    vis = KVVisibility(np.array([[0, 0, 0, 1, 1, 1]], np.int32), np.array([[0, 3]], np.int32), kept)
     m = np.asarray(vis.mask(t))[0]
     assert m[2].all()  # epoch 0 sees everything (causality aside)
     assert m[4].tolist() == [True, False, False, True, True, True]
@@ -105,8 +116,9 @@ def test_visibility_mask_is_causal_for_one_empty_epoch_and_follows_the_kept_keys
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
     model = Qwen3(tiny(initializer_range=0.3), rngs=nnx.Rngs(1))
-    cfg = EngineConfig(num_slots=3, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2,
-                       decode_steps=1)  # fmt: skip
+    cfg = EngineConfig(
+        num_slots=3, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2, decode_steps=1
+    )
     eng = Engine(model, TOK, cfg)
     await eng.start()
     yield eng
@@ -199,8 +211,10 @@ async def test_a_closed_compacted_slot_is_never_reused_as_a_prefix(engine):
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_concurrent_compacting_sessions_share_the_engine(engine):
-    sessions = [engine.open_session(compaction=SessionCompaction(mode=m, kv_budget=60))
-                for m in ("markovian", "turn", "budget")]  # fmt: skip
+    sessions = [
+        engine.open_session(compaction=SessionCompaction(mode=m, kv_budget=60))
+        for m in ("markovian", "turn", "budget")
+    ]
 
     async def run(session):
         for i in range(5):

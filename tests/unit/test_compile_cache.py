@@ -33,15 +33,20 @@ jax.monitoring.record_event_duration_secs("/jax/orbax/read/total_duration_secs",
 """
 
 
-def _probe(tmp_path: Path, *, on: bool = True, devices: int = 1,
-           stats: Path | None = None) -> str:  # fmt: skip
+def _probe(tmp_path: Path, *, on: bool = True, devices: int = 1, stats: Path | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", CACHE_DIR_ENV, STATS_ENV)}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if stats is not None:
         env[STATS_ENV] = str(stats)
     code = PROBE.format(on=on, where=str(tmp_path / "xla"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -74,8 +79,12 @@ def test_compile_stats_show_the_warm_process_loading_what_the_cold_one_compiled(
     assert "/jax/compilation_cache/cache_misses" not in warm["counts"]
     assert cold["seconds"][BACKEND_COMPILE] > 0 and warm["seconds"][BACKEND_COMPILE] > 0
     # Only compile events: the probe's Orbax-like event is left out.
-    assert all(k.startswith(("/jax/core/compile/", "/jax/compilation_cache/"))
-               for doc in (cold, warm) for kind in doc.values() for k in kind)  # fmt: skip
+    assert all(
+        k.startswith(("/jax/core/compile/", "/jax/compilation_cache/"))
+        for doc in (cold, warm)
+        for kind in doc.values()
+        for k in kind
+    )
 
 
 def test_the_cache_stays_off_when_turned_off(tmp_path):

@@ -23,11 +23,15 @@ def _stats(xla: float, trace: float, hits: int, misses: int) -> dict:
     cache = "/jax/compilation_cache/"
     counts = {cache + "compile_requests_use_cache": hits + misses}
     counts.update({cache + k: n for k, n in (("cache_hits", hits), ("cache_misses", misses)) if n})
-    return {"counts": counts, "seconds": {
-        BACKEND_COMPILE: xla, "/jax/core/compile/jaxpr_trace_duration": trace,
-        "/jax/core/compile/jaxpr_to_mlir_module_duration": 0.5,
-        "/jax/compilation_cache/cache_retrieval_time_sec": 0.25,  # inside the XLA phase
-    }}  # fmt: skip
+    return {
+        "counts": counts,
+        "seconds": {
+            BACKEND_COMPILE: xla,
+            "/jax/core/compile/jaxpr_trace_duration": trace,
+            "/jax/core/compile/jaxpr_to_mlir_module_duration": 0.5,
+            "/jax/compilation_cache/cache_retrieval_time_sec": 0.25,  # inside the XLA phase
+        },
+    }
 
 
 def test_compile_seconds_separates_xla_from_all_phases_and_counts_the_cache():
@@ -41,8 +45,12 @@ def test_rows_compare_warm_with_cold_as_a_speedup_against_the_target():
     warm = {"health_s": 4.0, **bench.compile_seconds(_stats(0.4, 1.6, hits=39, misses=0))}
     run_cold = {"wall_s": 30.0, "xla_s": 20.0, "all_s": 24.0, "hits": 0, "misses": 12}
     run_warm = {"wall_s": 10.0, "xla_s": 0.5, "all_s": 4.0, "hits": 12, "misses": 0}
-    rows = bench.rows({"serve": {"cold": cold, "warm": warm},
-                       "pretrain-sim": {"cold": run_cold, "warm": run_warm}})  # fmt: skip
+    rows = bench.rows(
+        {
+            "serve": {"cold": cold, "warm": warm},
+            "pretrain-sim": {"cold": run_cold, "warm": run_warm},
+        }
+    )
     got = [(r.ours, r.peer, r.ratio, r.target, r.unit) for r in rows]
     assert got == [
         (4.0, 20.0, 5.0, None, "s"),

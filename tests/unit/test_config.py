@@ -171,7 +171,7 @@ def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
             str(tmp_path / "b"),
             "--train_sim.trajectories",
             f"[{tmp_path / 'missing'}]",
-        ],  # fmt: skip
+        ],
         ["report", str(tmp_path / "nowhere")],
         ["eval-agent", "--out", str(tmp_path / "c")],  # no agent weights
         ["collect"],  # no --out
@@ -181,8 +181,13 @@ def test_user_mistakes_end_in_one_line_not_a_traceback(tmp_path):
         ["plan-chips", "--accelerator", "v6e-8", "--roles", "policy_train=3"],
     ]
     for argv in cases:
-        r = subprocess.run([sys.executable, "-m", "launch", *argv], capture_output=True,
-                           text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "launch", *argv],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
         assert r.returncode == 2, (argv, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr, (argv, r.stderr)
         lines = r.stderr.strip().splitlines()
@@ -235,8 +240,14 @@ def test_train_sim_kind_weights_repeat_a_kinds_trajectories_in_place():
     from rl.data.trajectory import Trajectory
 
     def traj(i, kind):
-        return Trajectory(task_id=f"t{i}", arm="real", env_backend="local", status="ok",
-                          reward=0.0, task_kind=kind)  # fmt: skip
+        return Trajectory(
+            task_id=f"t{i}",
+            arm="real",
+            env_backend="local",
+            status="ok",
+            reward=0.0,
+            task_kind=kind,
+        )
 
     trajs = [traj(0, "count"), traj(1, "sort"), traj(2, None), traj(3, "count")]
     assert weighted_by_kind(trajs, None) is trajs

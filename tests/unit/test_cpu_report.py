@@ -7,9 +7,11 @@ from tests.cpu_report import by_file, cpu_seconds
 
 def test_lines_sum_by_file_most_cpu_first(tmp_path):
     path = tmp_path / "cpu.tsv"
-    path.write_text("tests/a.py::t1\t1.0\t2.0\t3.0\n"
-                    "tests/b.py::t\t0.5\t0.0\t1.0\n"
-                    "tests/a.py::t2[x::y]\t0.25\t0.25\t1.0\n")  # fmt: skip
+    path.write_text(
+        "tests/a.py::t1\t1.0\t2.0\t3.0\n"
+        "tests/b.py::t\t0.5\t0.0\t1.0\n"
+        "tests/a.py::t2[x::y]\t0.25\t0.25\t1.0\n"
+    )
     assert by_file(path) == [("tests/a.py", 3.5, 4.0, 2), ("tests/b.py", 0.5, 1.0, 1)]
 
 

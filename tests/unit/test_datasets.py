@@ -63,9 +63,13 @@ def _history(traj, k):
 
 @pytest.mark.parametrize(
     "kind,prompt",
-    [("byte", {}), ("hf", {}), ("byte", {"system_prompt": "", "show_task": False}),
-     ("byte", {"system_prompt": "A terminal.", "show_task": True})],
-)  # fmt: skip
+    [
+        ("byte", {}),
+        ("hf", {}),
+        ("byte", {"system_prompt": "", "show_task": False}),
+        ("byte", {"system_prompt": "A terminal.", "show_task": True}),
+    ],
+)
 def test_sim_examples_match_the_simulated_shell_prompt(kind, prompt, tmp_path):
     tok = BYTES if kind == "byte" else HFTokenizer(build_hf_tokenizer(tmp_path / "tok"))
     renderer = ChatRenderer(tok)
@@ -75,9 +79,12 @@ def test_sim_examples_match_the_simulated_shell_prompt(kind, prompt, tmp_path):
     for k, ex in enumerate(examples):
         turn = traj.turns[k]
         messages = render_sim_messages(
-            traj.instruction, _history(traj, k), turn.command, setup_files=traj.setup_files,
+            traj.instruction,
+            _history(traj, k),
+            turn.command,
+            setup_files=traj.setup_files,
             **prompt,
-        )  # fmt: skip
+        )
         system = messages[0]["content"]
         assert (traj.instruction in system) == prompt.get("show_task", True)
         if prompt.get("system_prompt") == "":
@@ -132,8 +139,10 @@ def test_a_long_observation_is_cut_to_what_fits_only_when_asked():
     context = BYTES.decode(cut["tokens"][cut["loss_mask"] == 0].tolist())
     # The shortest context: the files and the command, no earlier turn.
     system = render_sim_messages(traj.instruction, [], "x", setup_files=traj.setup_files)[0]
-    assert context == (f"<|im_start|>system\n{system['content']}<|im_end|>\n"
-                       f"<|im_start|>user\ncat f1.txt<|im_end|>\n{GEN}")  # fmt: skip
+    assert context == (
+        f"<|im_start|>system\n{system['content']}<|im_end|>\n"
+        f"<|im_start|>user\ncat f1.txt<|im_end|>\n{GEN}"
+    )
     target = BYTES.decode(cut["tokens"][cut["loss_mask"] == 1].tolist())
     full = format_observation(usage, 1) + "<|im_end|>"
     assert full.startswith(target) and len(target) < len(full)  # its first tokens, no end
@@ -143,8 +152,9 @@ def test_a_long_observation_is_cut_to_what_fits_only_when_asked():
     _, stats = sim_sft_examples([traj], BYTES, max_len=shortest + 10, cut_targets=True)
     assert stats.skipped["too_long"] == 2 and stats.cut_targets == 0
     # An observation that fits is never cut, and the context rule is the one serving uses.
-    _, stats = sim_sft_examples([traj], BYTES, max_len=max_len, cut_targets=True,
-                                context_budget=shortest - 1)  # fmt: skip
+    _, stats = sim_sft_examples(
+        [traj], BYTES, max_len=max_len, cut_targets=True, context_budget=shortest - 1
+    )
     assert stats.cut_targets == 0 and stats.skipped["too_long"] == 2
 
 
@@ -180,14 +190,21 @@ async def test_serve_time_prompts_equal_training_prompts_past_the_context(
 
     traj = real_trajectory(8)
     max_tokens = 64
-    cfg = SimulatedShellConfig(max_context_tokens=max_context_tokens, max_tokens=max_tokens,
-                               max_prompt_tokens=max_prompt_tokens)  # fmt: skip
+    cfg = SimulatedShellConfig(
+        max_context_tokens=max_context_tokens,
+        max_tokens=max_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+    )
     budget = max_context_tokens - max_tokens if max_prompt_tokens is None else max_prompt_tokens
     assert cfg.prompt_budget == budget
     client = RecordingSimulator(traj)
-    shell = SimulatedShell(client, task_instruction=traj.instruction,
-                           setup=TaskSetup(files=traj.setup_files), config=cfg,
-                           renderer=ChatRenderer(BYTES))  # fmt: skip
+    shell = SimulatedShell(
+        client,
+        task_instruction=traj.instruction,
+        setup=TaskSetup(files=traj.setup_files),
+        config=cfg,
+        renderer=ChatRenderer(BYTES),
+    )
     async with shell:
         for turn in traj.turns[:8]:
             await shell.run(turn.command, timeout_s=5)
@@ -212,9 +229,13 @@ async def test_special_token_strings_in_commands_and_outputs_stay_text():
     traj.turns[0].command = f"echo '{forged}'"
     traj.turns[0].observation = forged
     client = RecordingSimulator(traj)
-    shell = SimulatedShell(client, task_instruction=traj.instruction,
-                           setup=TaskSetup(files=traj.setup_files), config=SimulatedShellConfig(),
-                           renderer=ChatRenderer(BYTES))  # fmt: skip
+    shell = SimulatedShell(
+        client,
+        task_instruction=traj.instruction,
+        setup=TaskSetup(files=traj.setup_files),
+        config=SimulatedShellConfig(),
+        renderer=ChatRenderer(BYTES),
+    )
     async with shell:
         for turn in traj.turns[:2]:
             await shell.run(turn.command, timeout_s=5)
@@ -246,12 +267,15 @@ def test_labelled_examples_from_a_later_turn_keep_the_turns_before_it():
     one, two = real_trajectory(3), real_trajectory(2)
     every, _ = sim_sft_examples([one, two], BYTES, max_len=4096)
     name = {id(one): "one", id(two): "two"}
-    later, labels = labelled_sim_examples([one, two], lambda t: name[id(t)], BYTES, min_turn=1,
-                                          max_len=4096)  # fmt: skip
+    later, labels = labelled_sim_examples(
+        [one, two], lambda t: name[id(t)], BYTES, min_turn=1, max_len=4096
+    )
     assert labels == ["one", "one", "two"]
     expected = [every[1], every[2], every[4]]  # each trajectory's examples but its first
-    assert all(np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["loss_mask"],
-               b["loss_mask"]) for a, b in zip(later, expected, strict=True))  # fmt: skip
+    assert all(
+        np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["loss_mask"], b["loss_mask"])
+        for a, b in zip(later, expected, strict=True)
+    )
     assert "cat f0.txt" in BYTES.decode(later[0]["tokens"].tolist())  # its history
     everything, labels = labelled_sim_examples([one, two], lambda t: "all", BYTES, max_len=4096)
     assert len(everything) == len(labels) == 5

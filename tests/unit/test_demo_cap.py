@@ -18,9 +18,17 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
 
 def _collected(tmp_path: Path, outputs: list[str]) -> Path:
-    trajs = [Trajectory(task_id=f"t{i}", arm="real", env_backend="local", status="ok", reward=1.0,
-                        turns=[Turn(agent_text="", command="x", observation=o, exit_code=0)])
-             for i, o in enumerate(outputs)]  # fmt: skip
+    trajs = [
+        Trajectory(
+            task_id=f"t{i}",
+            arm="real",
+            env_backend="local",
+            status="ok",
+            reward=1.0,
+            turns=[Turn(agent_text="", command="x", observation=o, exit_code=0)],
+        )
+        for i, o in enumerate(outputs)
+    ]
     write_jsonl(tmp_path / "trajectories" / "collect-00000.jsonl", trajs)
     return tmp_path / "trajectories"
 
@@ -37,8 +45,12 @@ def test_cap_at_quantile_one_covers_the_longest_observation(tmp_path):
     text) is not cut, with the 25% slack over it; at 0.99 the cap follows the short ones."""
     outputs = ["a" * 20] * 199 + ["e" * 300]
     short, long_ = ((len(format_observation(o, 0)) + 1) * 1.25 for o in ("a" * 20, "e" * 300))
-    sim = ["--env.shell.simulated.max_context_tokens", "1024",
-           "--env.shell.simulated.max_prompt_tokens", "256"]  # fmt: skip
+    sim = [
+        "--env.shell.simulated.max_context_tokens",
+        "1024",
+        "--env.shell.simulated.max_prompt_tokens",
+        "256",
+    ]
     cfg = load_config(SimloopConfig, CONFIG, [*sim, "--demo.sim_max_tokens_quantile", "0.99"])
     assert _suggest_cap(cfg, _collected(tmp_path / "a", outputs)) == math.ceil(short)
     cfg = load_config(SimloopConfig, CONFIG, [*sim, "--demo.sim_max_tokens_quantile", "1.0"])

@@ -20,8 +20,11 @@ from launch.distributed import ProcessEnv, from_environ, local_environments
 
 def test_the_environment_names_the_process_or_says_what_is_wrong():
     assert from_environ({}) is None
-    env = {"SIMLOOP_COORDINATOR": "10.0.0.2:1234", "SIMLOOP_NUM_PROCESSES": "4",
-           "SIMLOOP_PROCESS_ID": "3"}  # fmt: skip
+    env = {
+        "SIMLOOP_COORDINATOR": "10.0.0.2:1234",
+        "SIMLOOP_NUM_PROCESSES": "4",
+        "SIMLOOP_PROCESS_ID": "3",
+    }
     assert from_environ(env) == ProcessEnv("10.0.0.2:1234", 4, 3)
     assert from_environ({**env, "SIMLOOP_NUM_PROCESSES": "1", "SIMLOOP_PROCESS_ID": "0"}) is None
     bad = [
@@ -47,8 +50,10 @@ def test_each_local_process_gets_the_contract_and_its_share_of_devices():
 
 
 def _procs(*codes_after: tuple[int, float]) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", f"import time,sys; time.sleep({t}); "
-                              f"sys.exit({c})"]) for c, t in codes_after]  # fmt: skip
+    return [
+        subprocess.Popen([sys.executable, "-c", f"import time,sys; time.sleep({t}); sys.exit({c})"])
+        for c, t in codes_after
+    ]
 
 
 def test_the_launcher_reports_the_first_failure_and_stops_a_lingering_process(tmp_path, capsys):
@@ -61,8 +66,7 @@ def test_the_launcher_reports_the_first_failure_and_stops_a_lingering_process(tm
     assert distributed._wait(_procs((0, 0), (0, 0.1)), tmp_path, grace_s=1.0) == 0
 
 
-def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_dry_run_shows_each_process_and_jobs_that_stay_single_refuse(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # the CLI sets it
     common = ["--config", "configs/demo_cpu.yaml", "--out", str(tmp_path)]
     # The processes split the trainer role's chips (its servers are processes of their own).
@@ -87,8 +91,10 @@ def test_rehearse_rebases_the_pod_paths_and_refuses_a_cpu_plan(tmp_path, capsys)
     root = tmp_path / "fs"
     text = "--out /ckpt/runs/x --config /config/config.yaml /ckptx /mnt/ckpt a/ckpt/b"
     got = _rebase(text, ["/config", "/ckpt", "/mnt"], root)
-    assert got == (f"--out {root}/ckpt/runs/x --config {root}/config/config.yaml /ckptx "
-                   f"{root}/mnt/ckpt a/ckpt/b")  # fmt: skip
+    assert got == (
+        f"--out {root}/ckpt/runs/x --config {root}/config/config.yaml /ckptx "
+        f"{root}/mnt/ckpt a/ckpt/b"
+    )
     assert main(["rehearse", "--config", "configs/demo_cpu.yaml", "--out", str(tmp_path)]) == 2
     assert "rehearse takes a TPU config" in capsys.readouterr().err
 

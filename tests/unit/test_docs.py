@@ -16,10 +16,15 @@ from launch.config.schema import SimloopConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted(
-    [REPO / "README.md", REPO / "CONTRIBUTING.md", REPO / "bench" / "README.md",
-     REPO / "dev" / "LOG.md", REPO / "configs" / "pretrained" / "README.md"]
+    [
+        REPO / "README.md",
+        REPO / "CONTRIBUTING.md",
+        REPO / "bench" / "README.md",
+        REPO / "dev" / "LOG.md",
+        REPO / "configs" / "pretrained" / "README.md",
+    ]
     + list((REPO / "docs").rglob("*.md"))
-)  # fmt: skip
+)
 # dev/LOG.md is a dated log: its commands are history, not promises, so only its links count.
 COMMAND_DOCS = [p for p in DOCS if p.name != "LOG.md"]
 README_MAX_LINES = 250
@@ -154,8 +159,9 @@ def _python_files() -> list[Path]:
 
 def test_no_module_cites_a_doc_the_repository_lacks():
     sections = set(re.findall(r"^## §(\d+)", (REPO / "docs/architecture.md").read_text(), re.M))
-    sections |= set(re.findall(r"^### §(\d+\.\d+)", (REPO / "docs/architecture.md").read_text(),
-                               re.M))  # fmt: skip
+    sections |= set(
+        re.findall(r"^### §(\d+\.\d+)", (REPO / "docs/architecture.md").read_text(), re.M)
+    )
     bad = []
     for py in _python_files():
         text = py.read_text(errors="replace")

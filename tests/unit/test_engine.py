@@ -34,8 +34,14 @@ SEQ = 256
 CFG = EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2)
 # Same shapes, no prefix reuse, and a max_tokens clamp.
 CAP = 40
-CFG_B = EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2,
-                     prefix_reuse=False, max_tokens_cap=CAP)  # fmt: skip
+CFG_B = EngineConfig(
+    num_slots=8,
+    max_seq_len=SEQ,
+    prefill_chunk=32,
+    prefill_batch=2,
+    prefix_reuse=False,
+    max_tokens_cap=CAP,
+)
 
 
 def make_model(seed: int = 0, **overrides) -> Qwen3:
@@ -156,8 +162,9 @@ async def test_steps_touch_only_the_live_keys_whatever_the_pool_length(engine):
     def blocks(keys: int) -> int:
         return -(-keys // HELD_BLOCK)
 
-    long = Engine(BASE, TOK, EngineConfig(num_slots=8, max_seq_len=4 * SEQ, prefill_chunk=32,
-                                          prefill_batch=2))  # fmt: skip
+    long = Engine(
+        BASE, TOK, EngineConfig(num_slots=8, max_seq_len=4 * SEQ, prefill_chunk=32, prefill_batch=2)
+    )
     pool = blocks(4 * SEQ)
     assert pool >= 4 * blocks(242), "the long pool must hold blocks no step here needs"
     await long.start()
@@ -213,8 +220,10 @@ async def test_64_queued_requests_complete_and_match_their_solo_runs(engine, eng
 
 async def test_decode_calls_dispatched_ahead_change_no_token(engine):
     prompts = [prompt(5 + 7 * i, seed=300 + i) for i in range(6)]
-    kinds = (greedy(40), SamplingParams(temperature=1.0, max_tokens=37, seed=77, logprobs=2,
-                                        ignore_eos=True))  # fmt: skip
+    kinds = (
+        greedy(40),
+        SamplingParams(temperature=1.0, max_tokens=37, seed=77, logprobs=2, ignore_eos=True),
+    )
 
     async def run() -> list[SequenceOutput]:
         outs = await asyncio.gather(*(gen(engine, p, q) for p in prompts for q in kinds))
@@ -233,7 +242,8 @@ async def test_decode_calls_dispatched_ahead_change_no_token(engine):
     for a, b in zip(ahead, in_turn, strict=True):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert [[i for i, _ in t] for t in a.top_logprobs] == [
-            [i for i, _ in t] for t in b.top_logprobs]  # fmt: skip
+            [i for i, _ in t] for t in b.top_logprobs
+        ]
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert [o.token_ids for o in ahead[::2]] == ref_greedy(BASE, prompts, 40)
 
@@ -270,8 +280,9 @@ async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(engine)
     await asyncio.gather(*(h.result() for h in crowd))
     assert busy.token_ids == first.token_ids
 
-    (other,) = await gen(engine, p, SamplingParams(temperature=1.0, max_tokens=24, seed=124,
-                                                   ignore_eos=True))  # fmt: skip
+    (other,) = await gen(
+        engine, p, SamplingParams(temperature=1.0, max_tokens=24, seed=124, ignore_eos=True)
+    )
     assert other.token_ids != first.token_ids
 
 
@@ -287,8 +298,9 @@ async def test_n_seeded_samples_are_distinct_and_reproducible(engine):
 async def test_logprobs_are_the_models_log_softmax(engine):
     for length, seed in [(10, 21), (40, 22)]:
         p = prompt(length, seed=seed)
-        params = SamplingParams(temperature=1.0, max_tokens=16, seed=seed, logprobs=5,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            temperature=1.0, max_tokens=16, seed=seed, logprobs=5, ignore_eos=True
+        )
         (out,) = await gen(engine, p, params)
         (logits,) = _logits(BASE, [p + out.token_ids])
         ref = log_softmax(logits[len(p) - 1 : -1])  # the distribution of each generated token
@@ -322,8 +334,9 @@ async def test_top_k_one_and_tiny_top_p_decode_greedily(engine):
         (out,) = await gen(engine, p, SamplingParams(**q))
         assert out.token_ids == ref, q
         assert out.logprobs == pytest.approx([0.0] * 12, abs=1e-6)  # renormalised: 1 token
-    params = SamplingParams(temperature=1.0, top_k=3, seed=4, max_tokens=12, logprobs=3,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0, top_k=3, seed=4, max_tokens=12, logprobs=3, ignore_eos=True
+    )
     (out,) = await gen(engine, p, params)
     for top in out.top_logprobs:  # the alternatives are exactly the kept set
         assert sum(np.exp(lp) for _, lp in top) == pytest.approx(1.0, abs=1e-5)
@@ -452,9 +465,15 @@ async def test_no_recompiles_after_warmup(engine, engine_b):
     for i, n in enumerate(lengths):
         p = prompt(n, seed=700 + i)
         room = SEQ - n
-        q = SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 3][i % 2],
-                           top_p=[1.0, 0.8, 0.5][i % 3], seed=i, logprobs=[0, 3, 20][i % 3],
-                           max_tokens=min(room, 3 + i), stop=("zz",))  # fmt: skip
+        q = SamplingParams(
+            temperature=[0.0, 1.0, 0.7][i % 3],
+            top_k=[0, 3][i % 2],
+            top_p=[1.0, 0.8, 0.5][i % 3],
+            seed=i,
+            logprobs=[0, 3, 20][i % 3],
+            max_tokens=min(room, 3 + i),
+            stop=("zz",),
+        )
         reqs.append(engine.submit(p, q, n=[1, 2, 3, 6][i % 4]))
     reqs.append(engine.submit(prompt(40, seed=9), greedy(20), n=8))
     await asyncio.gather(*(r.result() for r in reqs))
@@ -649,13 +668,16 @@ async def test_a_bfloat16_engine_holds_its_weights_as_bit_patterns_and_computes_
     half = with_dtype(make_model(0), "bfloat16")
     cfg = EngineConfig(num_slots=4, max_seq_len=64, prefill_chunk=16, prefill_batch=2)
     bits, raw = Engine(half, TOK, cfg), Engine(half, TOK, cfg)
-    raw._state = jax.tree.map(lambda x: x.view(jnp.bfloat16) if x.dtype == jnp.uint16 else x,
-                              raw._state)  # as given: from_bits leaves bf16 alone  # fmt: skip
+    raw._state = jax.tree.map(
+        lambda x: x.view(jnp.bfloat16) if x.dtype == jnp.uint16 else x, raw._state
+    )  # as given: from_bits leaves bf16 alone
     assert {x.dtype for x in jax.tree.leaves(bits._state)} == {jnp.dtype(jnp.uint16)}
     assert {x.dtype for x in jax.tree.leaves(raw._state)} == {jnp.dtype(jnp.bfloat16)}
     prompts = [prompt(5 + 9 * i, seed=400 + i) for i in range(4)]
-    kinds = (greedy(12, logprobs=2), SamplingParams(temperature=1.0, max_tokens=12, seed=3,
-                                                    ignore_eos=True))  # fmt: skip
+    kinds = (
+        greedy(12, logprobs=2),
+        SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True),
+    )
     outs = []
     for eng in (bits, raw):
         await eng.start()

@@ -185,8 +185,9 @@ async def test_file_size_is_bounded():
     assert obs.exit_code != 0 and size <= 2**20
 
 
-@pytest.mark.skipif(not IS_ROOT, reason=f"RLIMIT_NPROC containment is tested as root -> "
-                    f"{COMMAND_USER}")  # fmt: skip
+@pytest.mark.skipif(
+    not IS_ROOT, reason=f"RLIMIT_NPROC containment is tested as root -> {COMMAND_USER}"
+)
 @needs_command_user
 async def test_process_flood_is_contained():
     limit = 32
@@ -376,10 +377,21 @@ def test_a_workspace_that_cannot_be_removed_never_changes_the_folder_above_it(tm
     (parent / "simloop-ws-x").mkdir(parents=True)
     parent.chmod(0o1777)
     r = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", sys.executable, "-c", REMOVE_A_MOUNTPOINT,
-         str(parent / "simloop-ws-x")],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
-    )  # fmt: skip
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            REMOVE_A_MOUNTPOINT,
+            str(parent / "simloop-ws-x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     if r.returncode != 0 and "mount" in r.stderr:
         pytest.skip(f"cannot mount here: {r.stderr.strip()[-200:]}")
     assert r.returncode == 0, r.stderr

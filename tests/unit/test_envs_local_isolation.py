@@ -151,8 +151,9 @@ async def test_the_root_is_minimal_no_host_home_project_or_neighbours():
         async with LocalShell() as sh:
             obs = await sh.run(
                 f"cat {ROOT}/pyproject.toml {beside}; ls /root /home /sys /opt {ROOT.parent}; "
-                "cat /etc/hostname; ls /; ls /usr/bin/bash /etc/passwd", 5,
-            )  # fmt: skip
+                "cat /etc/hostname; ls /; ls /usr/bin/bash /etc/passwd",
+                5,
+            )
     finally:
         beside.unlink()
     out = obs.output
@@ -170,8 +171,9 @@ async def test_user_namespaces_and_mounts_are_refused_inside():
         userns = await sh.run("unshare -Ur true; echo rc=$?", 5)
         userns_py = await sh.run(
             "python3 -c 'import os; os.unshare(os.CLONE_NEWUSER)' 2>&1 | tail -1 || true; "
-            "mkdir m && mount -t tmpfs none m; echo rc=$?", 5,
-        )  # fmt: skip
+            "mkdir m && mount -t tmpfs none m; echo rc=$?",
+            5,
+        )
         still = await sh.run("(sleep 0.01 &); wait; echo forks fine", 5)
     assert "rc=1" in userns.output and "Operation not permitted" in userns.output
     assert "rc=32" in userns_py.output or "rc=1" in userns_py.output, userns_py.output
@@ -330,8 +332,14 @@ def test_sweep_removes_only_workspaces_of_dead_owners(tmp_path):
     me = local_mod._OWNER
     init = f"1.{local_mod._start_time(1)}"
     reused = f"{os.getpid()}.1"  # our pid, another start time: a dead earlier owner
-    names = [f"simloop-ws-{me}-a", f"simloop-ws-{init}-b", f"simloop-ws-{reused}-c",
-             "simloop-ws-99999999.5-d", "simloop-ws-oldformat", "unrelated"]  # fmt: skip
+    names = [
+        f"simloop-ws-{me}-a",
+        f"simloop-ws-{init}-b",
+        f"simloop-ws-{reused}-c",
+        "simloop-ws-99999999.5-d",
+        "simloop-ws-oldformat",
+        "unrelated",
+    ]
     for name in names:
         (tmp_path / name / "work").mkdir(parents=True)
     assert sweep_stale_workspaces.__wrapped__(str(tmp_path)) == 2
@@ -343,8 +351,18 @@ async def test_isolation_is_reported():
     async with LocalShell() as sh:
         report = sh.isolation
         obs = await sh.run("true", 5)
-    keys = ("network", "pid_namespace", "mount_namespace", "private_proc", "private_tmp",
-            "readonly_root", "distinct_uid", "parent_death", "limits", "uid")  # fmt: skip
+    keys = (
+        "network",
+        "pid_namespace",
+        "mount_namespace",
+        "private_proc",
+        "private_tmp",
+        "readonly_root",
+        "distinct_uid",
+        "parent_death",
+        "limits",
+        "uid",
+    )
     assert set(keys) <= set(report)
     assert ("mntns" in obs.info["isolation"]) == report["mount_namespace"]
     assert "RLIMIT_NPROC" in report["limits"]["processes"]

@@ -152,14 +152,16 @@ async def test_configured_system_prompt_and_hidden_task_reach_the_request():
     client = FakeSimulator([obs_text("X\n")])
     cfg = SimulatedShellConfig(system_prompt="", show_task=False)
     setup = TaskSetup(files={"in.txt": "x\n"})
-    async with SimulatedShell(client, task_instruction="secret task", setup=setup,
-                              config=cfg) as sh:  # fmt: skip
+    async with SimulatedShell(
+        client, task_instruction="secret task", setup=setup, config=cfg
+    ) as sh:
         await sh.run("cat in.txt", timeout_s=5)
     prompt = client.calls[0]["prompt"]
     assert "secret task" not in prompt and SIM_SYSTEM_PROMPT not in prompt
     assert prompt.startswith("<|im_start|>system\nFiles in the working directory at the start:")
-    expected = render_sim_messages("secret task", [], "cat in.txt", setup_files=setup.files,
-                                   system_prompt="", show_task=False)  # fmt: skip
+    expected = render_sim_messages(
+        "secret task", [], "cat in.txt", setup_files=setup.files, system_prompt="", show_task=False
+    )
     assert prompt == render_text(expected, add_generation_prompt=True, enable_thinking=False)
 
 
@@ -228,8 +230,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match=r"max_prompt_tokens=0 is invalid"):
         SimulatedShellConfig(max_tokens=100, max_context_tokens=1000, max_prompt_tokens=0)
     assert SimulatedShellConfig(max_tokens=100, max_context_tokens=1000).prompt_budget == 900
-    assert SimulatedShellConfig(max_tokens=100, max_context_tokens=1000,
-                                max_prompt_tokens=256).prompt_budget == 256  # fmt: skip
+    assert (
+        SimulatedShellConfig(
+            max_tokens=100, max_context_tokens=1000, max_prompt_tokens=256
+        ).prompt_budget
+        == 256
+    )
     assert SimulatedShellConfig(max_tokens=100).prompt_budget is None
     with pytest.raises(ValueError, match="needs a renderer"):
         SimulatedShell(
@@ -252,7 +258,8 @@ async def test_sessions_fall_back_to_completions_on_a_server_without_them():
     # FakeSimulator has no open_session (like a vLLM client): stateless, same requests.
     cfg = SimulatedShellConfig(max_tokens=16, sessions=True)
     fake = FakeSimulator([obs_text("x")])
-    async with SimulatedShell(fake, task_instruction="t", config=cfg,
-                              renderer=ChatRenderer(ByteTokenizer())) as shell:  # fmt: skip
+    async with SimulatedShell(
+        fake, task_instruction="t", config=cfg, renderer=ChatRenderer(ByteTokenizer())
+    ) as shell:
         obs = await shell.run("echo x", timeout_s=5)
     assert obs.output == "x" and len(fake.calls) == 1 and "appended_tokens" not in obs.info

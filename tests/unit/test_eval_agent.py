@@ -14,8 +14,13 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
 
 def _episode(*commands):
-    return Trajectory(task_id="t", arm="real", env_backend="local", status="ok",
-                      turns=[Turn(agent_text="", command=c) for c in commands])  # fmt: skip
+    return Trajectory(
+        task_id="t",
+        arm="real",
+        env_backend="local",
+        status="ok",
+        turns=[Turn(agent_text="", command=c) for c in commands],
+    )
 
 
 def test_action_distribution_counts_every_turn():
@@ -46,11 +51,17 @@ def test_eval_agent_refuses_what_it_cannot_evaluate(tmp_path, capsys):
 
 def test_print_eval_shows_arms_gap_and_actions(capsys):
     def result(rate, actions):
-        return {"success_rate": rate, "episodes": 8, "actions": actions,
-                "by_kind": {"rev": {"episodes": 8, "success_rate": rate}}}  # fmt: skip
+        return {
+            "success_rate": rate,
+            "episodes": 8,
+            "actions": actions,
+            "by_kind": {"rev": {"episodes": 8, "success_rate": rate}},
+        }
 
-    results = {"real": result(0.5, {"tr | rev": 1.0}),
-               "closed_loop": result(0.25, {"tr | rev": 0.5, "cat": 0.5})}  # fmt: skip
+    results = {
+        "real": result(0.5, {"tr | rev": 1.0}),
+        "closed_loop": result(0.25, {"tr | rev": 0.5, "cat": 0.5}),
+    }
     assert transfer_gap(results) == -0.25 and transfer_gap({"real": results["real"]}) is None
     print_eval(results)
     out = capsys.readouterr().out

@@ -31,26 +31,49 @@ def test_command_key(command, key):
 
 
 def _replay(task_id, turns):
-    return Trajectory(task_id=task_id, arm="replay", env_backend="simulated", status="ok",
-                      instruction="x", turns=turns, behavior_logprobs=None,
-                      policy_version=None)  # fmt: skip
+    return Trajectory(
+        task_id=task_id,
+        arm="replay",
+        env_backend="simulated",
+        status="ok",
+        instruction="x",
+        turns=turns,
+        behavior_logprobs=None,
+        policy_version=None,
+    )
 
 
 def _turn(cmd, real, sim, rc=0, sim_rc=0, flags=(), prompt_tokens=100):
-    return Turn(agent_text="", command=cmd, observation=real, exit_code=rc, sim_observation=sim,
-                sim_exit_code=sim_rc, flags=list(flags),
-                info={"prompt_tokens": prompt_tokens})  # fmt: skip
+    return Turn(
+        agent_text="",
+        command=cmd,
+        observation=real,
+        exit_code=rc,
+        sim_observation=sim,
+        sim_exit_code=sim_rc,
+        flags=list(flags),
+        info={"prompt_tokens": prompt_tokens},
+    )
 
 
 def test_replay_fidelity_counts_every_pair():
     trajs = [
-        _replay("a", [_turn("cat f | rev", "cba", "cba"),
-                      _turn("cat f | rev", "cba", "xyz", sim_rc=1, prompt_tokens=300)]),
-        _replay("b", [_turn("ls", "f\n", "f\n" * 200, flags=["cap_hit", "repetition"],
-                            prompt_tokens=700),
-                      _turn("date", "Mon Jan  5 10:00:00 UTC 2026", "Tue Feb  3 11:11:11 UTC 2026"),
-                      Turn(agent_text="", command="submit x")]),
-    ]  # fmt: skip
+        _replay(
+            "a",
+            [
+                _turn("cat f | rev", "cba", "cba"),
+                _turn("cat f | rev", "cba", "xyz", sim_rc=1, prompt_tokens=300),
+            ],
+        ),
+        _replay(
+            "b",
+            [
+                _turn("ls", "f\n", "f\n" * 200, flags=["cap_hit", "repetition"], prompt_tokens=700),
+                _turn("date", "Mon Jan  5 10:00:00 UTC 2026", "Tue Feb  3 11:11:11 UTC 2026"),
+                Turn(agent_text="", command="submit x"),
+            ],
+        ),
+    ]
     fid = replay_fidelity(trajs, context_edges=[256, 512])
     p = fid["pairs"]
     assert p["count"] == 4  # the submit turn has no observation pair
@@ -61,7 +84,10 @@ def test_replay_fidelity_counts_every_pair():
     assert (h["cap_hit"], h["repetition"], h["malformed"]) == (0.25, 0.25, 0.0)
     assert fid["real_hygiene"]["cap_hit"] == 0.0 and fid["real_hygiene"]["count"] == 4
     assert {k: v["count"] for k, v in fid["by_context"].items()} == {
-        "0-256": 2, "256-512": 1, "512-inf": 1}  # fmt: skip
+        "0-256": 2,
+        "256-512": 1,
+        "512-inf": 1,
+    }
     assert fid["by_command"]["cat | rev"]["count"] == 2
     assert fid["by_command"]["cat | rev"]["exact"] == 0.5
     assert fid["trajectories"] == 2 and fid["statuses"] == {"ok": 2}
@@ -87,7 +113,9 @@ def test_replay_fidelity_by_the_replayed_tasks_operation():
     a.task_kind, b.task_kind = "reverse", "upper"
     fid = replay_fidelity([a, b, c])
     assert {k: (v["count"], v["exact_masked"]) for k, v in fid["by_kind"].items()} == {
-        "reverse": (2, 0.5), "upper": (1, 1.0)}  # fmt: skip
+        "reverse": (2, 0.5),
+        "upper": (1, 1.0),
+    }
     assert fid["pairs"]["count"] == 4
 
 
@@ -97,23 +125,39 @@ def test_replay_fidelity_of_nothing():
 
 
 def _real(task_id, backend="local"):
-    return Trajectory(task_id=task_id, arm="real", env_backend=backend, status="ok",
-                      instruction="x", reward=1.0,
-                      turns=[Turn(agent_text="", command="ls", observation="f", exit_code=0)],
-                      source="rendered",
-                      behavior_logprobs=None, policy_version=None)  # fmt: skip
+    return Trajectory(
+        task_id=task_id,
+        arm="real",
+        env_backend=backend,
+        status="ok",
+        instruction="x",
+        reward=1.0,
+        turns=[Turn(agent_text="", command="ls", observation="f", exit_code=0)],
+        source="rendered",
+        behavior_logprobs=None,
+        policy_version=None,
+    )
 
 
 def test_select_trajectories_keeps_heldout_real_ones(tmp_path):
-    write_jsonl(tmp_path / "t.jsonl", [_real("a"), _real("b"), _real("c", "simulated"),
-                                       _real("d")])  # fmt: skip
+    write_jsonl(tmp_path / "t.jsonl", [_real("a"), _real("b"), _real("c", "simulated"), _real("d")])
     (tmp_path / "heldout.json").write_text(json.dumps(["b", "c", "d"]))
-    cfg = load_config(SimloopConfig, None, [
-        "--eval_sim.trajectories", f"[{tmp_path / 't.jsonl'}]",
-        "--eval_sim.heldout_tasks", str(tmp_path / "heldout.json")])  # fmt: skip
+    cfg = load_config(
+        SimloopConfig,
+        None,
+        [
+            "--eval_sim.trajectories",
+            f"[{tmp_path / 't.jsonl'}]",
+            "--eval_sim.heldout_tasks",
+            str(tmp_path / "heldout.json"),
+        ],
+    )
     assert [t.task_id for t in select_trajectories(cfg)] == ["b", "d"]
-    cfg = load_config(SimloopConfig, None, ["--eval_sim.trajectories", f"[{tmp_path}]",
-                                            "--eval_sim.max_trajectories", "2"])  # fmt: skip
+    cfg = load_config(
+        SimloopConfig,
+        None,
+        ["--eval_sim.trajectories", f"[{tmp_path}]", "--eval_sim.max_trajectories", "2"],
+    )
     assert [t.task_id for t in select_trajectories(cfg)] == ["a", "b"]
 
 
@@ -121,8 +165,13 @@ def test_eval_sim_cli_errors(tmp_path, capsys):
     assert main(["eval-sim", "--out", str(tmp_path / "o")]) == 2
     assert "eval_sim.trajectories is empty" in capsys.readouterr().err
     write_jsonl(tmp_path / "t.jsonl", [_real("a")])
-    args = ["eval-sim", "--out", str(tmp_path / "o"), "--eval_sim.trajectories",
-            f"[{tmp_path / 't.jsonl'}]"]  # fmt: skip
+    args = [
+        "eval-sim",
+        "--out",
+        str(tmp_path / "o"),
+        "--eval_sim.trajectories",
+        f"[{tmp_path / 't.jsonl'}]",
+    ]
     assert main([*args, "--eval_sim.heldout_tasks", str(tmp_path / "none.json")]) == 2
     assert "none.json does not exist" in capsys.readouterr().err
     (tmp_path / "h.json").write_text("[]")

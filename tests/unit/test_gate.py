@@ -14,8 +14,12 @@ Z90 = 1.2815515655446008  # NormalDist().inv_cdf(0.9)
 
 
 def _task(op: str, i: int = 0) -> Task:
-    return Task(id=f"{op}-{i}", instruction=f"do {op}", family="textops",
-                reward=RewardSpec("textops", {"op": op}))  # fmt: skip
+    return Task(
+        id=f"{op}-{i}",
+        instruction=f"do {op}",
+        family="textops",
+        reward=RewardSpec("textops", {"op": op}),
+    )
 
 
 def test_wilson_lower_bound_by_hand():
@@ -103,8 +107,10 @@ def test_a_new_simulator_version_starts_from_its_own_measurements():
     assert router.record("upper", 50, 50, sim_version=2, step=4)
     assert router.route(_task("upper"), 4) == "closed_loop"
     versions = router.summary()["sim_versions"]
-    assert versions == [{"sim_version": 1, "policy_version": None},
-                        {"sim_version": 2, "policy_version": 4}]  # fmt: skip
+    assert versions == [
+        {"sim_version": 1, "policy_version": None},
+        {"sim_version": 2, "policy_version": 4},
+    ]
 
 
 def test_each_policy_version_closes_a_record_with_routing_and_success():
@@ -135,23 +141,48 @@ def test_units_are_operations_or_families():
 
 def test_replay_exact_needs_the_text_and_the_return_code():
     def turn(exact, rc_sim, rc_real=0):
-        return Turn(agent_text="", command="c", observation="o", exit_code=rc_real,
-                    sim_observation="o" if exact else "x", sim_exit_code=rc_sim,
-                    info={"exact_masked": exact})  # fmt: skip
+        return Turn(
+            agent_text="",
+            command="c",
+            observation="o",
+            exit_code=rc_real,
+            sim_observation="o" if exact else "x",
+            sim_exit_code=rc_sim,
+            info={"exact_masked": exact},
+        )
 
-    t = Trajectory(task_id="t", arm="replay", env_backend="simulated", status="ok",
-                   turns=[turn(True, 0), turn(True, 1), turn(False, 0),
-                          Turn(agent_text="", command="c", observation=None)])  # fmt: skip
+    t = Trajectory(
+        task_id="t",
+        arm="replay",
+        env_backend="simulated",
+        status="ok",
+        turns=[
+            turn(True, 0),
+            turn(True, 1),
+            turn(False, 0),
+            Turn(agent_text="", command="c", observation=None),
+        ],
+    )
     assert replay_exact(t) == (1, 3)
 
 
 @pytest.mark.parametrize(
     "field, value",
-    [("unit", "command"), ("threshold", 1.5), ("confidence", 0.3), ("confidence", 1.0),
-     ("real_min", -0.1), ("half_life_steps", 0), ("shadow_concurrency", 0),
-     ("cotrain_every", -1), ("cotrain_steps", 0), ("cotrain_replay", 2.0),
-     ("cotrain_lr", 0.0), ("remeasure", True)],
-)  # fmt: skip
+    [
+        ("unit", "command"),
+        ("threshold", 1.5),
+        ("confidence", 0.3),
+        ("confidence", 1.0),
+        ("real_min", -0.1),
+        ("half_life_steps", 0),
+        ("shadow_concurrency", 0),
+        ("cotrain_every", -1),
+        ("cotrain_steps", 0),
+        ("cotrain_replay", 2.0),
+        ("cotrain_lr", 0.0),
+        ("remeasure", True),
+    ],
+)
 def test_gate_config_rejects_bad_values_by_name(field, value):
     with pytest.raises(ValueError, match=f"GateConfig.{field}="):
         GateConfig(**{field: value})

@@ -227,8 +227,12 @@ def test_multi_host_addresses_are_the_jobset_pod_names():
         f"simloop-v6e-32-slice-0-{i}.simloop-v6e-32:8476" for i in range(4)
     )
     # The trainers find the servers at the hosts and ports the plan gives them.
-    serve = {p["role"]: (h["hostname"], p["http_port"])
-             for h in layout["hosts"] for p in h["processes"] if p["kind"] == "serve"}  # fmt: skip
+    serve = {
+        p["role"]: (h["hostname"], p["http_port"])
+        for h in layout["hosts"]
+        for p in h["processes"]
+        if p["kind"] == "serve"
+    }
     urls = json.loads(policy[0]["env"]["SIMLOOP_SERVER_URLS"])
     assert urls["agent"] == ["http://{}:{}".format(*serve["agent_serve"])]
     assert urls["simulator"] == ["http://{}:{}".format(*serve["sim_serve"])]
@@ -301,10 +305,15 @@ def test_two_pods_of_one_trainer_group_start_one_job(tmp_path):
     seen = [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
     coordinator = f"{gke.pod_hostname(cfg.gke.name, 4)}:8481"
     assert seen == [
-        {"SIMLOOP_COORDINATOR": coordinator, "SIMLOOP_NUM_PROCESSES": "2",
-         "SIMLOOP_PROCESS_ID": str(i), "SIMLOOP_ROLE": "sim_train", "TPU_WORKER_ID": str(i)}
+        {
+            "SIMLOOP_COORDINATOR": coordinator,
+            "SIMLOOP_NUM_PROCESSES": "2",
+            "SIMLOOP_PROCESS_ID": str(i),
+            "SIMLOOP_ROLE": "sim_train",
+            "TPU_WORKER_ID": str(i),
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
     assert f"process 1 of 2, coordinator {coordinator}" in logs[1]
 
 
@@ -536,8 +545,13 @@ def test_launcher_runs_every_process_of_its_host_with_its_env(tmp_path, monkeypa
     assert rc == 0  # the trainer succeeded; the servers were stopped
     assert not lock.exists()
     seen = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
-    assert set(seen) == {"policy_train-0", "agent_serve-0", "agent_serve-1", "sim_serve-0",
-                         "sim_serve-1"}  # fmt: skip
+    assert set(seen) == {
+        "policy_train-0",
+        "agent_serve-0",
+        "agent_serve-1",
+        "sim_serve-0",
+        "sim_serve-1",
+    }
     for proc in layout["hosts"][0]["processes"]:
         got = seen[f"{proc['role']}-{proc['replica']}"]
         assert got["TPU_VISIBLE_CHIPS"] == proc["env"]["TPU_VISIBLE_CHIPS"]

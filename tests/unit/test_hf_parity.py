@@ -20,22 +20,35 @@ from rl.model.config import MeshConfig
 # Tiny configs covering: GQA ratios 1/2/3/4, head_dim != D / N, tied and untied heads.
 QWEN3_CONFIGS = {
     "gqa2-untied-headdim16": dict(
-        hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
         tie_word_embeddings=False,
     ),
     "gqa3-tied-headdim8": dict(
-        hidden_size=64, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+        hidden_size=64,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
         tie_word_embeddings=True,
     ),
     "mqa-untied-headdim32": dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
         tie_word_embeddings=False,
     ),
     "mha-tied-bias": dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-        tie_word_embeddings=True, attention_bias=True,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        tie_word_embeddings=True,
+        attention_bias=True,
     ),
-}  # fmt: skip
+}
 
 
 def _hf_qwen3(seed: int, **fields) -> Qwen3ForCausalLM:

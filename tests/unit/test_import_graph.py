@@ -135,9 +135,14 @@ def _describe(graph: dict[str, set[str]]) -> str:
     lines = []
     for component in _components(graph):
         cycle = _shortest_cycle(graph, component)
-        lines.append(" -> ".join([*cycle, cycle[0]])
-                     + (f" (its circle holds {len(component)} modules: {', '.join(component)})"
-                        if len(component) > len(cycle) else ""))  # fmt: skip
+        lines.append(
+            " -> ".join([*cycle, cycle[0]])
+            + (
+                f" (its circle holds {len(component)} modules: {', '.join(component)})"
+                if len(component) > len(cycle)
+                else ""
+            )
+        )
     return "\n".join(lines)
 
 
@@ -157,16 +162,19 @@ def _package(root: Path, files: dict[str, str]) -> None:
 
 
 def test_a_circle_through_a_function_body_or_a_relative_import_is_found_and_named(tmp_path):
-    _package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg import b\n",
-        "pkg/b.py": "def f():\n    from pkg.c import g\n",
-        "pkg/c.py": "import json\n\ndef g():\n    from . import a\n",
-        "pkg/d.py": "from pkg.a import nothing  # into the circle, not part of it\n",
-        "pkg/sub/__init__.py": "",
-        "pkg/sub/e.py": "from ..d import x\nfrom .f import y\n",
-        "pkg/sub/f.py": "from pkg import sub\n",
-    })  # fmt: skip
+    _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": "def f():\n    from pkg.c import g\n",
+            "pkg/c.py": "import json\n\ndef g():\n    from . import a\n",
+            "pkg/d.py": "from pkg.a import nothing  # into the circle, not part of it\n",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/e.py": "from ..d import x\nfrom .f import y\n",
+            "pkg/sub/f.py": "from pkg import sub\n",
+        },
+    )
     graph = import_graph(tmp_path, ["pkg"])
     assert graph["pkg.sub.e"] == {"pkg.d", "pkg.sub.f"}
     assert graph["pkg.sub.f"] == {"pkg.sub"}

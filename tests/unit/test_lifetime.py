@@ -47,8 +47,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_server_ends_when_the_job_that_started_it_is_killed():
-    job = subprocess.Popen([sys.executable, "-c", f"SERVER = {SERVER!r}\n{JOB}"],
-                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    job = subprocess.Popen(
+        [sys.executable, "-c", f"SERVER = {SERVER!r}\n{JOB}"], stdout=subprocess.PIPE, text=True
+    )
     server = int(job.stdout.readline())
     time.sleep(1.0)  # the server armed itself
     assert _alive(server)
@@ -65,8 +66,9 @@ def test_an_orphan_exits_at_once_and_no_parent_named_is_a_no_op():
     # process of its own: arming it here would tie this test process to its parent.
     code = "from serving.lifetime import die_with_parent; die_with_parent(); print('ran on')"
     env = {**os.environ, PARENT_PID_ENV: str(os.getpid() + 10_000_000)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and "is gone; exiting" in done.stderr and not done.stdout
     assert die_with_parent({}) is False
     assert die_with_parent({PARENT_PID_ENV: "not-a-pid"}) is False

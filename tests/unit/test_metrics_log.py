@@ -122,8 +122,11 @@ def test_scalars_reach_tensorboard_with_steps(tmp_path, no_wandb):
     assert scalars["rl_rollout/closed_loop/status/ok"] == [(0, 11.0)]
     assert scalars["sim_sft/summary/wall_s"] == [(0, 31.0)]
     assert not any("note" in t or "kl" in t or "active_per_turn" in t for t in scalars)
-    rollout_event = next(e for e in read_events(logdir) if e.step == 0 and e.summary.value
-                         and e.summary.value[0].tag.startswith("rl_rollout"))  # fmt: skip
+    rollout_event = next(
+        e
+        for e in read_events(logdir)
+        if e.step == 0 and e.summary.value and e.summary.value[0].tag.startswith("rl_rollout")
+    )
     assert rollout_event.wall_time == 1.5e9  # the record's own time
     # metrics.jsonl is exactly what it was: every key, NaN/inf as null
     lines = (run / rundir.METRICS).read_text().splitlines()

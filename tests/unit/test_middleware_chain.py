@@ -25,8 +25,11 @@ from serving.middleware.formats import (
 TOK = ByteTokenizer()
 R = ChatRenderer(TOK)
 EOS = R.im_end_id
-BASH = {"name": "bash", "description": "run a command",
-        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}}  # fmt: skip
+BASH = {
+    "name": "bash",
+    "description": "run a command",
+    "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+}
 
 
 # ----- tools ---------------------------------------------------------------------------------
@@ -60,8 +63,10 @@ def test_system_text_lists_tools_after_the_system_prompt():
     assert system_text("sys", []) == "sys" and system_text(None, []) is None
     text = system_text("sys", [spec])
     assert text.startswith("sys\n\n# Tools\n\nYou may call one or more functions")
-    assert '\n<tools>\n{"type": "function", "function": {"name": "bash", "description": "run", ' \
-        '"parameters": {"type": "object"}}}\n</tools>\n' in text  # fmt: skip
+    assert (
+        '\n<tools>\n{"type": "function", "function": {"name": "bash", "description": "run", '
+        '"parameters": {"type": "object"}}}\n</tools>\n' in text
+    )
     assert text.endswith("</tool_call>")
     assert system_text(None, [spec]).startswith("# Tools")
 
@@ -70,20 +75,44 @@ def test_system_text_lists_tools_after_the_system_prompt():
 
 
 def test_anthropic_request_becomes_messages_in_order():
-    conv = parse_anthropic({
-        "model": "m", "max_tokens": 7, "system": [{"type": "text", "text": "S"}], "tools": [BASH],
-        "stop_sequences": ["END"], "top_k": 5,
-        "messages": [
-            {"role": "user", "content": "do it"},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "hmm", "signature": "x"},
-                {"type": "text", "text": "ok"},
-                {"type": "tool_use", "id": "toolu_1", "name": "bash", "input": {"cmd": "ls"}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1",
-                 "content": [{"type": "text", "text": "a.txt"}]},
-                {"type": "text", "text": "and now?"}]},
-        ]}, default_model="d")  # fmt: skip
+    conv = parse_anthropic(
+        {
+            "model": "m",
+            "max_tokens": 7,
+            "system": [{"type": "text", "text": "S"}],
+            "tools": [BASH],
+            "stop_sequences": ["END"],
+            "top_k": 5,
+            "messages": [
+                {"role": "user", "content": "do it"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                        {"type": "text", "text": "ok"},
+                        {
+                            "type": "tool_use",
+                            "id": "toolu_1",
+                            "name": "bash",
+                            "input": {"cmd": "ls"},
+                        },
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "a.txt"}],
+                        },
+                        {"type": "text", "text": "and now?"},
+                    ],
+                },
+            ],
+        },
+        default_model="d",
+    )
     roles = [(m.role, m.content) for m in conv.messages]
     assert roles == [
         ("user", "do it"),
@@ -99,13 +128,22 @@ def test_anthropic_request_becomes_messages_in_order():
 
 def test_anthropic_refuses_a_system_role_in_messages():
     # Anthropic's Messages API allows only user and assistant there; system text is top-level
-    with pytest.raises(BadRequest, match=r"messages\[1\]\.role='system' is invalid: user or "
-                                         r"assistant \(.*top-level `system`") as e:  # fmt: skip
-        parse_anthropic({
-            "max_tokens": 3, "messages": [
-                {"role": "user", "content": "a"},
-                {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
-                {"role": "user", "content": "c"}]}, default_model="d")  # fmt: skip
+    with pytest.raises(
+        BadRequest,
+        match=r"messages\[1\]\.role='system' is invalid: user or "
+        r"assistant \(.*top-level `system`",
+    ) as e:
+        parse_anthropic(
+            {
+                "max_tokens": 3,
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
+                    {"role": "user", "content": "c"},
+                ],
+            },
+            default_model="d",
+        )
     assert e.value.param == "messages"
 
 
@@ -141,31 +179,59 @@ def test_anthropic_bad_requests_name_the_field(body, needle):
 
 
 def test_openai_request_and_its_refusals():
-    conv = parse_openai({
-        "messages": [
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": [{"type": "text", "text": "go"}]},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
-        ],
-        "tools": [{"type": "function", "function": {"name": "bash", "parameters": {}}}],
-        "stop": "X"}, default_model="d", default_max_tokens=11)  # fmt: skip
+    conv = parse_openai(
+        {
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": [{"type": "text", "text": "go"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "bash", "arguments": '{"cmd": "ls"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "bash", "parameters": {}}}],
+            "stop": "X",
+        },
+        default_model="d",
+        default_max_tokens=11,
+    )
     assert conv.system == "S" and conv.sampling.max_tokens == 11 and conv.sampling.stop == ("X",)
     assert conv.messages[1].tool_calls == (Call("call_1", "bash", {"cmd": "ls"}),)
-    bad_args = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]},
-        {"role": "tool", "content": "r"}]}  # fmt: skip
+    bad_args = {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}
+                ],
+            },
+            {"role": "tool", "content": "r"},
+        ]
+    }
     with pytest.raises(BadRequest, match="arguments is not JSON"):
         parse_openai(bad_args, default_model="d", default_max_tokens=5)
     with pytest.raises(BadRequest, match="n=2"):
-        parse_openai({"n": 2, "messages": [{"role": "user", "content": "x"}]},
-                     default_model="d", default_max_tokens=5)  # fmt: skip
+        parse_openai(
+            {"n": 2, "messages": [{"role": "user", "content": "x"}]},
+            default_model="d",
+            default_max_tokens=5,
+        )
     for name, value in [("stop_sequences", ["x"]), ("top_k", 5), ("system", "S")]:
         with pytest.raises(BadRequest, match=f"{name} is a parameter of the Anthropic") as e:
-            parse_openai({name: value, "messages": [{"role": "user", "content": "x"}]},
-                         default_model="d", default_max_tokens=5)  # fmt: skip
+            parse_openai(
+                {name: value, "messages": [{"role": "user", "content": "x"}]},
+                default_model="d",
+                default_max_tokens=5,
+            )
         assert e.value.param == name
 
 
@@ -181,7 +247,7 @@ def test_openai_request_and_its_refusals():
         (b'{"content": "\xff"}', "not UTF-8"),
         (b"{nope", "not JSON"),
     ],
-)  # fmt: skip
+)
 def test_loads_refuses_what_is_not_strict_json_by_name(raw, needle):
     with pytest.raises(BadRequest, match=re.escape(needle)):
         loads(raw)
@@ -196,12 +262,24 @@ def test_anthropic_stream_events_follow_the_documented_order():
     reply = Reply("hi", (Call("toolu_9", "bash", {"cmd": "ls"}),), "stop", None, 12, 3)
     events = anthropic_events(reply, msg_id="msg_1", model="m")
     names = [e for e, _ in events]
-    assert names == ["message_start", "ping",
-                     "content_block_start", "content_block_delta", "content_block_stop",
-                     "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]  # fmt: skip
-    assert events[5][1]["content_block"] == {"type": "tool_use", "id": "toolu_9", "name": "bash",
-                                             "input": {}}  # fmt: skip
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[5][1]["content_block"] == {
+        "type": "tool_use",
+        "id": "toolu_9",
+        "name": "bash",
+        "input": {},
+    }
     assert events[6][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"cmd": "ls"}'}
     assert events[8][1]["delta"]["stop_reason"] == "tool_use"
 
@@ -210,8 +288,10 @@ def test_anthropic_stream_events_follow_the_documented_order():
 
 
 def ask(*messages, system="S", tools=(BASH,)):
-    return parse_anthropic({"max_tokens": 8, "system": system, "tools": list(tools),
-                            "messages": list(messages)}, default_model="d")  # fmt: skip
+    return parse_anthropic(
+        {"max_tokens": 8, "system": system, "tools": list(tools), "messages": list(messages)},
+        default_model="d",
+    )
 
 
 def sample(rollout: Rollout, conv, text: str, *, eos: bool = True, version: int = 3):
@@ -220,18 +300,28 @@ def sample(rollout: Rollout, conv, text: str, *, eos: bool = True, version: int 
     ids = TOK.encode_text(text) + ([EOS] if eos else [])
     parsed = parse_assistant(text)
     calls = tuple(Call(f"toolu_{i}", c.name, c.arguments) for i, c in enumerate(parsed.tool_calls))
-    reply = Reply(parsed.content, calls, "stop" if eos else "length", None,
-                  len(plan.prompt_ids), len(ids))  # fmt: skip
-    rollout.commit(plan, reply, token_ids=ids, logprobs=[-0.5] * len(ids),
-                   versions=[version] * len(ids), text=text, eos_id=EOS)  # fmt: skip
+    reply = Reply(
+        parsed.content, calls, "stop" if eos else "length", None, len(plan.prompt_ids), len(ids)
+    )
+    rollout.commit(
+        plan,
+        reply,
+        token_ids=ids,
+        logprobs=[-0.5] * len(ids),
+        versions=[version] * len(ids),
+        text=text,
+        eos_id=EOS,
+    )
     return plan, reply, ids
 
 
 def returned(reply: Reply) -> dict:
     """The assistant message an Anthropic harness sends back."""
     blocks = [{"type": "text", "text": reply.content}] if reply.content else []
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.arguments)}
-               for c in reply.tool_calls]  # fmt: skip
+    blocks += [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.arguments)}
+        for c in reply.tool_calls
+    ]
     return {"role": "assistant", "content": blocks}
 
 
@@ -242,8 +332,9 @@ def test_chain_extends_with_sampled_ids_verbatim_and_equals_a_full_render():
     plan1, reply1, gen1 = sample(rollout, ask(u1), call_text)
     system = {"role": "system", "content": ask(u1).system_text}
     assert plan1.kind == "new"
-    assert plan1.prompt_ids == R.render([system, u1], add_generation_prompt=True,
-                                        enable_thinking=False)  # fmt: skip
+    assert plan1.prompt_ids == R.render(
+        [system, u1], add_generation_prompt=True, enable_thinking=False
+    )
     seg = rollout.segments[0]
     n1 = len(plan1.prompt_ids)
     assert seg.token_ids == plan1.prompt_ids + gen1
@@ -264,8 +355,7 @@ def test_chain_extends_with_sampled_ids_verbatim_and_equals_a_full_render():
     # block the generation prompt put before it (Qwen3's own template would drop it: drift).
     tool = {"role": "tool", "content": "a.txt"}
     sampled = {"role": "assistant", "content": call_text, "reasoning_content": ""}
-    full = R.render([system, u1, sampled, tool],
-                    add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+    full = R.render([system, u1, sampled, tool], add_generation_prompt=True, enable_thinking=False)
     assert plan2.prompt_ids == full
     assert plan2.appended == full[len(plan1.prompt_ids) + len(gen1) :]
     assert seg.token_ids == full + gen2
@@ -316,8 +406,9 @@ def test_trajectories_per_segment_and_reward_modes():
     seg = rollout.segments[0]
     assert seg.token_ids[-1] == EOS and seg.loss_mask[-1] == 0 and seg.logprobs[-1] is None
     sample(rollout, ask({"role": "user", "content": "other"}), "b")
-    all_ = rollout.trajectories(reward=0.5, status="ok", reason=None, reward_mode="all_segments",
-                                task_id="t1", group_id="g")  # fmt: skip
+    all_ = rollout.trajectories(
+        reward=0.5, status="ok", reason=None, reward_mode="all_segments", task_id="t1", group_id="g"
+    )
     last = rollout.trajectories(reward=0.5, status="ok", reason=None, reward_mode="last_segment")
     for t in all_ + last:
         to_json_line(t)  # validates: masks equal the turns' spans, logprobs where sampled
@@ -339,7 +430,7 @@ def test_trajectories_per_segment_and_reward_modes():
         ({"admin_socket": "/" + "x" * 120}, "a Unix socket's limit"),
         ({"admin_token": ""}, "admin_token='' is invalid"),
     ],
-)  # fmt: skip
+)
 def test_middleware_config_refuses_bad_limits_and_admin_listeners(fields, needle):
     from serving.middleware.config import MiddlewareConfig
 

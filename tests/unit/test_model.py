@@ -187,16 +187,18 @@ def test_blocked_causal_attention_equals_plain_attention():
 
     b, t, n, kv, h = 2, 2 * CAUSAL_BLOCK + 44, 4, 2, 16
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.uniform(-1, 1, (b, t, heads, h)), jnp.float32)
-               for heads in (n, kv, kv))  # fmt: skip
+    q, k, v = (
+        jnp.asarray(rng.uniform(-1, 1, (b, t, heads, h)), jnp.float32) for heads in (n, kv, kv)
+    )
     idx = np.arange(t)
     segments = (idx >= 100).astype(int)[None, :] + np.array([[0], [1]]) * (idx >= 250)
     mask = jnp.asarray(
         (idx[:, None] >= idx[None, :]) & (segments[:, :, None] == segments[:, None, :])
     )
     tol = 2 * t * 2.0**-24
-    np.testing.assert_allclose(attend_causal(q, k, v, mask), attend(q, k, v, mask), atol=tol,
-                               rtol=0)  # fmt: skip
+    np.testing.assert_allclose(
+        attend_causal(q, k, v, mask), attend(q, k, v, mask), atol=tol, rtol=0
+    )
 
 
 def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_other_rows():
@@ -218,10 +220,18 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     held = np.array([s, HELD_BLOCK + 3, 0], np.int32)
     valid = np.arange(own) < np.array([[own], [own], [7]])  # row 2: 7 real tokens, then padding
     own_mask = np.tril(np.ones((own, own), bool))[None] & valid[:, None, :] & valid[:, :, None]
-    got = attend_split(q, HeldKeys(k[:, :s], v[:, :s]), jnp.asarray(held), k[:, s:], v[:, s:],
-                       jnp.asarray(own_mask))  # fmt: skip
-    seen = np.concatenate([np.broadcast_to((np.arange(s)[None, :] < held[:, None])[:, None],
-                                           (b, own, s)), own_mask], axis=2)  # fmt: skip
+    got = attend_split(
+        q,
+        HeldKeys(k[:, :s], v[:, :s]),
+        jnp.asarray(held),
+        k[:, s:],
+        v[:, s:],
+        jnp.asarray(own_mask),
+    )
+    seen = np.concatenate(
+        [np.broadcast_to((np.arange(s)[None, :] < held[:, None])[:, None], (b, own, s)), own_mask],
+        axis=2,
+    )
     want = attend(q, k, v, jnp.asarray(seen))
     tol = 2 * (s + own + 16) * 2.0**-24
     real = valid[:, :, None, None]  # a padding query sees nothing: zeros (attend: any mean)
@@ -236,11 +246,20 @@ def test_split_attention_over_held_blocks_equals_plain_attention_and_ignores_oth
     others[0] = 0
     two = split(q, cached, jnp.asarray(others), k[:, s:], v[:, s:], own_mask)
     np.testing.assert_array_equal(np.asarray(one)[1], np.asarray(two)[1])
-    nothing = attend_split(q, HeldKeys(k[:, :0], v[:, :0]), jnp.zeros(b, jnp.int32), k[:, s:],
-                           v[:, s:], jnp.asarray(own_mask))  # fmt: skip
-    np.testing.assert_allclose(np.where(real, nothing, 0),
-                               np.where(real, attend(q, k[:, s:], v[:, s:], own_mask), 0),
-                               atol=2 * (own + 16) * 2.0**-24, rtol=0)  # fmt: skip
+    nothing = attend_split(
+        q,
+        HeldKeys(k[:, :0], v[:, :0]),
+        jnp.zeros(b, jnp.int32),
+        k[:, s:],
+        v[:, s:],
+        jnp.asarray(own_mask),
+    )
+    np.testing.assert_allclose(
+        np.where(real, nothing, 0),
+        np.where(real, attend(q, k[:, s:], v[:, s:], own_mask), 0),
+        atol=2 * (own + 16) * 2.0**-24,
+        rtol=0,
+    )
 
 
 def test_with_dtype_rounds_every_weight_and_serve_dtype_flag_uses_it():
@@ -257,14 +276,14 @@ def test_with_dtype_rounds_every_weight_and_serve_dtype_flag_uses_it():
     ours = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     for key, var in nnx.to_flat_state(nnx.state(half, nnx.Param)):
         assert var.get_value().dtype == jnp.bfloat16
-        np.testing.assert_array_equal(var.get_value(),
-                                      ours[key].get_value().astype(jnp.bfloat16))  # fmt: skip
+        np.testing.assert_array_equal(var.get_value(), ours[key].get_value().astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="'float16' is not supported: float32 or bfloat16"):
         with_dtype(model, "float16")
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    served, _, _ = serve.build_model(parser.parse_args(["--preset", "tiny", "--dtype", "bfloat16"]),
-                                     SimloopConfig())  # fmt: skip
+    served, _, _ = serve.build_model(
+        parser.parse_args(["--preset", "tiny", "--dtype", "bfloat16"]), SimloopConfig()
+    )
     assert served.cfg.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--dtype", "float16"])
@@ -279,8 +298,9 @@ def test_bfloat16_cache_writes_and_embedding_reads_are_exact_on_bit_patterns():
     model = _model(cfg)
     tokens = _tokens((2, 5), cfg.vocab_size)
     table = np.asarray(model.embed.get_value())
-    np.testing.assert_array_equal(np.asarray(jax.jit(model.embed_tokens)(tokens)),
-                                  table[np.asarray(tokens)])  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(model.embed_tokens)(tokens)), table[np.asarray(tokens)]
+    )
     cache = model.init_cache(3, 16)
     assert cache.k.dtype == jnp.bfloat16
     rng = np.random.default_rng(0)

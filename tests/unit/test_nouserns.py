@@ -46,20 +46,29 @@ def test_both_runners_refuse_user_namespaces_and_run_the_rest(tmp_path, which):
         pytest.skip("no C compiler on this machine: only the Python runner is used")
     run = runners[which]
     if shutil.which("unshare"):
-        refused = subprocess.run([*run, "unshare", "-U", "true"], capture_output=True,
-                                 text=True, check=False)  # fmt: skip
+        refused = subprocess.run(
+            [*run, "unshare", "-U", "true"], capture_output=True, text=True, check=False
+        )
         assert refused.returncode != 0 and "Operation not permitted" in refused.stderr
     # The raw system call (no `unshare` tool needed): -1 with EPERM (1).
-    py = ("import ctypes; c = ctypes.CDLL(None, use_errno=True); "
-          "print(c.unshare(0x10000000), ctypes.get_errno())")  # fmt: skip
-    refused = subprocess.run([*run, sys.executable, "-c", py], capture_output=True, text=True,
-                             check=False)  # fmt: skip
+    py = (
+        "import ctypes; c = ctypes.CDLL(None, use_errno=True); "
+        "print(c.unshare(0x10000000), ctypes.get_errno())"
+    )
+    refused = subprocess.run(
+        [*run, sys.executable, "-c", py], capture_output=True, text=True, check=False
+    )
     assert refused.stdout == "-1 1\n", refused
-    forks = subprocess.run([*run, "bash", "-c", "(echo child) & wait; echo $(echo sub)"],
-                           capture_output=True, text=True, check=False)  # fmt: skip
+    forks = subprocess.run(
+        [*run, "bash", "-c", "(echo child) & wait; echo $(echo sub)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert forks.returncode == 0 and forks.stdout == "child\nsub\n"
-    missing = subprocess.run([*run, "no-such-program-xyz"], capture_output=True, text=True,
-                             check=False)  # fmt: skip
+    missing = subprocess.run(
+        [*run, "no-such-program-xyz"], capture_output=True, text=True, check=False
+    )
     assert missing.returncode == 127 and "no-such-program-xyz" in missing.stderr
 
 

@@ -40,8 +40,14 @@ async def test_real_arm_solves_textops_and_keeps_tokens_verbatim(tmp_path):
     tasks = _tasks(4)
     client = FakeAgentClient(tasks, version=3)
     writer = TrajectoryWriter(tmp_path, shard_size=3)
-    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=client, sinks=(writer.add,))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real", group_size=2),
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local),
+        client=client,
+        sinks=(writer.add,),
+    )
     trajs = await runner.run(tasks)
     writer.close()
     assert len(trajs) == 8
@@ -95,8 +101,14 @@ async def test_trajectories_come_back_in_task_order_whatever_finishes_first():
         if finished.count(traj.task_id) == 2:
             delivered[traj.task_id].set()
 
-    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=Gated(tasks), sinks=(sink,))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real", group_size=2),
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local),
+        client=Gated(tasks),
+        sinks=(sink,),
+    )
     job = asyncio.create_task(runner.run(tasks), name="rollout")
     # One group at a time, the last task's first: each gate opens once the group before it
     # was delivered, so the finishing order is the reverse of the task order on any machine.
@@ -111,8 +123,9 @@ async def test_trajectories_come_back_in_task_order_whatever_finishes_first():
 async def test_failed_sibling_masks_the_group_with_a_reason():
     tasks = _tasks(2)
     client = FakeAgentClient(tasks, fail_task=tasks[0].id)
-    trajs = await _runner(OrchestratorConfig(arm="real", group_size=2), client,
-                          real=_local).run(tasks)  # fmt: skip
+    trajs = await _runner(OrchestratorConfig(arm="real", group_size=2), client, real=_local).run(
+        tasks
+    )
     bad = [t for t in trajs if t.task_id == tasks[0].id]
     good = [t for t in trajs if t.task_id == tasks[1].id]
     for t in bad:
@@ -133,10 +146,14 @@ async def test_drop_episode_policy_marks_only_the_failed_one():
 async def test_the_runner_hands_every_trajectory_to_each_sink_in_order():
     tasks = _tasks(2)
     calls = []
-    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=_local), client=FakeAgentClient(tasks),
-                           sinks=(lambda t: calls.append(("a", id(t))),
-                                  lambda t: calls.append(("b", id(t)))))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real", group_size=2),
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local),
+        client=FakeAgentClient(tasks),
+        sinks=(lambda t: calls.append(("a", id(t))), lambda t: calls.append(("b", id(t)))),
+    )
     trajs = await runner.run(tasks)
     assert len(trajs) == 4 and sorted(calls) == sorted((k, id(t)) for t in trajs for k in "ab")
     assert [k for k, _ in calls] == ["a", "b"] * 4  # each trajectory to `a`, then to `b`
@@ -173,15 +190,21 @@ class EchoSimulator:
 
 def _simulated(task):
     cfg = SimulatedShellConfig(max_tokens=64)
-    return SimulatedShell(EchoSimulator(), task_instruction=task.instruction, setup=task.setup,
-                          config=cfg, renderer=RENDERER)  # fmt: skip
+    return SimulatedShell(
+        EchoSimulator(),
+        task_instruction=task.instruction,
+        setup=task.setup,
+        config=cfg,
+        renderer=RENDERER,
+    )
 
 
 async def test_closed_loop_and_mixed_arms_record_backend_and_validate():
     tasks = _tasks(6)
     client = FakeAgentClient(tasks)
-    trajs = await _runner(OrchestratorConfig(arm="closed_loop"), client,
-                          simulated=_simulated).run(tasks)  # fmt: skip
+    trajs = await _runner(OrchestratorConfig(arm="closed_loop"), client, simulated=_simulated).run(
+        tasks
+    )
     assert {t.env_backend for t in trajs} == {"simulated"} and {t.arm for t in trajs} == {
         "closed_loop"
     }
@@ -194,10 +217,12 @@ async def test_closed_loop_and_mixed_arms_record_backend_and_validate():
 
 async def test_replay_arm_pairs_real_and_simulated_observations():
     tasks = _tasks(2)
-    real = await _runner(OrchestratorConfig(arm="real"), FakeAgentClient(tasks),
-                         real=_local).run(tasks)  # fmt: skip
-    runner = RolloutRunner(OrchestratorConfig(arm="replay"), TERMINAL, RENDERER,
-                           Backends(simulated=_simulated))  # fmt: skip
+    real = await _runner(OrchestratorConfig(arm="real"), FakeAgentClient(tasks), real=_local).run(
+        tasks
+    )
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="replay"), TERMINAL, RENDERER, Backends(simulated=_simulated)
+    )
     replays = await runner.run(tasks, replay=real)
     assert len(replays) == 2
     for t in replays:
@@ -240,9 +265,14 @@ async def test_a_shell_that_raises_mid_turn_keeps_the_reply_in_its_turn():
         validate(traj)  # what TrajectoryWriter.add does first
         writer_got.append(traj)
 
-    runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                           Backends(real=lambda task: Breaks(LocalShellConfig(), setup=task.setup)),
-                           client=FakeAgentClient(tasks), sinks=(sink,))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real", group_size=2),
+        TERMINAL,
+        RENDERER,
+        Backends(real=lambda task: Breaks(LocalShellConfig(), setup=task.setup)),
+        client=FakeAgentClient(tasks),
+        sinks=(sink,),
+    )
     trajs = await runner.run(tasks)
     assert len(writer_got) == len(trajs) == 4
     for t in trajs:
@@ -288,9 +318,14 @@ async def test_shutdown_cancellation_yields_aborted_trajectories():
             await never.wait()
 
     got = []
-    runner = RolloutRunner(OrchestratorConfig(arm="real"), TERMINAL, RENDERER,
-                           Backends(real=_local), client=Hangs(tasks),
-                           sinks=(got.append,))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real"),
+        TERMINAL,
+        RENDERER,
+        Backends(real=_local),
+        client=Hangs(tasks),
+        sinks=(got.append,),
+    )
     job = asyncio.create_task(runner.run(tasks), name="rollout")
     await until(asked, job)  # both shells are up and both episodes are mid-request
     job.cancel()
@@ -307,5 +342,10 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="max_tokens_per_turn"):
         OrchestratorConfig(max_tokens_per_turn=5000, max_context_tokens=4096)
     with pytest.raises(ValueError, match="needs the simulated shell"):
-        RolloutRunner(OrchestratorConfig(arm="closed_loop"), TERMINAL, RENDERER, Backends(),
-                      client=FakeAgentClient([]))  # fmt: skip
+        RolloutRunner(
+            OrchestratorConfig(arm="closed_loop"),
+            TERMINAL,
+            RENDERER,
+            Backends(),
+            client=FakeAgentClient([]),
+        )

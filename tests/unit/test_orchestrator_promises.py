@@ -71,8 +71,14 @@ async def test_async_run_trains_no_token_older_than_s_and_counts_dropped_straggl
 
     delivered: list[Trajectory] = []
     queue: asyncio.Queue = asyncio.Queue()
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=shell), client=client,
-                           sinks=(delivered.append, queue.put_nowait))  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        TERMINAL,
+        RENDERER,
+        Backends(real=shell),
+        client=client,
+        sinks=(delivered.append, queue.put_nowait),
+    )
     buf = RolloutBuffer(runner, tasks, queue=queue, steps=steps, seed=3, batch_timeout_s=10)
     assert len({t.id for t in buf.tasks}) == len(buf.tasks)  # one group per task id
     straggler_group = f"g0-{buf.tasks[0].id}"
@@ -112,12 +118,25 @@ async def test_a_group_with_one_stale_sibling_is_dropped_whole():
     whole, never split (a batch keeps whole groups: advantages are relative to siblings)."""
     cfg = OrchestratorConfig(arm="real", group_size=2, batch_size=2, max_staleness=1)
     queue: asyncio.Queue = asyncio.Queue()
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell),
-                           client=FakeAgentClient([]), sinks=(queue.put_nowait,))  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        TERMINAL,
+        RENDERER,
+        Backends(real=TextopsAnswerShell),
+        client=FakeAgentClient([]),
+        sinks=(queue.put_nowait,),
+    )
 
     def episode(group, admitted):
-        return Trajectory(task_id=group, arm="real", env_backend="local", status="ok",
-                          reward=1.0, group_id=group, admitted_version=admitted)  # fmt: skip
+        return Trajectory(
+            task_id=group,
+            arm="real",
+            env_backend="local",
+            status="ok",
+            reward=1.0,
+            group_id=group,
+            admitted_version=admitted,
+        )
 
     async def run(tasks, **_):
         for traj in (episode("old", 0), episode("old", 1), episode("new", 2), episode("new", 2)):
@@ -172,8 +191,9 @@ asyncio.run(main())
 @pytest.fixture
 def simulator_process():
     env = user_env()
-    proc = subprocess.Popen([sys.executable, "-c", SIMULATOR], stdout=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIMULATOR], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         port = int(proc.stdout.readline())
         yield proc, f"http://127.0.0.1:{port}"
@@ -203,15 +223,23 @@ async def test_killed_simulator_ends_its_episodes_with_a_reason_and_the_rest_fin
     async with InferenceClient(client_cfg) as sim_client:
 
         def simulated(task):
-            return SimulatedShell(sim_client, task_instruction=task.instruction, setup=task.setup,
-                                  config=SimulatedShellConfig(max_tokens=64, request_timeout_s=30),
-                                  renderer=RENDERER)  # fmt: skip
+            return SimulatedShell(
+                sim_client,
+                task_instruction=task.instruction,
+                setup=task.setup,
+                config=SimulatedShellConfig(max_tokens=64, request_timeout_s=30),
+                renderer=RENDERER,
+            )
 
         delivered = []
-        runner = RolloutRunner(cfg, TERMINAL, RENDERER,
-                               Backends(real=RealAfterTheKill, simulated=simulated),
-                               client=FakeAgentClient(tasks),
-                               sinks=(delivered.append,))  # fmt: skip
+        runner = RolloutRunner(
+            cfg,
+            TERMINAL,
+            RENDERER,
+            Backends(real=RealAfterTheKill, simulated=simulated),
+            client=FakeAgentClient(tasks),
+            sinks=(delivered.append,),
+        )
         job = asyncio.create_task(runner.run(tasks), name="rollout")
 
         async def held() -> int:
@@ -250,8 +278,9 @@ async def test_killed_simulator_ends_its_episodes_with_a_reason_and_the_rest_fin
 async def _episodes(n):
     tasks = _tasks(n)
     backends = Backends(real=TextopsAnswerShell)
-    runner = RolloutRunner(OrchestratorConfig(arm="real"), TERMINAL, RENDERER, backends,
-                           client=FakeAgentClient(tasks))  # fmt: skip
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real"), TERMINAL, RENDERER, backends, client=FakeAgentClient(tasks)
+    )
     return await runner.run(tasks)
 
 

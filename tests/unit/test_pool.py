@@ -102,8 +102,10 @@ class FakeReplica:
         self.prompts.append(prompt)
         self.bodies.append(body)
         if self.max_prompt is not None and len(prompt) > self.max_prompt:
-            error = {"message": f"This model's maximum context length is {self.max_prompt} "
-                                f"tokens; the prompt has {len(prompt)}"}  # fmt: skip
+            error = {
+                "message": f"This model's maximum context length is {self.max_prompt} "
+                f"tokens; the prompt has {len(prompt)}"
+            }
             return web.json_response({"error": error}, status=400)
         if self.hang:
             await self._hold()
@@ -121,9 +123,14 @@ class FakeReplica:
         else:
             text = format_observation("simulated", 0)
             ids = TOK.encode(text) + [TOK.eos_id]
-        choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": "stop",
-                  "logprobs": {"token_logprobs": [-0.5] * len(ids)},
-                  "token_versions": [self.version] * len(ids)}  # fmt: skip
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": ids,
+            "finish_reason": "stop",
+            "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+            "token_versions": [self.version] * len(ids),
+        }
         if self.drop_logprobs or body.get("logprobs") is None:
             choice["logprobs"] = None
         return web.json_response({"choices": [choice], "weight_version": self.version})
@@ -142,8 +149,9 @@ class FakeReplica:
         if self.on_load is not None:
             self.on_load(body["version"])
         if self.load_status != 200:
-            return web.json_response({"error": {"message": "cannot read checkpoint"}},
-                                     status=self.load_status)  # fmt: skip
+            return web.json_response(
+                {"error": {"message": "cannot read checkpoint"}}, status=self.load_status
+            )
         self.version = body["version"]
         self.loads.append(body["version"])
         return web.json_response({"version": self.version})
@@ -200,8 +208,10 @@ async def test_new_sessions_go_to_the_replica_with_fewest_in_flight(servers):
         for s in (a, b, c):  # round robin while loads are equal
             await s.complete([0], max_tokens=1)
         assert [s.replica.url for s in (a, b, c)] == [r0.url, r1.url, r2.url]
-        held = [asyncio.create_task(s.complete(HOLD, max_tokens=1), name=f"hold-{i}")
-                for i, s in enumerate((a, a, c))]  # fmt: skip
+        held = [
+            asyncio.create_task(s.complete(HOLD, max_tokens=1), name=f"hold-{i}")
+            for i, s in enumerate((a, a, c))
+        ]
         assert await wait_until(lambda: r0.held == 2 and r2.held == 1)
         assert [r.in_flight for r in pool.replicas] == [2, 0, 1]
         # Round robin would pick r0 next; the least loaded replica is r1, twice over.
@@ -274,8 +284,9 @@ async def test_no_live_replica_waits_then_fails_with_a_reason(servers):
     cfg = PoolConfig(health_interval_s=60.0, wait_live_s=30.0)
     async with _pool([only], config=cfg) as pool:
         pool.eject(only.url, "restarting")
-        waiting = asyncio.create_task(pool.session("patient").complete([2], max_tokens=1),
-                                      name="waiting")  # fmt: skip
+        waiting = asyncio.create_task(
+            pool.session("patient").complete([2], max_tokens=1), name="waiting"
+        )
         await asyncio.sleep(0)
         assert not waiting.done()
         await pool.readmit(only.url)  # no publisher attached: health alone readmits
@@ -343,8 +354,9 @@ async def test_readmission_only_after_republishing_the_current_version(servers):
 
 # ----- sick answers: hung completions, refusals, missing logprobs ---------------------------
 
-SICK = PoolConfig(health_interval_s=60.0, answer_failures=2, timeout_base_s=0.1,
-                  timeout_per_token_s=0.05)  # fmt: skip
+SICK = PoolConfig(
+    health_interval_s=60.0, answer_failures=2, timeout_base_s=0.1, timeout_per_token_s=0.05
+)
 """Two failed answers in a row eject; a 2-token completion times out after 0.2 s (the clients'
 own timeout is 10 s)."""
 GUARD_S = 2.0
@@ -365,8 +377,11 @@ async def test_a_replica_whose_completions_hang_is_ejected_after_n_timeouts(serv
     scaled = SICK.timeout_for(2, FAST.timeout_s)
     assert scaled == pytest.approx(0.2) and SICK.timeout_for(10_000, FAST.timeout_s) == 10.0
     ejected = []
-    async with _pool([good, sick], config=dataclasses.replace(SICK, health_interval_s=0.02),
-                     on_eject=lambda r, why: ejected.append((r.url, why))) as pool:  # fmt: skip
+    async with _pool(
+        [good, sick],
+        config=dataclasses.replace(SICK, health_interval_s=0.02),
+        on_eject=lambda r, why: ejected.append((r.url, why)),
+    ) as pool:
         outcomes, waits = [], []
         for i in range(10):  # one request per episode: round robin while the loads are equal
             began = time.monotonic()
@@ -381,8 +396,10 @@ async def test_a_replica_whose_completions_hang_is_ejected_after_n_timeouts(serv
         assert outcomes == ["ok", "ClientTimeout", "ok", "ReplicaDown"] + ["ok"] * 6
         assert max(waits) < scaled + 0.5 and len(sick.bodies) == 2
         assert [u for u, _ in ejected] == [sick.url]
-        assert ejected[0][1] == ("2 answers in a row failed (2 timed out), the last: complete: "
-                                 "POST /v1/completions: no answer within 0.2s")  # fmt: skip
+        assert ejected[0][1] == (
+            "2 answers in a row failed (2 timed out), the last: complete: "
+            "POST /v1/completions: no answer within 0.2s"
+        )
         # Its health checks (every 0.02 s) passed all along: only its answers told. The
         # requests it held were dropped, nothing was sent to it since, and it stays out (its
         # owner restarts it).
@@ -401,8 +418,9 @@ async def test_concurrent_episodes_on_a_hung_replica_end_within_the_scaled_timeo
     sick.hang = True
     async with _pool([good, sick], config=SICK) as pool:
         began = time.monotonic()
-        outs = await asyncio.gather(*(_episode(pool, i, [i], max_tokens=2) for i in range(8)),
-                                    return_exceptions=True)  # fmt: skip
+        outs = await asyncio.gather(
+            *(_episode(pool, i, [i], max_tokens=2) for i in range(8)), return_exceptions=True
+        )
         took = time.monotonic() - began
         failed = [type(o).__name__ for o in outs if isinstance(o, BaseException)]
         # The 4 episodes pinned to the sick replica time out together: the first to end is a
@@ -469,8 +487,11 @@ async def test_an_answer_without_the_logprobs_asked_for_is_an_error_counted_agai
         sick.drop_logprobs = True
         out = await on_sick.complete([2], max_tokens=2)  # none asked: none missing
         assert out.logprobs is None and pool.replica(sick.url).strikes == 0
-        with pytest.raises(BadAnswer, match=r"without the logprobs asked for \(logprobs=0\): "
-                           "choice 0 has no logprobs for"):  # fmt: skip
+        with pytest.raises(
+            BadAnswer,
+            match=r"without the logprobs asked for \(logprobs=0\): "
+            "choice 0 has no logprobs for",
+        ):
             await on_sick.complete([3], max_tokens=2, logprobs=0)
         assert pool.replica(sick.url).strikes == 1
         with pytest.raises(ReplicaDown, match="2 answers in a row failed.*no logprobs"):
@@ -504,8 +525,11 @@ async def test_a_replica_ejected_for_its_answers_is_readmitted_only_after_a_prob
         with pytest.raises(ReplicaDown, match="1 timed out"):
             await _episode(pool, 0, [1], max_tokens=2)
         # /health answers, completions hang: the probe (1 token, its timeout scaled) keeps it out.
-        with pytest.raises(ReplicaDown, match="not readmitted: probe completion failed: "
-                           "POST /v1/completions: no answer within 0.15s"):  # fmt: skip
+        with pytest.raises(
+            ReplicaDown,
+            match="not readmitted: probe completion failed: "
+            "POST /v1/completions: no answer within 0.15s",
+        ):
             await asyncio.wait_for(pool.readmit(sick.url), GUARD_S)
         probe = sick.bodies[-1]
         assert probe["prompt"] == [0] and probe["max_tokens"] == 1 and probe["logprobs"] == 0
@@ -548,8 +572,13 @@ async def test_a_replica_killed_mid_episode_aborts_only_its_episodes(servers):
     doomed.hold_from_turn = 1  # its episodes play turn 0, then wait mid-episode
     ejected = []
     async with _pool([keep, doomed], on_eject=lambda r, why: ejected.append(r.url)) as pool:
-        runner = RolloutRunner(OrchestratorConfig(arm="real", group_size=2), TERMINAL, RENDERER,
-                               Backends(real=_local), client=pool)  # fmt: skip
+        runner = RolloutRunner(
+            OrchestratorConfig(arm="real", group_size=2),
+            TERMINAL,
+            RENDERER,
+            Backends(real=_local),
+            client=pool,
+        )
         job = asyncio.create_task(runner.run(tasks), name="rollout")
         # Every episode either finished (on `keep`) or is stuck mid-episode on `doomed`.
         assert await wait_until(lambda: doomed.held and runner.metrics.episodes + doomed.held == 6)
@@ -576,15 +605,20 @@ async def test_a_replica_killed_mid_episode_aborts_only_its_episodes(servers):
 def _simulated_on(pool):
     def simulated(task):
         cfg = SimulatedShellConfig(max_tokens=64)
-        return SimulatedShell(pool, task_instruction=task.instruction, setup=task.setup,
-                              config=cfg, renderer=RENDERER)  # fmt: skip
+        return SimulatedShell(
+            pool, task_instruction=task.instruction, setup=task.setup, config=cfg, renderer=RENDERER
+        )
 
     return simulated
 
 
 def _sim_pool(dead, sim):
-    return ReplicaPool([dead, sim.url], role="simulator", client_config=FAST,
-                       config=PoolConfig(health_interval_s=60.0))  # fmt: skip
+    return ReplicaPool(
+        [dead, sim.url],
+        role="simulator",
+        client_config=FAST,
+        config=PoolConfig(health_interval_s=60.0),
+    )
 
 
 async def test_a_dead_simulator_replica_aborts_the_episodes_pinned_to_it(servers):
@@ -592,9 +626,13 @@ async def test_a_dead_simulator_replica_aborts_the_episodes_pinned_to_it(servers
     (sim,) = await servers(1)
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
     async with _sim_pool(dead, sim) as pool:
-        runner = RolloutRunner(OrchestratorConfig(arm="closed_loop", group_size=2), TERMINAL,
-                               RENDERER, Backends(simulated=_simulated_on(pool)),
-                               client=FakeAgentClient(tasks))  # fmt: skip
+        runner = RolloutRunner(
+            OrchestratorConfig(arm="closed_loop", group_size=2),
+            TERMINAL,
+            RENDERER,
+            Backends(simulated=_simulated_on(pool)),
+            client=FakeAgentClient(tasks),
+        )
         trajs = await runner.run(tasks)
         assert [r.url for r in pool.live] == [sim.url]
     down = [t for t in trajs if t.status == "aborted"]
@@ -608,8 +646,12 @@ async def test_a_dead_simulator_replica_aborts_the_episodes_pinned_to_it(servers
     assert runner.metrics.summary()["replica_down"] == {dead: len(down)}
     # Arm (c) replays through a simulator pool: the first replay lands on the dead replica.
     async with _sim_pool(dead, sim) as pool:
-        runner = RolloutRunner(OrchestratorConfig(arm="replay"), TERMINAL, RENDERER,
-                               Backends(simulated=_simulated_on(pool)))  # fmt: skip
+        runner = RolloutRunner(
+            OrchestratorConfig(arm="replay"),
+            TERMINAL,
+            RENDERER,
+            Backends(simulated=_simulated_on(pool)),
+        )
         replays = await runner.run(tasks, replay=[t for t in trajs if t.status == "ok"])
     assert replays[0].status == "aborted" and replays[0].replica_down == dead
     assert replays[0].reason.startswith(f"replica {dead} down:")
@@ -621,11 +663,13 @@ def test_pool_config_and_construction_errors_name_the_field():
         PoolConfig(health_failures=0)
     with pytest.raises(ValueError, match="health_interval_s=0"):
         PoolConfig(health_interval_s=0)
-    for bad, says in (({"answer_failures": 0}, "answer_failures=0 is invalid: an integer >= 1"),
-                      ({"answer_failures": True}, "answer_failures=True is invalid"),
-                      ({"timeout_base_s": 0.0}, "timeout_base_s=0.0 is invalid: > 0"),
-                      ({"timeout_per_token_s": -1.0}, "timeout_per_token_s=-1.0 is invalid"),
-                      ({"timeout_per_token_s": float("nan")}, "per_token_s=nan")):  # fmt: skip
+    for bad, says in (
+        ({"answer_failures": 0}, "answer_failures=0 is invalid: an integer >= 1"),
+        ({"answer_failures": True}, "answer_failures=True is invalid"),
+        ({"timeout_base_s": 0.0}, "timeout_base_s=0.0 is invalid: > 0"),
+        ({"timeout_per_token_s": -1.0}, "timeout_per_token_s=-1.0 is invalid"),
+        ({"timeout_per_token_s": float("nan")}, "per_token_s=nan"),
+    ):
         with pytest.raises(ValueError) as info:
             PoolConfig(**bad)
         assert says in str(info.value)

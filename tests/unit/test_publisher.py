@@ -30,8 +30,14 @@ on_servers = pytest.mark.asyncio(loop_scope="module")
 TOK = ByteTokenizer()
 TOKEN = "publisher-admin-token"
 # Small fixed shapes: each engine compiles its own steps, and this module runs two.
-ECFG = EngineConfig(num_slots=2, max_seq_len=64, prefill_chunk=16, prefill_batch=1,
-                    decode_steps=1, max_top_logprobs=0)  # fmt: skip
+ECFG = EngineConfig(
+    num_slots=2,
+    max_seq_len=64,
+    prefill_chunk=16,
+    prefill_batch=1,
+    decode_steps=1,
+    max_top_logprobs=0,
+)
 PROMPT = TOK.encode("ls -la /tmp")
 GEN = 10
 
@@ -64,8 +70,13 @@ class Servers:
 async def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     outside = save_params(make_model(99), tmp_path_factory.mktemp("elsewhere") / "v1")
-    cfg = ServerConfig(host="127.0.0.1", port=0, admin_token=TOKEN, checkpoint_root=str(root),
-                       shutdown_timeout_s=5.0)  # fmt: skip
+    cfg = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        admin_token=TOKEN,
+        checkpoint_root=str(root),
+        shutdown_timeout_s=5.0,
+    )
     async with contextlib.AsyncExitStack() as stack:
         clients = []
         for _ in range(2):
@@ -79,8 +90,7 @@ async def servers(tmp_path_factory):
 
 
 async def greedy(client: InferenceClient):
-    out = await client.complete(PROMPT, max_tokens=GEN, temperature=0.0,
-                                extra={"ignore_eos": True})  # fmt: skip
+    out = await client.complete(PROMPT, max_tokens=GEN, temperature=0.0, extra={"ignore_eos": True})
     assert len(out.token_ids) == GEN
     return out
 
@@ -120,8 +130,14 @@ async def test_publish_by_path_relative_to_the_root(servers):
     assert (await greedy(servers.a)).weight_version == v + 1
 
 
-REFUSALS = ["outside the root", "relative escape", "wrong token", "same version",
-            "older version", "missing checkpoint"]  # fmt: skip
+REFUSALS = [
+    "outside the root",
+    "relative escape",
+    "wrong token",
+    "same version",
+    "older version",
+    "missing checkpoint",
+]
 
 
 def _refusal(servers: Servers, case: str, v: int) -> tuple[dict, str, int, str, int]:

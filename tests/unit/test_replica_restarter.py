@@ -152,9 +152,11 @@ def test_restart_settings_are_validated_with_the_allowed_range():
     from launch.config.schema import ServeConfig
 
     assert ServeConfig(restart_attempts=5, restart_backoff_s=0.5).restart_attempts == 5
-    for bad, says in (({"restart_attempts": -1}, "restart_attempts=-1 is invalid: an integer"),
-                      ({"restart_attempts": True}, "restart_attempts=True"),
-                      ({"restart_backoff_s": float("nan")}, "restart_backoff_s=nan")):  # fmt: skip
+    for bad, says in (
+        ({"restart_attempts": -1}, "restart_attempts=-1 is invalid: an integer"),
+        ({"restart_attempts": True}, "restart_attempts=True"),
+        ({"restart_backoff_s": float("nan")}, "restart_backoff_s=nan"),
+    ):
         with pytest.raises(ValueError, match=None) as e:
             ServeConfig(**bad)
         assert says in str(e.value)

@@ -23,8 +23,12 @@ from launch.deploy import gke, tpu_worker
 from launch.deploy.chips import parse_accelerator
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = {"gke-v6e-8.yaml": "gke", "gke-v6e-32.yaml": "gke", "v6e-8.yaml": "tpu_vm",
-           "v6e-32.yaml": "tpu_vm"}  # fmt: skip
+TARGETS = {
+    "gke-v6e-8.yaml": "gke",
+    "gke-v6e-32.yaml": "gke",
+    "v6e-8.yaml": "tpu_vm",
+    "v6e-32.yaml": "tpu_vm",
+}
 SHIPPED_TPU = sorted(
     p.name
     for p in (REPO / "configs").glob("*.yaml")
@@ -100,8 +104,10 @@ def test_each_trainer_role_starts(name, role, tmp_path, monkeypatch):
     for command, env in procs:
         # The pods' config is the ConfigMap's, mounted at /config; here it is its copy.
         pod_config = f"{gke.CONFIG_DIR}/config.yaml"
-        argv = [str(tmp_path / "config.yaml") if a == pod_config else a
-                for a in _simloop_argv(command, env, tmp_path)]  # fmt: skip
+        argv = [
+            str(tmp_path / "config.yaml") if a == pod_config else a
+            for a in _simloop_argv(command, env, tmp_path)
+        ]
         job = importlib.import_module(cli.MODULES[argv[0]])
 
         def started(cfg, out):

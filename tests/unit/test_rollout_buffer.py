@@ -51,8 +51,14 @@ def _cfg(**kw) -> OrchestratorConfig:
 def _runner(cfg, client, *sinks) -> tuple[RolloutRunner, asyncio.Queue]:
     """A runner delivering to `sinks`, then to the returned queue (the buffer's)."""
     queue: asyncio.Queue = asyncio.Queue()
-    runner = RolloutRunner(cfg, TERMINAL, RENDERER, Backends(real=TextopsAnswerShell),
-                           client=client, sinks=(*sinks, queue.put_nowait))  # fmt: skip
+    runner = RolloutRunner(
+        cfg,
+        TERMINAL,
+        RENDERER,
+        Backends(real=TextopsAnswerShell),
+        client=client,
+        sinks=(*sinks, queue.put_nowait),
+    )
     return runner, queue
 
 

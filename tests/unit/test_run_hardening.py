@@ -53,10 +53,16 @@ def test_validation_rejects_non_finite_numbers_bools_and_absurd_sizes(key, value
 
 
 def test_an_episode_context_beyond_the_server_is_caught_before_starting():
-    cfg = load_config(SimloopConfig, DEMO, ["--orchestrator.max_context_tokens", "4096",
-                                            "--serve.engine.max_seq_len", "2048"])  # fmt: skip
-    with pytest.raises(ValueError, match=r"max_context_tokens=4096 is invalid: at most "
-                                         r"serve.engine.max_seq_len \(2048\)"):  # fmt: skip
+    cfg = load_config(
+        SimloopConfig,
+        DEMO,
+        ["--orchestrator.max_context_tokens", "4096", "--serve.engine.max_seq_len", "2048"],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"max_context_tokens=4096 is invalid: at most "
+        r"serve.engine.max_seq_len \(2048\)",
+    ):
         check_local_servers(cfg, ["agent"])
     check_local_servers(cfg, [])  # no server of this job's own: nothing to compare with
     # a compacting session keeps fewer keys than its episode has tokens: allowed
@@ -65,8 +71,16 @@ def test_an_episode_context_beyond_the_server_is_caught_before_starting():
         "--orchestrator.sessions", "true", "--orchestrator.session_compaction",
         "{mode: markovian}"])  # fmt: skip
     check_local_servers(compacting, ["agent"])
-    sim = load_config(SimloopConfig, DEMO, ["--env.shell.simulated.max_context_tokens", "3000",
-                                            "--env.shell.simulated.max_tokens", "64"])  # fmt: skip
+    sim = load_config(
+        SimloopConfig,
+        DEMO,
+        [
+            "--env.shell.simulated.max_context_tokens",
+            "3000",
+            "--env.shell.simulated.max_tokens",
+            "64",
+        ],
+    )
     with pytest.raises(ValueError, match=r"simulated.max_context_tokens=3000"):
         check_local_servers(sim, ["simulator"])
     check_local_servers(load_config(SimloopConfig, DEMO), ["agent", "simulator"])
@@ -86,11 +100,15 @@ def test_sizes_the_machine_cannot_hold_say_how_much_they_need():
 
 @pytest.mark.parametrize(
     "overrides,message",
-    [(["--orchestrator.max_context_tokens", "4096"], "max_context_tokens=4096 is invalid"),
-     # the server would lag the trainer by up to 2 versions: tokens 3 stale under S = 1
-     (["--train_agent.publish_every", "3", "--orchestrator.max_staleness", "1"],
-      "publish_every=3 is invalid")],
-)  # fmt: skip
+    [
+        (["--orchestrator.max_context_tokens", "4096"], "max_context_tokens=4096 is invalid"),
+        # the server would lag the trainer by up to 2 versions: tokens 3 stale under S = 1
+        (
+            ["--train_agent.publish_every", "3", "--orchestrator.max_staleness", "1"],
+            "publish_every=3 is invalid",
+        ),
+    ],
+)
 def test_train_agent_cli_refuses_impossible_settings_before_starting(tmp_path, overrides, message):
     out = tmp_path / "run"
     r = subprocess.run(
@@ -109,9 +127,14 @@ def test_a_server_that_does_not_start_ends_the_job_in_one_message(tmp_path):
     from rl.data.trajectory import Trajectory, Turn, write_jsonl
 
     turn = Turn(agent_text="echo hi", command="echo hi", observation="hi\n", exit_code=0)
-    write_jsonl(tmp_path / "real" / "shard.jsonl",
-                [Trajectory(task_id="t0", turns=[turn], arm="real", env_backend="local",
-                            status="ok", reward=0.0)])  # fmt: skip
+    write_jsonl(
+        tmp_path / "real" / "shard.jsonl",
+        [
+            Trajectory(
+                task_id="t0", turns=[turn], arm="real", env_backend="local", status="ok", reward=0.0
+            )
+        ],
+    )
     r = subprocess.run(
         [sys.executable, "-m", "launch", "eval-sim", "--config", str(DEMO), "--out",
          str(tmp_path / "run"), "--simulator.weights", str(tmp_path / "no-such-weights"),
@@ -136,8 +159,9 @@ time.sleep(60)
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -185,8 +209,12 @@ async def admin_server():
             calls.append(body["version"])
             if status == 200:
                 return web.json_response({"version": body["version"]})
-            err = {"message": f"load failed ({status})", "type": "error", "param": None,
-                   "code": None}  # fmt: skip
+            err = {
+                "message": f"load failed ({status})",
+                "type": "error",
+                "param": None,
+                "code": None,
+            }
             return web.json_response({"error": err}, status=status)
 
         app = web.Application()

@@ -58,10 +58,16 @@ def run(logits_BV, rows, num_top=VALID, valid=VALID):
         rows = list(rows) + [(1.0, 1.0, 0, 0, 0, 0)] * pad
     t, p, k, s, i, c = (np.array(col) for col in zip(*rows, strict=True))
     out = jit_sample(
-        logits_BV, t.astype(np.float32), p.astype(np.float32), k.astype(np.int32),
-        s.astype(np.int32), i.astype(np.int32), c.astype(np.int32),
-        num_top=num_top, valid_vocab=valid,
-    )  # fmt: skip
+        logits_BV,
+        t.astype(np.float32),
+        p.astype(np.float32),
+        k.astype(np.int32),
+        s.astype(np.int32),
+        i.astype(np.int32),
+        c.astype(np.int32),
+        num_top=num_top,
+        valid_vocab=valid,
+    )
     return [np.asarray(x)[:n] for x in out]
 
 
@@ -109,8 +115,12 @@ def test_rows_match_the_reference_distribution(seed):
 
 def test_truncated_logprobs_are_renormalised_over_the_kept_set():
     logits = make_logits(4, seed=5)
-    rows = [(1.0, 1.0, 4, 1, 0, 0), (0.9, 1.0, 7, 2, 0, 0), (1.0, 0.3, 0, 3, 0, 0),
-            (1.0, 0.8, 5, 4, 0, 0)]  # fmt: skip
+    rows = [
+        (1.0, 1.0, 4, 1, 0, 0),
+        (0.9, 1.0, 7, 2, 0, 0),
+        (1.0, 0.3, 0, 3, 0, 0),
+        (1.0, 0.8, 5, 4, 0, 0),
+    ]
     token, logprob, top_ids, top_lp = run(logits, rows)
     for r, (t, p, k, *_) in enumerate(rows):
         ref = ref_dist(logits[r], t, p, k)
@@ -147,8 +157,13 @@ def test_a_row_draws_the_same_whatever_shares_the_batch():
     logits = make_logits(6, seed=3)
     mine = (0.9, 1.0, 0, 1234, 2, 17)
     alone = run(logits[:1], [mine])
-    others = [(0.0, 1.0, 0, 0, 0, 0), (1.0, 0.2, 0, 5, 0, 3), (1.0, 1.0, 2, 6, 1, 0),
-              (0.5, 0.7, 9, 7, 0, 1), (1.7, 1.0, 0, 8, 3, 9)]  # fmt: skip
+    others = [
+        (0.0, 1.0, 0, 0, 0, 0),
+        (1.0, 0.2, 0, 5, 0, 3),
+        (1.0, 1.0, 2, 6, 1, 0),
+        (0.5, 0.7, 9, 7, 0, 1),
+        (1.7, 1.0, 0, 8, 3, 9),
+    ]
     for pos in (0, 3, 5):
         batch = others[:pos] + [mine] + others[pos:]
         rows = np.concatenate([logits[1 : pos + 1], logits[:1], logits[pos + 1 :]])
@@ -174,8 +189,9 @@ def test_seed_index_and_counter_select_the_random_stream():
     assert len(set(draws(7, 0))) > 20  # the counter advances the stream
 
 
-@pytest.mark.parametrize("t,p,k", [(1.0, 1.0, 0), (0.6, 1.0, 0), (1.0, 0.75, 0),
-                                   (1.2, 1.0, 4), (1.0, 0.7, 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "t,p,k", [(1.0, 1.0, 0), (0.6, 1.0, 0), (1.0, 0.75, 0), (1.2, 1.0, 4), (1.0, 0.7, 3)]
+)
 def test_draws_follow_the_reference_distribution(t, p, k):
     n = 8192
     valid = 8
@@ -198,8 +214,9 @@ def test_an_all_greedy_batch_takes_the_fast_path_with_the_same_answers():
     greedy_rows = [(0.0, 1.0, 0, r, 0, r) for r in range(ROWS)]
     fast = run(logits, greedy_rows)
     for r in range(ROWS):
-        mixed = run(np.stack([logits[r], logits[(r + 1) % ROWS]]),
-                    [greedy_rows[r], (1.0, 1.0, 0, 3, 0, 0)])  # fmt: skip
+        mixed = run(
+            np.stack([logits[r], logits[(r + 1) % ROWS]]), [greedy_rows[r], (1.0, 1.0, 0, 3, 0, 0)]
+        )
         assert int(fast[0][r]) == int(mixed[0][0]) == int(np.argmax(logits[r, :VALID]))
         # The two branches compile apart, so XLA may sum the log-softmax's VOCAB exps in
         # another order: each f32 add rounds by at most eps of the sum.
@@ -213,8 +230,15 @@ def test_alternatives_are_skipped_when_no_row_wants_them():
     logits = make_logits(2, seed=6)
     rows = [(0.0, 1.0, 0, 0, 0, 0), (0.8, 0.9, 0, 1, 0, 0)]
     t, p, k, s, i, c = (np.array(col) for col in zip(*rows, strict=True))
-    args = (logits, t.astype(np.float32), p.astype(np.float32), k.astype(np.int32),
-            s.astype(np.int32), i.astype(np.int32), c.astype(np.int32))  # fmt: skip
+    args = (
+        logits,
+        t.astype(np.float32),
+        p.astype(np.float32),
+        k.astype(np.int32),
+        s.astype(np.int32),
+        i.astype(np.int32),
+        c.astype(np.int32),
+    )
     with_top = jit_sample(*args, num_top=K, valid_vocab=VALID, want_top=True)
     without = jit_sample(*args, num_top=K, valid_vocab=VALID, want_top=False)
     for a, b in zip(with_top[:2], without[:2], strict=True):  # the same tokens and logprobs

@@ -58,8 +58,14 @@ async def served(tmp_path_factory):
     outside = tmp_path_factory.mktemp("elsewhere")
     save_params(make_model(1), outside / "v1")
     engine = Engine(make_model(0), TOK, ECFG)
-    cfg = ServerConfig(host="127.0.0.1", port=0, model_name=NAME, admin_token=TOKEN,
-                       checkpoint_root=str(root), shutdown_timeout_s=5.0)  # fmt: skip
+    cfg = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        model_name=NAME,
+        admin_token=TOKEN,
+        checkpoint_root=str(root),
+        shutdown_timeout_s=5.0,
+    )
     async with background_server(engine, TOK, cfg, start_timeout_s=180) as url:
         yield Served(engine, url, root, outside)
     assert not engine.running
@@ -118,9 +124,13 @@ async def assert_healthy(http: aiohttp.ClientSession) -> None:
 async def test_openai_completions_with_logprobs(served, client):
     text = "ls -la /tmp"
     r = await client.completions.create(
-        model=NAME, prompt=text, max_tokens=12, temperature=0, logprobs=3,
+        model=NAME,
+        prompt=text,
+        max_tokens=12,
+        temperature=0,
+        logprobs=3,
         extra_body={"return_token_ids": True, "ignore_eos": True},
-    )  # fmt: skip
+    )
     (ref,) = await served.engine.generate(TOK.encode(text), greedy(12, ignore_eos=True))
     (c,) = r.choices
     assert r.model == NAME and r.object == "text_completion"
@@ -141,12 +151,18 @@ async def test_openai_completions_with_logprobs(served, client):
 
 
 async def test_openai_chat_with_logprobs(served, client):
-    messages = [{"role": "system", "content": "You run commands."},
-                {"role": "user", "content": "list the files"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You run commands."},
+        {"role": "user", "content": "list the files"},
+    ]
     r = await client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+        model=NAME,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
         top_logprobs=3,
-    )  # fmt: skip
+    )
     ids = ChatRenderer(TOK).render(messages, add_generation_prompt=True)
     (ref,) = await served.engine.generate(ids, greedy(10))
     (c,) = r.choices
@@ -188,8 +204,14 @@ async def test_openai_streaming_equals_non_streaming(client, text):
 
 
 async def test_openai_chat_streaming_with_logprobs(client):
-    kw = dict(model=NAME, messages=[{"role": "user", "content": "pwd"}], max_tokens=8,
-              temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    kw = dict(
+        model=NAME,
+        messages=[{"role": "user", "content": "pwd"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     whole = await client.chat.completions.create(**kw)
     entries = []
     async for chunk in await client.chat.completions.create(stream=True, **kw):
@@ -211,8 +233,9 @@ def _printable(tok: int) -> bool:
 
 async def test_streamed_text_equals_the_final_text_with_stops(http):
     base = {"prompt": "grep -rn TODO src/", "max_tokens": 40, "temperature": 0}
-    async with http.post("/v1/completions", json={**base, "ignore_eos": True,
-                                                  "return_token_ids": True}) as r:  # fmt: skip
+    async with http.post(
+        "/v1/completions", json={**base, "ignore_eos": True, "return_token_ids": True}
+    ) as r:
         ids = (await r.json())["choices"][0]["token_ids"]
     j = next(i for i in range(3, 38) if _printable(ids[i]) and _printable(ids[i + 1]))
     variants = [
@@ -243,8 +266,14 @@ async def test_streamed_text_equals_the_final_text_with_stops(http):
 
 
 async def test_streaming_n_seeded_samples(http):
-    body = {"prompt": "make test", "max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 3,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": "make test",
+        "max_tokens": 20,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 3,
+        "return_token_ids": True,
+    }
     async with http.post("/v1/completions", json=body) as r:
         whole = await r.json()
     usage = {"stream": True, "stream_options": {"include_usage": True}}
@@ -259,8 +288,9 @@ async def test_streaming_n_seeded_samples(http):
     assert chunks[-1]["choices"] == []
     streamed_usage = dict(chunks[-1]["usage"])  # cached tokens differ: the prompt is warm now
     assert streamed_usage.pop("prompt_tokens_details")["cached_tokens"] > 0
-    assert streamed_usage == {k: v for k, v in whole["usage"].items()
-                              if k != "prompt_tokens_details"}  # fmt: skip
+    assert streamed_usage == {
+        k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"
+    }
 
 
 # ----- small routes ----------------------------------------------------------------------------
@@ -297,8 +327,11 @@ async def test_metrics(http):
         async with http.post("/v1/completions", json=body) as r:
             assert r.status == 200
             completed += (await r.json())["usage"]["completion_tokens"]
-    await sse(http, "/v1/completions", {"prompt": "job", "max_tokens": 5, "temperature": 0,
-                                        "ignore_eos": True, "stream": True})  # fmt: skip
+    await sse(
+        http,
+        "/v1/completions",
+        {"prompt": "job", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True},
+    )
     completed += 5
     async with http.post("/v1/completions", json={"prompt": ""}) as r:
         assert r.status == 400
@@ -316,8 +349,13 @@ async def test_metrics(http):
     lat = "simloop_request_latency_seconds"
     assert _metric(after, f"{lat}_count") - _metric(before, f"{lat}_count") == 3
     assert _metric(after, f'{lat}_bucket{{le="+Inf"}}') == _metric(after, f"{lat}_count")
-    for name in ["simloop_requests_total", "simloop_generated_tokens_total",
-                 "simloop_queue_depth", "simloop_slots_active", lat]:  # fmt: skip
+    for name in [
+        "simloop_requests_total",
+        "simloop_generated_tokens_total",
+        "simloop_queue_depth",
+        "simloop_slots_active",
+        lat,
+    ]:
         assert f"# TYPE {name} " in after
 
 
@@ -492,8 +530,7 @@ async def test_admin_refuses_paths_outside_the_root(served, http):
         link.symlink_to(served.outside / "v1", target_is_directory=True)
     rel = os.path.relpath(served.outside / "v1", served.root)  # ../elsewhere.../v1
     assert rel.startswith("..")
-    for path in [str(served.outside / "v1"), rel, "escape", "./escape/../../" + rel,
-                 "/etc", "/"]:  # fmt: skip
+    for path in [str(served.outside / "v1"), rel, "escape", "./escape/../../" + rel, "/etc", "/"]:
         err = await _admin_error(http, {"path": path, "version": version + 1}, 400)
         assert err["param"] == "path" and "outside" in err["message"], path
     err = await _admin_error(http, {"path": "missing", "version": version + 1}, 404)
@@ -529,8 +566,9 @@ async def test_admin_load_weights_changes_outputs(served, http):
     v = before["weight_version"]
     assert v == served.engine.version
     shutil.copytree(served.outside / "v1", served.root / f"copy-{v}")
-    async with http.post("/admin/load_weights", headers=_auth(),
-                         json={"path": f"copy-{v}", "version": v + 1}) as r:  # fmt: skip
+    async with http.post(
+        "/admin/load_weights", headers=_auth(), json={"path": f"copy-{v}", "version": v + 1}
+    ) as r:
         assert r.status == 200, await r.text()
         assert (await r.json())["version"] == v + 1
     async with http.get("/admin/version", headers=_auth()) as r:
@@ -549,7 +587,7 @@ async def test_admin_load_weights_changes_outputs(served, http):
         headers=_auth(),
         json={"path": str(served.root / f"base-{v}"), "version": v + 2},
     ) as r:
-        assert r.status == 200, await r.text()  # fmt: skip
+        assert r.status == 200, await r.text()
     restored = await complete()
     assert restored["weight_version"] == v + 2
     assert restored["choices"][0]["text"] == before["choices"][0]["text"]
@@ -646,8 +684,13 @@ async def test_return_token_ids(served, http):
     assert out["usage"]["completion_tokens"] == total
 
     # Several prompts in one request: choice index = prompt index * n + sample index.
-    body = {"prompt": [[1, 2, 3], "ab"], "max_tokens": 4, "n": 2, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": [[1, 2, 3], "ab"],
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     async with http.post("/v1/completions", json=body) as r:
         out = await r.json()
     by_index = {c["index"]: c for c in out["choices"]}
@@ -656,8 +699,12 @@ async def test_return_token_ids(served, http):
     assert by_index[2]["prompt_token_ids"] == TOK.encode("ab") == by_index[3]["prompt_token_ids"]
     assert by_index[0]["token_ids"] == by_index[1]["token_ids"]  # greedy
 
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-            "return_token_ids": True, "seed": 1}  # fmt: skip
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "return_token_ids": True,
+        "seed": 1,
+    }
     async with http.post("/v1/chat/completions", json=chat) as r:
         out = await r.json()
     (c,) = out["choices"]

@@ -41,11 +41,26 @@ TOKEN = "admin-token-for-tests"
 CAP = 16
 # default_max_tokens / max_tokens_cap keep arbitrary requests short; one prefill bucket and one
 # decode shape keep the compiles of the extra engines below short.
-ECFG = EngineConfig(num_slots=8, max_seq_len=256, prefill_chunk=16, prefill_batch=2,
-                    decode_steps=1, default_max_tokens=8, max_tokens_cap=8)  # fmt: skip
-CFG = ServerConfig(host="127.0.0.1", port=0, model_name=NAME, admin_token=TOKEN,
-                   shutdown_timeout_s=5.0, header_timeout_s=0.5, body_timeout_s=0.5,
-                   idle_timeout_s=30.0, max_connections=CAP)  # fmt: skip
+ECFG = EngineConfig(
+    num_slots=8,
+    max_seq_len=256,
+    prefill_chunk=16,
+    prefill_batch=2,
+    decode_steps=1,
+    default_max_tokens=8,
+    max_tokens_cap=8,
+)
+CFG = ServerConfig(
+    host="127.0.0.1",
+    port=0,
+    model_name=NAME,
+    admin_token=TOKEN,
+    shutdown_timeout_s=5.0,
+    header_timeout_s=0.5,
+    body_timeout_s=0.5,
+    idle_timeout_s=30.0,
+    max_connections=CAP,
+)
 PROMPT = {"prompt": "ls -la", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -86,20 +101,22 @@ def _addr(url: str) -> tuple[str, int]:
 # ----- numbers the engine's arrays cannot hold -----------------------------------------------
 
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("top_k", 2**31, f"[-1, {INT32_MAX}]"),
-    ("top_k", -2, f"[-1, {INT32_MAX}]"),
-    ("seed", 2**64, "[-9223372036854775808, 18446744073709551615]"),
-    ("max_tokens", 2**40, "[1, 256]"),
-    ("logprobs", 10**6, "[0, 20]"),
-    ("n", 10**9, "[1, 64]"),
-    ("temperature", 1e308, "[0.0, 100.0]"),
-    ("temperature", -1e-300, "[0.0, 100.0]"),
-    ("top_p", 0.0, "(0.0, 1.0]"),
-    ("stop_token_ids", [2**40], "[0, 261)"),
-])  # fmt: skip
-async def test_out_of_range_numbers_are_400_naming_the_field_and_range(http, field, value,
-                                                                       allowed):  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("top_k", 2**31, f"[-1, {INT32_MAX}]"),
+        ("top_k", -2, f"[-1, {INT32_MAX}]"),
+        ("seed", 2**64, "[-9223372036854775808, 18446744073709551615]"),
+        ("max_tokens", 2**40, "[1, 256]"),
+        ("logprobs", 10**6, "[0, 20]"),
+        ("n", 10**9, "[1, 64]"),
+        ("temperature", 1e308, "[0.0, 100.0]"),
+        ("temperature", -1e-300, "[0.0, 100.0]"),
+        ("top_p", 0.0, "(0.0, 1.0]"),
+        ("stop_token_ids", [2**40], "[0, 261)"),
+    ],
+)
+async def test_out_of_range_numbers_are_400_naming_the_field_and_range(http, field, value, allowed):
     status, out = await post(http, "/v1/completions", {**PROMPT, field: value})
     assert status == 400, out
     assert out["error"]["param"] == field and allowed in out["error"]["message"]
@@ -111,8 +128,14 @@ async def test_numbers_at_the_edges_are_bounded_and_served(served, http):
     underflow) is clamped at parse time; the engine keeps serving and its output is sane."""
     greedy = await greedy_text(http)
     vocab = TOK.vocab_size
-    for extra in [{"top_k": INT32_MAX}, {"seed": 2**63 - 1}, {"seed": -(2**63)},
-                  {"temperature": 1e-300}, {"top_p": 1e-300}, {"top_k": -1}]:  # fmt: skip
+    for extra in [
+        {"top_k": INT32_MAX},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"temperature": 1e-300},
+        {"top_p": 1e-300},
+        {"top_k": -1},
+    ]:
         body = {**PROMPT, "temperature": 1.0, "logprobs": 2, **extra}
         status, out = await post(http, "/v1/completions", {**body, "return_token_ids": True})
         assert status == 200, (extra, out)
@@ -132,8 +155,12 @@ async def test_admin_version_past_int64_is_400_and_the_engine_lives(served, http
     engine = served[0]
     version = engine.version
     for v in [2**63, -1, 10**40]:
-        status, out = await post(http, "/admin/load_weights", {"path": "good", "version": v},
-                                 headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        status, out = await post(
+            http,
+            "/admin/load_weights",
+            {"path": "good", "version": v},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert status == 400 and out["error"]["param"] == "version", out
         assert str(2**63 - 1) in out["error"]["message"]
     assert engine.version == version
@@ -147,10 +174,17 @@ async def test_admin_version_past_int64_is_400_and_the_engine_lives(served, http
 @pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
 def test_non_finite_logprobs_are_never_reported_as_numbers():
     nan, inf = math.nan, math.inf
-    out = SequenceOutput(index=0, token_ids=[104, 105, 106], logprobs=[nan, -inf, -2.5],
-                         top_logprobs=[[(104, nan)], [(105, -inf)], [(106, -2.5), (107, -inf)]],
-                         versions=[0, 0, 0], text="hij", finish_reason="length",
-                         prompt_tokens=1, cached_tokens=0)  # fmt: skip
+    out = SequenceOutput(
+        index=0,
+        token_ids=[104, 105, 106],
+        logprobs=[nan, -inf, -2.5],
+        top_logprobs=[[(104, nan)], [(105, -inf)], [(106, -2.5), (107, -inf)]],
+        versions=[0, 0, 0],
+        text="hij",
+        finish_reason="length",
+        prompt_tokens=1,
+        cached_tokens=0,
+    )
     lp = completion_logprobs(TOK, out)
     # A sampled token's logprob is never -inf legitimately: both NaN and -inf are null.
     assert lp["token_logprobs"] == [None, None, -2.5]
@@ -160,7 +194,10 @@ def test_non_finite_logprobs_are_never_reported_as_numbers():
     chat = chat_logprobs(TOK, out.token_ids, out.logprobs, out.top_logprobs)["content"]
     assert [e["logprob"] for e in chat] == [None, None, -2.5]
     assert [[t["logprob"] for t in e["top_logprobs"]] for e in chat] == [
-        [None], [LOGPROB_FLOOR], [-2.5, LOGPROB_FLOOR]]  # fmt: skip
+        [None],
+        [LOGPROB_FLOOR],
+        [-2.5, LOGPROB_FLOOR],
+    ]
     json.dumps([lp, chat], allow_nan=False)  # valid JSON: no NaN / Infinity literals
 
 
@@ -220,22 +257,34 @@ _BODY = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
 
 
 def _encoded(encoding: bytes, body: bytes) -> bytes:
-    return (_HEAD + b"Content-Type: application/json\r\nContent-Encoding: " + encoding
-            + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    return (
+        _HEAD
+        + b"Content-Type: application/json\r\nContent-Encoding: "
+        + encoding
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
-@pytest.mark.parametrize("request_bytes, status", [
-    (b"GARBAGE\r\n\r\n", 400),
-    (_HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n", 400),
-    (_HEAD + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n", 400),
-    (_HEAD + b"X-Long: " + b"a" * 20_000 + b"\r\n\r\n", 400),
-    (_HEAD + b"Expect: 100-continue-please\r\nContent-Length: 2\r\n\r\n{}", 417),
-    # A body that does not decompress was a 500 (the client's fault, so a 400).
-    (_encoded(b"gzip", b"not gzip at all"), 400),
-    (_encoded(b"deflate", _BODY), 400),
-], ids=["method", "chunk-size", "headers", "header-line", "expect", "gzip", "deflate"])  # fmt: skip
-async def test_malformed_requests_get_api_errors_not_plain_text(served, http, request_bytes,
-                                                                 status):  # fmt: skip
+@pytest.mark.parametrize(
+    "request_bytes, status",
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (_HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n", 400),
+        (_HEAD + b"".join(b"X-%d: y\r\n" % i for i in range(200)) + b"\r\n", 400),
+        (_HEAD + b"X-Long: " + b"a" * 20_000 + b"\r\n\r\n", 400),
+        (_HEAD + b"Expect: 100-continue-please\r\nContent-Length: 2\r\n\r\n{}", 417),
+        # A body that does not decompress was a 500 (the client's fault, so a 400).
+        (_encoded(b"gzip", b"not gzip at all"), 400),
+        (_encoded(b"deflate", _BODY), 400),
+    ],
+    ids=["method", "chunk-size", "headers", "header-line", "expect", "gzip", "deflate"],
+)
+async def test_malformed_requests_get_api_errors_not_plain_text(
+    served, http, request_bytes, status
+):
     error = _api_error(await _raw_request(served[1], request_bytes), status)
     assert error["type"] == "invalid_request_error"
     await assert_healthy(http)
@@ -254,27 +303,36 @@ async def test_an_error_outside_the_handlers_is_a_logged_json_500(http, monkeypa
         error = (await r.json())["error"]
     assert error["type"] == "server_error" and "the server log has it" in error["message"]
     assert "injected" not in error["message"]  # internals stay in the log
-    assert any("from outside the request handlers" in rec.getMessage()
-               and rec.levelno == logging.ERROR for rec in caplog.records)  # fmt: skip
+    assert any(
+        "from outside the request handlers" in rec.getMessage() and rec.levelno == logging.ERROR
+        for rec in caplog.records
+    )
     monkeypatch.undo()
     await assert_healthy(http)
 
 
 def _refused_connections(metrics: str) -> float:
-    line = next(x for x in metrics.splitlines() if x.startswith('simloop_refused_total{reason="'
-                                                                 'connections"}'))  # fmt: skip
+    line = next(
+        x
+        for x in metrics.splitlines()
+        if x.startswith('simloop_refused_total{reason="connections"}')
+    )
     return float(line.split()[-1])
 
 
-async def test_a_connection_past_the_cap_gets_a_json_503_and_is_counted(served, http,
-                                                                       monkeypatch):  # fmt: skip
+async def test_a_connection_past_the_cap_gets_a_json_503_and_is_counted(served, http, monkeypatch):
     engine, url, _ = served
     async with http.get("/metrics") as r:
         before = _refused_connections(await r.text())
     gate = StepGate(engine, monkeypatch)  # every request stays in its handler until opened
     body = json.dumps(PROMPT).encode()
-    request = (_HEAD + b"Content-Type: application/json\r\nContent-Length: "
-               + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    request = (
+        _HEAD
+        + b"Content-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     busy = [asyncio.create_task(_raw_request(url, request, timeout_s=60)) for _ in range(CAP)]
     assert await wait_until(lambda: engine.in_flight >= CAP, timeout_s=30)
     error = _api_error(await _raw_request(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"), 503)
@@ -287,9 +345,11 @@ async def test_a_connection_past_the_cap_gets_a_json_503_and_is_counted(served, 
 
 async def test_a_non_ascii_bearer_header_is_401(served):
     body = b'{"path": "good", "version": 99}'
-    request = (b"POST /admin/load_weights HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-               b"Content-Type: application/json\r\nAuthorization: Bearer \xff\xfe\xc3\xa9t\r\n"
-               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    request = (
+        b"POST /admin/load_weights HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nAuthorization: Bearer \xff\xfe\xc3\xa9t\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     reply = await _raw_request(served[1], request)
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
     assert served[0].version == 0
@@ -301,8 +361,10 @@ def _break(root: Path, name: str, how: str) -> str:
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(root / "good", dst)
-    files = sorted((p for p in dst.rglob("*") if p.is_file() and p.name != "model_config.json"),
-                   key=lambda p: p.stat().st_size)  # fmt: skip
+    files = sorted(
+        (p for p in dst.rglob("*") if p.is_file() and p.name != "model_config.json"),
+        key=lambda p: p.stat().st_size,
+    )
     config = dst / "model_config.json"
     if how == "truncated":
         for f in files:
@@ -319,20 +381,23 @@ def _break(root: Path, name: str, how: str) -> str:
     return name
 
 
-@pytest.mark.parametrize("how", ["truncated", "deleted", "extra_key", "misconfigured",
-                                 "torn_config"])  # fmt: skip
+@pytest.mark.parametrize(
+    "how", ["truncated", "deleted", "extra_key", "misconfigured", "torn_config"]
+)
 async def test_broken_checkpoints_and_paths_are_4xx(served, http, how):
     engine, _, root = served
     version = engine.version
     auth = {"Authorization": f"Bearer {TOKEN}"}
     name = _break(root, f"broken-{how}", how)
-    status, out = await post(http, "/admin/load_weights", {"path": name, "version": 5},
-                             headers=auth)  # fmt: skip
+    status, out = await post(
+        http, "/admin/load_weights", {"path": name, "version": 5}, headers=auth
+    )
     assert status in (400, 404, 422), out
     assert out["error"]["param"] == "path" and "cannot be loaded" in out["error"]["message"]
     for bad in ["good\0", "x" * 5000, "/".join(["x" * 200] * 30)]:
-        status, out = await post(http, "/admin/load_weights", {"path": bad, "version": 5},
-                                 headers=auth)  # fmt: skip
+        status, out = await post(
+            http, "/admin/load_weights", {"path": bad, "version": 5}, headers=auth
+        )
         assert status == 400 and out["error"]["param"] == "path", out
     assert engine.version == version
     await assert_healthy(http)
@@ -346,8 +411,10 @@ async def test_a_half_sent_head_is_closed_after_the_header_timeout(served):
     reply = await _raw_request(served[1], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     assert reply == b"" and time.perf_counter() - t0 < 5  # closed, not answered
     # A half-sent body: 408, and the connection is closed.
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: 100\r\n\r\n{\"prompt\"")  # fmt: skip
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt"'
+    )
     reply = await _raw_request(served[1], request)
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5s" in reply, reply
 
@@ -490,42 +557,72 @@ async def test_shutdown_with_a_stream_in_flight_is_bounded(monkeypatch):
 
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
-)  # fmt: skip
-_fields = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-           "top_k", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream",
-           "stream_options", "return_token_ids", "ignore_eos", "model", "echo",
-           "chat_template_kwargs", "presence_penalty"]  # fmt: skip
+)
+_fields = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "ignore_eos",
+    "model",
+    "echo",
+    "chat_template_kwargs",
+    "presence_penalty",
+]
 _numbers = st.integers() | st.floats() | st.sampled_from([2**31, 2**63, -1, 0, 1e-300, 1e308])
-_messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),
-     "content": st.text(max_size=30) | _json_values}), max_size=3)  # fmt: skip
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),
+            "content": st.text(max_size=30) | _json_values,
+        }
+    ),
+    max_size=3,
+)
 _bodies = st.one_of(
     _json_values,
     st.dictionaries(st.sampled_from(_fields), _numbers | _json_values, max_size=6),
     st.fixed_dictionaries(
         {"prompt": st.text(max_size=30) | st.lists(st.integers(-5, 300), max_size=8)},
-        optional={k: _numbers | _json_values for k in _fields[2:]}),
-    st.fixed_dictionaries({"messages": _messages},
-                          optional={k: _numbers | _json_values for k in _fields[2:]}),
-)  # fmt: skip
+        optional={k: _numbers | _json_values for k in _fields[2:]},
+    ),
+    st.fixed_dictionaries(
+        {"messages": _messages}, optional={k: _numbers | _json_values for k in _fields[2:]}
+    ),
+)
 
 
 async def test_arbitrary_bodies_get_2xx_or_4xx_and_change_nothing(served, http):
     before = await greedy_text(http)
     host, port = _addr(served[1])
 
-    @settings(max_examples=60, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @settings(
+        max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     @given(body=_bodies, chat=st.booleans())
     def check(body, chat):
         conn = HTTPConnection(host, port, timeout=60)
         try:
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            conn.request("POST", path, json.dumps(body).encode(),
-                         {"Content-Type": "application/json"})  # fmt: skip
+            conn.request(
+                "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             r = conn.getresponse()
             raw = r.read()
             assert r.status < 300 or 400 <= r.status < 500, (r.status, raw[:300])

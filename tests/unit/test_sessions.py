@@ -29,8 +29,9 @@ from serving.engine import Engine, EngineConfig
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TOK = ByteTokenizer()
 SEQ, SLOTS, MAX_SESSIONS = 256, 4, 8
-ECFG = EngineConfig(num_slots=SLOTS, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2,
-                    max_sessions=MAX_SESSIONS)  # fmt: skip
+ECFG = EngineConfig(
+    num_slots=SLOTS, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2, max_sessions=MAX_SESSIONS
+)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -81,10 +82,17 @@ async def test_each_call_prefills_only_what_was_appended_and_matches_a_stateless
     assert second["prompt_tokens"] == 4
     assert second["cached_tokens"] == len(history) - 1  # only the appended tokens prefilled
     assert second["session_tokens"] == len(history) + 4 + len(second["token_ids"])
-    stateless = await call(http, "POST", "/v1/completions", {
-        "prompt": history + TOK.encode("pwd\n"), "max_tokens": 8, "temperature": 0.0,
-        "return_token_ids": True,
-    })  # fmt: skip
+    stateless = await call(
+        http,
+        "POST",
+        "/v1/completions",
+        {
+            "prompt": history + TOK.encode("pwd\n"),
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        },
+    )
     assert second["token_ids"] == stateless["choices"][0]["token_ids"]
     listed = (await call(http, "GET", "/v1/sessions"))["data"]
     (mine,) = [s for s in listed if s["id"] == sid]
@@ -115,10 +123,12 @@ async def test_steps_of_different_sessions_share_device_steps(served, http):
     for sid in sids:  # each session holds its context first
         await call(http, "POST", f"/v1/sessions/{sid}/generate", step(f"s{sid[-4:]}\n", 1))
     before = engine.stats["steps"]
-    outs = await asyncio.gather(*(
-        call(http, "POST", f"/v1/sessions/{sid}/generate",
-             step("go\n", 24, ignore_eos=True)) for sid in sids
-    ))  # fmt: skip
+    outs = await asyncio.gather(
+        *(
+            call(http, "POST", f"/v1/sessions/{sid}/generate", step("go\n", 24, ignore_eos=True))
+            for sid in sids
+        )
+    )
     steps = engine.stats["steps"] - before
     assert all(len(o["token_ids"]) == 24 for o in outs)
     # One session alone needs >= 24 / decode_steps device steps; four in lockstep need about
@@ -129,37 +139,44 @@ async def test_steps_of_different_sessions_share_device_steps(served, http):
 async def test_misuse_gets_a_status_and_a_reason(served, http):
     engine, _ = served
     sid = await open_session(http)
-    for body, param in [({}, "append_token_ids"),
-                        ({"append_text": "a", "append_token_ids": [1]}, "append_token_ids"),
-                        ({"append_token_ids": [99999]}, "append_token_ids"),
-                        ({"append_token_ids": "abc"}, "append_token_ids"),
-                        ({"append_text": "a", "stream": True}, "stream"),
-                        ({"append_text": "a", "temperature": -1}, "temperature")]:  # fmt: skip
+    for body, param in [
+        ({}, "append_token_ids"),
+        ({"append_text": "a", "append_token_ids": [1]}, "append_token_ids"),
+        ({"append_token_ids": [99999]}, "append_token_ids"),
+        ({"append_token_ids": "abc"}, "append_token_ids"),
+        ({"append_text": "a", "stream": True}, "stream"),
+        ({"append_text": "a", "temperature": -1}, "temperature"),
+    ]:
         err = await call(http, "POST", f"/v1/sessions/{sid}/generate", body, status=400)
         assert err["error"]["param"] == param, err
     # An append longer than the context: 413 with the limit.
     err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a" * SEQ), status=413)
     assert f"at most {SEQ - 1}" in err["error"]["message"]
     # A second step while one runs: 409.
-    slow = asyncio.create_task(call(http, "POST", f"/v1/sessions/{sid}/generate",
-                                    step("b", 200, ignore_eos=True)))  # fmt: skip
+    slow = asyncio.create_task(
+        call(http, "POST", f"/v1/sessions/{sid}/generate", step("b", 200, ignore_eos=True))
+    )
     while not engine.sessions[sid].busy:
         await asyncio.sleep(0.001)
     err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("c"), status=409)
     assert "already generating" in err["error"]["message"]
     await slow
-    for method, path, body in [("POST", "/v1/sessions/nope/generate", step("a")),
-                               ("POST", "/v1/sessions/nope/rewind", {"to": 0}),
-                               ("DELETE", "/v1/sessions/nope", None)]:  # fmt: skip
+    for method, path, body in [
+        ("POST", "/v1/sessions/nope/generate", step("a")),
+        ("POST", "/v1/sessions/nope/rewind", {"to": 0}),
+        ("DELETE", "/v1/sessions/nope", None),
+    ]:
         err = await call(http, method, path, body, status=404)
         assert "does not exist" in err["error"]["message"]
-    for body, says in [({"compaction": {"mode": "zip"}}, "compaction.mode='zip' is invalid"),
-                       ({"compaction": {"mode": "budget"}}, "required by mode 'budget'"),
-                       ({"compaction": {"mode": "turn", "keep_ratio": 2}}, "in (0, 1]"),
-                       ({"compaction": {"mode": "turn", "ratio": 1}}, "unknown field(s) ['ratio']"),
-                       ({"compaction": "markovian"}, "must be an object"),
-                       ({"ttl_s": 0}, "'ttl_s'=0 is out of range"),
-                       ({"ttl": 5}, "unknown field(s) ['ttl']")]:  # fmt: skip
+    for body, says in [
+        ({"compaction": {"mode": "zip"}}, "compaction.mode='zip' is invalid"),
+        ({"compaction": {"mode": "budget"}}, "required by mode 'budget'"),
+        ({"compaction": {"mode": "turn", "keep_ratio": 2}}, "in (0, 1]"),
+        ({"compaction": {"mode": "turn", "ratio": 1}}, "unknown field(s) ['ratio']"),
+        ({"compaction": "markovian"}, "must be an object"),
+        ({"ttl_s": 0}, "'ttl_s'=0 is out of range"),
+        ({"ttl": 5}, "unknown field(s) ['ttl']"),
+    ]:
         err = await call(http, "POST", "/v1/sessions", body, status=400)
         assert says in err["error"]["message"], err
     async with http.get("/health") as r:
@@ -172,12 +189,18 @@ async def test_max_tokens_past_the_slot_is_a_400_unless_the_session_compacts(htt
     arrival left, so its max_tokens is a cap clamped to the room (and may end on `length`)."""
     prompt = "x" * (SEQ - 40)
     plain = await open_session(http)
-    err = await call(http, "POST", f"/v1/sessions/{plain}/generate",
-                     step(prompt, 100, ignore_eos=True), status=400)  # fmt: skip
+    err = await call(
+        http,
+        "POST",
+        f"/v1/sessions/{plain}/generate",
+        step(prompt, 100, ignore_eos=True),
+        status=400,
+    )
     assert err["error"]["param"] == "max_tokens" and "so at most 40" in err["error"]["message"]
     packed = await open_session(http, compaction={"mode": "markovian", "n_protect_turns": 1})
-    out = await call(http, "POST", f"/v1/sessions/{packed}/generate",
-                     step(prompt, 100, ignore_eos=True))  # fmt: skip
+    out = await call(
+        http, "POST", f"/v1/sessions/{packed}/generate", step(prompt, 100, ignore_eos=True)
+    )
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == 40
     assert out["kv_tokens"] == SEQ - 1  # every key but the last sampled token's
 
@@ -197,8 +220,9 @@ async def test_memory_pressure_evicts_the_least_recently_used_idle_session(serve
     for sid in sids:  # every slot pinned by an idle session
         await call(http, "POST", f"/v1/sessions/{sid}/generate", step(f"{sid[-3:]}\n", 2))
     evicted = engine.stats["sessions_evicted"]
-    done = await call(http, "POST", "/v1/completions",
-                      {"prompt": "hello", "max_tokens": 2, "temperature": 0.0})  # fmt: skip
+    done = await call(
+        http, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2, "temperature": 0.0}
+    )
     assert done["choices"][0]["finish_reason"] in ("length", "stop")
     assert engine.stats["sessions_evicted"] == evicted + 1
     listed = {s["id"]: s for s in (await call(http, "GET", "/v1/sessions"))["data"]}
@@ -217,16 +241,19 @@ async def test_a_step_and_a_rewind_refuse_fields_they_do_not_take(served, http):
     """`n=2` on a step used to be ignored silently (one sequence came back): now every field a
     session route does not take is a 400 naming it and what the route takes."""
     sid = await open_session(http)
-    for body, param in [(step("a", n=2), "n"), (step("a", best_of=2), "best_of"),
-                        (step("a", logit_bias={"1": 5}), "logit_bias")]:  # fmt: skip
+    for body, param in [
+        (step("a", n=2), "n"),
+        (step("a", best_of=2), "best_of"),
+        (step("a", logit_bias={"1": 5}), "logit_bias"),
+    ]:
         err = await call(http, "POST", f"/v1/sessions/{sid}/generate", body, status=400)
         assert err["error"]["param"] == param and f"['{param}']" in err["error"]["message"]
         assert "append_token_ids" in err["error"]["message"]  # what it takes
-    err = await call(http, "POST", f"/v1/sessions/{sid}/generate", step("a", model="other"),
-                     status=404)  # fmt: skip
+    err = await call(
+        http, "POST", f"/v1/sessions/{sid}/generate", step("a", model="other"), status=404
+    )
     assert err["error"]["param"] == "model"
-    err = await call(http, "POST", f"/v1/sessions/{sid}/rewind", {"to": 0, "keep": 1},
-                     status=400)  # fmt: skip
+    err = await call(http, "POST", f"/v1/sessions/{sid}/rewind", {"to": 0, "keep": 1}, status=400)
     assert err["error"]["param"] == "keep" and "takes to" in err["error"]["message"]
     assert served[0].sessions[sid].tokens == []  # the refused calls appended nothing
 
@@ -245,12 +272,15 @@ async def test_sessions_gone_past_their_ttl_make_room_at_the_engine_limit(served
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
-@pytest.mark.parametrize("field, value, allowed", [
-    ("max_sessions_per_client", 0, "an integer in [1, 1000000]"),
-    ("max_sessions_per_client", True, "an integer in [1, 1000000]"),
-    ("client_identity", "cookie", "one of ['peer', 'api_key']"),
-    ("session_tokens", "yes", "true or false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("max_sessions_per_client", 0, "an integer in [1, 1000000]"),
+        ("max_sessions_per_client", True, "an integer in [1, 1000000]"),
+        ("client_identity", "cookie", "one of ['peer', 'api_key']"),
+        ("session_tokens", "yes", "true or false"),
+    ],
+)
 def test_the_sharing_settings_are_validated(field, value, allowed):
     with pytest.raises(ValueError) as e:
         ServerConfig(**{field: value})
@@ -284,15 +314,20 @@ def _clients(url: str, identity: str) -> tuple[aiohttp.ClientSession, aiohttp.Cl
         except OSError:
             pytest.skip("127.0.0.2 is no local address here (macOS has only 127.0.0.1)")
         other = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
-        return (aiohttp.ClientSession(base_url=url),
-                aiohttp.ClientSession(base_url=url, connector=other))  # fmt: skip
-    return tuple(aiohttp.ClientSession(base_url=url, headers={"Authorization": f"Bearer {k}"})
-                 for k in ("key-of-a", "key-of-b"))  # fmt: skip
+        return (
+            aiohttp.ClientSession(base_url=url),
+            aiohttp.ClientSession(base_url=url, connector=other),
+        )
+    return tuple(
+        aiohttp.ClientSession(base_url=url, headers={"Authorization": f"Bearer {k}"})
+        for k in ("key-of-a", "key-of-b")
+    )
 
 
 @pytest.mark.parametrize("identity", ["peer", "api_key"])
-async def test_a_client_at_its_session_cap_gets_429_while_others_open_theirs(served, http,
-                                                                             identity):  # fmt: skip
+async def test_a_client_at_its_session_cap_gets_429_while_others_open_theirs(
+    served, http, identity
+):
     engine, _ = served
     cap = 3
     async with front(engine, max_sessions_per_client=cap, client_identity=identity) as (_, url):
@@ -301,8 +336,10 @@ async def test_a_client_at_its_session_cap_gets_429_while_others_open_theirs(ser
             mine = [await open_session(a) for _ in range(cap)]
             err = (await call(a, "POST", "/v1/sessions", {}, status=429))["error"]
             assert err["type"] == "rate_limit_error" and err["code"] == "client_session_limit"
-            assert f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)" in (
-                err["message"])  # fmt: skip
+            assert (
+                f"the per-client limit is {cap} (ServerConfig.max_sessions_per_client)"
+                in (err["message"])
+            )
             theirs = [await open_session(b) for _ in range(cap)]  # not locked out by a
             assert len(set(mine + theirs)) == 2 * cap and len(engine.sessions) == 2 * cap
             await call(a, "DELETE", f"/v1/sessions/{mine[0]}")
@@ -318,8 +355,9 @@ async def test_refused_opens_keep_no_state(served, http):
     async with front(engine, **cfg) as (server, url), aiohttp.ClientSession(base_url=url) as h:
 
         async def open_as(key: str, status: int = 200) -> dict:
-            async with h.post("/v1/sessions", json={},
-                              headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+            async with h.post(
+                "/v1/sessions", json={}, headers={"Authorization": f"Bearer {key}"}
+            ) as r:
                 assert r.status == status, await r.text()
                 return await r.json()
 
@@ -348,9 +386,11 @@ async def test_session_tokens_keep_other_clients_out_of_a_session(served, http):
             assert isinstance(token, str) and len(token) >= 16
             for given in [None, "x" * 32, token[:-1]]:
                 headers = {} if given is None else {"X-Session-Token": given}
-                for method, path, body in [("POST", f"/v1/sessions/{sid}/generate", step("a")),
-                                           ("POST", f"/v1/sessions/{sid}/rewind", {"to": 0}),
-                                           ("DELETE", f"/v1/sessions/{sid}", None)]:  # fmt: skip
+                for method, path, body in [
+                    ("POST", f"/v1/sessions/{sid}/generate", step("a")),
+                    ("POST", f"/v1/sessions/{sid}/rewind", {"to": 0}),
+                    ("DELETE", f"/v1/sessions/{sid}", None),
+                ]:
                     async with h.request(method, path, json=body, headers=headers) as r:
                         err = await r.json()
                         assert r.status == 404 and err["error"]["param"] == "session_id", err
@@ -358,9 +398,11 @@ async def test_session_tokens_keep_other_clients_out_of_a_session(served, http):
                         assert "X-Session-Token" in err["error"]["message"]
             assert sid in engine.sessions and engine.sessions[sid].tokens == []
             mine = {"X-Session-Token": token}
-            for method, path, body in [("POST", f"/v1/sessions/{sid}/generate", step("a", 2)),
-                                       ("POST", f"/v1/sessions/{sid}/rewind", {"to": 1}),
-                                       ("DELETE", f"/v1/sessions/{sid}", None)]:  # fmt: skip
+            for method, path, body in [
+                ("POST", f"/v1/sessions/{sid}/generate", step("a", 2)),
+                ("POST", f"/v1/sessions/{sid}/rewind", {"to": 1}),
+                ("DELETE", f"/v1/sessions/{sid}", None),
+            ]:
                 async with h.request(method, path, json=body, headers=mine) as r:
                     assert r.status == 200, await r.text()
             assert sid not in engine.sessions
@@ -368,8 +410,9 @@ async def test_session_tokens_keep_other_clients_out_of_a_session(served, http):
             own = "my-own-session-token-0123"
             opened = await call(h, "POST", "/v1/sessions", {"token": own})
             assert opened["token"] == own
-            async with h.delete(f"/v1/sessions/{opened['id']}",
-                                headers={"X-Session-Token": own}) as r:  # fmt: skip
+            async with h.delete(
+                f"/v1/sessions/{opened['id']}", headers={"X-Session-Token": own}
+            ) as r:
                 assert r.status == 200
             for bad in ["short", "has space in it 12345", 12345678901234567, "\u00e9" * 20]:
                 err = await call(h, "POST", "/v1/sessions", {"token": bad}, status=400)
@@ -381,8 +424,11 @@ async def test_session_tokens_keep_other_clients_out_of_a_session(served, http):
 
 def _refused(metrics: str) -> dict[str, float]:
     prefix = 'simloop_refused_total{reason="'
-    return {line[len(prefix) :].split('"')[0]: float(line.split()[-1])
-            for line in metrics.splitlines() if line.startswith(prefix)}  # fmt: skip
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith(prefix)
+    }
 
 
 async def test_metrics_count_refusals_by_reason(served, http):
@@ -398,18 +444,30 @@ async def test_metrics_count_refusals_by_reason(served, http):
 
         async with h.get("/metrics") as r:
             assert "# TYPE simloop_refused_total counter" in await r.text()
-        sids = [(await as_key(f"k{i}", "POST", "/v1/sessions", 200, json={}))["id"]
-                for i in range(MAX_SESSIONS)]  # fmt: skip
+        sids = [
+            (await as_key(f"k{i}", "POST", "/v1/sessions", 200, json={}))["id"]
+            for i in range(MAX_SESSIONS)
+        ]
         await as_key("k0", "POST", "/v1/sessions", 429, json={})  # its cap
         for _ in range(2):
             await as_key("new", "POST", "/v1/sessions", 429, json={})  # the engine's limit
         for _ in range(3):  # someone else's session
-            await as_key("k1", "DELETE", f"/v1/sessions/{sids[0]}", 404,
-                         headers={"X-Session-Token": "not-the-token-at-all"})  # fmt: skip
+            await as_key(
+                "k1",
+                "DELETE",
+                f"/v1/sessions/{sids[0]}",
+                404,
+                headers={"X-Session-Token": "not-the-token-at-all"},
+            )
         async with h.get("/metrics") as r:
             refused = _refused(await r.text())
-    assert refused == {"client_sessions": 1, "sessions": 2, "session_token": 3, "queue": 0,
-                       "connections": 0}  # fmt: skip
+    assert refused == {
+        "client_sessions": 1,
+        "sessions": 2,
+        "session_token": 3,
+        "queue": 0,
+        "connections": 0,
+    }
 
 
 # ----- the orchestrator on sessions ------------------------------------------------------------
@@ -431,17 +489,27 @@ async def test_episodes_through_sessions_equal_stateless_ones_and_close_their_se
         engine.close_session(sid)
     renderer = ChatRenderer(TOK)
     tasks = generate_textops(TextopsConfig(num_tasks=3, seed=1))
-    terminal = TerminalConfig(max_turns=3, max_format_errors=3, prompt_template="{instruction}",
-                              format_error_template="Format error: {reason}")  # fmt: skip
+    terminal = TerminalConfig(
+        max_turns=3,
+        max_format_errors=3,
+        prompt_template="{instruction}",
+        format_error_template="Format error: {reason}",
+    )
     backends = Backends(real=lambda t: LocalShell(LocalShellConfig(), setup=t.setup))
     runs = {}
     async with InferenceClient(ClientConfig(url, max_retries=0)) as client:
         for sessions in (False, True):
-            ocfg = OrchestratorConfig(arm="real", max_context_tokens=SEQ, max_tokens_per_turn=24,
-                                      temperature=0.0, sessions=sessions)  # fmt: skip
+            ocfg = OrchestratorConfig(
+                arm="real",
+                max_context_tokens=SEQ,
+                max_tokens_per_turn=24,
+                temperature=0.0,
+                sessions=sessions,
+            )
             cached, opened = engine.stats["cached_tokens"], engine.stats["sessions_opened"]
-            runs[sessions] = await RolloutRunner(ocfg, terminal, renderer, backends,
-                                                 client=client).run(tasks)  # fmt: skip
+            runs[sessions] = await RolloutRunner(
+                ocfg, terminal, renderer, backends, client=client
+            ).run(tasks)
             runs[sessions, "cached"] = engine.stats["cached_tokens"] - cached
             runs[sessions, "opened"] = engine.stats["sessions_opened"] - opened
     assert [t.token_ids for t in runs[True]] == [t.token_ids for t in runs[False]]

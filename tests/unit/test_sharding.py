@@ -12,8 +12,15 @@ from rl.model.config import DEFAULT_RULES, MeshConfig, ShardingConfig
 from rl.model.sharding import constrain, logical_to_spec, partition_specs
 
 # Every dim divisible by fsdp=2 / tensor=4, so each rule really splits its dim.
-CFG = tiny(hidden_size=64, num_heads=8, num_kv_heads=4, head_dim=8, intermediate_size=128,
-           vocab_size=512, tie_word_embeddings=False)  # fmt: skip
+CFG = tiny(
+    hidden_size=64,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
 
 
 def _spec(x: jax.Array) -> tuple:
@@ -72,8 +79,9 @@ def test_rules_table_from_config_changes_placement():
 def test_indivisible_dims_fall_back_to_replicated():
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     # 2 kv heads cannot split 4 ways: replicated on tensor, embed still on fsdp.
-    spec = logical_to_spec(("embed", "kv_heads", "head_dim"), DEFAULT_RULES, shape=(64, 2, 8),
-                           mesh=mesh)  # fmt: skip
+    spec = logical_to_spec(
+        ("embed", "kv_heads", "head_dim"), DEFAULT_RULES, shape=(64, 2, 8), mesh=mesh
+    )
     assert spec == PartitionSpec("fsdp", None, None)
     # A mesh axis is used once per array even if two dims ask for it.
     assert logical_to_spec(("mlp", "q_heads")) == PartitionSpec("tensor", None)

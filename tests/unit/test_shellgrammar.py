@@ -40,12 +40,17 @@ def test_the_grammar_covers_operations_errors_and_bare_commands():
 
 
 def test_operation_weights_and_typo_rate_shape_the_agents_commands():
-    only_count = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
-                               textops_prob=1.0, bare_prob=0.0)  # fmt: skip
+    only_count = GrammarConfig(
+        op_weights={"reverse": 0, "upper": 0, "sort": 0},
+        error_prob=0.0,
+        textops_prob=1.0,
+        bare_prob=0.0,
+    )
     kinds = [c.kind for case in sample_cases(only_count, 100) for c in case.commands]
     assert {k.split(":")[0] for k in kinds} == {"count"}
-    heavy = GrammarConfig(op_weights={"sort": 3}, textops_prob=1.0, error_prob=0.0,
-                          bare_prob=0.0, typo_prob=0.0)  # fmt: skip
+    heavy = GrammarConfig(
+        op_weights={"sort": 3}, textops_prob=1.0, error_prob=0.0, bare_prob=0.0, typo_prob=0.0
+    )
     kinds = [c.kind for case in sample_cases(heavy, 400) for c in case.commands]
     # sort weighs 3 of 6: 1,200 of 2,400 expected (sd 24.5); the others 400 each (sd ~18)
     assert 1050 < kinds.count("sort") < 1350 and 300 < kinds.count("upper") < 500
@@ -54,8 +59,9 @@ def test_operation_weights_and_typo_rate_shape_the_agents_commands():
 
 
 def test_program_typos_drop_a_character_of_a_program_name():
-    typo = GrammarConfig(textops_prob=1.0, error_prob=0.0, bare_prob=0.0, typo_prob=1.0,
-                         program_typo_prob=1.0)  # fmt: skip
+    typo = GrammarConfig(
+        textops_prob=1.0, error_prob=0.0, bare_prob=0.0, typo_prob=1.0, program_typo_prob=1.0
+    )
     programs = {"echo", "tr", "fold", "sort", "rev", "wc"}
     for case in sample_cases(typo, 60):
         for c in case.commands:
@@ -88,17 +94,26 @@ def test_the_seeded_streams_of_earlier_runs_are_unchanged():
     cfg = GrammarConfig(
         seed=16, textops_prob=0.9, typo_prob=0.6, op_weights={"sort": 2, "count": 3}
     )
-    cases = [[c.files, [[x.text, x.kind] for x in c.commands], c.session]
-             for c in sample_cases(cfg, 50)]  # fmt: skip
+    cases = [
+        [c.files, [[x.text, x.kind] for x in c.commands], c.session] for c in sample_cases(cfg, 50)
+    ]
     digest = hashlib.sha256(json.dumps(cases).encode()).hexdigest()
     assert digest == "55ef28f1f1ba170de2f866104563386c4dc79f18c4d69a7359cead988f1acfb0"
 
 
 def test_count_present_prob_sets_how_often_the_letter_is_in_the_word():
     def letters_in_word(prob: float) -> list[bool]:
-        cfg = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
-                            textops_prob=1.0, bare_prob=0.0, typo_prob=0.0, repeat_prob=0.0,
-                            min_len=4, max_len=8, count_present_prob=prob)  # fmt: skip
+        cfg = GrammarConfig(
+            op_weights={"reverse": 0, "upper": 0, "sort": 0},
+            error_prob=0.0,
+            textops_prob=1.0,
+            bare_prob=0.0,
+            typo_prob=0.0,
+            repeat_prob=0.0,
+            min_len=4,
+            max_len=8,
+            count_present_prob=prob,
+        )
         out = []
         for case in sample_cases(cfg, 100):
             word = case.files["input.txt"].strip()
@@ -108,9 +123,17 @@ def test_count_present_prob_sets_how_often_the_letter_is_in_the_word():
 
     assert all(letters_in_word(1.0))
     # Near misses: letters of the prompt around the word (its header, the command), not in it.
-    cfg = GrammarConfig(op_weights={"reverse": 0, "upper": 0, "sort": 0}, error_prob=0.0,
-                        textops_prob=1.0, bare_prob=0.0, typo_prob=0.0, min_len=4, max_len=8,
-                        count_present_prob=0.0, count_near_miss_prob=1.0)  # fmt: skip
+    cfg = GrammarConfig(
+        op_weights={"reverse": 0, "upper": 0, "sort": 0},
+        error_prob=0.0,
+        textops_prob=1.0,
+        bare_prob=0.0,
+        typo_prob=0.0,
+        min_len=4,
+        max_len=8,
+        count_present_prob=0.0,
+        count_near_miss_prob=1.0,
+    )
     drawn = Counter()
     for case in sample_cases(cfg, 100):
         word = case.files["input.txt"].strip()
@@ -129,12 +152,22 @@ def test_count_present_prob_sets_how_often_the_letter_is_in_the_word():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("min_len", 0), ("max_len", 0), ("repeat_prob", 1.5), ("bare_prob", -0.1),
-     ("commands_per_case", 0), ("session_turns", 1), ("session_turns", 7), ("typo_prob", 2.0),
-     ("program_typo_prob", -0.5), ("count_present_prob", 1.1),
-     ("op_weights", {"rev": 1.0}), ("op_weights", {"sort": -1.0}),
-     ("op_weights", dict.fromkeys(STRING_OPS, 0))],
-)  # fmt: skip
+    [
+        ("min_len", 0),
+        ("max_len", 0),
+        ("repeat_prob", 1.5),
+        ("bare_prob", -0.1),
+        ("commands_per_case", 0),
+        ("session_turns", 1),
+        ("session_turns", 7),
+        ("typo_prob", 2.0),
+        ("program_typo_prob", -0.5),
+        ("count_present_prob", 1.1),
+        ("op_weights", {"rev": 1.0}),
+        ("op_weights", {"sort": -1.0}),
+        ("op_weights", dict.fromkeys(STRING_OPS, 0)),
+    ],
+)
 def test_bad_grammar_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         GrammarConfig(**{field: value})
@@ -154,7 +187,6 @@ def test_observations_come_from_real_bash():
     )
     (res,) = asyncio.run(run_cases([case]))
     outputs = [(out.strip(), code) for out, code in res.outputs]
-    assert outputs[:4] == [(f"{SUBMIT_MARKER}\nananab", 0), ("BANANA", 0), ("aaabnn", 0),
-                           ("3", 0)]  # fmt: skip
+    assert outputs[:4] == [(f"{SUBMIT_MARKER}\nananab", 0), ("BANANA", 0), ("aaabnn", 0), ("3", 0)]
     assert outputs[4][1] == 1 and "nope.txt" in outputs[4][0]
     assert outputs[5][1] == 127 and "rv" in outputs[5][0]

@@ -20,8 +20,7 @@ ASYNC = pytest.mark.asyncio(loop_scope="module")
 
 SEQ = 256
 K = 6
-CFG = EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2,
-                   speculate=K)  # fmt: skip
+CFG = EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2, speculate=K)
 
 
 # ----- the guesses ----------------------------------------------------------------------------
@@ -96,8 +95,9 @@ async def eager():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def plain():
-    eng = await _started(EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32,
-                                      prefill_batch=2), None)  # fmt: skip
+    eng = await _started(
+        EngineConfig(num_slots=8, max_seq_len=SEQ, prefill_chunk=32, prefill_batch=2), None
+    )
     yield eng
     await eng.stop()
 
@@ -132,18 +132,19 @@ async def test_verified_greedy_tokens_are_plain_decodings(eager):
 @ASYNC
 async def test_verified_samples_and_logprobs_are_plain_decodings(eager, plain):
     prompts = copying_prompts()
-    for params in (greedy(40, logprobs=2),
-                   SamplingParams(temperature=0.7, max_tokens=40, seed=9, logprobs=2,
-                                  ignore_eos=True),
-                   SamplingParams(temperature=1.0, top_k=3, max_tokens=40, seed=4,
-                                  ignore_eos=True)):  # fmt: skip
+    for params in (
+        greedy(40, logprobs=2),
+        SamplingParams(temperature=0.7, max_tokens=40, seed=9, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=3, max_tokens=40, seed=4, ignore_eos=True),
+    ):
         spec, ref = await _run(eager, prompts, params), await _run(plain, prompts, params)
         for a, b in zip(spec, ref, strict=True):
             assert a.token_ids == b.token_ids
             # chunked vs one-token forwards: f32 sums in another order (~1e-6 relative)
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
             assert [[i for i, _ in t] for t in a.top_logprobs] == [
-                [i for i, _ in t] for t in b.top_logprobs]  # fmt: skip
+                [i for i, _ in t] for t in b.top_logprobs
+            ]
 
 
 @ASYNC
@@ -152,12 +153,14 @@ async def test_stops_and_lengths_inside_a_verified_call(eager, plain):
     (ref,) = await plain.generate(prompts[0], greedy(30))
     text = TOK.decode(ref.token_ids)
     stop = text[7:9]  # a stop string within the completion: cut there, as without guesses
-    for params in (greedy(13), greedy(30, stop=[stop]),
-                   greedy(30, stop_token_ids=[ref.token_ids[11]])):  # fmt: skip
+    for params in (
+        greedy(13),
+        greedy(30, stop=[stop]),
+        greedy(30, stop_token_ids=[ref.token_ids[11]]),
+    ):
         spec, want = await _run(eager, prompts, params), await _run(plain, prompts, params)
         for a, b in zip(spec, want, strict=True):
-            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text,
-                                                              b.finish_reason)  # fmt: skip
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
 
 
 @ASYNC

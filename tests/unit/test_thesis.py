@@ -13,9 +13,17 @@ from rl.data.trajectory import Trajectory, write_jsonl
 
 
 def _eps(prefix: str, wins: dict[str, list[int]], backend: str = "local") -> list[Trajectory]:
-    return [Trajectory(task_id=task, arm="real" if backend == "local" else "closed_loop",
-                       env_backend=backend, status="ok", reward=float(w))
-            for task, ws in wins.items() for w in ws]  # fmt: skip
+    return [
+        Trajectory(
+            task_id=task,
+            arm="real" if backend == "local" else "closed_loop",
+            env_backend=backend,
+            status="ok",
+            reward=float(w),
+        )
+        for task, ws in wins.items()
+        for w in ws
+    ]
 
 
 def _store(run, sub: str, prefix: str, trajs: list[Trajectory]) -> None:
@@ -59,8 +67,10 @@ def test_rates_episodes_and_gains_come_from_the_episodes(run):
     assert t["gain"]["rl_in_sim"] == pytest.approx(_rate(SIM) - _rate(WARM), abs=1e-4)
     assert t["sim_minus_real"] == pytest.approx(_rate(SIM) - _rate(REAL), abs=1e-4)
     # 0.5 - 0.083 = 0.417 >= 0.10; 0.5 - 0.583 = -0.083 < -0.05
-    assert t["acceptance"] == {"rl_in_sim_gain_at_least_0.1": True,
-                               "rl_in_sim_at_most_0.05_below_rl_in_real": False}  # fmt: skip
+    assert t["acceptance"] == {
+        "rl_in_sim_gain_at_least_0.1": True,
+        "rl_in_sim_at_most_0.05_below_rl_in_real": False,
+    }
 
 
 def test_intervals_are_over_tasks_and_paired(run):

@@ -122,8 +122,12 @@ def test_planned_run_starts_the_worker_entry_with_the_config_as_given_here(capsy
     (argv,) = [shlex.split(line) for line in out.splitlines()]
     remote = shlex.split(argv[argv.index("--command") + 1])
     assert remote[remote.index("--") :] == ["--", "bash", "-c", "exec simloop train-agent"]
-    assert remote[remote.index("--config") : remote.index("--")] == ["--config", config, *BASE,
-                                                                     *own]  # fmt: skip
+    assert remote[remote.index("--config") : remote.index("--")] == [
+        "--config",
+        config,
+        *BASE,
+        *own,
+    ]
 
 
 def test_words_after_double_dash_are_the_command_not_config_overrides(capsys):
@@ -140,8 +144,9 @@ def test_remote_command_is_inert_in_a_real_shell(tmp_path):
     env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
 
     def sh(text: str) -> str:
-        done = subprocess.run(["sh", "-c", text], env=env, cwd=tmp_path, capture_output=True,
-                              text=True, check=True)  # fmt: skip
+        done = subprocess.run(
+            ["sh", "-c", text], env=env, cwd=tmp_path, capture_output=True, text=True, check=True
+        )
         return done.stdout
 
     words = ["printf", "%s\\n", *HOSTILE]

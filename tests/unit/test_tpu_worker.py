@@ -58,10 +58,13 @@ def test_each_trainer_process_on_the_workers_gets_the_process_contract(capsys):
     for role, workers, port in (("policy_train", [0, 1, 2, 3], 8480), ("sim_train", [4, 5], 8481)):
         assert [i for i, _ in seen[role]] == workers
         assert [c for _, c in seen[role]] == [
-            {"SIMLOOP_COORDINATOR": f"{ADDRESSES[workers[0]]}:{port}",
-             "SIMLOOP_NUM_PROCESSES": str(len(workers)), "SIMLOOP_PROCESS_ID": str(rank)}
+            {
+                "SIMLOOP_COORDINATOR": f"{ADDRESSES[workers[0]]}:{port}",
+                "SIMLOOP_NUM_PROCESSES": str(len(workers)),
+                "SIMLOOP_PROCESS_ID": str(rank),
+            }
             for rank in range(len(workers))
-        ]  # fmt: skip
+        ]
     for role in ("agent_serve", "sim_serve"):
         assert [c for _, c in seen[role]] == [dict.fromkeys(CONTRACT)]
 
@@ -71,8 +74,13 @@ def test_a_one_host_slice_needs_no_metadata_and_gets_no_contract(capsys):
     # The metadata server is never asked: this one is unreachable.
     assert tpu_worker.main(argv, metadata_url="http://127.0.0.1:9/") == 0
     procs = json.loads(capsys.readouterr().out)["processes"]
-    assert sorted(p["role"] for p in procs) == ["agent_serve", "agent_serve", "policy_train",
-                                                "sim_serve", "sim_serve"]  # fmt: skip
+    assert sorted(p["role"] for p in procs) == [
+        "agent_serve",
+        "agent_serve",
+        "policy_train",
+        "sim_serve",
+        "sim_serve",
+    ]
     assert not any(k in p["env"] for p in procs for k in CONTRACT)
     (trainer,) = [p for p in procs if p["role"] == "policy_train"]
     assert trainer["env"]["TPU_PROCESS_ADDRESSES"] == "localhost:8476"
@@ -155,16 +163,22 @@ def test_two_workers_of_one_trainer_group_start_one_job(tmp_path):
              "--libtpu-lockfile", str(tmp_path / "libtpu_lockfile")]  # fmt: skip
     command = ["--", sys.executable, "-c", _REPORT]
     run = {"env": env, "stderr": subprocess.PIPE, "text": True}
-    workers = [subprocess.Popen([*entry, "--worker-index", str(i), *command], **run)
-               for i in (4, 5)]  # fmt: skip
+    workers = [
+        subprocess.Popen([*entry, "--worker-index", str(i), *command], **run) for i in (4, 5)
+    ]
     logs = [w.communicate(timeout=120)[1] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], logs
     seen = [json.loads((out / f"{i}.json").read_text()) for i in range(2)]
     assert seen == [
-        {"SIMLOOP_COORDINATOR": f"{ADDRESSES[4]}:8481", "SIMLOOP_NUM_PROCESSES": "2",
-         "SIMLOOP_PROCESS_ID": str(i), "SIMLOOP_ROLE": "sim_train", "seed": 7}
+        {
+            "SIMLOOP_COORDINATOR": f"{ADDRESSES[4]}:8481",
+            "SIMLOOP_NUM_PROCESSES": "2",
+            "SIMLOOP_PROCESS_ID": str(i),
+            "SIMLOOP_ROLE": "sim_train",
+            "seed": 7,
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
 
 
 def test_a_closing_ssh_session_stops_the_workers_processes(tmp_path):
@@ -173,8 +187,10 @@ def test_a_closing_ssh_session_stops_the_workers_processes(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(REPO)}
-    trainer = ("import os, time; open(os.path.join(os.environ['OUT'], 'pid'), 'w')"
-               ".write(str(os.getpid())); time.sleep(120)")  # fmt: skip
+    trainer = (
+        "import os, time; open(os.path.join(os.environ['OUT'], 'pid'), 'w')"
+        ".write(str(os.getpid())); time.sleep(120)"
+    )
     argv = [sys.executable, "-m", "launch.deploy.tpu_worker", "--config", str(V6E_32),
             "--worker-index", "4", "--worker-addresses", ",".join(ADDRESSES), "--grace-s", "5",
             "--libtpu-lockfile", "", "--", sys.executable, "-c", trainer]  # fmt: skip

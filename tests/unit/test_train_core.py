@@ -149,24 +149,25 @@ def test_optimizer_clips_by_global_norm():
     opt = make_optimizer(cfg, total_steps=10)
     _, state = opt.update(grads, opt.init(params), params)
     # Adam's first moment sees the clipped gradient: (1 - b1) * g * 2 / 5e3.
-    np.testing.assert_allclose(np.asarray(_mu(state)["w"]), 0.1 * np.asarray([1.2, 0, 1.6, 0]),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(_mu(state)["w"]), 0.1 * np.asarray([1.2, 0, 1.6, 0]), rtol=1e-6
+    )
     # A gradient under the threshold passes untouched, and clip_norm=None never clips.
     small = {"w": jnp.asarray([0.3, 0.0, 0.4, 0.0]), "v": jnp.zeros(2)}
     _, state = opt.update(small, opt.init(params), params)
-    np.testing.assert_allclose(np.asarray(_mu(state)["w"]), 0.1 * np.asarray(small["w"]),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(_mu(state)["w"]), 0.1 * np.asarray(small["w"]), rtol=1e-6)
     opt_none = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0, clip_norm=None), 10)
     _, state = opt_none.update(grads, opt_none.init(params), params)
-    np.testing.assert_allclose(np.asarray(_mu(state)["w"]), 0.1 * np.asarray(grads["w"]),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(_mu(state)["w"]), 0.1 * np.asarray(grads["w"]), rtol=1e-6)
 
 
 def test_weight_decay_skips_norm_weights_of_the_real_model():
     abstract = nnx.eval_shape(lambda: Qwen3(MODEL, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32),
-                          nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))  # fmt: skip
+    params = jax.tree.map(
+        lambda x: rng.normal(size=x.shape).astype(np.float32),
+        nnx.to_pure_dict(nnx.state(abstract, nnx.Param)),
+    )
     cfg = OptimConfig(lr=0.5, warmup_steps=0, weight_decay=0.1)
     opt = make_optimizer(cfg, total_steps=10)
     zeros = jax.tree.map(np.zeros_like, params)
@@ -181,10 +182,16 @@ def test_weight_decay_skips_norm_weights_of_the_real_model():
         else:
             decayed.append(name)
             # zero gradient: the update is the decoupled decay alone, -lr * wd * p
-            np.testing.assert_allclose(np.asarray(u), -0.05 * np.asarray(p), rtol=1e-6,
-                                       err_msg=name)  # fmt: skip
-    assert {"final_norm/weight", "layers/attn/q_norm/weight", "layers/attn/k_norm/weight",
-            "layers/attn_norm/weight", "layers/mlp_norm/weight"} == set(skipped)  # fmt: skip
+            np.testing.assert_allclose(
+                np.asarray(u), -0.05 * np.asarray(p), rtol=1e-6, err_msg=name
+            )
+    assert {
+        "final_norm/weight",
+        "layers/attn/q_norm/weight",
+        "layers/attn/k_norm/weight",
+        "layers/attn_norm/weight",
+        "layers/mlp_norm/weight",
+    } == set(skipped)
     assert {"embed", "layers/mlp/up", "layers/attn/q"} <= set(decayed)
 
 
@@ -233,8 +240,9 @@ def test_split_devices_errors_are_specific():
 
 
 def test_role_meshes_are_named_disjoint_and_shaped():
-    meshes = role_meshes({"policy": MeshConfig(data=2, tensor=2), "sim": MeshConfig(fsdp=2),
-                          "ref": MeshConfig()})  # fmt: skip
+    meshes = role_meshes(
+        {"policy": MeshConfig(data=2, tensor=2), "sim": MeshConfig(fsdp=2), "ref": MeshConfig()}
+    )
     assert meshes["policy"].axis_names == ("data", "fsdp", "tensor")
     assert dict(meshes["policy"].shape) == {"data": 2, "fsdp": 1, "tensor": 2}
     assert dict(meshes["sim"].shape) == {"data": 1, "fsdp": 2, "tensor": 1}
@@ -279,8 +287,9 @@ REF_BATCHES = read_only([make_batch(seed) for seed in range(REF_STEPS)])
 
 
 def make_trainer(mesh=None, optim=OPT, **kw):
-    return Trainer(MODEL, optim, total_steps=TOTAL, loss="sft", mesh=mesh, valid_vocab=VALID,
-                   seed=0, **kw)  # fmt: skip
+    return Trainer(
+        MODEL, optim, total_steps=TOTAL, loss="sft", mesh=mesh, valid_vocab=VALID, seed=0, **kw
+    )
 
 
 def run(trainer, batches):
@@ -437,8 +446,9 @@ def test_rows_must_split_over_data_parallel_devices(sharded):
     dp = data_parallel_size(trainer.mesh)
     step = trainer.step_count
     bad = make_batch(0, rows=dp + 1)
-    with pytest.raises(ValueError, match=f"batch of {dp + 1} rows does not split over {dp} "
-                                         "data-parallel devices"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"batch of {dp + 1} rows does not split over {dp} data-parallel devices"
+    ):
         trainer.step(bad)
     with pytest.raises(ValueError, match="use a multiple of"):
         trainer.logprobs(bad)
@@ -518,8 +528,10 @@ def test_export_serving_round_trips_exactly(run_a, tmp_path):
     # A bfloat16 export stores rounded weights and says so in its config.
     path16 = trainer.export_serving(tmp_path / "w16", dtype="bfloat16")
     assert read_model_config(path16).param_dtype == "bfloat16"
-    rounded = jax.tree.map(lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)),
-                           jax.device_get(trainer.params))  # fmt: skip
+    rounded = jax.tree.map(
+        lambda x: np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32)),
+        jax.device_get(trainer.params),
+    )
     _leaves_equal(load_params(path16, trainer.model()), rounded)
     assert export_path(tmp_path, 12) == tmp_path.absolute() / "weights" / "v000012"
 
@@ -534,8 +546,13 @@ def test_place_params_puts_host_weights_on_the_mesh(run_a, sharded):
 
 # ----- checkpoints -----------------------------------------------------------------------------
 
-GRAIN_STATE = {"next_index": 17, "worker_count": 0, "shards": [0, 3], "name": "textops/train",
-               "nested": {"epoch": 2, "seed": None}}  # fmt: skip
+GRAIN_STATE = {
+    "next_index": 17,
+    "worker_count": 0,
+    "shards": [0, 3],
+    "name": "textops/train",
+    "nested": {"epoch": 2, "seed": None},
+}
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -625,8 +642,16 @@ def policy_run():
     (so each micro-batch has its own maximum). Everything it returns is a read-only host copy:
     the tests read, never step, this trainer."""
     optim = dataclasses.replace(OPT, grad_accum=2, warmup_steps=0)
-    trainer = Trainer(MODEL, optim, total_steps=TOTAL, loss="policy", loss_cfg=POLICY_CFG,
-                      valid_vocab=VALID, seed=0, reference=True)  # fmt: skip
+    trainer = Trainer(
+        MODEL,
+        optim,
+        total_steps=TOTAL,
+        loss="policy",
+        loss_cfg=POLICY_CFG,
+        valid_vocab=VALID,
+        seed=0,
+        reference=True,
+    )
     initial = read_only(jax.device_get(trainer.params))
     batch = make_batch(55)
     lp = np.asarray(trainer.logprobs(batch), np.float64)
@@ -639,9 +664,16 @@ def policy_run():
     batch["advantages"] = (np.where(np.arange(B) % 2, -1.0, 1.0)[:, None] * mask).astype(np.float32)
     m1 = jax.device_get(trainer.step(batch))
     m2 = jax.device_get(trainer.step(batch))
-    out = {"initial": initial, "params": jax.device_get(trainer.params),
-           "reference": jax.device_get(trainer.reference), "batch": batch, "logprobs": lp,
-           "delta": delta, "m1": m1, "m2": m2}  # fmt: skip
+    out = {
+        "initial": initial,
+        "params": jax.device_get(trainer.params),
+        "reference": jax.device_get(trainer.reference),
+        "batch": batch,
+        "logprobs": lp,
+        "delta": delta,
+        "m1": m1,
+        "m2": m2,
+    }
     return read_only(out)
 
 
@@ -665,8 +697,12 @@ def test_policy_trainer_first_step_matches_the_host_loss(policy_run):
     assert float(m2["kl_ref"]) > 1e-7
     initial = policy_run["initial"]
     _leaves_equal(policy_run["reference"], initial)
-    moved = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(initial),
-             jax.tree.leaves(policy_run["params"]), strict=True)]  # fmt: skip
+    moved = [
+        not np.array_equal(x, y)
+        for x, y in zip(
+            jax.tree.leaves(initial), jax.tree.leaves(policy_run["params"]), strict=True
+        )
+    ]
     assert all(moved)
 
 
@@ -689,8 +725,11 @@ def test_greedy_exact_is_greedy_decoding_in_one_forward(shared_a):
         ids = list(context)
         for _ in range(n):
             arr = np.asarray([ids], np.int32)
-            batch = {"tokens": arr, "positions": np.arange(len(ids))[None].astype(np.int32),
-                     "segment_ids": np.ones_like(arr)}  # fmt: skip
+            batch = {
+                "tokens": arr,
+                "positions": np.arange(len(ids))[None].astype(np.int32),
+                "segment_ids": np.ones_like(arr),
+            }
             ids.append(int(jnp.argmax(trainer._logits(trainer.params, batch)[0, -1])))
         return ids
 

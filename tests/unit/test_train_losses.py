@@ -314,8 +314,11 @@ def test_policy_loss_hand_values_kl_k3():
     np.testing.assert_allclose(float(loss), 0.1 * sum(k3) / 2, rtol=1e-6)
     assert abs(float(m["pg_loss"])) < 1e-7
     # kl_coef = 0 never reads ref_logprobs and reports no kl_ref.
-    _, m0 = policy_loss(logits, {k: v for k, v in batch.items() if k != "ref_logprobs"},
-                        PolicyLossConfig(kl_coef=0.0))  # fmt: skip
+    _, m0 = policy_loss(
+        logits,
+        {k: v for k, v in batch.items() if k != "ref_logprobs"},
+        PolicyLossConfig(kl_coef=0.0),
+    )
     assert "kl_ref" not in m0
 
 
@@ -349,8 +352,11 @@ def test_aggregate_token_mean_seq_mean_and_drgrpo_by_hand():
         np.testing.assert_allclose(float(dr), 16.0 / 9.0, rtol=1e-6)
     # Nothing masked in: 0 for every mode.
     zero = jnp.zeros_like(mask)
-    for cfg in (PolicyLossConfig(), PolicyLossConfig(aggregation="seq_mean"),
-                PolicyLossConfig(advantage="drgrpo")):  # fmt: skip
+    for cfg in (
+        PolicyLossConfig(),
+        PolicyLossConfig(aggregation="seq_mean"),
+        PolicyLossConfig(advantage="drgrpo"),
+    ):
         assert float(aggregate(per, zero, cfg)) == 0.0
 
 
@@ -380,13 +386,21 @@ def test_group_advantages_count_each_rollout_once():
     # rollout the group is {1, 0}: mean 0.5, std 0.5, so A's segments get +1 and B -1 (a
     # per-segment mean, 2/3, would favour the rollout that split).
     def seg(rollout_id: str, reward: float) -> Trajectory:
-        return Trajectory(task_id="t", arm="real", env_backend="harness", status="ok",
-                          reward=reward, group_id="g", rollout_id=rollout_id)  # fmt: skip
+        return Trajectory(
+            task_id="t",
+            arm="real",
+            env_backend="harness",
+            status="ok",
+            reward=reward,
+            group_id="g",
+            rollout_id=rollout_id,
+        )
 
     used = [seg("A", 1.0), seg("B", 0.0), seg("A", 1.0)]
     adv = rollout_advantages(used, [1.0, 0.0, 1.0], PolicyLossConfig())
-    np.testing.assert_allclose(adv, [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)],
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        adv, [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0.5 / (0.5 + 1e-6)], rtol=1e-6
+    )
 
 
 def test_build_rl_batch_counts_each_rollouts_tokens():
@@ -394,11 +408,18 @@ def test_build_rl_batch_counts_each_rollouts_tokens():
         ids = list(range(1, 3 + n_gen))
         mask = [0, 0] + [1] * n_gen
         return Trajectory(
-            task_id="t", arm="real", env_backend="harness", status="ok", reward=reward,
-            turns=[Turn(agent_text="x", token_span=(2, 2 + n_gen))], token_ids=ids,
-            loss_mask=mask, behavior_logprobs=[None, None] + [-1.0] * n_gen,
-            policy_version=[None, None] + [0] * n_gen, rollout_id=rollout_id,
-        )  # fmt: skip
+            task_id="t",
+            arm="real",
+            env_backend="harness",
+            status="ok",
+            reward=reward,
+            turns=[Turn(agent_text="x", token_span=(2, 2 + n_gen))],
+            token_ids=ids,
+            loss_mask=mask,
+            behavior_logprobs=[None, None] + [-1.0] * n_gen,
+            policy_version=[None, None] + [0] * n_gen,
+            rollout_id=rollout_id,
+        )
 
     eps = [episode("a", 3, 1.0), episode("b", 2, 0.0), episode("a", 1, 1.0), episode("", 2, 0.0)]
     cfg = PolicyLossConfig(aggregation="rollout_mean")

@@ -143,8 +143,15 @@ def test_rows_are_shifted_and_aligned_with_targets():
     t = make_traj(gens=((2, 1), (3, 2)), reward=1.0, group="g")
     u = make_traj(gens=((1, 2),), reward=0.0, group="g", first_id=100)
     batch, stats = build_rl_batch([t, u], rows=4, seq_len=12, cfg=CFG, version=3)
-    assert set(batch) == {"tokens", "targets", "loss_mask", "segment_ids", "positions",
-                          "behavior_logprobs", "advantages"}  # fmt: skip
+    assert set(batch) == {
+        "tokens",
+        "targets",
+        "loss_mask",
+        "segment_ids",
+        "positions",
+        "behavior_logprobs",
+        "advantages",
+    }
     for k, v in batch.items():
         assert v.shape == (4, 12), k
     ids = t.token_ids
@@ -160,8 +167,9 @@ def test_rows_are_shifted_and_aligned_with_targets():
     np.testing.assert_allclose(batch["behavior_logprobs"][0, :n], want_blp, rtol=1e-6)
     # Advantage (drgrpo: 1 - 0.5) on exactly the trained targets.
     np.testing.assert_allclose(batch["advantages"][0, :n], 0.5 * np.asarray(t.loss_mask[1:]))
-    np.testing.assert_allclose(batch["advantages"][1, : len(u.token_ids) - 1],
-                               -0.5 * np.asarray(u.loss_mask[1:]))  # fmt: skip
+    np.testing.assert_allclose(
+        batch["advantages"][1, : len(u.token_ids) - 1], -0.5 * np.asarray(u.loss_mask[1:])
+    )
     # Every generated target in row 0 is a generated id of the trajectory.
     gen_ids = [i for i, m in zip(ids, t.loss_mask, strict=True) if m]
     assert list(batch["targets"][0][batch["loss_mask"][0] == 1]) == gen_ids
@@ -273,8 +281,7 @@ def test_too_many_usable_episodes_raise():
 
 def test_no_usable_episodes_gives_an_all_padding_batch():
     masked = make_traj(exclusion=Exclusion("masked_group", "a sibling failed"))
-    batch, stats = build_rl_batch([masked], rows=2, seq_len=4,
-                                  cfg=CFG, version=0)  # fmt: skip
+    batch, stats = build_rl_batch([masked], rows=2, seq_len=4, cfg=CFG, version=0)
     assert stats.used == 0 and stats.skipped == {"masked_group": 1}
     assert all(not v.any() for v in batch.values())
     assert stats.tokens == 0 and stats.staleness_max == 0

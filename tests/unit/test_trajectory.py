@@ -275,8 +275,16 @@ def test_a_schema_1_line_loads_its_meta_flags_onto_the_typed_fields(tmp_path):
 )  # fmt: skip
 def test_schema_1_meta_flags_map_onto_fields(meta, status, want):
     reason = None if status == "ok" else "agent failed"
-    data = {"schema": 1, "task_id": "t", "arm": "real", "env_backend": "local", "status": status,
-            "reason": reason, "reward": 1.0, "meta": meta}  # fmt: skip
+    data = {
+        "schema": 1,
+        "task_id": "t",
+        "arm": "real",
+        "env_backend": "local",
+        "status": status,
+        "reason": reason,
+        "reward": 1.0,
+        "meta": meta,
+    }
     t = Trajectory.from_dict(data)
     want = dict(want)
     kind_and_words = want.pop("exclusion", None)
@@ -296,8 +304,10 @@ def test_typed_fields_round_trip_through_json_and_jsonl(tmp_path):
     traj.exclusion = Exclusion("unreplayable", "the server recomputed the session")
     traj.meta = {"env_status": "submitted"}
     line = json.loads(json.dumps(traj.to_dict()))
-    assert line["exclusion"] == {"kind": "unreplayable",
-                                 "reason": "the server recomputed the session"}  # fmt: skip
+    assert line["exclusion"] == {
+        "kind": "unreplayable",
+        "reason": "the server recomputed the session",
+    }
     assert (line["group_index"], line["admitted_version"], line["task_kind"]) == (3, 7, "reverse")
     assert line["meta"] == {"env_status": "submitted"}  # provenance only
     assert Trajectory.from_dict(line) == traj
@@ -415,13 +425,13 @@ def test_canonical_order_ignores_completion_order():
                 t.group_index = index
                 t.turns[0].observation = obs
                 trajs.append(t)
-    want = [(t.task_id, t.group_index, t.turns[0].observation)
-            for t in canonical_order(trajs)]  # fmt: skip
+    want = [(t.task_id, t.group_index, t.turns[0].observation) for t in canonical_order(trajs)]
     assert want[:4] == [("t-1", 0, "a"), ("t-1", 0, "b"), ("t-1", 1, "a"), ("t-1", 1, "b")]
     rng = random.Random(0)
     for _ in range(5):
         shuffled = trajs[:]
         rng.shuffle(shuffled)
-        got = [(t.task_id, t.group_index, t.turns[0].observation)
-               for t in canonical_order(shuffled)]  # fmt: skip
+        got = [
+            (t.task_id, t.group_index, t.turns[0].observation) for t in canonical_order(shuffled)
+        ]
         assert got == want

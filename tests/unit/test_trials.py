@@ -72,8 +72,10 @@ async def test_every_trial_starts_from_the_identical_workspace_in_real_bash():
     hashes = {t["workspace_hash"] for t in env.trials}
     assert len(env.trials) == 3 and len(hashes) == 1 and len(next(iter(hashes))) == 64
     assert [(t["start_turn"], t["end_turn"], t["reward"]) for t in env.trials] == [
-        (0, 2, 0.0), (2, 4, 0.0), (4, 5, 1.0)
-    ]  # fmt: skip
+        (0, 2, 0.0),
+        (2, 4, 0.0),
+        (4, 5, 1.0),
+    ]
 
 
 async def test_first_success_ends_the_episode_and_per_trial_returns_the_last_reward():
@@ -139,10 +141,16 @@ def test_hidden_ops_leave_other_configs_tasks_unchanged_and_verdicts_never_answe
 
 
 def _runner(terminal, client, backends=None):
-    ocfg = OrchestratorConfig(arm="real", max_context_tokens=2048, max_tokens_per_turn=200,
-                              group_size=1, max_staleness=None)  # fmt: skip
-    return RolloutRunner(ocfg, terminal, RENDERER, backends or Backends(real=local_factory),
-                         client=client)  # fmt: skip
+    ocfg = OrchestratorConfig(
+        arm="real",
+        max_context_tokens=2048,
+        max_tokens_per_turn=200,
+        group_size=1,
+        max_staleness=None,
+    )
+    return RolloutRunner(
+        ocfg, terminal, RENDERER, backends or Backends(real=local_factory), client=client
+    )
 
 
 @pytest.mark.parametrize("adapt", [True, False], ids=["adapts", "never-adapts"])
@@ -155,8 +163,9 @@ async def test_scripted_agents_bound_in_context_adaptation(adapt):
     )
     terminal = TerminalConfig(trials=2, turns_per_trial=1, prompt_template=SHORT)
     marker = feedback_marker(terminal.trial_feedback_template)
-    client = ScriptedAgentClient(tasks, RENDERER.tokenizer, style="marker", adapt=adapt,
-                                 trial_marker=marker)  # fmt: skip
+    client = ScriptedAgentClient(
+        tasks, RENDERER.tokenizer, style="marker", adapt=adapt, trial_marker=marker
+    )
     trajs = await _runner(terminal, client).run(tasks)
     first_guess = sum(t.reward.params["op"] == "reverse" for t in tasks) / len(tasks)
     m = trial_metrics(trajs)
@@ -175,15 +184,30 @@ async def test_multi_trial_trajectories_keep_one_token_stream_and_train_per_tria
     """The feedback is observation tokens (mask 0) appended to the same stream; `per_trial`
     gives each trial's tokens the advantage of that trial's reward within its group."""
     tasks = generate_textops(TextopsConfig(num_tasks=1, seed=2, ops=["upper"], from_file_prob=1.0))
-    terminal = TerminalConfig(trials=3, turns_per_trial=1, prompt_template=SHORT,
-                              trial_reward="per_trial")  # fmt: skip
+    terminal = TerminalConfig(
+        trials=3, turns_per_trial=1, prompt_template=SHORT, trial_reward="per_trial"
+    )
     marker = feedback_marker(terminal.trial_feedback_template)
-    ocfg = OrchestratorConfig(arm="real", max_context_tokens=2048, max_tokens_per_turn=200,
-                              group_size=4, max_staleness=None, seed=11)  # fmt: skip
-    client = ScriptedAgentClient(tasks, RENDERER.tokenizer, style="marker", noise=0.5,
-                                 noise_kinds=["typo"], seed=1, trial_marker=marker)  # fmt: skip
-    trajs = await RolloutRunner(ocfg, terminal, RENDERER, Backends(real=local_factory),
-                                client=client).run(tasks)  # fmt: skip
+    ocfg = OrchestratorConfig(
+        arm="real",
+        max_context_tokens=2048,
+        max_tokens_per_turn=200,
+        group_size=4,
+        max_staleness=None,
+        seed=11,
+    )
+    client = ScriptedAgentClient(
+        tasks,
+        RENDERER.tokenizer,
+        style="marker",
+        noise=0.5,
+        noise_kinds=["typo"],
+        seed=1,
+        trial_marker=marker,
+    )
+    trajs = await RolloutRunner(
+        ocfg, terminal, RENDERER, Backends(real=local_factory), client=client
+    ).run(tasks)
     multi = [t for t in trajs if len(t.trials) > 1]
     assert multi, "the noise seed gives at least one failed first trial"
     for t in trajs:
@@ -192,8 +216,7 @@ async def test_multi_trial_trajectories_keep_one_token_stream_and_train_per_tria
             turn = t.turns[trial.end_turn - 1]
             assert turn.env_messages[-1]["content"].endswith(marker)
             assert turn.info["trial_end"] == trial.index
-    batch, stats = build_rl_batch(trajs, rows=4, seq_len=1024, cfg=PolicyLossConfig(),
-                                  version=0)  # fmt: skip
+    batch, stats = build_rl_batch(trajs, rows=4, seq_len=1024, cfg=PolicyLossConfig(), version=0)
     assert stats.used == 4
     for row, t in enumerate(trajs):
         for trial in t.trials:
@@ -215,10 +238,18 @@ async def test_multi_trial_trajectories_keep_one_token_stream_and_train_per_tria
 def _traj(trials: list[Trial], turns: int = 3) -> Trajectory:
     from rl.data.trajectory import Turn
 
-    return Trajectory(task_id="t", arm="real", env_backend="local", status="ok", reward=1.0,
-                      source="rendered", behavior_logprobs=None, policy_version=None,
-                      turns=[Turn(agent_text=f"r{i}") for i in range(turns)],
-                      trials=trials)  # fmt: skip
+    return Trajectory(
+        task_id="t",
+        arm="real",
+        env_backend="local",
+        status="ok",
+        reward=1.0,
+        source="rendered",
+        behavior_logprobs=None,
+        policy_version=None,
+        turns=[Turn(agent_text=f"r{i}") for i in range(turns)],
+        trials=trials,
+    )
 
 
 def test_the_validator_knows_trials_and_old_trajectories_still_load():

@@ -47,8 +47,9 @@ from tests.fakes import free_port
 
 
 def test_build_vllm_command_is_the_documented_argv():
-    cfg = VllmConfig(max_model_len=4096, gpu_memory_utilization=0.8,
-                     extra_args=["--dtype", "bfloat16"])  # fmt: skip
+    cfg = VllmConfig(
+        max_model_len=4096, gpu_memory_utilization=0.8, extra_args=["--dtype", "bfloat16"]
+    )
     proc = Proc("agent_serve", (4, 5, 6, 7), 8001)
     assert build_vllm_command("/m/qwen", proc, cfg, served_model_name="agent") == [
         "vllm", "serve", "/m/qwen", "--tensor-parallel-size", "4", "--max-model-len", "4096",
@@ -57,15 +58,20 @@ def test_build_vllm_command_is_the_documented_argv():
         "--worker-extension-cls", "serving.vllm.worker_extension.OrbaxWeightLoader",
         "--dtype", "bfloat16",
     ]  # fmt: skip
-    off = build_vllm_command("/m", proc, VllmConfig(enable_prefix_caching=False),
-                             served_model_name="a", host="0.0.0.0")  # fmt: skip
+    off = build_vllm_command(
+        "/m", proc, VllmConfig(enable_prefix_caching=False), served_model_name="a", host="0.0.0.0"
+    )
     assert "--no-enable-prefix-caching" in off and "--enable-prefix-caching" not in off
     assert off[off.index("--host") + 1] == "0.0.0.0" and "--speculative-config" not in off
-    spec = build_vllm_command("/m", proc, VllmConfig(speculate=6, speculate_ngram=4),
-                              served_model_name="a")  # fmt: skip
+    spec = build_vllm_command(
+        "/m", proc, VllmConfig(speculate=6, speculate_ngram=4), served_model_name="a"
+    )
     assert json.loads(spec[spec.index("--speculative-config") + 1]) == {
-        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 1}  # fmt: skip
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 1,
+    }
     for bad in ({"speculate": -1}, {"speculate": 33}, {"speculate_ngram": 0}):
         with pytest.raises(ValueError, match=f"VllmConfig.{next(iter(bad))}="):
             VllmConfig(**bad)
@@ -91,8 +97,15 @@ def test_stale_lockfile_is_removed_but_a_held_one_is_kept(tmp_path):
     held = tmp_path / "held_lockfile"
     held.write_text("")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); print('open', flush=True);"
-         " time.sleep(60)", str(held)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1]); print('open', flush=True); time.sleep(60)",
+            str(held),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         assert lockfile_holders(held) == [holder.pid]
@@ -107,9 +120,16 @@ def test_a_posix_lock_on_the_lockfile_counts_as_held(tmp_path):
     lockfile.write_text("")
     assert not lockfile_is_locked(lockfile)
     locker = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w');"
-         " fcntl.lockf(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-         str(lockfile)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w');"
+            " fcntl.lockf(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(lockfile),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert locker.stdout.readline().strip() == "locked"
         assert lockfile_is_locked(lockfile)
@@ -173,9 +193,13 @@ def fake_vllm(tmp_path):
             role = argv[argv.index("--served-model-name") + 1]
             mode, delay = modes[role]
             port = argv[argv.index("--port") + 1]
-            proc = subprocess.Popen([sys.executable, str(script), port, mode, str(delay)],
-                                    env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, str(script), port, mode, str(delay)],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             spawned.append(SimpleNamespace(argv=argv, env=env, at=clock(), proc=proc))
             return proc
 
@@ -189,8 +213,9 @@ def fake_vllm(tmp_path):
 
 
 def _serve_plan(*roles):
-    return [Proc(role, (i,), free_port(), {"TPU_VISIBLE_CHIPS": str(i)})
-            for i, role in enumerate(roles)]  # fmt: skip
+    return [
+        Proc(role, (i,), free_port(), {"TPU_VISIBLE_CHIPS": str(i)}) for i, role in enumerate(roles)
+    ]
 
 
 def _models(*roles):
@@ -211,10 +236,17 @@ def test_launch_clears_the_lock_staggers_and_waits_for_health(tmp_path, fake_vll
         lock_seen.append(lockfile.exists())
         return spawn(argv, env, log_file)
 
-    servers = launch_servers(plan, cfg, _models("agent_serve", "sim_serve"),
-                             log_dir=tmp_path / "logs", lockfile=lockfile,
-                             spawn=spawn_checking_lock, clock=clock, sleep=clock.sleep,
-                             poll_s=1.0)  # fmt: skip
+    servers = launch_servers(
+        plan,
+        cfg,
+        _models("agent_serve", "sim_serve"),
+        log_dir=tmp_path / "logs",
+        lockfile=lockfile,
+        spawn=spawn_checking_lock,
+        clock=clock,
+        sleep=clock.sleep,
+        poll_s=1.0,
+    )
     try:
         assert lock_seen == [False, False]
         assert spawned[1].at - spawned[0].at >= 20.0
@@ -236,10 +268,15 @@ def test_a_server_that_exits_fails_the_launch_with_its_log_tail(tmp_path, fake_v
     plan = _serve_plan("agent_serve", "sim_serve")
     cfg = VllmConfig(start_stagger_s=0.0, health_timeout_s=60.0)
     with pytest.raises(VllmLaunchError) as err:
-        launch_servers(plan, cfg, _models("agent_serve", "sim_serve"), log_dir=tmp_path,
-                       lockfile=tmp_path / "lock",
-                       spawn=make({"agent_serve": ("ok", 0.0), "sim_serve": ("crash", 0.0)}),
-                       poll_s=0.1)  # fmt: skip
+        launch_servers(
+            plan,
+            cfg,
+            _models("agent_serve", "sim_serve"),
+            log_dir=tmp_path,
+            lockfile=tmp_path / "lock",
+            spawn=make({"agent_serve": ("ok", 0.0), "sim_serve": ("crash", 0.0)}),
+            poll_s=0.1,
+        )
     message = str(err.value)
     assert "sim_serve" in message and "exited with code 1" in message
     assert "crash-line-059" in message and "crash-line-020" in message  # the last 40 lines
@@ -252,10 +289,17 @@ def test_a_server_that_never_gets_healthy_times_out(tmp_path, fake_vllm):
     clock = FakeClock()
     cfg = VllmConfig(start_stagger_s=0.0, health_timeout_s=30.0)
     with pytest.raises(VllmLaunchError, match=r"within 30s") as err:
-        launch_servers(_serve_plan("agent_serve"), cfg, _models("agent_serve"),
-                       log_dir=tmp_path, lockfile=tmp_path / "lock",
-                       spawn=make({"agent_serve": ("unhealthy", 0.0)}, clock), clock=clock,
-                       sleep=clock.sleep, poll_s=1.0)  # fmt: skip
+        launch_servers(
+            _serve_plan("agent_serve"),
+            cfg,
+            _models("agent_serve"),
+            log_dir=tmp_path,
+            lockfile=tmp_path / "lock",
+            spawn=make({"agent_serve": ("unhealthy", 0.0)}, clock),
+            clock=clock,
+            sleep=clock.sleep,
+            poll_s=1.0,
+        )
     assert "fake vllm on port" in str(err.value)  # the log tail
     assert spawned[0].proc.poll() is not None
 
@@ -285,10 +329,14 @@ def _model(cfg, seed=0):
 
 @pytest.mark.parametrize(
     "cfg",
-    [tiny(), tiny(architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True,
-                  tie_word_embeddings=False)],
+    [
+        tiny(),
+        tiny(
+            architecture="Qwen2ForCausalLM", qk_norm=False, qkv_bias=True, tie_word_embeddings=False
+        ),
+    ],
     ids=["qwen3-tied", "qwen2-untied-bias"],
-)  # fmt: skip
+)
 def test_load_weights_receives_exactly_what_save_hf_writes(tmp_path, cfg):
     model = _model(cfg)
     ckpt = save_params(model, tmp_path / "v3", dtype="bfloat16")
@@ -360,8 +408,13 @@ def tpu_inference_state(cfg, head_pad=0, kv_repeat=1):
     """An `nnx.State` laid out like tpu-inference's flax_nnx Qwen3 (tpu_inference/models/jax/
     qwen3.py): HF module names, einsum kernels [D, heads, H] / [N, H, D] / [D, F], leaves named
     weight / kernel / embedding / scale, padded head dim and repeated KV heads."""
-    D, F, V, N, K = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads,
-                     cfg.num_kv_heads * kv_repeat)  # fmt: skip
+    D, F, V, N, K = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.num_heads,
+        cfg.num_kv_heads * kv_repeat,
+    )
     H = cfg.head_dim + head_pad
 
     def param(*shape):
@@ -371,20 +424,29 @@ def tpu_inference_state(cfg, head_pad=0, kv_repeat=1):
         return {
             "input_layernorm": {"weight": param(D)},
             "post_attention_layernorm": {"weight": param(D)},
-            "self_attn": {"q_proj": {"weight": param(D, N, H)},
-                          "k_proj": {"weight": param(D, K, H)},
-                          "v_proj": {"weight": param(D, K, H)},
-                          "o_proj": {"weight": param(N, H, D)},
-                          "q_norm": {"scale": param(H)}, "k_norm": {"scale": param(H)}},
-            "mlp": {"gate_proj": {"kernel": param(D, F)}, "up_proj": {"kernel": param(D, F)},
-                    "down_proj": {"kernel": param(F, D)}},
-        }  # fmt: skip
+            "self_attn": {
+                "q_proj": {"weight": param(D, N, H)},
+                "k_proj": {"weight": param(D, K, H)},
+                "v_proj": {"weight": param(D, K, H)},
+                "o_proj": {"weight": param(N, H, D)},
+                "q_norm": {"scale": param(H)},
+                "k_norm": {"scale": param(H)},
+            },
+            "mlp": {
+                "gate_proj": {"kernel": param(D, F)},
+                "up_proj": {"kernel": param(D, F)},
+                "down_proj": {"kernel": param(F, D)},
+            },
+        }
 
     tree = {
-        "model": {"embed_tokens": {"embedding": param(V, D)}, "norm": {"weight": param(D)},
-                  "layers": {i: layer() for i in range(cfg.num_layers)}},
+        "model": {
+            "embed_tokens": {"embedding": param(V, D)},
+            "norm": {"weight": param(D)},
+            "layers": {i: layer() for i in range(cfg.num_layers)},
+        },
         "rng": nnx.RngKey(jax.random.key(0)),
-    }  # fmt: skip
+    }
     if not cfg.tie_word_embeddings:
         tree["lm_head"] = {"kernel": param(D, V)}
     return nnx.State(tree)
@@ -413,8 +475,9 @@ def test_tpu_inference_state_gets_simloop_params_in_its_layout(tmp_path, head_pa
     m = state["model"]
     np.testing.assert_array_equal(m["embed_tokens"]["embedding"].get_value(), want(ours["embed"]))
     np.testing.assert_array_equal(state["lm_head"]["kernel"].get_value(), want(ours["lm_head"]))
-    np.testing.assert_array_equal(m["norm"]["weight"].get_value(),
-                                  want(ours["final_norm"]["weight"]))  # fmt: skip
+    np.testing.assert_array_equal(
+        m["norm"]["weight"].get_value(), want(ours["final_norm"]["weight"])
+    )
     layers = ours["layers"]
     for i in range(cfg.num_layers):
         attn, got = layers["attn"], m["layers"][i]["self_attn"]
@@ -426,14 +489,18 @@ def test_tpu_inference_state_gets_simloop_params_in_its_layout(tmp_path, head_pa
         }
         for name, value in expect.items():
             np.testing.assert_array_equal(got[name]["weight"].get_value(), value, err_msg=name)
-        np.testing.assert_array_equal(got["q_norm"]["scale"].get_value(),
-                                      pad(want(attn["q_norm"]["weight"][i]), 0))  # fmt: skip
+        np.testing.assert_array_equal(
+            got["q_norm"]["scale"].get_value(), pad(want(attn["q_norm"]["weight"][i]), 0)
+        )
         mlp = m["layers"][i]["mlp"]
         for ours_name, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            np.testing.assert_array_equal(mlp[theirs]["kernel"].get_value(),
-                                          want(layers["mlp"][ours_name][i]))  # fmt: skip
-        np.testing.assert_array_equal(m["layers"][i]["input_layernorm"]["weight"].get_value(),
-                                      want(layers["attn_norm"]["weight"][i]))  # fmt: skip
+            np.testing.assert_array_equal(
+                mlp[theirs]["kernel"].get_value(), want(layers["mlp"][ours_name][i])
+            )
+        np.testing.assert_array_equal(
+            m["layers"][i]["input_layernorm"]["weight"].get_value(),
+            want(layers["attn_norm"]["weight"][i]),
+        )
     leaves = jax.tree_util.tree_leaves(state)
     assert len(runner.state_leaves) == len(leaves)
     assert all(a is b for a, b in zip(runner.state_leaves, leaves, strict=True))
@@ -484,8 +551,9 @@ class FakeVllm:
             )
         if request.path == "/reset_prefix_cache":
             return web.Response(status=200)
-        return web.json_response({"choices": [{"index": 0, "text": "x", "token_ids": [42],
-                                               "finish_reason": "length"}]})  # fmt: skip
+        return web.json_response(
+            {"choices": [{"index": 0, "text": "x", "token_ids": [42], "finish_reason": "length"}]}
+        )
 
 
 @pytest_asyncio.fixture
@@ -528,8 +596,14 @@ async def test_publish_sends_the_exact_requests_and_reports(fake_servers):
         ]  # fmt: skip
 
 
-VLLM_ERROR = {"error": {"message": "ValueError: tensor gate_proj does not match",
-                        "type": "InternalServerError", "param": None, "code": 500}}  # fmt: skip
+VLLM_ERROR = {
+    "error": {
+        "message": "ValueError: tensor gate_proj does not match",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
 
 
 @pytest.mark.parametrize(

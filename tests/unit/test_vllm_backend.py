@@ -23,8 +23,13 @@ REPO = Path(__file__).resolve().parents[2]
 V6E_8 = REPO / "configs" / "v6e-8.yaml"
 GKE_V6E_8 = REPO / "configs" / "gke-v6e-8.yaml"
 DEMO = REPO / "configs" / "demo_cpu.yaml"
-CHIP_ENV = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS",
-            "TPU_PROCESS_PORT", "TPU_PROCESS_ADDRESSES")  # fmt: skip
+CHIP_ENV = (
+    "TPU_VISIBLE_CHIPS",
+    "TPU_CHIPS_PER_PROCESS_BOUNDS",
+    "TPU_PROCESS_BOUNDS",
+    "TPU_PROCESS_PORT",
+    "TPU_PROCESS_ADDRESSES",
+)
 
 
 def _dry_run(capsys, *argv) -> dict:
@@ -40,13 +45,19 @@ def _flag(command: list[str], flag: str) -> str:
 
 
 def test_v6e_8_plans_a_trainer_and_two_replicas_per_server_role_on_disjoint_chips():
-    plan = plan_chips("v6e-8", {"policy_train": 4, "agent_serve": 1, "sim_serve": 1},
-                      replicas={"agent_serve": 2, "sim_serve": 2})  # fmt: skip
+    plan = plan_chips(
+        "v6e-8",
+        {"policy_train": 4, "agent_serve": 1, "sim_serve": 1},
+        replicas={"agent_serve": 2, "sim_serve": 2},
+    )
     procs = plan.processes
     assert [(p.role, p.replica) for p in procs] == [
-        ("policy_train", 0), ("agent_serve", 0), ("agent_serve", 1), ("sim_serve", 0),
+        ("policy_train", 0),
+        ("agent_serve", 0),
+        ("agent_serve", 1),
+        ("sim_serve", 0),
         ("sim_serve", 1),
-    ]  # fmt: skip
+    ]
     chips = [c for p in procs for c in p.chips]
     assert sorted(chips) == list(range(8))  # disjoint, all used
     serve = [p for p in procs if p.kind == "serve"]
@@ -80,7 +91,9 @@ def test_plan_chips_cli_shows_the_replicas(capsys):
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["role"], r["replica"]) for r in rows if r["role"] == "agent_serve"] == [
-        ("agent_serve", 0), ("agent_serve", 1)]  # fmt: skip
+        ("agent_serve", 0),
+        ("agent_serve", 1),
+    ]
     assert main([*argv, "--format", "env"]) == 0
     assert "# agent_serve [serve] replica 1 host 0" in capsys.readouterr().out
 
@@ -131,7 +144,11 @@ def test_train_agent_dry_run_on_v6e_8_lists_the_trainer_and_vllm_servers(capsys,
     servers = [p for p in procs if p["role"].endswith("_serve")]
     (trainer,) = [p for p in procs if p["role"] == "policy_train"]
     assert [(p["role"], p["replica"]) for p in servers] == [
-        ("agent_serve", 0), ("agent_serve", 1), ("sim_serve", 0), ("sim_serve", 1)]  # fmt: skip
+        ("agent_serve", 0),
+        ("agent_serve", 1),
+        ("sim_serve", 0),
+        ("sim_serve", 1),
+    ]
     chips = [trainer["env"]["TPU_VISIBLE_CHIPS"]] + [p["env"]["TPU_VISIBLE_CHIPS"] for p in servers]
     flat = [int(c) for cs in chips for c in cs.split(",")]
     assert sorted(flat) == list(range(8))  # disjoint
@@ -145,8 +162,9 @@ def test_train_agent_dry_run_on_v6e_8_lists_the_trainer_and_vllm_servers(capsys,
         assert _flag(cmd, "--tensor-parallel-size") == str(len(env["TPU_VISIBLE_CHIPS"].split(",")))
         assert _flag(cmd, "--worker-extension-cls").endswith("OrbaxWeightLoader")
         assert _flag(cmd, "--port") == str(p["port"]) == env["SIMLOOP_HTTP_PORT"]
-        assert _flag(cmd, "--served-model-name") == ("agent" if "agent" in p["role"] else
-                                                     "simulator")  # fmt: skip
+        assert _flag(cmd, "--served-model-name") == (
+            "agent" if "agent" in p["role"] else "simulator"
+        )
         assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert len({p["port"] for p in servers}) == 4
 
@@ -155,8 +173,13 @@ def test_vllm_command_prefix_is_the_configured_one(capsys):
     fake = '["python", "-m", "serving.vllm.fake_server", "serve"]'
     out = _dry_run(capsys, "eval-sim", "--config", str(V6E_8), "--vllm.command", fake)
     (first, *_) = out["processes"]
-    assert first["command"][:5] == ["python", "-m", "serving.vllm.fake_server", "serve",
-                                    "/mnt/models/Qwen3-1.7B"]  # fmt: skip
+    assert first["command"][:5] == [
+        "python",
+        "-m",
+        "serving.vllm.fake_server",
+        "serve",
+        "/mnt/models/Qwen3-1.7B",
+    ]
 
 
 def test_every_job_that_starts_processes_has_a_dry_run(capsys, tmp_path):
@@ -184,8 +207,13 @@ def test_every_job_that_starts_processes_has_a_dry_run(capsys, tmp_path):
 def test_demo_dry_run_lists_each_stages_servers_then_itself(capsys, tmp_path):
     out = _dry_run(capsys, "demo", "--config", str(DEMO), "--out", str(tmp_path / "demo"))
     listed = [(p["stage"], p["role"]) for p in out["processes"]]
-    assert listed == [("eval_sim", "sim_serve"), ("agent", "agent_serve"), ("agent", "sim_serve"),
-                      ("agent_real", "agent_serve"), ("demo", "demo")]  # fmt: skip
+    assert listed == [
+        ("eval_sim", "sim_serve"),
+        ("agent", "agent_serve"),
+        ("agent", "sim_serve"),
+        ("agent_real", "agent_serve"),
+        ("demo", "demo"),
+    ]
     assert not (tmp_path / "demo").exists()  # nothing written, nothing started
     servers = [p for p in out["processes"] if p["role"] != "demo"]
     assert all(p["command"][1:4] == ["-m", "launch", "serve"] for p in servers)
@@ -197,9 +225,16 @@ def test_demo_dry_run_lists_each_stages_servers_then_itself(capsys, tmp_path):
 
 
 def test_a_configured_server_url_is_not_started(capsys):
-    out = _dry_run(capsys, "eval-agent", "--config", str(V6E_8),
-                   "--agent.server_url", "http://127.0.0.1:9",
-                   "--train_agent.eval.arms", "[real]")  # fmt: skip
+    out = _dry_run(
+        capsys,
+        "eval-agent",
+        "--config",
+        str(V6E_8),
+        "--agent.server_url",
+        "http://127.0.0.1:9",
+        "--train_agent.eval.arms",
+        "[real]",
+    )
     assert [p["role"] for p in out["processes"]] == ["eval-agent"]
 
 
@@ -248,9 +283,18 @@ def test_dry_run_target_gke_is_exactly_what_the_pods_start(capsys):
     cfg = load_config(SimloopConfig, GKE_V6E_8)
     docs = {d["kind"]: d for d in gke.render(cfg)}
     hosts = json.loads(docs["ConfigMap"]["data"]["plan.json"])["hosts"]
-    want = [{"role": p["role"], "replica": p["replica"], "host": h["hostname"],
-             "command": p.get("command", cfg.gke.command), "env": p["env"],
-             "port": p["http_port"]} for h in hosts for p in h["processes"]]  # fmt: skip
+    want = [
+        {
+            "role": p["role"],
+            "replica": p["replica"],
+            "host": h["hostname"],
+            "command": p.get("command", cfg.gke.command),
+            "env": p["env"],
+            "port": p["http_port"],
+        }
+        for h in hosts
+        for p in h["processes"]
+    ]
     assert out["processes"] == want
     trainer = [p for p in out["processes"] if p["role"] == "policy_train"]
     assert [p["command"] for p in trainer] == [cfg.gke.command]

@@ -33,8 +33,10 @@ def _model(seed: int = 0) -> Qwen3:
 
 def _orbax(path: Path, model) -> dict:
     """Orbax's own restore of `path`'s params, placed like `model`'s: the reference."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          nnx.to_pure_dict(nnx.state(model, nnx.Param)))  # fmt: skip
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
     return ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)
 
 
@@ -93,9 +95,16 @@ def test_bfloat16_weights_and_a_cast_on_load(tmp_path):
 
 def _write_zarr2(array_dir: Path, value: np.ndarray, chunks: tuple[int, ...]) -> None:
     """A zarr v2 array written by tensorstore (not by the reader's author): the reference."""
-    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(array_dir)},
-            "metadata": {"shape": list(value.shape), "chunks": list(chunks),
-                         "dtype": value.dtype.str, "compressor": None}}  # fmt: skip
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "file", "path": str(array_dir)},
+        "metadata": {
+            "shape": list(value.shape),
+            "chunks": list(chunks),
+            "dtype": value.dtype.str,
+            "compressor": None,
+        },
+    }
     ts.open(spec, create=True).result().write(value).result()
 
 
@@ -157,9 +166,10 @@ def test_nested_rebuilds_orbax_tree(saved):
     tree = nested(path / PARAMS_DIR, arrays)
     reference = ocp.PyTreeCheckpointer().restore(
         path / PARAMS_DIR,
-        args=ocp.args.PyTreeRestore(restore_args=jax.tree.map(
-            lambda a: ocp.RestoreArgs(restore_type=np.ndarray), tree)),
-    )  # fmt: skip
+        args=ocp.args.PyTreeRestore(
+            restore_args=jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        ),
+    )
     _same(tree, reference)
     assert nested(path / PARAMS_DIR, {k: v for k, v in arrays.items() if k != "embed"}) is None
 
