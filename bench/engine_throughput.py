@@ -270,7 +270,7 @@ def main() -> None:
     console = Console()
     # Every engine below compiles the same few programs for its shapes: like `simloop serve`,
     # the bench loads what an earlier engine or run compiled (what is timed is warm anyway).
-    enable_compile_cache(RunConfig())
+    enable_compile_cache(RunConfig(), single_device=True)
     model = Qwen3(SIZES["tiny"], rngs=nnx.Rngs(0))
     console.print(f"devices: {jax.devices()}  model: tiny ({model.cfg.num_params() / 1e6:.2f}M)")
     prompts = _prompts(batch, prompt_len)

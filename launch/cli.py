@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMPILING = ("serve", "pretrain-sim", "train-sim", "train-agent", "demo")
 """Commands whose own process compiles for its devices: they use the persistent compilation
-cache (`launch/compile_cache.py`). Others start
+cache (`launch/compile_cache.py`; a `simloop serve` engine runs on one device). Others start
 no JAX backend of their own (a rollout on a TPU host must not claim the servers' chips)."""
 
 
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in COMPILING and not getattr(args, "dry_run", False):
         from launch.compile_cache import enable_compile_cache
 
-        enable_compile_cache(cfg.run)
+        enable_compile_cache(cfg.run, single_device=args.command == "serve")
     return _dispatch(args, cfg)
 
 

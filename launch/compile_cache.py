@@ -2,20 +2,23 @@
 machine is loaded, not compiled, by every later process that needs it (a restarted server,
 the demo's next stage, the next run). A `simloop serve` on CPU starts in ~6 s instead of ~20 s.
 
-    enable_compile_cache(cfg.run)   # before the first compile
+    enable_compile_cache(cfg.run, single_device=True)   # before the first compile
 
 Where: `run.compile_cache_dir`, else `$SIMLOOP_COMPILE_CACHE_DIR`, else
 `$XDG_CACHE_HOME/simloop/xla` (`~/.cache/simloop/xla`). Off: `--run.compile_cache false`.
 JAX keys each entry on the program, the compile options, the devices and jaxlib's version, so
 a stale entry is never loaded for a changed program.
 
-Multi-device programs use it too, XLA:CPU's included (a trainer on a `cpu-N` plan): a
-train-agent run on the demo config starts in ~35 s warm instead of ~50 s cold. Until
-2026-12-05 XLA:CPU processes with several devices compiled fresh, after a train-agent run on 4
-fake devices had deadlocked in a cross-module all-reduce with executables loaded from the cache
-(jaxlib of 2026-11-24). On jaxlib 0.10.2 repeated warm train-agent and demo runs and whole test
-suites loaded them without a hang. Should one recur, `--run.compile_cache false` is the way
-out, and dev/LOG.md has the history.
+One exception, measured here: on XLA:CPU, a process whose programs run collectives across
+several fake devices (a trainer on a `cpu-N` plan) must compile fresh. With executables loaded
+from the cache, a train-agent run on the demo's 4 fake devices died in a cross-module
+all-reduce whose 4th device thread never reached the rendezvous; the same run passes compiling
+fresh. So on CPU the cache serves single-device programs only: servers (the engine runs on one
+device) and single-device processes. TPU and GPU processes always use it. Tried again on jaxlib
+0.10.2 (2026-12-05): whole test suites passed, but a full demo aborted when its agent_real
+stage, loading the agent stage's trainer programs, had two programs' collectives waiting on
+each other (an all-gather on one device thread, an all-reduce on the other three; XLA's 40 s
+rendezvous timeout). The exception stays.
 
 `SIMLOOP_COMPILE_STATS=FILE` (off by default) makes a process that calls `enable_compile_cache`
 write, at exit, what JAX's own instrumentation (`jax.monitoring`) summed: seconds per duration
@@ -52,16 +55,18 @@ def compile_cache_dir(run_cfg) -> Path:
     return Path(base) / "simloop" / "xla"
 
 
-def enable_compile_cache(run_cfg) -> Path | None:
+def enable_compile_cache(run_cfg, *, single_device: bool = False) -> Path | None:
     """Point JAX at the persistent cache; the directory, or None when it stays off (turned
-    off, or its directory cannot be made). Call before this process compiles anything; it
-    starts no backend (a multi-process job initialises `jax.distributed` after it)."""
+    off, or an XLA:CPU process with several devices whose programs are not all
+    `single_device`). Call before this process compiles anything."""
     if os.environ.get(STATS_ENV):
         record_compile_stats(Path(os.environ[STATS_ENV]))
     if not run_cfg.compile_cache:
         return None
     import jax
 
+    if not single_device and jax.default_backend() == "cpu" and jax.device_count() > 1:
+        return None
     path = compile_cache_dir(run_cfg)
     try:
         path.mkdir(parents=True, exist_ok=True)
