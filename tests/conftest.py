@@ -4,10 +4,17 @@ import os
 from pathlib import Path
 
 # XLA:CPU flags for the test processes: the tests' programs are tiny, so compiling them costs
-# more than running them; the backend's cheapest optimisation level cuts the compile-bound
-# unit tests' time by ~30% (measured on test_train_core + test_model: 141 s -> 101 s). It
-# changes no semantics (float results may differ in the last bits, as on any other machine).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# more than running them. The backend's cheapest optimisation level cut the compile-bound unit
+# tests' time by ~30% (test_train_core + test_model: 141 s -> 101 s); at that level most of
+# what is left is XLA's MLIR fusion emitters, and the older emitters compile the same fusions
+# in about half the CPU (test_model + test_train_core + test_engine: 188 -> 101 CPU seconds,
+# 2026-12-05). They change no semantics (float results may differ in the last bits, as on any
+# other machine). For a job of hundreds of steps the full level runs faster than it compiles
+# slower: see tests.fakes.user_env.
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false"
+)
 # Must run before JAX is imported anywhere: sharding and sub-mesh code runs for real on 8 fake
 # CPU devices. Set once here; never per test file.
 os.environ["XLA_FLAGS"] = (

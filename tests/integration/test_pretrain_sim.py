@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def pretrain(out: Path, steps: int) -> subprocess.CompletedProcess:
-    env = user_env()
+    env = user_env(cheap_compile=True)  # a few steps each: mostly compiling
     cmd = [sys.executable, "-m", "launch", "pretrain-sim", "--config",
            str(ROOT / "configs" / "demo_cpu.yaml"), "--out", str(out),
            "--pretrain_sim.cases", "24", "--pretrain_sim.eval_cases", "6",
