@@ -15,10 +15,10 @@ machine: 96 tasks went 0.659 -> 0.794 (gain 0.135, standard error 0.017) at 10 R
 training attention was computed in causal blocks (2026-11-27): that reorders float sums only,
 yet moved the 10-step gain to 0.091, under the bar. 16 steps keep a margin against such drift:
 0.656 -> 0.844 on 96 tasks (gain 0.188, se 0.019) on 2026-12-05, when the evaluation was
-halved to 48 tasks to keep the suite's minutes (the stream is prefix-stable: its first 48
-tasks gained 0.208, se 0.028, lower 99% bound 0.143). A shorter warm start does not make a
-cheaper test: 120 SFT steps left an agent at 0.37 that 10 RL steps took only to 0.44
-(it still wrote malformed commands, which RL fixes slowly)."""
+halved to 48 tasks to keep the suite's minutes; on 48, 0.656 -> 0.854 (gain 0.198, se 0.026,
+lower 99% bound 0.138). A shorter warm start does not make a cheaper test: 120 SFT steps left
+an agent at 0.37 that 10 RL steps took only to 0.44 (it still wrote malformed commands, which
+RL fixes slowly)."""
 
 from __future__ import annotations
 
