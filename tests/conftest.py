@@ -48,22 +48,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # The files whose module fixtures run whole jobs (minutes each) go first: under `make test`'s
 # two workers (one file per worker at a time) a long file started last would leave the other
 # worker idle at the end.
-LONG_FILES = (  # longest first (seconds in a suite run on 2 cores, 2026-11-25)
-    "test_train_agent.py",  # ~520
-    "test_demo.py",  # ~300
-    "test_multihost.py",  # ~250 (SFT and RL as two processes, a killed process)
-    "test_entry_points.py",  # ~290 (the bench smoke runs)
-    "test_rollout_e2e.py",  # ~190
-    "test_train_cli.py",  # ~150
-    "test_harness.py",  # ~135 (mini-swe-agent and train-agent through the middleware)
-    "test_rehearse.py",  # ~135 (gke-v6e-32's eight pods on CPU)
-    "test_pretrain_sim.py",  # ~105
-    "test_replica_restart.py",  # ~90
-    "test_vllm_backend_e2e.py",  # ~80
-    "test_chip_plan_cpu.py",  # ~75
-    "test_simulated_shell_live.py",  # ~65
-    "test_bench_sessions.py",  # ~60
-    "test_compaction_parity.py",  # ~60
+LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026-12-05)
+    "test_demo.py",  # ~390 (demo --quick, the gating experiment, a rerun)
+    "test_train_agent.py",  # ~345 (the learning criterion)
+    "test_harness.py",  # ~195 (mini-swe-agent and train-agent through the middleware)
+    "test_rehearse.py",  # ~150 (gke-v6e-32's eight pods on CPU)
+    "test_vllm_backend_e2e.py",  # ~150
+    "test_entry_points.py",  # ~145 (the bench smoke runs)
+    "test_multihost.py",  # ~140 (SFT and RL as two processes, a killed process)
+    "test_train_cli.py",  # ~110
+    "test_replica_restart.py",  # ~95
+    "test_pretrain_sim.py",  # ~75
+    "test_rollout_e2e.py",  # ~70
+    "test_simulated_shell_live.py",  # ~30
+    "test_compaction_parity.py",  # ~30
+    "test_chip_plan_cpu.py",  # ~25
+    "test_bench_sessions.py",  # ~25
 )
 
 
