@@ -22,18 +22,19 @@ DRY_RUN_OUT = "RUN_DIR"
 """The run directory a dry run without `--out` shows."""
 
 
-def add_dry_run_arguments(p) -> None:
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print the processes this job would start, start nothing",
-    )
+def add_dry_run_arguments(
+    p, *, what: str = "the processes this job would start, start nothing", target: bool = True
+) -> None:
+    """`--dry-run` (printing `what`) and `--format`; with `target`, also `--target`."""
+    p.add_argument("--dry-run", action="store_true", help=f"print {what}")
     p.add_argument(
         "--format",
         choices=["text", "json"],
         default="text",
         help="--dry-run output: one process per line, or JSON",
     )
+    if not target:
+        return
     p.add_argument(
         "--target",
         choices=["local", "gke"],

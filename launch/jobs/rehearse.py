@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config.schema import SimloopConfig
+from launch.deploy.dry_run import add_dry_run_arguments
 from launch.errors import JobError, UsageError
 
 OVERRIDES: dict[str, Any] = {
@@ -80,16 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=WAIT_S,
         help=f"stop the rehearsal after this long (default {WAIT_S:.0f})",
     )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print every pod's processes (command, environment), start nothing and write nothing",
-    )
-    p.add_argument(
-        "--format",
-        choices=["text", "json"],
-        default="text",
-        help="--dry-run output: one process per line, or JSON",
+    add_dry_run_arguments(
+        p,
+        what="every pod's processes (command, environment), start nothing and write nothing",
+        target=False,
     )
 
 
