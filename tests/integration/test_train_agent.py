@@ -1,11 +1,15 @@
-"""`simloop train-agent` as a user runs it, on textops in a real LocalShell: scripted (noisy)
-demonstrations are collected, the tiny agent is warm-started on them, then synchronous RL runs
-against a real `simloop serve` agent server that receives every new policy version by
-checkpoint, and the policy is evaluated on held-out tasks in the real shell before and after RL.
+"""`simloop train-agent` as a user runs it, on textops in a real LocalShell: synchronous RL from
+a warm-started agent against a real `simloop serve` agent server that receives every new policy
+version by checkpoint, and the policy evaluated on held-out tasks in the real shell before and
+after RL.
 
 This is the trainers issue's learning criterion, with the demo config: the warm-started agent
 writes well-formed commands but picks another operation's command about a third of the time; a
-few RL steps must fix enough of that to raise held-out success by at least 0.1 (~3 minutes).
+few RL steps must fix enough of that to raise held-out success by at least 0.1 (~2 minutes).
+The agent is the demo config's own 300-step warm start on noisy scripted demonstrations,
+shipped as `tests/fixtures/warm-agent` (its README has the command that made it): running it
+here cost ~110 of the test's ~300 CPU seconds and gave the same arrays every time. The warm
+start itself runs in the demo's test.
 
 The claim rests on a measurement, so the test measures it with its error bar: 48 held-out
 tasks x 4 samples before and after RL (the same tasks and sampling seeds), compared task by
@@ -36,6 +40,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+WARM_AGENT = ROOT / "tests" / "fixtures" / "warm-agent" / "weights"
 RL_STEPS = 16
 EVAL_TASKS = 48
 SAMPLES = 4  # the demo config's train_agent.eval.samples
@@ -49,7 +54,7 @@ OPS = ["--env.textops.ops", "[reverse,upper,sort]", "--train_agent.loss.kl_coef"
 # `eval-agent` re-evaluates the first of them: the held-out stream is prefix-stable and the
 # sampling seeds are drawn in task order, so each of these tasks sees the same seeds as in
 # train-agent's evaluation and must come out the same, task by task.
-REEVAL_TASKS = 24
+REEVAL_TASKS = 12
 
 
 def records(run: Path, stage: str) -> list[dict]:
@@ -79,6 +84,10 @@ def trained(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
         str(RL_STEPS),
         "--train_agent.eval.tasks",
         str(EVAL_TASKS),
+        "--agent.weights",
+        str(WARM_AGENT),
+        "--train_agent.warm_start.steps",
+        "0",
         *OPS,
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -154,10 +163,8 @@ def test_rl_steps_are_synchronous_and_publish_every_version(trained):
 
 def test_the_run_directory_holds_every_artifact(trained):
     out, done = trained
-    warm = records(out, "warm_start")
-    assert warm and warm[-1]["loss"] < warm[0]["loss"]
+    assert not records(out, "warm_start")  # RL from --agent.weights: no warm start ran
     assert (out / "config.yaml").exists()
-    assert (out / "trajectories" / "demos.jsonl").exists()
     assert list((out / "trajectories").glob("rl-*.jsonl"))
     for label in ("before", "after"):
         assert len(episodes(out, label)) == EVAL_TASKS * SAMPLES

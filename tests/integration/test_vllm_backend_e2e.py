@@ -37,7 +37,8 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
     port = free_port()
     fake = f"[{sys.executable}, -m, serving.vllm.fake_server, serve]"
     # Three RL steps: a co-training round begun after step 1 trains during step 2 and serves
-    # step 3. A short warm start, so that the real episodes it learns from have commands.
+    # step 3. From the learning test's warm-started agent, so that the real episodes the
+    # simulator co-trains on have commands.
     cmd = [sys.executable, "-m", "launch", "train-agent", "--config", str(CONFIG),
            "--out", str(out), "--serve.backend", "vllm", "--vllm.command", fake,
            "--vllm.start_stagger_s", "0", "--vllm.max_model_len", "2048",
@@ -45,7 +46,8 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
            "--orchestrator.max_staleness", "0", "--orchestrator.batch_size", "4",
            "--orchestrator.group_size", "2", "--orchestrator.gate.cotrain_every", "1",
            "--orchestrator.gate.cotrain_steps", "1", "--train_agent.steps", "3",
-           "--train_agent.warm_start.steps", "120", "--train_agent.eval.tasks", "0"]  # fmt: skip
+           "--agent.weights", str(ROOT / "tests" / "fixtures" / "warm-agent" / "weights"),
+           "--train_agent.warm_start.steps", "0", "--train_agent.eval.tasks", "0"]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=900
     )
