@@ -20,9 +20,25 @@ PARENT_PID_ENV = "SIMLOOP_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
+# XLA flags for the servers alone (simloop's engine and vLLM), in place of the job's own; a
+# planned fake-device count is kept. A server compiles a few programs and runs them thousands of
+# times, a trainer of a short job compiles many and runs each a few times, so the two can want
+# different optimisation levels. Unset: servers get the job's XLA_FLAGS.
+SERVER_XLA_FLAGS_ENV = "SIMLOOP_SERVER_XLA_FLAGS"
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
 def child_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` for a server this process starts and owns: it ends with this process."""
-    return {**env, PARENT_PID_ENV: str(os.getpid())}
+    """`env` for a server this process starts and owns: it ends with this process, and its
+    XLA_FLAGS are `$SIMLOOP_SERVER_XLA_FLAGS` (plus `env`'s device count) where that is set."""
+    out = {**env, PARENT_PID_ENV: str(os.getpid())}
+    own = os.environ.get(SERVER_XLA_FLAGS_ENV)
+    if own is not None:
+        count = [f for f in out.get("XLA_FLAGS", "").split() if f.startswith(_DEVICE_COUNT_FLAG)]
+        out["XLA_FLAGS"] = " ".join([*own.split(), *count])
+        if not out["XLA_FLAGS"]:
+            del out["XLA_FLAGS"]
+    return out
 
 
 def die_with_parent(environ: Mapping[str, str] = os.environ) -> bool:

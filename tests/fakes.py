@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rl.data.tokenizer import BYTE_SPECIALS, ENDOFTEXT, IM_END
 from serving.client import ClientConfig, ClientError, InferenceClient
+from serving.lifetime import SERVER_XLA_FLAGS_ENV
 
 CORPUS = [
     "ls -la /tmp && cat notes.txt | sort | uniq -c",
@@ -21,13 +22,19 @@ CORPUS = [
 ]
 
 
-def user_env(*, cheap_compile: bool = False, **extra: str) -> dict[str, str]:
+def user_env(
+    *, cheap_compile: bool = False, full_servers: bool = False, **extra: str
+) -> dict[str, str]:
     """This process's environment as a user's shell would have it for a simloop command: no
     XLA_FLAGS (simloop plans its own fake devices, one per server). `cheap_compile` keeps the
     suite's cheap compile flags (tests/conftest.py; simloop passes them on to every process
     it starts): for short, compile-bound commands only. A 1-step train-agent costs 43 CPU
     seconds with them and 77 without; 100 warm-start steps run 1.8x slower with them (43 s
-    instead of 24 s), more than their compiles save (2026-12-05)."""
+    instead of 24 s), more than their compiles save (2026-12-05). `full_servers` gives the
+    servers the job starts XLA's full optimisation all the same (`SIMLOOP_SERVER_XLA_FLAGS`
+    empty), for jobs whose episodes decode long enough to repay it: `demo --quick` and its
+    gating experiment 299 -> 274 CPU seconds, while the harness, multi-process, bench and
+    middleware tests went 428 -> 519 with it (2026-12-05)."""
     env = dict(os.environ)
     count = "--xla_force_host_platform_device_count"
     flags = [
@@ -35,6 +42,8 @@ def user_env(*, cheap_compile: bool = False, **extra: str) -> dict[str, str]:
     ]
     if flags:
         env["XLA_FLAGS"] = " ".join(flags)
+    if full_servers:
+        env[SERVER_XLA_FLAGS_ENV] = ""
     return {**env, **extra}
 
 

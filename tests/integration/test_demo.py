@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _demo(out: Path) -> subprocess.CompletedProcess:
     # As a user runs it: simloop gives itself the fake devices of the demo's cpu-8 plan.
-    env = user_env()
+    env = user_env(cheap_compile=True, full_servers=True)
     # No --config: `simloop demo` is the embedded default and runs configs/demo_cpu.yaml.
     cmd = [sys.executable, "-m", "launch", "demo", "--out", str(out), "--quick"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
@@ -305,7 +305,12 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
            "--orchestrator.gate.cotrain_every", "1", "--orchestrator.gate.cotrain_steps", "2",
            "--orchestrator.gate.threshold", "0.5"]  # fmt: skip
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=user_env(), timeout=900, cwd=ROOT
+        cmd,
+        capture_output=True,
+        text=True,
+        env=user_env(cheap_compile=True, full_servers=True),
+        timeout=900,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("done: skipped") == 4 and "gating" in proc.stdout

@@ -49,7 +49,7 @@ def test_rl_through_the_vllm_backend_publishes_policy_and_cotrained_simulator_ve
            "--agent.weights", str(ROOT / "tests" / "fixtures" / "warm-agent" / "weights"),
            "--train_agent.warm_start.steps", "0", "--train_agent.eval.tasks", "0"]  # fmt: skip
     done = subprocess.run(
-        cmd, cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=900
+        cmd, cwd=ROOT, env=user_env(cheap_compile=True), capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "vLLM agent server(s)" in done.stdout and "vLLM simulator server(s)" in done.stdout

@@ -1,6 +1,8 @@
 """A local server's environment (`launch.deploy.local.server_env`): ours without the admin
 token, the chip plan's laid over it, and glibc's huge-page tunable unless someone set theirs."""
 
+import os
+
 from launch.deploy.local import ADMIN_TOKEN_ENV, MALLOC_TUNABLES, server_env
 
 
@@ -22,3 +24,24 @@ def test_a_tunable_already_set_is_kept(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES")
     planned = server_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
     assert planned["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
+
+
+def test_server_xla_flags_replace_the_jobs_own_but_keep_the_planned_device_count(monkeypatch):
+    from serving.lifetime import PARENT_PID_ENV, SERVER_XLA_FLAGS_ENV, child_env
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    monkeypatch.delenv(SERVER_XLA_FLAGS_ENV, raising=False)
+    planned = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    # Unset: the job's flags, then the plan's device count.
+    job = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=1"
+    assert child_env(server_env(planned))["XLA_FLAGS"] == job
+    assert child_env(server_env(planned))[PARENT_PID_ENV] == str(os.getpid())
+    # Set: the servers' own flags in place of the job's; the device count stays.
+    monkeypatch.setenv(SERVER_XLA_FLAGS_ENV, "--xla_dump_to=/tmp/x")
+    assert child_env(server_env(planned))["XLA_FLAGS"] == (
+        "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=1"
+    )
+    # Set empty: XLA's defaults (full optimisation), the count kept where there is one.
+    monkeypatch.setenv(SERVER_XLA_FLAGS_ENV, "")
+    assert child_env(server_env(planned))["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+    assert "XLA_FLAGS" not in child_env(server_env(None))
