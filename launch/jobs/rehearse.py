@@ -8,8 +8,8 @@ host's share of the plan, so every process the slice would start starts here, wi
 command and environment the pod would give it. Only what a CPU cannot be changes:
 
 - host names are 127.0.0.1 (the coordinator of a multi-host trainer, the servers' URLs);
-- each process gets as many fake CPU devices as it has planned chips (`XLA_FLAGS`,
-  `JAX_PLATFORMS=cpu`; the TPU_* variables stay, unread);
+- each process gets as many fake CPU devices as it has planned chips (`XLA_FLAGS`, after
+  any the rehearsal was started with; `JAX_PLATFORMS=cpu`; the TPU_* variables stay, unread);
 - models become the `tiny` preset (the same Qwen3 family) with random weights written as the
   HF checkpoint the config names, and the byte tokenizer; `vllm serve` becomes the fake vLLM
   (`serving.vllm.fake_server`, the same API and weight-loading RPC);
@@ -243,7 +243,7 @@ def layout(cfg: SimloopConfig, config_path: Path, work: Path) -> dict[str, Any]:
     fake CPU devices as it has chips."""
     from launch.deploy.chips import config_plan
     from launch.deploy.gke import host_layout
-    from launch.distributed import DEVICE_COUNT_FLAG
+    from launch.distributed import DEVICE_COUNT_FLAG, merge_xla_flags
 
     hosts = _accelerator(cfg).hosts
     names = ["127.0.0.1"] * hosts
@@ -251,9 +251,12 @@ def layout(cfg: SimloopConfig, config_path: Path, work: Path) -> dict[str, Any]:
     lay = host_layout(cfg, plan, hostnames=names, run_dir=str(work), config_path=str(config_path))
     for host in lay["hosts"]:
         for proc in host["processes"]:
+            # The host's fake devices, after the XLA flags the user set for the whole run
+            # (dumps, optimisation levels), as for any local job.
             devices = f"{DEVICE_COUNT_FLAG}={len(proc['chips'])}"
+            flags = merge_xla_flags(os.environ.get("XLA_FLAGS", ""), devices)
             proc["env"].update(
-                {"XLA_FLAGS": devices, "JAX_PLATFORMS": "cpu", "SIMLOOP_CONFIG": str(config_path)}
+                {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "SIMLOOP_CONFIG": str(config_path)}
             )
     return lay
 
