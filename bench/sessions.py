@@ -14,6 +14,7 @@ episode's previous turn in a finished slot (what it really prefilled is reported
     .venv/bin/python bench/sessions.py --quick        # 2 x 8 turns x 64 tokens, with --reprefill
     .venv/bin/python bench/sessions.py --json sessions.json
     .venv/bin/python bench/sessions.py --compaction   # + the turn and budget compaction modes
+    .venv/bin/python bench/sessions.py --replicas 2   # every mode on a pool of 2 servers
 
 The session episodes also run once with markovian compaction (`serving.compaction`, the last
 turn protected), which bounds the KV a turn holds; `--compaction` adds the turn (half of an
@@ -58,6 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -68,6 +70,7 @@ from launch.deploy.local import LocalServer
 from rl.data import ByteTokenizer
 from rl.data.rundir import CONFIG
 from serving.client import ClientConfig, InferenceClient, SessionCompaction
+from serving.pool import ReplicaPool, pinned
 
 TOK = ByteTokenizer()
 WINDOW = 10
@@ -116,7 +119,8 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
     compaction = compaction_of(mode, args)
     sid = None if compaction is None else await client.open_session(compaction=compaction)
     if compaction is not None and sid is None:
-        raise RuntimeError(f"{client.cfg.base_url} has no /v1/sessions")
+        raise RuntimeError("the server has no /v1/sessions")
+    home = client.session_home(sid) if sid is not None and hasattr(client, "session_home") else None
     history: list[int] = []
     turns = []
     try:
@@ -124,12 +128,15 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
             obs = observation(rng, args.obs_tokens)
             began = time.perf_counter()
             if sid is not None:
-                raw, _ = await client.request(
-                    "POST",
-                    f"/v1/sessions/{sid}/generate",
-                    retries=0,
-                    json_body={"append_token_ids": obs, **sampling(args)},
-                )
+                raw = (
+                    await client.session_generate(
+                        sid,
+                        obs,
+                        max_tokens=args.reply_tokens,
+                        temperature=0.0,
+                        extra={"ignore_eos": True},
+                    )
+                ).raw
                 reply, cached = raw["token_ids"], raw["cached_tokens"]
                 context, kv = raw["session_tokens"] - len(reply), raw["kv_tokens"]
             else:
@@ -161,6 +168,7 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
                     "prefilled": context - cached,
                     "kv": kv,
                     "reply": reply,
+                    "home": home,
                 }
             )
     finally:
@@ -169,14 +177,22 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
     return turns
 
 
-async def run_mode(url: str, mode: str, args) -> dict:
-    """`args.sessions` episodes at once: with sessions (mode "session") or stateless."""
-    async with InferenceClient(ClientConfig(url, timeout_s=600.0)) as client:
+async def run_mode(urls: list[str], mode: str, args) -> dict:
+    """`args.sessions` episodes at once: with sessions (mode "session") or stateless; on one
+    server, or on a `ReplicaPool` of `--replicas` (each session on one replica, each stateless
+    episode pinned to one)."""
+    cfg = ClientConfig(urls[0], timeout_s=600.0)
+    client = InferenceClient(cfg) if len(urls) == 1 else ReplicaPool(urls, client_config=cfg)
+    async with client:
         began = time.perf_counter()
-        episodes = await asyncio.gather(
-            *(episode(client, mode, i, args) for i in range(args.sessions))
-        )
+
+        async def pinned_episode(i: int) -> list[dict]:
+            with pinned(f"episode-{i}"):  # a pool keeps a stateless episode on one replica
+                return await episode(client, mode, i, args)
+
+        episodes = await asyncio.gather(*(pinned_episode(i) for i in range(args.sessions)))
         wall = time.perf_counter() - began
+
     by_turn = list(zip(*episodes, strict=True))  # by_turn[t][episode]
 
     def mean_ms(turns) -> float:
@@ -200,12 +216,16 @@ async def run_mode(url: str, mode: str, args) -> dict:
         "turn_prefilled": [sum(t["prefilled"] for t in turn) for turn in by_turn],
         "turn_kv": [max(t["kv"] for t in turn) for turn in by_turn],
         "replies": [[t["reply"] for t in ep] for ep in episodes],
+        "sessions_per_replica": sorted(Counter(ep[0]["home"] for ep in episodes).values())
+        if episodes[0][0]["home"] is not None
+        else None,
     }
 
 
-async def measure(urls: dict[str, str], args) -> dict[str, dict]:
-    """Each mode on its server (`urls`: mode -> URL), one after another, `args.repeats` rounds
-    of all modes (interleaved, so a slow spell of the machine falls on every mode alike)."""
+async def measure(urls: dict[str, list[str]], args) -> dict[str, dict]:
+    """Each mode on its servers (`urls`: mode -> their URLs), one after another,
+    `args.repeats` rounds of all modes (interleaved, so a slow spell of the machine falls on
+    every mode alike)."""
     # A warm-up at the same concurrency before each run (compiles every prefill/decode shape
     # it uses, so no mode pays JAX's compile in its timings); its other observations
     # (seed + 1) also take every slot again, so that no run's first turn reuses the KV that
@@ -341,6 +361,13 @@ def main() -> int:
         "on CPU at the default shape; --quick turns it on)",
     )
     parser.add_argument(
+        "--replicas",
+        type=positive,
+        default=1,
+        help="servers behind a ReplicaPool for every mode (default 1: one server, no pool); "
+        "each session lives on one replica",
+    )
+    parser.add_argument(
         "--compaction",
         action="store_true",
         help="also run the sessions with turn and budget compaction (markovian "
@@ -367,11 +394,12 @@ def main() -> int:
         servers["reprefill"] = serve + ["--serve.engine.prefix_reuse", "false"]
     with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp, ExitStack() as stack:
         (Path(tmp) / CONFIG).write_text("{}\n")  # --preset tiny: the defaults do
-        urls = {}
+        urls: dict[str, list[str]] = {}
         for name, flags in servers.items():
-            with console.status(f"simloop serve {' '.join(flags)}"):
-                server = LocalServer.start("agent", tmp, extra_args=flags, name=name)
-            urls[name] = stack.enter_context(server).url
+            for i in range(args.replicas):
+                with console.status(f"simloop serve {' '.join(flags)} ({name} {i + 1})"):
+                    server = LocalServer.start("agent", tmp, extra_args=flags, name=f"{name}-{i}")
+                urls.setdefault(name, []).append(stack.enter_context(server).url)
         urls = {"session": urls["session"], "stateless": urls["session"]} | urls
         bounded = ("markovian", "turn", "budget") if args.compaction else ("markovian",)
         urls |= {f"session:{m}": urls["session"] for m in bounded}
@@ -444,9 +472,19 @@ def main() -> int:
         )
         + "."
     )
+    if args.replicas > 1:
+        console.print(
+            f"{args.replicas} replicas per mode behind a ReplicaPool; sessions per replica: "
+            + "; ".join(
+                f"{m} {d['sessions_per_replica']}"
+                for m, d in done.items()
+                if d.get("sessions_per_replica")
+            )
+        )
     if args.json:
         detail = {
             "server": {"preset": "tiny", "num_slots": args.sessions, "max_seq_len": seq},
+            "replicas": args.replicas,
             "episodes": args.sessions,
             "turns": args.turns,
             "obs_tokens": args.obs_tokens,

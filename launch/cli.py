@@ -173,7 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(args.command, f"config error: {e}", EXIT_USAGE)
     if args.command == "config":
+        from launch.config.schema import serving_features
+
         sys.stdout.write(dump_config(cfg))
+        # As YAML comments, so that the output still loads as a config.
+        sys.stdout.write("# serving, per role:\n")
+        sys.stdout.writelines(f"#   {line}\n" for line in serving_features(cfg))
         return 0
     if args.command in ("pretrain-sim", "train-sim", "train-agent", "demo"):
         # A cpu-N chip plan: this process holds the N fake devices the trainers are planned

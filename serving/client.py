@@ -407,8 +407,10 @@ class InferenceClient:
         stop_token_ids: list[int] | None = None,
         timeout_s: float | None = None,
         rewind_to: int | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Completion:
-        """Append ids to the session and generate.
+        """Append ids to the session and generate (`extra`: more body fields, e.g.
+        `{"ignore_eos": true}`).
 
         A failed call may have appended (and generated) before its answer was lost, so it is
         retried only from a known turn boundary: `rewind_to`, the session's logical length
@@ -426,6 +428,7 @@ class InferenceClient:
         }
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
+        body.update(extra or {})
         started = time.perf_counter()
         path = f"/v1/sessions/{session_id}/generate"
         async for attempt in self._retrying(None if rewind_to is not None else 0):

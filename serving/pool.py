@@ -23,6 +23,14 @@ republishes the current version through the attached `PoolPublisher` before the 
 traffic again; an owner that gives up on a replica `retire`s it, and once every replica is
 retired new sessions fail at once.
 
+Persistent KV sessions (`open_session`, `session_generate`, `rewind_session`, `close_session`:
+the client's API) live on one replica each: a new one goes to the live replica holding the
+fewest, and all its calls go there. When that replica is ejected its sessions' KV is gone:
+their next call raises `SessionLost`, a 404 as from a server that forgot a session, and the
+caller (the agent loop, the simulated shell) reopens the session, which the pool places on a
+live replica, and sends it the episode's tokens again; the agent loop records each reopen in
+the trajectory.
+
 Answers count too, since a replica can answer `/health` and still fail every episode. For the
 completion calls (`complete`, `complete_n`, `chat`; not the free-form `request`):
 - Each has a timeout scaled to the work asked, `timeout_base_s + timeout_per_token_s *
@@ -124,6 +132,16 @@ class ReplicaDown(ClientError):
         return False
 
 
+class SessionLost(ReplicaDown):
+    """A KV session's replica was ejected (or died under the call): its KV went with it.
+    Status 404, as a server that forgot a session answers, so the caller reopens it (the pool
+    places the new one on a live replica) and sends it the episode's tokens again."""
+
+    def __init__(self, url: str | None, why: str):
+        super().__init__(url, why)
+        self.status = 404
+
+
 class PoolPublishError(ClientError):
     """No live replica took the published version."""
 
@@ -136,6 +154,8 @@ class Replica:
     client: InferenceClient
     live: bool = True
     in_flight: int = 0
+    sessions: int = 0
+    """KV sessions the pool opened here that are still open."""
     ejections: int = 0
     generation: int = 0
     """Bumped at every readmission: a session pinned to an older generation is stale."""
@@ -344,6 +364,8 @@ class ReplicaPool:
         self._health: asyncio.Task | None = None
         self._probes: dict[int, asyncio.Task] = {}
         """Readmission attempts under way (`_probe_ejected`), by replica index."""
+        self._homes: dict[str, tuple[Replica, int, str]] = {}
+        """Open KV sessions: the pool's id -> (replica, its generation, the server's id)."""
 
     @property
     def live(self) -> list[Replica]:
@@ -385,7 +407,7 @@ class ReplicaPool:
     async def request(self, method: str, path: str, **kw: Any) -> tuple[Any, int]:
         return await self._current().request(method, path, **kw)
 
-    async def _pick(self, key: str) -> Replica:
+    async def _pick(self, key: str, *, by_sessions: bool = False) -> Replica:
         deadline = time.monotonic() + self.cfg.wait_live_s
         while not self.live:
             self._live_changed.clear()
@@ -408,9 +430,99 @@ class ReplicaPool:
                     await self._live_changed.wait()
         n = len(self.replicas)
         order = [self.replicas[(self._cursor + i) % n] for i in range(n)]
-        best = min((r for r in order if r.live), key=lambda r: r.in_flight)
+        if by_sessions:  # a KV session stays for good: balance what the replicas hold
+            best = min((r for r in order if r.live), key=lambda r: (r.sessions, r.in_flight))
+        else:
+            best = min((r for r in order if r.live), key=lambda r: r.in_flight)
         self._cursor = best.index + 1
         return best
+
+    # ----- persistent KV sessions: each lives on one replica ------------------------------------
+
+    async def open_session(
+        self, *, ttl_s: float | None = None, compaction: Any = None
+    ) -> str | None:
+        """Open a KV session (`InferenceClient.open_session`) on the live replica holding the
+        fewest of the pool's open sessions (ties: the fewest requests in flight, then round
+        robin); every call of it goes there. None when the replicas have no sessions (vLLM).
+        A replica that fails as a dead server does is ejected and the next one is tried."""
+        kw = {"ttl_s": ttl_s, "compaction": compaction}
+        for _ in range(len(self.replicas)):
+            r = await self._pick("session", by_sessions=True)
+            generation = r.generation
+            try:
+                sid = await self._send(r, "open_session", (), kw, "session-open")
+            except ReplicaDown:
+                continue
+            except ClientError as e:
+                if not is_dead_server(e):
+                    raise
+                self.eject(r, f"open_session failed: {e}", generation=generation, kind="dead")
+                continue
+            if sid is None:
+                return None
+            if not r.live or r.generation != generation:  # ejected as it answered
+                continue
+            key = f"r{r.index}-{sid}"
+            self._homes[key] = (r, generation, sid)
+            r.sessions += 1
+            return key
+        raise ReplicaDown(None, f"no live {self.role} replica could open a session")
+
+    def _drop(self, session_id: str) -> None:
+        home = self._homes.pop(session_id, None)
+        if home is not None:
+            home[0].sessions -= 1
+
+    async def _session_call(self, session_id: str, name: str, *args: Any, **kw: Any) -> Any:
+        home = self._homes.get(session_id)
+        if home is None:
+            raise SessionLost(None, f"the {self.role} pool holds no session {session_id!r}")
+        r, generation, sid = home
+        if not r.live or r.generation != generation:
+            self._drop(session_id)
+            raise SessionLost(r.url, f"session {session_id} went with it: {r.reason}")
+        try:
+            return await self._send(r, name, (sid, *args), kw, session_id)
+        except ReplicaDown as down:  # ejected while in flight
+            self._drop(session_id)
+            raise SessionLost(r.url, down.why) from None
+        except ClientError as e:
+            if is_dead_server(e):
+                self.eject(r, f"{name} failed: {e}", generation=generation, kind="dead")
+                self._drop(session_id)
+                raise SessionLost(r.url, f"{name} failed: {e}") from e
+            if e.status == 404:  # the server forgot it (TTL, memory pressure)
+                self._drop(session_id)
+            raise
+
+    async def session_generate(
+        self, session_id: str, append_token_ids: list[int], **kw: Any
+    ) -> Completion:
+        """`InferenceClient.session_generate` on the session's replica; `SessionLost` (404)
+        when that replica is gone."""
+        return await self._session_call(session_id, "session_generate", append_token_ids, **kw)
+
+    async def rewind_session(self, session_id: str, to: int) -> dict[str, Any]:
+        return await self._session_call(session_id, "rewind_session", to)
+
+    async def close_session(self, session_id: str) -> None:
+        """Close it on its replica (nothing to do where the replica is gone: its KV went with
+        it)."""
+        home = self._homes.get(session_id)
+        if home is None:
+            return
+        r, generation, _ = home
+        try:
+            if r.live and r.generation == generation:
+                await self._session_call(session_id, "close_session")
+        finally:
+            self._drop(session_id)
+
+    def session_home(self, session_id: str) -> str | None:
+        """The URL of the replica holding an open session (None: not open here)."""
+        home = self._homes.get(session_id)
+        return None if home is None else home[0].url
 
     # ----- sending, and judging replicas by their answers ----------------------------------------
 
@@ -577,6 +689,8 @@ class ReplicaPool:
     def _mark_live(self, r: Replica) -> None:
         if r.live:  # readmitted by a concurrent call meanwhile: keep its generation
             return
+        for key in [k for k, home in self._homes.items() if home[0] is r]:
+            self._drop(key)  # their KV went with the old process: each was (or is) reopened
         r.live, r.generation, r.reason, r.retired = True, r.generation + 1, None, False
         r._down, r.failed_checks, r.needs_probe = None, 0, False
         r.streak.clear()
@@ -690,11 +804,13 @@ class ReplicaPool:
             "ejected_for": dict(sum((r.ejected_for for r in self.replicas), Counter())),
             "restarts": sum(r.restarts for r in self.replicas),
             "in_flight": sum(r.in_flight for r in self.replicas),
+            "sessions": len(self._homes),
             "per_replica": [
                 {
                     "url": r.url,
                     "live": r.live,
                     "in_flight": r.in_flight,
+                    "sessions": r.sessions,
                     "ejections": r.ejections,
                     "ejected_for": dict(r.ejected_for),
                     "last_ejection": r.last_ejection,

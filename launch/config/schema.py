@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from envs.config import TRANSFORM_OPS, GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
@@ -424,6 +424,69 @@ class SimloopConfig:
     """`simloop middleware`: Anthropic / OpenAI APIs for unmodified agent harnesses."""
     harness: HarnessConfig = field(default_factory=HarnessConfig)
     """`simloop harness`: an unmodified agent harness on SWE tasks through the middleware."""
+
+    def __post_init__(self) -> None:
+        check_session_backends(self)
+
+
+def session_settings(cfg: SimloopConfig) -> dict[str, dict[str, Any]]:
+    """Per serving role: whether its episodes run on persistent KV sessions, the setting that
+    turns them on, and the compaction mode asked for (`orchestrator.sessions` puts both
+    roles on sessions; `env.shell.simulated.sessions` the simulator alone)."""
+    o, sim = cfg.orchestrator, cfg.env.shell.simulated
+    return {
+        "agent": {
+            "sessions": bool(o.sessions),
+            "setting": "orchestrator.sessions",
+            "compaction": (o.session_compaction or {}).get("mode", "none"),
+        },
+        "simulator": {
+            "sessions": bool(sim.sessions or o.sessions),
+            "setting": "env.shell.simulated.sessions" if sim.sessions else "orchestrator.sessions",
+            "compaction": (sim.session_compaction or {}).get("mode", "none"),
+        },
+    }
+
+
+def check_session_backends(cfg: SimloopConfig) -> None:
+    """ValueError when a role's episodes are asked to run on KV sessions that its backend does
+    not keep: vLLM has no session API, so sessions there would silently become stateless
+    completions (and compaction would silently not happen)."""
+    for role, s in session_settings(cfg).items():
+        if not s["sessions"] or cfg.serve.backend_of(role) != "vllm":
+            continue
+        backend = f"serve.backends.{role}" if role in cfg.serve.backends else "serve.backend"
+        compaction = "" if s["compaction"] == "none" else f" (and {s['compaction']} compaction)"
+        raise ValueError(
+            f"{s['setting']}=true asks for persistent KV sessions{compaction} on the {role}'s "
+            f"servers, which are vLLM ({backend}: vllm) and keep none. Allowed: "
+            f"{s['setting']}: false (stateless completions; vLLM's prefix cache re-uses each "
+            f"episode's shared prefix), or serve.backends: {{{role}: jax}} (simloop's engine "
+            "keeps sessions and compacts them: markovian, turn, budget)"
+        )
+
+
+def serving_features(cfg: SimloopConfig) -> list[str]:
+    """One line per serving role: its backend and replicas, and whether its episodes keep KV
+    sessions (with which compaction) and why: what `simloop config` prints under the YAML."""
+    lines = []
+    for role, s in session_settings(cfg).items():
+        serve = "agent_serve" if role == "agent" else "sim_serve"
+        backend = cfg.serve.backend_of(role)
+        url = getattr(cfg, role).server_url
+        n = cfg.chips.replicas.get(serve, 1)
+        pool = " behind a pool" if n > 1 else ""
+        where = f"the server at {url}" if url else f"{n} {backend} replica(s){pool}"
+        if s["sessions"]:
+            state = f"KV sessions on ({s['setting']}), compaction {s['compaction']}"
+        else:
+            state = f"stateless completions ({s['setting']}: false" + (
+                "; vLLM keeps no sessions, its prefix cache re-uses shared prefixes)"
+                if backend == "vllm"
+                else ")"
+            )
+        lines.append(f"{role}: {where}; {state}")
+    return lines
 
 
 def role_model(role: RoleConfig) -> ModelConfig:

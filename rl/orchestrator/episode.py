@@ -192,12 +192,14 @@ class _SessionTurns:
     answer was lost (connection error, 5xx, 429) is retried from the turn boundary: the client
     rewinds the session to what it held before the call and appends again.
 
-    A session the server forgot (its TTL, memory pressure, a restart: 404 / 409; an episode's
-    calls are sequential, so 409 is never "busy") is opened again and sent the whole episode so
-    far. Without compaction that is exact: plain causal attention either way. After a
-    compaction it is not: the new session recomputes the earlier tokens' keys with everything
-    in view, while they were first computed (and sampled from) with part of it hidden, and one
-    training forward holds one key per token. Such an episode is kept but marked `dropped`
+    A session the server forgot (its TTL, memory pressure, a restart, a pool replica that died:
+    404 / 409; an episode's calls are sequential, so 409 is never "busy") is opened again (by a
+    pool, on a live replica) and sent the whole episode so far; the trajectory's meta records
+    each reopen and why (`session_reopened`, `session_reopen_reasons`). Without compaction
+    that is exact: plain causal attention either way. After a compaction it is not: the new
+    session recomputes the earlier tokens' keys with everything in view, while they were first
+    computed (and sampled from) with part of it hidden, and one training forward holds one key
+    per token. Such an episode is kept but marked `dropped`
     (`recomputed_compacted`); an epoch from the reopen on that keeps everything before it
     records what the new tokens themselves attended to."""
 
@@ -207,6 +209,8 @@ class _SessionTurns:
         self.epochs: list[dict] = []
         """What the server's compaction let each token see (`Trajectory.kv_epochs`)."""
         self.reopened = 0
+        self.reopen_reasons: list[str] = []
+        """Why each reopen happened (the server forgot the session; its replica died)."""
         self.recomputed_compacted = False
         """Reopened after a compaction: the run cannot be replayed in one forward."""
         self._floor = 0
@@ -226,6 +230,7 @@ class _SessionTurns:
             if sid is None:
                 raise
             self.id, self.held, self.reopened = sid, 0, self.reopened + 1
+            self.reopen_reasons.append(str(e)[:300])
             if any(ep["start"] > 0 for ep in self.epochs):
                 self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
                 self.recomputed_compacted = True
@@ -272,6 +277,7 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
             result.trajectory.kv_epochs = session.kv_epochs()
             if session.reopened:
                 result.trajectory.meta["session_reopened"] = session.reopened
+                result.trajectory.meta["session_reopen_reasons"] = session.reopen_reasons
             if session.recomputed_compacted:
                 result.trajectory.exclusion = result.trajectory.exclusion or Exclusion(
                     "unreplayable",

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.fakes import user_env
 
@@ -23,6 +24,11 @@ def test_installed_simloop_script_validates_a_config():
         check=True,
     ).stdout
     assert "seed: 3" in out and "num_layers: 3" in out
+    # Under the YAML, as comments: each serving role's backend and whether it keeps sessions.
+    assert (
+        "#   agent: 1 jax replica(s); stateless completions (orchestrator.sessions: false)" in out
+    )
+    assert yaml.safe_load(out)["run"]["seed"] == 3  # the comments leave it a config
 
 
 @pytest.mark.slow
