@@ -49,21 +49,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # two workers (one file per worker at a time) a long file started last would leave the other
 # worker idle at the end.
 LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026-12-05)
-    "test_demo.py",  # ~390 (demo --quick, the gating experiment, a rerun)
-    "test_train_agent.py",  # ~345 (the learning criterion)
-    "test_harness.py",  # ~195 (mini-swe-agent and train-agent through the middleware)
-    "test_rehearse.py",  # ~150 (gke-v6e-32's eight pods on CPU)
-    "test_vllm_backend_e2e.py",  # ~150
-    "test_entry_points.py",  # ~145 (the bench smoke runs)
-    "test_multihost.py",  # ~140 (SFT and RL as two processes, a killed process)
-    "test_train_cli.py",  # ~110
-    "test_replica_restart.py",  # ~95
-    "test_pretrain_sim.py",  # ~75
-    "test_rollout_e2e.py",  # ~70
+    "test_demo.py",  # ~290 (demo --quick, the gating experiment, a rerun)
+    "test_train_agent.py",  # ~225 (the learning criterion)
+    "test_harness.py",  # ~175 (mini-swe-agent and train-agent through the middleware)
+    "test_entry_points.py",  # ~130 (the bench smoke runs)
+    "test_train_cli.py",  # ~125
+    "test_multihost.py",  # ~125 (SFT as one and as two processes, a killed process; RL)
+    "test_rehearse.py",  # ~110 (gke-v6e-32's eight pods on CPU)
+    "test_replica_restart.py",  # ~100
+    "test_vllm_backend_e2e.py",  # ~75
+    "test_rollout_e2e.py",  # ~65
+    "test_pretrain_sim.py",  # ~45
     "test_simulated_shell_live.py",  # ~30
     "test_compaction_parity.py",  # ~30
-    "test_chip_plan_cpu.py",  # ~25
+    "test_chip_plan_cpu.py",  # ~30
     "test_bench_sessions.py",  # ~25
+    "test_pool_sessions.py",  # ~20
 )
 
 
