@@ -1,5 +1,6 @@
 """A pool of server replicas for one role (agent or simulator): sticky routing, load balancing,
-health checks, ejection, and publishing weights to every live replica.
+health checks, ejection, readmission, and KV sessions placed on one replica each (publishing
+weights to every live replica: `serving.pool_publish`).
 
     pool = ReplicaPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"], role="agent",
                        on_eject=lambda replica, why: restart(replica.url))
@@ -19,9 +20,9 @@ answers fail `answer_failures` times in a row (below); its in-flight requests an
 request of a session pinned to it raise `ReplicaDown` (never moved mid-episode to another
 replica: other KV, maybe another version; a request outside any episode is sent again to
 another live replica instead). The owner restarts it (`on_eject`) and calls `readmit`, which
-republishes the current version through the attached `PoolPublisher` before the replica takes
-traffic again; an owner that gives up on a replica `retire`s it, and once every replica is
-retired new sessions fail at once.
+republishes the current version through the attached `serving.pool_publish.PoolPublisher`
+before the replica takes traffic again; an owner that gives up on a replica `retire`s it, and
+once every replica is retired new sessions fail at once.
 
 Persistent KV sessions (`open_session`, `session_generate`, `rewind_session`, `close_session`:
 the client's API) live on one replica each: a new one goes to the live replica holding the
@@ -57,12 +58,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from rl import validate
-from rl.model.publish import PublishReport, WeightPublisher
 from serving.client import (
     BadAnswer,
     ClientConfig,
@@ -71,6 +71,9 @@ from serving.client import (
     Completion,
     InferenceClient,
 )
+
+if TYPE_CHECKING:
+    from serving.pool_publish import PoolPublisher
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +143,6 @@ class SessionLost(ReplicaDown):
     def __init__(self, url: str | None, why: str):
         super().__init__(url, why)
         self.status = 404
-
-
-class PoolPublishError(ClientError):
-    """No live replica took the published version."""
 
 
 @dataclass(eq=False)
@@ -509,13 +508,12 @@ class ReplicaPool:
     async def close_session(self, session_id: str) -> None:
         """Close it on its replica (nothing to do where the replica is gone: its KV went with
         it)."""
-        home = self._homes.get(session_id)
-        if home is None:
+        if session_id not in self._homes:
             return
-        r, generation, _ = home
         try:
-            if r.live and r.generation == generation:
-                await self._session_call(session_id, "close_session")
+            await self._session_call(session_id, "close_session")
+        except SessionLost:
+            pass
         finally:
             self._drop(session_id)
 
@@ -822,89 +820,3 @@ class ReplicaPool:
                 for r in self.replicas
             ],
         }
-
-
-# ----- publishing --------------------------------------------------------------------------------
-
-
-class PoolPublisher:
-    """A `WeightPublisher` for a pool: publishes to every live replica at once through one
-    per-replica publisher (`make(replica)`, e.g. `EnginePublisher([r.client], token=...)` or
-    `VllmPublisher([r.url], model_name=...)`); completes when every live replica holds the
-    version. A replica that fails the publish is ejected (it never serves an old version
-    silently). The version is remembered, so a readmitted replica is brought to it first."""
-
-    def __init__(self, pool: ReplicaPool, make: Callable[[Replica], WeightPublisher]):
-        self.pool, self.make = pool, make
-        self.path: str | None = None
-        self.version: int | None = None
-        """The version every live replica serves (None before the first publish)."""
-        self._publishers: dict[int, WeightPublisher] = {}
-        self._lock = asyncio.Lock()
-        pool.publisher = self
-
-    async def _publish_one(self, r: Replica, path: str, version: int) -> PublishReport:
-        pub = self._publishers.get(r.index)
-        if pub is None:
-            pub = self._publishers[r.index] = self.make(r)
-        report = await pub.publish(path, version)
-        r.version = version
-        return report
-
-    async def publish(self, path: str, version: int) -> PublishReport:
-        async with self._lock:
-            live = self.pool.live
-            started = time.perf_counter()
-            outcomes = await asyncio.gather(
-                *(self._publish_one(r, path, version) for r in live), return_exceptions=True
-            )
-            done: list[tuple[Replica, PublishReport]] = []
-            errors: list[str] = []
-            for r, out in zip(live, outcomes, strict=True):
-                if isinstance(out, BaseException):
-                    if not isinstance(out, Exception):
-                        raise out
-                    errors.append(f"{r.url}: {out}")
-                    self.pool.eject(
-                        r, f"publish of version {version} failed: {out}", kind="publish"
-                    )
-                else:
-                    done.append((r, out))
-            if not done:
-                why = "; ".join(errors) or "no live replica"
-                raise PoolPublishError(
-                    f"version {version} ({path}) reached no {self.pool.role} replica: {why}"
-                )
-            self.path, self.version = str(path), int(version)
-            probes = [rep.first_token_s for _, rep in done]
-            return PublishReport(
-                int(version),
-                str(path),
-                load_s=time.perf_counter() - started,
-                first_token_s=None if None in probes else max(probes),
-                servers=[r.url for r, _ in done],
-            )
-
-    async def bring_up(self, r: Replica, mark_live: Callable[[Replica], None]) -> None:
-        """Republish the current version to `r`, then `mark_live(r)`, with no publish between
-        (so `r` never serves a version older than the others)."""
-        async with self._lock:
-            if r.live:
-                return
-            old = self._publishers.pop(r.index, None)  # its connections went to the old server
-            if old is not None and hasattr(old, "close"):
-                await old.close()
-            if self.version is not None and self.path is not None:
-                try:
-                    await self._publish_one(r, self.path, self.version)
-                except Exception as e:  # any failure keeps it out: it would serve an old version
-                    raise ReplicaDown(
-                        r.url, f"not readmitted: republishing version {self.version} failed: {e}"
-                    ) from e
-            mark_live(r)
-
-    async def close(self) -> None:
-        for pub in self._publishers.values():
-            close = getattr(pub, "close", None)
-            if close is not None:
-                await close()

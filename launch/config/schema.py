@@ -7,7 +7,6 @@ YAML file only names what it changes from these defaults.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -497,25 +496,6 @@ def role_model(role: RoleConfig) -> ModelConfig:
     return role.model
 
 
-def vllm_missing() -> str | None:
-    """Why `vllm serve` cannot start on this machine (None: it can, as far as can be told
-    without starting it)."""
-    import importlib.util
-    import shutil
-    import sys
-
-    if sys.version_info < (3, 12):
-        return (
-            f"this is Python {sys.version_info.major}.{sys.version_info.minor}, where the [tpu] "
-            "extra installs no vLLM (vllm-tpu needs >= 3.12)"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install 'simloop[tpu]')"
-    if shutil.which("vllm") is None:
-        return "no `vllm` executable is on PATH"
-    return None
-
-
 def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
     """ValueError when a server this job would start itself (`<role>.server_url` unset) is too
     small for what is sent to it (an episode's context, the simulated shell's prompt) or too
@@ -524,9 +504,8 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
 
     engine = cfg.serve.engine
     needs: dict[str, int] = {}
-    external = json.loads(os.environ.get("SIMLOOP_SERVER_URLS") or "{}")  # a GKE pod's servers
     for role in roles:
-        if getattr(cfg, role).server_url is not None or role in external:
+        if getattr(cfg, role).server_url is not None:
             continue
         section = cfg.orchestrator if role == "agent" else cfg.env.shell.simulated
         key = "orchestrator" if role == "agent" else "env.shell.simulated"
@@ -540,17 +519,6 @@ def check_local_servers(cfg: SimloopConfig, roles: list[str]) -> None:
                 f"{role} vLLM servers",
                 owner=key,
             )
-            missing = vllm_missing() if cfg.vllm.command[:1] == ["vllm"] else None
-            if missing is not None:
-                backend = (
-                    f"serve.backends.{role}" if role in cfg.serve.backends else "serve.backend"
-                )
-                raise ValueError(
-                    f"{backend}=vllm: this job would start `vllm serve` for the {role} here, "
-                    f"but {missing}. Allowed: install simloop's [tpu] extra on Python >= 3.12 "
-                    f"(vllm-tpu), point {role}.server_url at running servers, set vllm.command "
-                    f"to another launcher, or serve.backends: {{{role}: jax}} (simloop's engine)"
-                )
             continue  # vLLM sizes its own KV cache from gpu_memory_utilization
         compacting = (role == "agent" and cfg.orchestrator.compacting) or (
             role == "simulator" and cfg.env.shell.simulated.compacting

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -40,7 +39,7 @@ from typing import Any
 
 from launch.deploy.processes import (
     ADMIN_TOKEN_ENV,
-    SERVER_URLS_ENV,
+    external_servers,
     local_server_args,
     serve_command,
     server_processes,
@@ -331,7 +330,7 @@ async def role_clients(
     from serving.client import ClientConfig, InferenceClient
 
     run_dir = Path(run_dir)
-    external = json.loads(os.environ.get(SERVER_URLS_ENV) or "{}")
+    external = external_servers()
     async with contextlib.AsyncExitStack() as stack:
         clients = RoleServers()
         # The roles' own `simloop serve` processes start together (each start is mostly one

@@ -15,6 +15,7 @@ when it starts, not through this list.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,13 @@ ADMIN_TOKEN_ENV = "SIMLOOP_ADMIN_TOKEN"
 SERVER_URLS_ENV = "SIMLOOP_SERVER_URLS"
 """JSON `{role: [url, ...]}`: servers someone else started (the GKE pod entry); a job whose
 environment has it connects to them instead of starting its own."""
+
+
+def external_servers() -> dict[str, list[str]]:
+    """`$SIMLOOP_SERVER_URLS`: the roles whose servers someone else started, and their URLs."""
+    return json.loads(os.environ.get(SERVER_URLS_ENV) or "{}")
+
+
 TRAIN_JOB_ROLE = {"train-agent": "policy_train", "train-sim": "sim_train"}
 """Jobs that train -> the chip-plan role their own process runs as."""
 

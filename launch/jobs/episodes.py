@@ -18,14 +18,36 @@ from rl.data import rundir
 
 def check_servers(cfg: SimloopConfig, roles: list[str]) -> None:
     """UsageError (exit 2, before anything starts) when a server this job would start for
-    `roles` cannot hold what is sent to it or does not fit this machine's memory."""
+    `roles` cannot hold what is sent to it, does not fit this machine's memory, or is a
+    `vllm serve` that cannot run here (not where the servers are given: `<role>.server_url`,
+    `$SIMLOOP_SERVER_URLS`; nor with another `vllm.command`, e.g. the fake vLLM)."""
     from launch.config.schema import check_local_servers
+    from launch.deploy.processes import external_servers
     from launch.errors import UsageError
+    from serving.vllm.launcher import vllm_missing
 
     try:
         check_local_servers(cfg, roles)
     except ValueError as e:
         raise UsageError(str(e)) from e
+    external = external_servers()
+    for role in roles:
+        if (
+            getattr(cfg, role).server_url is not None
+            or role in external
+            or cfg.serve.backend_of(role) != "vllm"
+            or cfg.vllm.command[:1] != ["vllm"]
+        ):
+            continue
+        missing = vllm_missing()
+        if missing is not None:
+            backend = f"serve.backends.{role}" if role in cfg.serve.backends else "serve.backend"
+            raise UsageError(
+                f"{backend}=vllm: this job would start `vllm serve` for the {role} here, "
+                f"but {missing}. Allowed: install simloop's [tpu] extra on Python >= 3.12 "
+                f"(vllm-tpu), point {role}.server_url at running servers, set vllm.command "
+                f"to another launcher, or serve.backends: {{{role}: jax}} (simloop's engine)"
+            )
 
 
 def job_backends(cfg: SimloopConfig, simulator_client=None):

@@ -146,7 +146,8 @@ def _servers(cfg: SimloopConfig, out: Path):
     fails) over simloop's admin route or vLLM's `/collective_rpc`."""
     from launch.deploy.local import role_clients
     from rl.session import Servers
-    from serving.pool import PoolPublisher, ReplicaPool
+    from serving.pool import ReplicaPool
+    from serving.pool_publish import PoolPublisher
     from serving.publisher import EnginePublisher
     from serving.vllm.publisher import VllmPublisher
 

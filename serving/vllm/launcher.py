@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -79,6 +82,21 @@ class ServedModel:
     """HF directory `vllm serve` starts from (config, tokenizer, initial weights)."""
     name: str
     """`--served-model-name`: the `model` clients send."""
+
+
+def vllm_missing() -> str | None:
+    """Why `vllm serve` cannot start on this machine (None: it can, as far as can be told
+    without starting it)."""
+    if sys.version_info < (3, 12):
+        return (
+            f"this is Python {sys.version_info.major}.{sys.version_info.minor}, where the [tpu] "
+            "extra installs no vLLM (vllm-tpu needs >= 3.12)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install 'simloop[tpu]')"
+    if shutil.which("vllm") is None:
+        return "no `vllm` executable is on PATH"
+    return None
 
 
 def build_vllm_command(

@@ -34,7 +34,8 @@ from rl.model import Qwen3
 from rl.model.params_io import save_params
 from rl.orchestrator.runner import RolloutRunner
 from rl.orchestrator.storage import TrajectoryWriter
-from serving.pool import PoolPublisher, ReplicaPool
+from serving.pool import ReplicaPool
+from serving.pool_publish import PoolPublisher
 from serving.publisher import EnginePublisher
 from serving.vllm.publisher import VllmPublisher
 from tests.fakes import free_port, wait_until

@@ -23,14 +23,8 @@ from rl.data.trajectory import validate
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from serving.client import BadAnswer, ClientConfig, ClientError, ClientTimeout
-from serving.pool import (
-    PoolConfig,
-    PoolPublisher,
-    PoolPublishError,
-    ReplicaDown,
-    ReplicaPool,
-    pinned,
-)
+from serving.pool import PoolConfig, ReplicaDown, ReplicaPool, pinned
+from serving.pool_publish import PoolPublisher, PoolPublishError
 from serving.publisher import EnginePublisher
 from tests.fakes import FakeAgentClient, free_port, wait_until
 

@@ -14,7 +14,8 @@ from aiohttp import web
 from launch.deploy.local import ReplicaRestarter, start_in_thread
 from rl.model.publish import InMemoryPublisher
 from serving.client import ClientConfig
-from serving.pool import PoolConfig, PoolPublisher, ReplicaDown, ReplicaPool
+from serving.pool import PoolConfig, ReplicaDown, ReplicaPool
+from serving.pool_publish import PoolPublisher
 from tests.fakes import free_port, wait_until
 
 FAST = ClientConfig(backoff_s=0.01, max_backoff_s=0.02, max_retries=0, timeout_s=5.0)

@@ -249,10 +249,12 @@ def test_vllm_without_planned_servers_is_a_one_line_error(capsys):
 def test_a_job_that_would_start_vllm_where_it_cannot_run_says_so_before_starting(
     capsys, monkeypatch, tmp_path
 ):
-    from launch.config import schema
+    from launch.errors import UsageError
+    from launch.jobs.episodes import check_servers
+    from serving.vllm import launcher
 
     # Whatever this machine has, as on a Python 3.11 install: no vLLM can start here.
-    monkeypatch.setattr(schema, "vllm_missing", lambda: "vllm is not installed (test)")
+    monkeypatch.setattr(launcher, "vllm_missing", lambda: "vllm is not installed (test)")
     out = tmp_path / "run"
     argv = ["train-agent", "--config", str(DEMO), "--out", str(out), "--serve.backend", "vllm"]
     assert main(argv) == 2
@@ -260,20 +262,22 @@ def test_a_job_that_would_start_vllm_where_it_cannot_run_says_so_before_starting
     assert "serve.backend=vllm" in err and "vllm is not installed (test)" in err
     assert "serve.backends: {agent: jax}" in err and "Traceback" not in err
     assert not out.exists()  # refused before the run directory was made
-    # Not where nothing is started here: a given server, or another launcher (the fake vLLM).
     cfg = load_config(SimloopConfig, DEMO, ["--serve.backend", "vllm"])
+    with pytest.raises(UsageError):
+        check_servers(cfg, ["agent"])
+    # Not where nothing is started here: a given server, or another launcher (the fake vLLM).
     given = load_config(
         SimloopConfig, DEMO, ["--serve.backend", "vllm", "--agent.server_url", "http://h:1"]
     )
-    schema.check_local_servers(given, ["agent"])
+    check_servers(given, ["agent"])
     fake = load_config(
         SimloopConfig,
         DEMO,
         ["--serve.backend", "vllm", "--vllm.command", f"[{sys.executable}, -m, fake, serve]"],
     )
-    schema.check_local_servers(fake, ["agent"])
+    check_servers(fake, ["agent"])
     monkeypatch.setenv("SIMLOOP_SERVER_URLS", json.dumps({"agent": ["http://h:1"]}))
-    schema.check_local_servers(cfg, ["agent"])  # a GKE pod's servers, started beside it
+    check_servers(cfg, ["agent"])  # a GKE pod's servers, started beside it
 
 
 # ----- the GKE render runs the same commands --------------------------------------------------
@@ -393,11 +397,8 @@ def test_a_local_tpu_trainer_takes_only_its_planned_chips():
     assert trainer_tpu_env(load_config(SimloopConfig, DEMO), "agent", {}) == {}  # CPU plan
 
 
-def test_vllm_servers_must_hold_the_episode_context(monkeypatch):
-    from launch.config import schema
+def test_vllm_servers_must_hold_the_episode_context():
     from launch.config.schema import check_local_servers
-
-    monkeypatch.setattr(schema, "vllm_missing", lambda: None)  # as on a TPU VM with vllm-tpu
 
     cfg = load_config(SimloopConfig, V6E_8, ["--vllm.max_model_len", "4096"])
     with pytest.raises(ValueError, match=r"at most vllm.max_model_len \(4096\)"):
