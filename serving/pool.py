@@ -58,7 +58,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -71,9 +71,6 @@ from serving.client import (
     Completion,
     InferenceClient,
 )
-
-if TYPE_CHECKING:
-    from serving.pool_publish import PoolPublisher
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +140,13 @@ class SessionLost(ReplicaDown):
     def __init__(self, url: str | None, why: str):
         super().__init__(url, why)
         self.status = 404
+
+
+class Republisher(Protocol):
+    """What readmission needs of the pool's publisher (`serving.pool_publish.PoolPublisher`)."""
+
+    async def bring_up(self, r: Replica, mark_live: Callable[[Replica], None]) -> None:
+        """Bring `r` to the current version, then `mark_live(r)`."""
 
 
 @dataclass(eq=False)
@@ -356,8 +360,9 @@ class ReplicaPool:
         urls = [r.url for r in self.replicas]
         if len(set(urls)) != len(urls):
             raise ValueError(f"ReplicaPool({role!r}) lists a replica twice: {urls}")
-        self.publisher: PoolPublisher | None = None
-        """Set by `PoolPublisher`: readmission republishes its current version first."""
+        self.publisher: Republisher | None = None
+        """Set by `serving.pool_publish.PoolPublisher`: readmission republishes its current
+        version first."""
         self._cursor = 0
         self._live_changed = asyncio.Event()
         self._health: asyncio.Task | None = None
