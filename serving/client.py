@@ -27,6 +27,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from rl import validate
 from serving.compaction import SessionCompaction  # also the orchestrator's (via the client)
+from serving.token_sessions import TokenSessions
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class ClientConfig:
     """Concurrent connections in the shared session."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer` on API calls (vLLM's --api-key)."""
+    client_sessions: bool = False
+    """Keep sessions here (`serving.token_sessions`), each call one completion of what the
+    session may see: for servers without a session API (vLLM). Off: sessions are the
+    server's (`simloop serve`), and a server without them makes `open_session` None."""
 
     def __post_init__(self) -> None:
         validate.require(
@@ -128,6 +133,7 @@ class InferenceClient:
         self.cfg = ClientConfig(config) if isinstance(config, str) else config
         self._session: aiohttp.ClientSession | None = None
         self._sleep = sleep
+        self._kept = TokenSessions(self.complete, ClientError) if self.cfg.client_sessions else None
 
     async def __aenter__(self) -> InferenceClient:
         return self
@@ -373,14 +379,16 @@ class InferenceClient:
         body, _ = await self.request("GET", "/admin/version", token=token)
         return int(body["version"])
 
-    # ----- persistent KV sessions (simloop serve; vLLM has none) ------------------------------
+    # ----- persistent KV sessions (simloop serve; kept here for vLLM: client_sessions) ---------
 
     async def open_session(
         self, *, ttl_s: float | None = None, compaction: SessionCompaction | dict | None = None
     ) -> str | None:
-        """A new session's id, or None when the server has no sessions (404/405: vLLM), so
-        the caller falls back to stateless completions. `compaction`: how the server thins
-        the session's KV (`serving.compaction`; default none)."""
+        """A new session's id, or None when the server has no sessions (404/405: vLLM without
+        `client_sessions`), so the caller falls back to stateless completions. `compaction`:
+        how the server thins the session's KV (`serving.compaction`; default none)."""
+        if self._kept is not None:
+            return await self._kept.open_session(ttl_s=ttl_s, compaction=compaction)
         ask: dict[str, Any] = {} if ttl_s is None else {"ttl_s": ttl_s}
         if isinstance(compaction, dict):  # a config's settings
             compaction = SessionCompaction.from_json(compaction or None)
@@ -418,6 +426,20 @@ class InferenceClient:
         first rewinds the session there, then appends again, so the session never holds a turn
         twice. Without `rewind_to` nothing is retried. A session the server forgot meanwhile
         (404 / 409 on the rewind) is the caller's to reopen, as on any call."""
+        if self._kept is not None:
+            return await self._kept.session_generate(
+                session_id,
+                append_token_ids,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                logprobs=logprobs,
+                stop_token_ids=stop_token_ids,
+                timeout_s=timeout_s,
+                rewind_to=rewind_to,
+                extra=extra,
+            )
         body = {
             "append_token_ids": list(append_token_ids),
             "max_tokens": max_tokens,
@@ -460,12 +482,16 @@ class InferenceClient:
         return out
 
     async def rewind_session(self, session_id: str, to: int) -> dict[str, Any]:
+        if self._kept is not None:
+            return await self._kept.rewind_session(session_id, to)
         body, _ = await self.request(
             "POST", f"/v1/sessions/{session_id}/rewind", json_body={"to": to}, retries=0
         )
         return body
 
     async def close_session(self, session_id: str) -> None:
+        if self._kept is not None:
+            return await self._kept.close_session(session_id)
         await self.request("DELETE", f"/v1/sessions/{session_id}", retries=0)
 
 

@@ -439,51 +439,67 @@ def session_settings(cfg: SimloopConfig) -> dict[str, dict[str, Any]]:
             "sessions": bool(o.sessions),
             "setting": "orchestrator.sessions",
             "compaction": (o.session_compaction or {}).get("mode", "none"),
+            "compaction_setting": "orchestrator.session_compaction",
         },
         "simulator": {
             "sessions": bool(sim.sessions or o.sessions),
             "setting": "env.shell.simulated.sessions" if sim.sessions else "orchestrator.sessions",
             "compaction": (sim.session_compaction or {}).get("mode", "none"),
+            "compaction_setting": "env.shell.simulated.session_compaction",
         },
     }
 
 
+VLLM_COMPACTION = ("none", "markovian")
+"""Compaction a session can have on vLLM: the client keeps the session and re-sends what it may
+see (`serving.token_sessions`); `turn` and `budget` thin a KV cache, which only simloop's engine
+keeps."""
+
+
 def check_session_backends(cfg: SimloopConfig) -> None:
-    """ValueError when a role's episodes are asked to run on KV sessions that its backend does
-    not keep: vLLM has no session API, so sessions there would silently become stateless
-    completions (and compaction would silently not happen)."""
+    """ValueError when a role's episodes are asked for session compaction that its backend
+    cannot do: on vLLM the client keeps the sessions (`serving.token_sessions`: the prompt and
+    the kept turns re-sent, vLLM's prefix cache re-using what the last call computed), which
+    can drop whole turns (`markovian`) but not thin a KV cache (`turn`, `budget`)."""
     for role, s in session_settings(cfg).items():
         if not s["sessions"] or cfg.serve.backend_of(role) != "vllm":
             continue
+        if s["compaction"] in VLLM_COMPACTION:
+            continue
         backend = f"serve.backends.{role}" if role in cfg.serve.backends else "serve.backend"
-        compaction = "" if s["compaction"] == "none" else f" (and {s['compaction']} compaction)"
+        key = s["compaction_setting"]
         raise ValueError(
-            f"{s['setting']}=true asks for persistent KV sessions{compaction} on the {role}'s "
-            f"servers, which are vLLM ({backend}: vllm) and keep none. Allowed: "
-            f"{s['setting']}: false (stateless completions; vLLM's prefix cache re-uses each "
-            f"episode's shared prefix), or serve.backends: {{{role}: jax}} (simloop's engine "
-            "keeps sessions and compacts them: markovian, turn, budget)"
+            f"{key}.mode={s['compaction']!r} thins the KV cache of the {role}'s sessions, but "
+            f"its servers are vLLM ({backend}: vllm), whose sessions the client keeps and can "
+            f"only re-send whole turns. Allowed: {key}.mode: markovian (the prompt and the "
+            f"last n_protect_turns turns re-sent) or none, or serve.backends: {{{role}: jax}} "
+            "(simloop's engine compacts its KV: markovian, turn, budget)"
         )
 
 
 def serving_features(cfg: SimloopConfig) -> list[str]:
-    """One line per serving role: its backend and replicas, and whether its episodes keep KV
-    sessions (with which compaction) and why: what `simloop config` prints under the YAML."""
+    """One line per serving role: its backend and replicas, and whether its episodes keep
+    sessions (with which compaction, kept where) and why: what `simloop config` prints under
+    the YAML."""
     lines = []
     for role, s in session_settings(cfg).items():
         serve = "agent_serve" if role == "agent" else "sim_serve"
         backend = cfg.serve.backend_of(role)
         url = getattr(cfg, role).server_url
         n = cfg.chips.replicas.get(serve, 1)
-        pool = " behind a pool" if n > 1 else ""
+        pool = " behind a pool (each episode pinned to one)" if n > 1 else ""
         where = f"the server at {url}" if url else f"{n} {backend} replica(s){pool}"
-        if s["sessions"]:
+        if s["sessions"] and backend == "vllm":
+            state = f"sessions on ({s['setting']}), kept by the client: each call re-sends " + (
+                "the prompt and the last turns (markovian), vLLM's prefix cache the rest"
+                if s["compaction"] == "markovian"
+                else "the whole episode, vLLM's prefix cache re-using what the last call computed"
+            )
+        elif s["sessions"]:
             state = f"KV sessions on ({s['setting']}), compaction {s['compaction']}"
         else:
             state = f"stateless completions ({s['setting']}: false" + (
-                "; vLLM keeps no sessions, its prefix cache re-uses shared prefixes)"
-                if backend == "vllm"
-                else ")"
+                "; vLLM's prefix cache re-uses shared prefixes)" if backend == "vllm" else ")"
             )
         lines.append(f"{role}: {where}; {state}")
     return lines

@@ -308,6 +308,21 @@ class RoleServers(dict):
         self.servers: dict[str, list] = {}
 
 
+def role_client_config(cfg, role: str, url: str, *, named: bool = True):
+    """The `ClientConfig` of one of `role`'s servers: on vLLM it sends the role as the model
+    name (`named`: servers simloop started or the pod entry named, `--served-model-name`) and
+    keeps the episodes' sessions itself (vLLM has no session API; `serving.token_sessions`)."""
+    from serving.client import ClientConfig
+
+    vllm = cfg.serve.backend_of(role) == "vllm"
+    return ClientConfig(
+        url,
+        timeout_s=cfg.orchestrator.request_timeout_s,
+        model=role if vllm and named else None,
+        client_sessions=vllm,
+    )
+
+
 @contextlib.asynccontextmanager
 async def role_clients(
     cfg,
@@ -327,7 +342,7 @@ async def role_clients(
     on every path. `admin_token` goes to the local jax servers of `admin_roles` (the agent's; the
     simulator's too when a co-trainer publishes to it); vLLM servers take weights over
     `/collective_rpc` instead."""
-    from serving.client import ClientConfig, InferenceClient
+    from serving.client import InferenceClient
 
     run_dir = Path(run_dir)
     external = external_servers()
@@ -378,10 +393,9 @@ async def role_clients(
             else:
                 servers, start = local[role]
                 urls = [s.url for s in servers]
-            model = role if vllm and url is None else None  # its --served-model-name
             clients.urls[role], clients.replicas[role], clients.servers[role] = urls, [], servers
             for u in urls:
-                cc = ClientConfig(u, timeout_s=cfg.orchestrator.request_timeout_s, model=model)
+                cc = role_client_config(cfg, role, u, named=url is None)
                 client = await stack.enter_async_context(InferenceClient(cc))
                 await client.wait_healthy(timeout_s=timeout)
                 clients.replicas[role].append(client)

@@ -61,8 +61,8 @@ EXCLUSION_KINDS = (
 """Why the trainer does not train on an episode: `masked_group`, a sibling of its group failed
 (group-relative advantages need every sibling); `dropped`, it failed and is left out alone
 (`orchestrator.failed_sibling: drop_episode`); `stale`, its group was admitted more than
-`max_staleness` versions before the trainer; `unreplayable`, its tokens cannot be replayed in
-one training forward (a compacted session the server recomputed uncompacted); `earlier_segment`,
+`max_staleness` versions before the trainer; `unreplayable`, its tokens cannot be replayed
+(runs from before `context_resets`: a compacted session the server recomputed); `earlier_segment`,
 a harness rollout's earlier segment under `reward_mode: last_segment`; `over_rows`, the batch
 had more segments than rows."""
 CONTROL_FIELDS = (
@@ -199,6 +199,17 @@ class Trajectory:
     produced, as epochs `{"start": s, "kept": [[a, b], ...]}` in order of `start`. A token at
     index i belongs to the last epoch with start <= i and saw the kept half-open ranges (all
     before s) plus every token from s to i. Empty: plain causal attention (no compaction)."""
+    context_resets: list[dict[str, Any]] = field(default_factory=list)
+    """Where the server computed the episode afresh from a context other than the stream so
+    far, `{"start": s, "context": [[a, b], ...]}` in order of `start`: from token s (to the next
+    reset) the tokens were computed in a new sequence holding the `context` ranges' tokens
+    (sorted, disjoint, the last one ending at s), re-prefilled at positions 0, 1, ..., then
+    tokens s, s+1, ... A client-kept session on vLLM that drops old turns (`markovian`,
+    `serving.token_sessions`) resets at every call that drops one; a compacted session that a
+    server forgot (or whose replica died) resets to `[[0, s]]` when it is reopened. Training
+    replays each reset as its own segment of the row (`rl.train.rollouts`). `kv_epochs` starting
+    after a reset are in that sequence's positions, so they may only follow a `[[0, s]]` reset.
+    Empty: one stream from the first token."""
     rollout_id: str = ""
     """Segments of one harness rollout (`simloop middleware`) share it: `loss.aggregation:
     rollout_mean` weighs every rollout equally, however many segments it split into. Empty:
@@ -438,6 +449,7 @@ def validate(traj: Trajectory) -> None:
     _validate_trials(traj, fail)
     _validate_tokens(traj, fail)
     _validate_kv_epochs(traj, fail)
+    _validate_context_resets(traj, fail)
 
 
 def _validate_control(traj: Trajectory, fail) -> None:
@@ -505,6 +517,53 @@ def _validate_kv_epochs(traj: Trajectory, fail) -> None:
                     f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})",
                 )
             prev = r[1]
+
+
+def _validate_context_resets(traj: Trajectory, fail) -> None:
+    resets = traj.context_resets
+    if not isinstance(resets, list):
+        fail("context_resets", resets, "a list")
+    last = 0
+    for i, reset in enumerate(resets):
+        name = f"context_resets[{i}]"
+        if not isinstance(reset, dict) or set(reset) != {"start", "context"}:
+            fail(name, reset, 'an object {"start": int, "context": [[a, b], ...]}')
+        start, context = reset["start"], reset["context"]
+        if not _is_int(start) or not last < start <= len(traj.token_ids):
+            fail(
+                f"{name}.start",
+                start,
+                f"an integer in ({last}, {len(traj.token_ids)}] "
+                "(resets in increasing order, within the token ids)",
+            )
+        last, prev = start, 0
+        if not isinstance(context, list) or not context:
+            fail(f"{name}.context", context, "a non-empty list of [a, b] ranges")
+        for r in context:
+            if not (
+                isinstance(r, list | tuple)
+                and len(r) == 2
+                and all(_is_int(x) for x in r)
+                and prev <= r[0] < r[1] <= start
+            ):
+                fail(
+                    f"{name}.context",
+                    r,
+                    f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})",
+                )
+            prev = r[1]
+        if prev != start:
+            fail(f"{name}.context", context, f"ranges whose last one ends at start ({start})")
+        prefix = [list(r) for r in context] == [[0, start]]
+        nxt = resets[i + 1]["start"] if i + 1 < len(resets) else len(traj.token_ids) + 1
+        inside = [e["start"] for e in traj.kv_epochs if start <= e["start"] < nxt]
+        if inside and not prefix:
+            fail(
+                f"{name}.context",
+                context,
+                f"[[0, {start}]]: kv_epochs start inside this reset ({inside[0]}), and their "
+                "positions are the reset's sequence's only when it re-sent the whole prefix",
+            )
 
 
 def _validate_trials(traj: Trajectory, fail) -> None:

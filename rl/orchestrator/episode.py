@@ -32,7 +32,7 @@ from envs.fidelity import compare_observations
 from envs.tasks import Task
 from envs.terminal import TrialEnv
 from rl.data.chat import ChatRenderer, Message
-from rl.data.trajectory import Exclusion, Trajectory, Trial, Turn, render_token_view
+from rl.data.trajectory import Trajectory, Trial, Turn, render_token_view
 from rl.orchestrator.config import OrchestratorConfig
 from serving.pool import Affinity, pinned
 
@@ -187,35 +187,38 @@ def _trials(records: list[dict], traj: Trajectory) -> list[Trial]:
 
 
 class _SessionTurns:
-    """The agent's turns through one server session (`orchestrator.sessions`): each call
-    appends what the episode's token stream gained since the session last saw it. A call whose
-    answer was lost (connection error, 5xx, 429) is retried from the turn boundary: the client
+    """The agent's turns through one session (`orchestrator.sessions`): each call appends
+    what the episode's token stream gained since the session last saw it. A call whose answer
+    was lost (connection error, 5xx, 429) is retried from the turn boundary: the client
     rewinds the session to what it held before the call and appends again.
 
     A session the server forgot (its TTL, memory pressure, a restart, a pool replica that died:
     404 / 409; an episode's calls are sequential, so 409 is never "busy") is opened again (by a
     pool, on a live replica) and sent the whole episode so far; the trajectory's meta records
     each reopen and why (`session_reopened`, `session_reopen_reasons`). Without compaction
-    that is exact: plain causal attention either way. After a compaction it is not: the new
-    session recomputes the earlier tokens' keys with everything in view, while they were first
-    computed (and sampled from) with part of it hidden, and one training forward holds one key
-    per token. Such an episode is kept but marked `dropped`
-    (`recomputed_compacted`); an epoch from the reopen on that keeps everything before it
-    records what the new tokens themselves attended to."""
+    that is exact: plain causal attention either way. After a compaction it is not what the
+    first session computed: the new one recomputes the earlier tokens' keys with everything in
+    view. The episode records a context reset there (`Trajectory.context_resets`: the whole
+    prefix re-sent), which training replays as a second segment of the row, so it stays
+    trainable and exact. Sessions a client keeps for a server without them (vLLM,
+    `serving.token_sessions`) report their own resets (each call that dropped a turn)."""
 
     def __init__(self, client, session_id: str, compaction=None):
         self.client, self.id, self.held = client, session_id, 0
         self.compaction = compaction
         self.epochs: list[dict] = []
         """What the server's compaction let each token see (`Trajectory.kv_epochs`)."""
+        self.resets: list[dict] = []
+        """Where the server computed the episode afresh (`Trajectory.context_resets`)."""
         self.reopened = 0
         self.reopen_reasons: list[str] = []
         """Why each reopen happened (the server forgot the session; its replica died)."""
-        self.recomputed_compacted = False
-        """Reopened after a compaction: the run cannot be replayed in one forward."""
         self._floor = 0
         """Epochs the server reports from before the last reopen (the new session's first,
         plain one) are not news."""
+
+    def _compacted(self) -> bool:
+        return bool(self.resets) or any(ep["start"] > 0 for ep in self.epochs)
 
     async def complete(self, ids: list[int], **kw) -> Any:
         kw.pop("logprobs", None)
@@ -231,15 +234,18 @@ class _SessionTurns:
                 raise
             self.id, self.held, self.reopened = sid, 0, self.reopened + 1
             self.reopen_reasons.append(str(e)[:300])
-            if any(ep["start"] > 0 for ep in self.epochs):
-                self.epochs.append({"start": len(ids), "kept": [[0, len(ids)]]})
-                self.recomputed_compacted = True
+            if self._compacted():
+                self.resets.append({"start": len(ids), "context": [[0, len(ids)]]})
             self._floor = len(ids)
             out = await self.client.session_generate(
                 self.id, list(ids), logprobs=0, rewind_to=0, **kw
             )
         self.held = len(ids) + len(out.token_ids)
-        epoch = out.raw.get("kv_epoch")
+        raw = out.raw if isinstance(out.raw, dict) else {}
+        reset = raw.get("context_reset")
+        if isinstance(reset, dict) and (not self.resets or reset != self.resets[-1]):
+            self.resets = [r for r in self.resets if r["start"] < reset["start"]] + [reset]
+        epoch = raw.get("kv_epoch")
         if isinstance(epoch, dict) and self._floor and epoch.get("start", 0) < self._floor:
             epoch = None  # the reopened session's own view of what it was sent: nothing new
         if isinstance(epoch, dict) and (not self.epochs or epoch != self.epochs[-1]):
@@ -275,16 +281,10 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
     finally:
         if session is not None:
             result.trajectory.kv_epochs = session.kv_epochs()
+            result.trajectory.context_resets = [dict(r) for r in session.resets]
             if session.reopened:
                 result.trajectory.meta["session_reopened"] = session.reopened
                 result.trajectory.meta["session_reopen_reasons"] = session.reopen_reasons
-            if session.recomputed_compacted:
-                result.trajectory.exclusion = result.trajectory.exclusion or Exclusion(
-                    "unreplayable",
-                    "the server forgot the agent's compacted session mid-episode; reopened, "
-                    "it recomputed the earlier tokens uncompacted, which one training forward "
-                    "cannot replay",
-                )
             await asyncio.shield(session.close())
 
 

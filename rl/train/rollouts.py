@@ -201,26 +201,45 @@ def build_rl_batch(
     per_trial = trial_advantages(used, cfg)
     stale: list[int] = []
     for row, (t, a) in enumerate(zip(used, adv, strict=True)):
-        ids = t.token_ids
-        if len(ids) - 1 > T:
+        # Each sequence the server computed becomes a segment of the row (one without
+        # `context_resets`): token k of the sequence predicts token k + 1, which is trained
+        # here only if it is one of the segment's own tokens.
+        parts = []
+        for idx, own in replay_segments(t):
+            k = np.arange(1, len(idx))
+            own_k = k >= max(own, 1)
+            parts.append((idx, np.where(own_k, idx[k], -1)))
+        total = sum(len(idx) - 1 for idx, _ in parts)
+        if total > T:
             stats.truncated_rows += 1
-        n = min(len(ids) - 1, T)
-        mask = np.asarray(t.loss_mask[1 : n + 1], np.int32)
-        blp = np.asarray(
-            [x if x is not None else 0.0 for x in t.behavior_logprobs[1 : n + 1]], np.float32
-        )
-        batch["tokens"][row, :n] = ids[:n]
-        batch["targets"][row, :n] = ids[1 : n + 1]
-        batch["loss_mask"][row, :n] = mask
-        batch["segment_ids"][row, :n] = 1
-        batch["positions"][row, :n] = np.arange(n)
-        batch["behavior_logprobs"][row, :n] = blp * mask
-        if row in per_trial:  # each trial's tokens get its own trial's advantage
-            batch["advantages"][row, :n] = per_trial[row][1 : n + 1] * mask
-        else:
-            batch["advantages"][row, :n] = a * mask
-        versions = t.policy_version[1 : n + 1]
-        stale += [version - v for v, m in zip(versions, mask, strict=True) if m and v is not None]
+        ids = np.asarray(t.token_ids, np.int64)
+        lmask = np.asarray(t.loss_mask, np.int32)
+        blp_all = np.asarray([x if x is not None else 0.0 for x in t.behavior_logprobs], np.float32)
+        trial_adv = per_trial.get(row)
+        at = 0
+        for j, (idx, trained) in enumerate(parts):
+            n = min(len(idx) - 1, T - at)
+            if n <= 0:
+                break
+            sl = slice(at, at + n)
+            tgt, mine = idx[1 : n + 1], trained[:n]
+            m = np.where(mine >= 0, lmask[tgt], 0).astype(np.int32)
+            batch["tokens"][row, sl] = ids[idx[:n]]
+            batch["targets"][row, sl] = ids[tgt]
+            batch["loss_mask"][row, sl] = m
+            batch["segment_ids"][row, sl] = j + 1
+            batch["positions"][row, sl] = np.arange(n)
+            batch["behavior_logprobs"][row, sl] = blp_all[tgt] * m
+            if trial_adv is not None:  # each trial's tokens get its own trial's advantage
+                batch["advantages"][row, sl] = trial_adv[tgt] * m
+            else:
+                batch["advantages"][row, sl] = a * m
+            stale += [
+                version - t.policy_version[i]
+                for i, keep in zip(tgt, m, strict=True)
+                if keep and t.policy_version[i] is not None
+            ]
+            at += n
     groups: dict[str, list[float]] = defaultdict(list)
     for t, r in zip(used, rewards, strict=True):
         groups[t.group_id or t.task_id].append(r)
@@ -255,21 +274,58 @@ def rollout_tokens(
     return out
 
 
+def replay_segments(t: Trajectory) -> list[tuple[np.ndarray, int]]:
+    """The sequences the server computed `t` in, as training replays them: `(indices into
+    t.token_ids in sequence order, how many of them lead as re-sent context)`. One `(all, 0)`
+    without `context_resets`; each reset adds its context ranges followed by its own tokens
+    (up to the next reset). A reset with no own tokens adds nothing."""
+    n = len(t.token_ids)
+    bounds = [0, *(int(r["start"]) for r in t.context_resets), n]
+    out = []
+    for j in range(len(bounds) - 1):
+        lo, hi = bounds[j], bounds[j + 1]
+        if hi <= lo:
+            continue
+        ctx = [] if j == 0 else [np.arange(a, b) for a, b in t.context_resets[j - 1]["context"]]
+        lead = sum(len(c) for c in ctx)
+        out.append((np.concatenate([*ctx, np.arange(lo, hi)]).astype(np.int64), lead))
+    return out
+
+
 def kv_visibility(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> dict:
     """The arrays of `rl.model.transformer.KVVisibility` for rows of `episodes` (row i is
     episode i): `kv_epoch` [rows, T], `kv_start` [rows, E], `kv_kept` [rows, E, T] (E: the
-    most epochs of any episode). An episode without `kv_epochs` gets one epoch from 0 with
-    nothing kept: plain causal attention."""
+    most epochs of any row). Every segment of a row (`replay_segments`) opens with a plain
+    epoch; an episode's `kv_epochs` fall in the segment whose own tokens they start in, whose
+    positions are token indices (the first segment, or a reset that re-sent the whole prefix),
+    shifted by where the segment begins in the row. Plain epochs see everything of their
+    segment: the row's segment ids keep the segments apart."""
     T = seq_len
-    E = max([len(t.kv_epochs) for t in episodes] + [1])
+    layouts = []
+    for t in episodes:
+        segs, at, bounds = [], 0, [0, *(int(r["start"]) for r in t.context_resets)]
+        for idx, lead in replay_segments(t):
+            lo = int(idx[lead]) if lead < len(idx) else len(t.token_ids)
+            segs.append((at, lo))
+            at += len(idx) - 1
+        epochs = []
+        for off, lo in segs:
+            nxt = min([b for b in bounds if b > lo] + [len(t.token_ids) + 1])
+            epochs.append((off, []))
+            for ep in t.kv_epochs:
+                if lo <= ep["start"] < nxt:
+                    kept = [(off + a, off + b) for a, b in ep["kept"]]
+                    epochs.append((off + int(ep["start"]), kept))
+        layouts.append(epochs)
+    E = max([len(e) for e in layouts] + [1])
     epoch = np.zeros((rows, T), np.int32)
     start = np.zeros((rows, E), np.int32)
     kept = np.zeros((rows, E, T), bool)
-    for row, t in enumerate(episodes):
-        for e, ep in enumerate(t.kv_epochs):
-            s = min(int(ep["start"]), T)
+    for row, epochs in enumerate(layouts):
+        for e, (s, ranges) in enumerate(epochs):
+            s = min(s, T)
             start[row, e] = s
             epoch[row, s:] = e
-            for a, b in ep["kept"]:
+            for a, b in ranges:
                 kept[row, e, min(a, T) : min(b, T)] = True
     return {"kv_epoch": epoch, "kv_start": start, "kv_kept": kept}

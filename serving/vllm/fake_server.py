@@ -51,6 +51,8 @@ log = logging.getLogger("vllm.entrypoints.openai.api_server")
 
 VERSION = "0.0.0+simloop.fake"
 DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block: vLLM's prefix cache hits whole blocks, and so do the fake's counts."""
 """Sequences decoded together (vLLM's default, 256, is far more than a CPU test needs)."""
 
 
@@ -78,6 +80,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     serve.add_argument("--tokenizer", default=None, help="tokenizer directory or tokenizer.json")
     serve.add_argument("--seed", type=int, default=None, help="accepted, unused")
     serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (prefix cache hits)",
+    )
+    serve.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="KV block (hits count whole)"
+    )
     serve.add_argument(
         "--speculative-config",
         type=_speculative,
@@ -139,6 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "in (0, 1]",
         ),
         ("--max-num-seqs", args.max_num_seqs, args.max_num_seqs >= 1, ">= 1"),
+        ("--block-size", args.block_size, args.block_size >= 1, ">= 1"),
     ):
         if not ok:
             serve.error(f"argument {flag}: {value} is invalid: {allowed}")
@@ -308,9 +319,23 @@ def make_server_class():
         """simloop's `Server` (its engine plumbing, parsing and limits) with vLLM's routes and
         shapes."""
 
-        def __init__(self, engine, tokenizer, cfg, *, workers, root: str, dev_mode: bool):
+        def __init__(
+            self,
+            engine,
+            tokenizer,
+            cfg,
+            *,
+            workers,
+            root: str,
+            dev_mode: bool,
+            block_size: int = DEFAULT_BLOCK_SIZE,
+            prompt_details: bool = False,
+        ):
             super().__init__(engine, tokenizer, cfg)
             self.workers, self.root, self.dev_mode = workers, root, dev_mode
+            self.block_size, self.prompt_details = block_size, prompt_details
+            self.cache_queries = self.cache_hits = 0
+            """vLLM's `prefix_cache_queries` / `prefix_cache_hits` counters (tokens)."""
             self._rpc_lock = asyncio.Lock()
             self._background: set[asyncio.Task] = set()
 
@@ -413,7 +438,27 @@ def make_server_class():
                 version=self.engine.version,
                 request_id=request_id,
             )
-            return web.json_response(_as_vllm(body, req, outputs))
+            # vLLM's prefix cache hits whole blocks: the engine's reused tokens, whole blocks
+            block = self.block_size
+            hits = sum(outs[0].cached_tokens // block * block for outs in outputs if outs)
+            self.cache_queries += sum(len(p) for p in req.prompts)
+            self.cache_hits += hits
+            return web.json_response(
+                _as_vllm(body, req, outputs, cached=hits if self.prompt_details else None)
+            )
+
+        async def prometheus(self, request: web.Request) -> web.Response:
+            lines = [self.metrics.render(self.engine).rstrip("\n")]
+            for name, value, text in (
+                ("prefix_cache_queries", self.cache_queries, "prompt tokens looked up"),
+                ("prefix_cache_hits", self.cache_hits, "prompt tokens found (whole blocks)"),
+            ):
+                lines += [
+                    f"# HELP vllm:{name}_total {text} in the prefix cache",
+                    f"# TYPE vllm:{name}_total counter",
+                    f'vllm:{name}_total{{model_name="{self.cfg.model_name}"}} {value}',
+                ]
+            return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
         # ----- dev-mode routes ------------------------------------------------------------
 
@@ -512,13 +557,14 @@ def make_server_class():
     return FakeVllmServer
 
 
-def _as_vllm(body: dict, req, outputs) -> dict:
+def _as_vllm(body: dict, req, outputs, *, cached: int | None = None) -> dict:
     """simloop's response as vLLM writes it: no `weight_version` / `token_versions`, chat's
     `prompt_token_ids` at the top, `stop_reason` the stop token id that ended a choice, usage
-    without prompt token details (vLLM's default)."""
+    without prompt token details (vLLM's default) unless `cached` is given
+    (`--enable-prompt-tokens-details`: the prompt tokens the prefix cache served)."""
     body.pop("weight_version", None)
     body["system_fingerprint"] = None
-    body["usage"]["prompt_tokens_details"] = None
+    body["usage"]["prompt_tokens_details"] = None if cached is None else {"cached_tokens": cached}
     flat = [o for outs in outputs for o in outs]
     stop_ids = set(req.params.stop_token_ids)
     for choice, out in zip(body["choices"], flat, strict=True):
@@ -628,7 +674,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown_timeout_s=3.0,
     )
     make = functools.partial(
-        make_server_class(), workers=workers, root=args.model, dev_mode=dev_mode
+        make_server_class(),
+        workers=workers,
+        root=args.model,
+        dev_mode=dev_mode,
+        block_size=args.block_size,
+        prompt_details=args.enable_prompt_tokens_details,
     )
     log.info(
         "model %s: %.2fM params, %d worker(s) (%s), max_model_len %d, %d sequences, "

@@ -126,6 +126,8 @@ def build_vllm_command(
         "--served-model-name", served_model_name,
         # vLLM V1 caches prefixes unless told not to, so "off" must be said explicitly.
         "--enable-prefix-caching" if cfg.enable_prefix_caching else "--no-enable-prefix-caching",
+        # usage.prompt_tokens_details.cached_tokens: the client reads prefix cache hits there
+        "--enable-prompt-tokens-details",
         "--gpu-memory-utilization", str(cfg.gpu_memory_utilization),
         "--worker-extension-cls", WORKER_EXTENSION,
     ]  # fmt: skip

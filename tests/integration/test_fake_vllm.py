@@ -9,6 +9,7 @@ leaves the weights it started with in place, and stopping the server at the end 
 check.
 """
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -77,7 +78,13 @@ def server(weights):
     root = weights["root"]
     proc = Proc("agent_serve", (0, 1), free_port())  # two chips: two tensor-parallel workers
     # n-gram speculation on: the tokens and logprobs below must still be plain decoding's
-    cfg = VllmConfig(max_model_len=64, start_stagger_s=0.0, health_timeout_s=180.0, speculate=4)
+    cfg = VllmConfig(
+        max_model_len=64,
+        start_stagger_s=0.0,
+        health_timeout_s=180.0,
+        speculate=4,
+        extra_args=["--block-size", "8"],  # prefix cache hits count whole blocks
+    )
     (server,) = launch_servers(
         [proc],
         cfg,
@@ -304,3 +311,113 @@ async def test_reset_prefix_cache_makes_the_next_prompt_prefill_again(reference)
     assert cold.cached_tokens == 0
     (warm_again,) = await reference.generate(PROMPT, params)
     assert warm_again.cached_tokens == len(PROMPT) - 1
+
+
+@on_server
+async def test_client_kept_sessions_hit_the_prefix_cache_and_the_trainer_replays_them(
+    server, weights
+):
+    """Sessions on vLLM (`ClientConfig.client_sessions`): each call re-sends what the session
+    keeps, the fake's prefix cache serves what an earlier call computed (whole 8-token blocks,
+    counted in the responses and in vLLM's `/metrics` counters alike), and the trainer's
+    logprobs of every sampled token equal the server's — for `markovian` only because each
+    call that dropped a turn is replayed as its own segment (`context_resets`)."""
+    from launch.config.schema import SimloopConfig
+    from rl.data.trajectory import Trajectory, Turn, validate
+    from rl.model import tiny
+    from rl.orchestrator.episode import _SessionTurns
+    from rl.train.build import build_trainer
+    from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
+    from rl.train.rollouts import build_rl_batch
+    from serving.compaction import SessionCompaction
+
+    async def prefix_counters(c) -> dict[str, float]:
+        raw = await c._get_session().get(f"{server.url}/metrics")
+        text = await raw.text()
+        out = {}
+        for line in text.splitlines():
+            for name in ("prefix_cache_queries", "prefix_cache_hits"):
+                if line.startswith(f"vllm:{name}_total{{"):
+                    out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    ccfg = ClientConfig(server.url, model="agent", max_retries=0, client_sessions=True)
+    trajs, hits = {}, {}
+    async with InferenceClient(ccfg) as c:
+        before = await prefix_counters(c)
+        for mode in ("none", "markovian"):
+            compaction = SessionCompaction(mode=mode)
+            turns = _SessionTurns(c, await c.open_session(compaction=compaction), compaction)
+            ids, mask, logp, spans = list(range(40, 48)), [0] * 8, [None] * 8, []
+            hits[mode] = []
+            for k in range(6):
+                out = await turns.complete(
+                    list(ids), max_tokens=4, temperature=1.0, seed=k, extra={"ignore_eos": True}
+                )
+                assert len(out.token_ids) == 4 and len(out.logprobs) == 4
+                spans.append(Turn(agent_text="", token_span=(len(ids), len(ids) + 4)))
+                ids += out.token_ids
+                mask += [1] * 4
+                logp += out.logprobs
+                hits[mode].append(out.cached_tokens)
+                if k < 5:  # an observation the next call appends
+                    ids += [60 + k, 70 + k, 80 + k, 90 + k]
+                    mask += [0] * 4
+                    logp += [None] * 4
+            await turns.close()
+            trajs[mode] = Trajectory(
+                task_id=mode,
+                arm="real",
+                env_backend="local",
+                status="ok",
+                reward=1.0,
+                turns=spans,
+                token_ids=ids,
+                loss_mask=mask,
+                behavior_logprobs=logp,
+                policy_version=[0 if m else None for m in mask],
+                tokenizer="byte",
+                kv_epochs=turns.kv_epochs(),
+                context_resets=turns.resets,
+            )
+            validate(trajs[mode])
+        after = await prefix_counters(c)
+    # `none` re-sends everything: from the second call on, all but the last computed token
+    # of the previous call come from the cache, counted in whole blocks of 8.
+    assert trajs["none"].context_resets == []
+    for k in range(1, 6):
+        computed = 8 + 8 * k - 5  # the last call's prompt and its tokens but the last sampled
+        assert hits["none"][k] == computed // 8 * 8, (k, hits["none"])
+    # `markovian` keeps the prompt and the latest turn: from the third call on, each call
+    # drops a turn (a reset); only the prompt's block is still cached.
+    resets = trajs["markovian"].context_resets
+    assert [r["start"] for r in resets] == [8 + 8 * k for k in range(2, 6)], resets
+    assert all(r["context"] == [[0, 8], [r["start"] - 8, r["start"]]] for r in resets)
+    assert hits["markovian"][2:] == [8, 8, 8, 8], hits["markovian"]
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == sum(
+        sum(h) for h in hits.values()
+    )
+    assert after["prefix_cache_queries"] > after["prefix_cache_hits"]
+
+    trainer = build_trainer(
+        RoleConfig(model=tiny(initializer_range=0.3), hf_path=str(weights["hf_dir"])),
+        ByteTokenizer(),
+        optim=OptimConfig(),
+        steps=1,
+        loss="policy",
+        rules=SimloopConfig().sharding.rules,
+        seed=0,
+    )
+    rows = [trajs["none"], trajs["markovian"]]
+    loss = PolicyLossConfig()
+    batch, stats = build_rl_batch(rows, rows=2, seq_len=160, cfg=loss, version=0)
+    assert stats.used == 2 and stats.truncated_rows == 0
+    mask = batch["loss_mask"].astype(bool)
+    assert mask.sum() == 48  # 6 turns x 4 sampled tokens, each trained once
+    gap = np.abs(np.asarray(trainer.logprobs(batch)) - batch["behavior_logprobs"])[mask]
+    assert gap.max() <= LOGPROB_TOL, f"max |trainer - server| logprob {gap.max():.2e}"
+    # Replayed as one stream instead, the markovian row's later turns are not what was sampled
+    blind_rows = [rows[0], dataclasses.replace(rows[1], context_resets=[])]
+    blind, _ = build_rl_batch(blind_rows, rows=2, seq_len=160, cfg=loss, version=0)
+    off = np.abs(np.asarray(trainer.logprobs(blind)) - blind["behavior_logprobs"])
+    assert off[1][blind["loss_mask"][1].astype(bool)].max() > 100 * LOGPROB_TOL

@@ -330,3 +330,61 @@ async def test_in_memory_episode_source_passes_the_version():
     assert calls == [0, 2]
     assert first[0].group_id == "v0" and second[0].group_id == "v2"
     assert src.versions_seen == [0, 1, 2]
+
+
+def test_context_resets_pack_each_computed_sequence_as_a_segment_training_each_token_once():
+    # prompt 0-2; turn 0 generated 3-6, obs 7-8; turn 1 generated 9-12, obs 13-14; turn 2
+    # generated 15-18. The server computed turn 1 from [prompt, turn 0 + obs] (nothing dropped
+    # yet: one stream) and turn 2 from [prompt, turn 1 + obs] (turn 0 dropped: a reset).
+    t = make_traj(gens=((4, 0), (4, 0), (4, 0)))
+    assert len(t.token_ids) == 19
+    t.context_resets = [{"start": 15, "context": [[0, 3], [9, 15]]}]
+    validate(t)
+    batch, stats = build_rl_batch([t], rows=1, seq_len=32, cfg=CFG, version=0)
+    assert stats.truncated_rows == 0
+    seg1, seg2 = list(range(15)), [0, 1, 2, *range(9, 19)]
+    ids = np.asarray(t.token_ids)
+    n1, n2 = len(seg1) - 1, len(seg2) - 1
+    assert batch["tokens"][0, :n1].tolist() == ids[seg1[:-1]].tolist()
+    assert batch["tokens"][0, n1 : n1 + n2].tolist() == ids[seg2[:-1]].tolist()
+    assert batch["targets"][0, n1 : n1 + n2].tolist() == ids[seg2[1:]].tolist()
+    assert batch["segment_ids"][0, : n1 + n2].tolist() == [1] * n1 + [2] * n2
+    assert batch["segment_ids"][0, n1 + n2 :].tolist() == [0] * (32 - n1 - n2)
+    assert batch["positions"][0, n1 : n1 + n2].tolist() == list(range(n2))
+    # every generated token is trained exactly once, with its own behavior logprob: turns 0
+    # and 1 in the first segment, turn 2 (15-18) in the second, where turn 1 is context only
+    trained = [tgt for tgt, m in zip(batch["targets"][0], batch["loss_mask"][0], strict=True) if m]
+    assert sorted(trained) == sorted(ids[np.asarray(t.loss_mask, bool)].tolist())
+    lp = batch["behavior_logprobs"][0][batch["loss_mask"][0].astype(bool)]
+    want = [x for x, m in zip(t.behavior_logprobs, t.loss_mask, strict=True) if m]
+    np.testing.assert_allclose(lp, want, rtol=1e-6)
+    assert batch["loss_mask"][0, n1 : n1 + 8].sum() == 0  # predicting the re-sent context
+    assert stats.tokens == 12
+
+
+def test_a_prefix_reset_keeps_its_kv_epochs_in_the_second_segment():
+    # Compacted in the first stream (epoch at 9 kept [0, 3) only), then the session was lost
+    # and reopened with the whole prefix (reset at 15), which compacted again at 17.
+    t = make_traj(gens=((4, 0), (4, 0), (4, 0)))
+    t.kv_epochs = [
+        {"start": 0, "kept": []},
+        {"start": 9, "kept": [[0, 3]]},
+        {"start": 17, "kept": [[0, 5], [15, 17]]},
+    ]
+    t.context_resets = [{"start": 15, "context": [[0, 15]]}]
+    validate(t)
+    batch, _ = build_rl_batch([t], rows=1, seq_len=40, cfg=CFG, version=0)
+    off = 14  # the first segment's 14 inputs (tokens 0-13)
+    vis = {k: batch[k][0] for k in ("kv_epoch", "kv_start", "kv_kept")}
+    starts = vis["kv_start"].tolist()
+    assert starts[:5] == [0, 0, 9, off, off + 17]
+    assert vis["kv_epoch"][10] == 2 and vis["kv_epoch"][off + 3] == 3
+    assert vis["kv_epoch"][off + 17] == 4
+    assert np.flatnonzero(vis["kv_kept"][4]).tolist() == [
+        *range(off, off + 5),
+        *range(off + 15, off + 17),
+    ]
+    # a reset that re-sent less than the whole prefix cannot carry epochs after it
+    t.context_resets = [{"start": 15, "context": [[0, 3], [9, 15]]}]
+    with pytest.raises(ValueError, match=r"context_resets\[0\]\.context"):
+        validate(t)

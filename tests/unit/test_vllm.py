@@ -54,7 +54,8 @@ def test_build_vllm_command_is_the_documented_argv():
     assert build_vllm_command("/m/qwen", proc, cfg, served_model_name="agent") == [
         "vllm", "serve", "/m/qwen", "--tensor-parallel-size", "4", "--max-model-len", "4096",
         "--port", "8001", "--host", "127.0.0.1", "--served-model-name", "agent",
-        "--enable-prefix-caching", "--gpu-memory-utilization", "0.8",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--gpu-memory-utilization", "0.8",
         "--worker-extension-cls", "serving.vllm.worker_extension.OrbaxWeightLoader",
         "--dtype", "bfloat16",
     ]  # fmt: skip
