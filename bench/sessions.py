@@ -15,6 +15,13 @@ episode's previous turn in a finished slot (what it really prefilled is reported
     .venv/bin/python bench/sessions.py --json sessions.json
     .venv/bin/python bench/sessions.py --compaction   # + the turn and budget compaction modes
     .venv/bin/python bench/sessions.py --replicas 2   # every mode on a pool of 2 servers
+    .venv/bin/python bench/sessions.py --vllm         # + the fake vLLM (serving/vllm/fake_server)
+
+`--vllm` also starts `--replicas` fake vLLM servers (vLLM's API on simloop's engine) of a
+tiny model, with prefix caching and without: the sessions there are the client's
+(`ClientConfig.client_sessions`: each call re-sends the episode, the replica's prefix cache
+computing only what is new, its hits read from `usage.prompt_tokens_details`), measured
+against the same episodes re-prefilled in full by the servers without prefix caching.
 
 The session episodes also run once with markovian compaction (`serving.compaction`, the last
 turn protected), which bounds the KV a turn holds; `--compaction` adds the turn (half of an
@@ -54,11 +61,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -76,6 +88,9 @@ TOK = ByteTokenizer()
 WINDOW = 10
 """Turns per latency window: turns 2..WINDOW+1 (turn 1 has no history) vs the last WINDOW."""
 DRIFT_TARGET = 1.2
+VLLM_BLOCK = 16
+"""The fake vLLM's KV block (its default, vLLM's): a prompt's cache hit is whole blocks, so a
+turn prefills up to a block beyond what it appended (plus the last sampled token)."""
 FLAT = ("markovian",)
 """Compaction modes whose KV stays the same size from turn 2 on: their latency must stay flat.
 (budget's fills over the first turns, and turn's keeps a share of every older turn.)"""
@@ -103,7 +118,9 @@ def sampling(args) -> dict:
 
 
 def compaction_of(mode: str, args) -> SessionCompaction | None:
-    """`session:<mode>` -> its compaction settings (`session`: none; stateless modes: None)."""
+    """`session:<mode>` -> its compaction settings (`session`: none; stateless modes: None;
+    a `vllm/` prefix: the same on the fake vLLM servers)."""
+    mode = mode.removeprefix("vllm/")
     if not mode.startswith("session"):
         return None
     name = mode.partition(":")[2] or "none"
@@ -128,17 +145,19 @@ async def episode(client: InferenceClient, mode: str, index: int, args) -> list[
             obs = observation(rng, args.obs_tokens)
             began = time.perf_counter()
             if sid is not None:
-                raw = (
-                    await client.session_generate(
-                        sid,
-                        obs,
-                        max_tokens=args.reply_tokens,
-                        temperature=0.0,
-                        extra={"ignore_eos": True},
-                    )
-                ).raw
-                reply, cached = raw["token_ids"], raw["cached_tokens"]
-                context, kv = raw["session_tokens"] - len(reply), raw["kv_tokens"]
+                out = await client.session_generate(
+                    sid,
+                    obs,
+                    max_tokens=args.reply_tokens,
+                    temperature=0.0,
+                    extra={"ignore_eos": True},
+                )
+                raw, reply, cached = out.raw, out.token_ids, out.cached_tokens or 0
+                if "session_tokens" in raw:  # a server's session
+                    context, kv = raw["session_tokens"] - len(reply), raw["kv_tokens"]
+                else:  # kept by the client: one completion of the whole episode
+                    context = raw["usage"]["prompt_tokens"]
+                    kv = context + len(reply) - 1
             else:
                 out = await client.complete(
                     history + obs,
@@ -181,7 +200,10 @@ async def run_mode(urls: list[str], mode: str, args) -> dict:
     """`args.sessions` episodes at once: with sessions (mode "session") or stateless; on one
     server, or on a `ReplicaPool` of `--replicas` (each session on one replica, each stateless
     episode pinned to one)."""
-    cfg = ClientConfig(urls[0], timeout_s=600.0)
+    vllm = mode.startswith("vllm/")  # the fake vLLM: sessions kept by the client
+    cfg = ClientConfig(
+        urls[0], timeout_s=600.0, model="agent" if vllm else None, client_sessions=vllm
+    )
     client = InferenceClient(cfg) if len(urls) == 1 else ReplicaPool(urls, client_config=cfg)
     async with client:
         began = time.perf_counter()
@@ -329,6 +351,54 @@ def rows_of(ours: dict, peer: dict, args, vs: str) -> list[Row]:
     ]
 
 
+def tiny_hf_dir(path: Path) -> Path:
+    """The tiny preset's random weights as an HF directory (what `vllm serve` loads)."""
+    from flax import nnx
+
+    from rl.model import Qwen3, save_hf, tiny
+
+    cfg = tiny()
+    return save_hf(cfg, Qwen3(cfg, rngs=nnx.Rngs(0)), path)
+
+
+def start_fake_vllm(hf_dir: Path, args, *, caching: bool, log: Path):
+    """One fake vLLM server of the tiny model at `hf_dir` -> (process, URL), healthy."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [
+        sys.executable, "-m", "serving.vllm.fake_server", "serve", str(hf_dir),
+        "--port", str(port), "--served-model-name", "agent",
+        "--max-model-len", str(seq_len_for(args)), "--max-num-seqs", str(args.sessions),
+        "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the fake vLLM server exited {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the fake vLLM server was not healthy within 300 s: see {log}")
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def positive(value: str) -> int:
     try:
         n = int(value)
@@ -373,6 +443,15 @@ def main() -> int:
         help="also run the sessions with turn and budget compaction (markovian "
         "always runs) and report the KV each holds",
     )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run the sessions on fake vLLM servers (kept by the client, prefix caching) "
+        "against the same servers re-prefilling without it",
+    )
+    parser.add_argument(
+        "--only-vllm", action="store_true", help="--vllm, and skip simloop's own servers"
+    )
     quick = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
     parser.add_argument(
         "--quick", action="store_true", help=f"a smoke test, --reprefill --compaction: {quick}"
@@ -392,6 +471,9 @@ def main() -> int:
     servers = {"session": serve}  # the stateless peer uses it too: prefix reuse on
     if args.reprefill:
         servers["reprefill"] = serve + ["--serve.engine.prefix_reuse", "false"]
+    args.vllm = args.vllm or args.only_vllm
+    if args.only_vllm:
+        servers = {}
     with tempfile.TemporaryDirectory(prefix="bench-sessions-") as tmp, ExitStack() as stack:
         (Path(tmp) / CONFIG).write_text("{}\n")  # --preset tiny: the defaults do
         urls: dict[str, list[str]] = {}
@@ -400,15 +482,56 @@ def main() -> int:
                 with console.status(f"simloop serve {' '.join(flags)} ({name} {i + 1})"):
                     server = LocalServer.start("agent", tmp, extra_args=flags, name=f"{name}-{i}")
                 urls.setdefault(name, []).append(stack.enter_context(server).url)
-        urls = {"session": urls["session"], "stateless": urls["session"]} | urls
-        bounded = ("markovian", "turn", "budget") if args.compaction else ("markovian",)
-        urls |= {f"session:{m}": urls["session"] for m in bounded}
+        if servers:
+            urls = {"session": urls["session"], "stateless": urls["session"]} | urls
+            bounded = ("markovian", "turn", "budget") if args.compaction else ("markovian",)
+            urls |= {f"session:{m}": urls["session"] for m in bounded}
+        if args.vllm:
+            hf_dir = tiny_hf_dir(Path(tmp) / "hf")
+            for name, caching in (("vllm/session", True), ("vllm/reprefill", False)):
+                for i in range(args.replicas):
+                    with console.status(f"fake vLLM, prefix caching {caching} ({i + 1})"):
+                        log = Path(tmp) / f"{name.replace('/', '-')}-{i}.log"
+                        proc, url = start_fake_vllm(hf_dir, args, caching=caching, log=log)
+                    stack.callback(stop, proc)
+                    urls.setdefault(name, []).append(url)
         with console.status(f"{args.sessions} episodes x {args.turns} turns, {len(urls)} modes"):
             done = asyncio.run(measure(urls, args))
-    ours, peer = done["session"], done["stateless"]
     replies = {mode: d.pop("replies") for mode, d in done.items()}
+    results: list[Row] = []
+    if args.vllm:
+        v_ours, v_peer = done["vllm/session"], done["vllm/reprefill"]
+        for row in rows_of(
+            v_ours, v_peer, args, "fake vLLM: client sessions + prefix cache vs re-prefill"
+        ):
+            if "beyond those appended" in row.measure:  # vLLM's cache hits whole blocks only
+                row = dataclasses.replace(row, target=f"<= {VLLM_BLOCK}")
+            results.append(row)
+        results.append(
+            Row(
+                "fake vLLM: prompt tokens served by the prefix cache, whole run",
+                v_ours["sent"] - v_ours["prefilled"],
+                v_peer["sent"] - v_peer["prefilled"],
+                "tokens",
+                ratio_of="ours/peer",
+            )
+        )
+    if not servers:
+        console.print(table("sessions on the fake vLLM vs re-prefill", results))
+        same = sum(
+            a == b for a, b in zip(replies["vllm/session"], replies["vllm/reprefill"], strict=True)
+        )
+        console.print(
+            f"fake vLLM, tiny model, {args.sessions} sequences x {seq_len_for(args)} context, "
+            f"{args.replicas} replica(s) per mode; episodes whose replies match with and "
+            f"without the prefix cache: {same}/{args.sessions}."
+        )
+        if args.json:
+            write_json(args.json, "sessions", results, {"replicas": args.replicas, **done})
+        return 0
+    ours, peer = done["session"], done["stateless"]
     same = sum(a == b for a, b in zip(replies["session"], replies["stateless"], strict=True))
-    results = rows_of(ours, peer, args, "vs stateless + prefix reuse")
+    results = rows_of(ours, peer, args, "vs stateless + prefix reuse") + results
     if "reprefill" in done:
         results += rows_of(ours, done["reprefill"], args, "vs re-prefill")
     else:  # without reuse every token sent is prefilled: a count, not a measurement
