@@ -1,29 +1,42 @@
 # The two commands: `make demo` (the CPU demo) and `make test` (lint + the whole test suite).
-# Both create .venv with python3 -m venv + pip when it is missing and install the project into it.
+# Both create .venv with python3 -m venv + pip when it is missing and install the project into it,
+# at the versions constraints.txt pins.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.simloop-installed
 BASE_STAMP := $(VENV)/.simloop-runtime-installed
+# The exact versions of the runtime dependencies, shared with the Dockerfile (one lock for the CPU
+# machines and the TPU image; docs/tpu-gke.md, "The image"). `make constraints` regenerates it.
+CONSTRAINTS := constraints.txt
 
-.PHONY: test demo lint format bench clean-venv browser
+.PHONY: test demo lint format bench clean-venv browser constraints
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall whenever the packaging changes. torch is pinned in the `test` extra to the CPU build
-# that the machine provides; it is only a test reference (HF parity), never a runtime dependency.
-$(STAMP): pyproject.toml | $(BIN)/python
+# Reinstall whenever the packaging or the pins change. torch is pinned in the `test` extra to the
+# CPU build that the machine provides; it is only a test reference (HF parity), never a runtime
+# dependency, and the constraints leave test-only packages to the extra's ranges.
+$(STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP) $(BASE_STAMP)
 
 # The demo needs only the runtime dependencies (no torch / transformers test references).
-$(BASE_STAMP): pyproject.toml | $(BIN)/python
+$(BASE_STAMP): pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e .
 	touch $(BASE_STAMP)
+
+# Rewrites $(CONSTRAINTS) from this venv (the CPU side) and a Python 3.12 resolution of the
+# `[tpu]` extra (the image's side), which uv does: pip resolves only for the Python it runs on.
+# For newer releases, first `$(BIN)/python -m pip install -U -e '.[test]'` (no constraints).
+# VLLM_TPU=X moves the image's vllm-tpu. Order-only: a venv just upgraded is read as it is.
+constraints: | $(BASE_STAMP)
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/python dev/constraints.py --uv $(BIN)/uv $(if $(VLLM_TPU),--vllm-tpu $(VLLM_TPU))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
