@@ -7,21 +7,35 @@
    (`RolloutRunner` + `RolloutBuffer` + `rl_loop` + a tiny policy-loss `Trainer` +
    `InMemoryPublisher`) with staleness S=2 against S=0. Fake agent servers take a per-episode
    latency drawn from a straggler-heavy lognormal (CV ~0.8); an in-memory shell keeps bash
-   processes out of the measurement.
+   processes out of the measurement;
+3. publish overlap: the wall of an RL step (`rl_loop`, one optimizer step + export + publish of
+   the new version) with the export and publish overlapped with the next step
+   (`overlap_publish`) against in line, publishing to a real `simloop serve` process (its
+   `/admin/load_weights` reads, verifies and installs every version). Episodes come ready
+   from memory (no data wait): the step and the publish are all there is to overlap.
 
     .venv/bin/python bench/train_step.py
     .venv/bin/python bench/train_step.py --quick      # smaller, for a smoke test
+    .venv/bin/python bench/train_step.py --overlap-only              # part 3 alone (~1.5 min)
+    .venv/bin/python bench/train_step.py --overlap-only --overlap-size tiny
 
 Targets (docs/architecture.md §7): a compiled step with MFU reported against a measured peak; async
-(S=2) wall-clock <= 0.7x sync (S=0) under straggler-heavy episode lengths.
+(S=2) wall-clock <= 0.7x sync (S=0) under straggler-heavy episode lengths. The overlap has no
+target: its ideal is max(step, publish) per step against step + publish, and where trainer,
+export and server share a few cores (here: 2) they slow each other down.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import os
 import re
+import secrets
+import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -37,8 +51,12 @@ from rich.console import Console
 
 from envs.config import TerminalConfig, TextopsConfig
 from envs.textops import TextopsAnswerShell, generate_textops
+from launch.deploy.local import ADMIN_TOKEN_ENV, LocalServer
 from rl.data import ByteTokenizer, ChatRenderer
+from rl.data.rundir import CONFIG
 from rl.data.tokenizer import IM_START
+from rl.data.trajectory import Trajectory, Turn
+from rl.model import save_hf
 from rl.model.config import ModelConfig, tiny
 from rl.model.publish import InMemoryPublisher
 from rl.orchestrator.buffer import RolloutBuffer
@@ -46,8 +64,10 @@ from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.train.config import OptimConfig, PolicyLossConfig
 from rl.train.loop import rl_loop
-from rl.train.rollouts import build_rl_batch
+from rl.train.rollouts import InMemoryEpisodeSource, build_rl_batch
 from rl.train.trainer import Trainer
+from serving.client import ClientConfig, InferenceClient
+from serving.publisher import EnginePublisher
 
 FLOPS_FORMULA = "6·P + 12·L·T·N·H per token (P params incl. tied embedding; causal not halved)"
 TURNS = 3  # agent replies per episode: two commands, then `submit`
@@ -355,30 +375,144 @@ def bench_rl(a: SimpleNamespace, console: Console) -> dict:
     }
 
 
+# ----- 3. publishing overlapped with the next step -------------------------------------------
+
+
+def ready_episodes(rows: int, seq: int, vocab: int, version: int, seed: int) -> list[Trajectory]:
+    """`rows` finished episodes that fill rows of `seq` tokens (a 32-token prompt, then one
+    generated reply sampled at `version`), in groups of 2 whose rewards differ, so every
+    row trains."""
+    rng = np.random.default_rng(seed)
+    prompt, gen = 32, seq + 1 - 32
+    out = []
+    for i in range(rows):
+        ids = rng.integers(0, vocab, prompt + gen).tolist()
+        out.append(
+            Trajectory(
+                task_id=f"t{i // 2}",
+                arm="closed_loop",
+                env_backend="simulated",
+                status="ok",
+                reward=float(i % 2),
+                group_id=f"g{i // 2}",
+                turns=[Turn(agent_text="reply", command="ls", token_span=(prompt, prompt + gen))],
+                source="sampler",
+                token_ids=ids,
+                loss_mask=[0] * prompt + [1] * gen,
+                behavior_logprobs=[None] * prompt + [-1.0] * gen,
+                policy_version=[None] * prompt + [version] * gen,
+                tokenizer="byte",
+            )
+        )
+    return out
+
+
+@contextlib.asynccontextmanager
+async def engine_server(cfg: ModelConfig, trainer: Trainer, root: Path):
+    """A `simloop serve` process on the trainer's model, loading versions from under `root`;
+    yields an `EnginePublisher` to it."""
+    token = secrets.token_hex(16)
+    hf_dir = save_hf(cfg, trainer.model(), root / "hf")
+    (root / CONFIG).write_text("{}\n")  # defaults: the model comes from --model
+    args = ["--model", str(hf_dir), "--model-name", "agent", "--checkpoint-root", str(root),
+            "--num-slots", "1", "--max-seq-len", "64"]  # fmt: skip
+    server = await asyncio.to_thread(
+        LocalServer.start, "agent", root, extra_args=args, env={ADMIN_TOKEN_ENV: token}
+    )
+    client = InferenceClient(ClientConfig(server.url, model="agent", max_retries=0, timeout_s=600))
+    try:
+        yield EnginePublisher([client], token=token, retries=0)
+    finally:
+        await client.close()
+        server.stop()
+
+
+async def overlap_arms(a: SimpleNamespace, console: Console) -> dict:
+    """Rounds of `a.overlap_steps` RL steps per arm (overlapped, in line; the order alternates
+    round by round), each from the same initial state on the same batch, publishing to one
+    server. Round 0 is a warm-up (the step's compile, the server's first loads into fresh
+    memory) and is not counted; each arm's step wall is the median over the other rounds."""
+    cfg = SIZES[a.overlap_size]
+    rows, seq = a.overlap_rows, a.overlap_seq
+    trainer = Trainer(
+        cfg,
+        OptimConfig(lr=1e-5, warmup_steps=0),
+        total_steps=a.overlap_steps,
+        loss="policy",
+        loss_cfg=PolicyLossConfig(),
+        valid_vocab=cfg.vocab_size,
+        seed=a.seed,
+    )
+    init = copy_state(trainer.state)
+    source = InMemoryEpisodeSource(lambda v: ready_episodes(rows, seq, cfg.vocab_size, v, a.seed))
+    arms: dict[bool, list[dict]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        root = Path(tmp)
+        async with engine_server(cfg, trainer, root) as publisher:
+            version = 1
+            await source.set_version(version)
+            for round_ in range(a.overlap_rounds + 1):
+                for overlap in (True, False)[:: 1 if round_ % 2 else -1]:
+                    trainer.state = copy_state(init)
+                    start = time.perf_counter()
+                    s = await rl_loop(
+                        trainer,
+                        source,
+                        publisher,
+                        run_dir=root,
+                        steps=a.overlap_steps,
+                        rows=rows,
+                        seq_len=seq,
+                        loss_cfg=PolicyLossConfig(),
+                        pad_id=0,
+                        base_version=version,
+                        overlap_publish=overlap,
+                        progress=False,
+                    )
+                    wall = time.perf_counter() - start
+                    version += a.overlap_steps
+                    hist = s["history"]
+                    r = dict(
+                        wall_s=wall,
+                        step_wall_s=wall / len(hist),
+                        step_s=s["step_s"] / len(hist),
+                        export_s=float(np.mean([h["export_s"] for h in hist])),
+                        load_s=float(np.mean([h["publish_load_s"] for h in hist])),
+                        publish_total_s=s["publish_total_s"] / len(hist),
+                        publish_wait_s=s["publish_s"] / len(hist),
+                    )
+                    if round_:
+                        arms[overlap].append(r)
+                    for old in (root / "weights").glob("v*"):  # served: 0.2 GB each at 50M
+                        shutil.rmtree(old)
+                    label = "overlapped" if overlap else "in line"
+                    console.print(
+                        f"  round {round_}{' (warm-up)' if not round_ else ''}, {label}: "
+                        f"{r['step_wall_s']:.3f}s/step (step {r['step_s']:.3f}s, export "
+                        f"{r['export_s']:.3f}s + load {r['load_s']:.3f}s, loop waited "
+                        f"{r['publish_wait_s']:.3f}s on publishing)"
+                    )
+
+    def med(rs: list[dict]) -> dict:
+        return {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+
+    return dict(
+        size=a.overlap_size,
+        params=cfg.num_params(),
+        rows=rows,
+        seq=seq,
+        steps=a.overlap_steps,
+        rounds=a.overlap_rounds,
+        overlapped=med(arms[True]),
+        in_line=med(arms[False]),
+    )
+
+
 # ----- report ----------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and steps (smoke test)")
-    parser.add_argument(
-        "--sizes",
-        nargs="+",
-        choices=list(SIZES),
-        help="models of the MFU part (default: all; --quick: tiny)",
-    )
-    parser.add_argument("--rl-steps", type=int, help="RL steps per arm (default 10; quick 3)")
-    parser.add_argument("--batch-size", type=int, help="episodes per RL step (default 16; quick 8)")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--staleness", type=int, default=2, help="S of the async arm")
-    parser.add_argument("--cv", type=float, default=0.8, help="episode-latency CV (lognormal)")
-    parser.add_argument("--episode-mean-s", type=float, help="mean episode latency (seconds)")
-    parser.add_argument(
-        "--latency-ratio", type=float, default=1.0, help="else: mean latency / the measured RL step"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    add_json_flag(parser)
-    args = parser.parse_args()
+def throughput_and_rl(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict, list]:
+    """Parts 1 and 2: their rows, their JSON detail, and the notes to print under the table."""
     q = args.quick
     sizes = args.sizes or (["tiny"] if q else list(SIZES))
     shapes = {"tiny": (8, 256, 5 if q else 10), "50m": (4, 256, 1 if q else 3)}  # rows, T, steps
@@ -393,9 +527,6 @@ def main() -> None:
         seq_len=576,
         seed=args.seed,
     )
-
-    console = Console()
-    console.print(f"devices: {jax.devices()}")
     n_mm = 2048
     with console.status(f"float32 matmul peak ({n_mm}^3)"):
         peak = matmul_peak(n_mm, 5)
@@ -447,36 +578,139 @@ def main() -> None:
             f"~{rl.cv}",
         ),
     ]
-    console.print(table("simloop trainer (CPU): each row against a peer from this run", rows))
-    console.print(f"model FLOPs per token: {FLOPS_FORMULA}; peak measured in this run.")
-    console.print(
+    notes = [
+        f"model FLOPs per token: {FLOPS_FORMULA}; peak measured in this run.",
         f"RL: tiny policy trainer, {rl.batch_size} episodes/step (groups of {rl.group_size}), "
         f"rows of {rl.seq_len} tokens; {TURNS} agent turns per episode, episode latency "
         f"lognormal mean {rl_res['episode_mean_s']:.2f}s (= {rl.latency_ratio:g}x the measured "
         f"step + export of {rl_res['calib_step_s']:.2f}s unless --episode-mean-s); same seed, "
         f"tasks and latency sequence for both arms. S=0 waits every step for the slowest "
-        f"episode of the batch; S={S} keeps sampling while the trainer steps."
-    )
+        f"episode of the batch; S={S} keeps sampling while the trainer steps.",
+    ]
     if sa["staleness_max"] > S:
-        console.print(
+        notes.append(
             f"[bold yellow]S={S} trained tokens {sa['staleness_max']} versions "
             "old[/]: the buffer takes groups in completion order, so a straggler "
-            "admitted at version v can be overtaken and trained after v + S."
+            "admitted at version v can be overtaken and trained after v + S (by one more "
+            "while the previous version is still being published: overlap_publish)."
         )
     if rl_res["ratio"] > 0.7:
-        console.print(
+        notes.append(
             f"[bold red]async/sync {rl_res['ratio']:.2f}x misses the 0.7x target[/]: "
             "episodes short against the trainer step, or the batch too small for "
             "stragglers to dominate; see --latency-ratio / --batch-size."
         )
+    detail = {
+        "peak_flops": peak,
+        "matmul_n": n_mm,
+        "flops_formula": FLOPS_FORMULA,
+        "trainer": trainers,
+        "rl": rl_res,
+    }
+    return rows, detail, notes
+
+
+def publish_overlap(args: argparse.Namespace, console: Console) -> tuple[list[Row], dict, list]:
+    """Part 3: its rows, its JSON detail, and the notes to print under the table."""
+    q = args.quick
+    ov = SimpleNamespace(
+        overlap_size=args.overlap_size or ("tiny" if q else "50m"),
+        overlap_rows=args.overlap_rows,
+        overlap_seq=args.overlap_seq,
+        overlap_steps=args.overlap_steps or (3 if q else 6),
+        overlap_rounds=args.overlap_rounds or (1 if q else 2),
+        seed=args.seed,
+    )
+    console.print(
+        f"publish overlap: {ov.overlap_size} policy trainer, {ov.overlap_rows}x{ov.overlap_seq} "
+        f"rows, {ov.overlap_steps} steps per arm, {ov.overlap_rounds} rounds after a warm-up, "
+        "publishing to a simloop serve process"
+    )
+    res = asyncio.run(overlap_arms(ov, console))
+    o, n = res["overlapped"], res["in_line"]
+    label = f"{res['size']} ({res['params'] / 1e6:.1f}M) {res['rows']}x{res['seq']}"
+    rows = [
+        Row(
+            f"RL step wall, {label}: publish overlapped vs in line",
+            o["step_wall_s"],
+            n["step_wall_s"],
+            "s",
+            ratio_of="peer/ours",
+        ),
+        Row(
+            f"RL loop's wait on publishing/step, {label}: overlapped vs in line",
+            o["publish_wait_s"],
+            n["publish_wait_s"],
+            "s",
+            ratio_of="peer/ours",
+        ),
+    ]
+    ideal = max(n["step_s"], n["publish_total_s"])
+    notes = [
+        f"publish overlap: in line a step is its optimizer step ({n['step_s']:.3f}s) + export "
+        f"({n['export_s']:.3f}s) + the server's load ({n['load_s']:.3f}s); overlapped, the "
+        f"ideal is the longer of step and export + load ({ideal:.3f}s, "
+        f"{n['step_wall_s'] / ideal:.2f}x), less what trainer, export and server take from "
+        f"each other on {os.cpu_count()} CPU(s) (overlapped: step {o['step_s']:.3f}s, export "
+        f"{o['export_s']:.3f}s, load {o['load_s']:.3f}s)."
+    ]
+    return rows, {"publish_overlap": res}, notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and steps (smoke test)")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=list(SIZES),
+        help="models of the MFU part (default: all; --quick: tiny)",
+    )
+    parser.add_argument("--rl-steps", type=int, help="RL steps per arm (default 10; quick 3)")
+    parser.add_argument("--batch-size", type=int, help="episodes per RL step (default 16; quick 8)")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--staleness", type=int, default=2, help="S of the async arm")
+    parser.add_argument("--cv", type=float, default=0.8, help="episode-latency CV (lognormal)")
+    parser.add_argument("--episode-mean-s", type=float, help="mean episode latency (seconds)")
+    parser.add_argument(
+        "--latency-ratio", type=float, default=1.0, help="else: mean latency / the measured RL step"
+    )
+    parser.add_argument(
+        "--overlap-only", action="store_true", help="part 3 (publish overlap) alone"
+    )
+    parser.add_argument(
+        "--overlap-size", choices=list(SIZES), help="part 3's model (default 50m; quick: tiny)"
+    )
+    parser.add_argument("--overlap-rows", type=int, default=2, help="part 3's episodes per step")
+    parser.add_argument("--overlap-seq", type=int, default=128, help="part 3's row length")
+    parser.add_argument(
+        "--overlap-steps", type=int, help="part 3's steps per arm (default 6; quick 3)"
+    )
+    parser.add_argument(
+        "--overlap-rounds", type=int, help="part 3's timed rounds per arm (default 2; quick 1)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    add_json_flag(parser)
+    args = parser.parse_args()
+    for flag in ("overlap_rows", "overlap_seq", "overlap_steps", "overlap_rounds"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} {value} is invalid: >= 1")
+    if args.overlap_seq <= 32:
+        parser.error(f"--overlap-seq {args.overlap_seq} is invalid: > 32 (the prompt's length)")
+
+    console = Console()
+    console.print(f"devices: {jax.devices()}")
+    rows, detail, notes = [], {}, []
+    if not args.overlap_only:
+        rows, detail, notes = throughput_and_rl(args, console)
+    more_rows, more_detail, more_notes = publish_overlap(args, console)
+    rows, notes = rows + more_rows, notes + more_notes
+    detail.update(more_detail)
+    console.print(table("simloop trainer (CPU): each row against a peer from this run", rows))
+    for note in notes:
+        console.print(note)
     if args.json:
-        detail = {
-            "peak_flops": peak,
-            "matmul_n": n_mm,
-            "flops_formula": FLOPS_FORMULA,
-            "trainer": trainers,
-            "rl": rl_res,
-        }
         write_json(args.json, "train_step", rows, detail)
 
 

@@ -159,7 +159,8 @@ class GkeConfig:
 
     name: str = "simloop"
     namespace: str = "default"
-    image: str = "us-docker.pkg.dev/PROJECT/simloop/simloop:latest"
+    image: str = "us-docker.pkg.dev/MY_PROJECT/simloop/simloop:latest"
+    """The image every pod runs: build it from the repository's Dockerfile (docs/tpu-gke.md)."""
     command: list[str] = field(
         default_factory=lambda: [
             "simloop",

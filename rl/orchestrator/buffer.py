@@ -5,8 +5,11 @@ runner delivers whole groups to its sinks, one of them the queue the buffer read
 builds the runner with `sinks=(writer.add, queue.put_nowait)` and hands the buffer `queue=`;
 the buffer never rewires a runner);
 `next_batch()` hands the trainer `batch_size` episodes in which every generated token is at
-most S versions older than the trainer (admission bounds staleness only when an episode
-starts: stragglers beyond the bound are dropped, by whole group, and counted);
+most S versions older than the version this buffer last heard of (admission bounds staleness
+only when an episode starts: stragglers beyond the bound are dropped, by whole group, and
+counted); with the trainer's publish overlapping its next step (`rl_loop(overlap_publish)`)
+that version lags the trainer's by one while a publish is in flight, so the trainer may see
+S + 1;
 `set_version(v)` moves the admission controller, which lets the next episodes start (S = 0:
 exactly one batch per version).
 The trainer never waits forever: a failed rollout task surfaces its exception from

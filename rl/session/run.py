@@ -244,6 +244,9 @@ class RLSession:
             pad_id=self.renderer.tokenizer.pad_id,
             base_version=1,
             publish_every=tcfg.publish_every,
+            # A harness batch starts its rollouts at once, with no admission to wait on the
+            # new version: overlapped, they would sample the one before it.
+            overlap_publish=tcfg.overlap_publish and tcfg.tasks != "swe",
             export_dtype=tcfg.checkpoint.export_dtype,
             log_every=tcfg.log_every,
             ckpt_every=tcfg.checkpoint.every_steps,

@@ -259,6 +259,12 @@ class TrainAgentConfig:
     publish_every: int = 1
     """Publish new weights to the agent server every N steps (the policy version grows by one
     per step either way)."""
+    overlap_publish: bool = True
+    """Export and publish version v in the background while the next batch and step run (at
+    most one version in flight); the episode source hears of v only once the servers serve it.
+    A straggler may then be trained `orchestrator.max_staleness` + 1 versions old (`rl_loop`'s
+    docstring; 0 stays synchronous); false waits for every publish and keeps the bound exact.
+    Not with `tasks: swe`, whose harness rollouts start without waiting for a version."""
     log_every: int = 1
     eval: AgentEvalConfig = field(default_factory=AgentEvalConfig)
     tasks: str = "textops"
@@ -270,4 +276,5 @@ class TrainAgentConfig:
         validate.one_of(self, "tasks", ("textops", "swe"), allowed="'textops' or 'swe'")
         validate.integer(self, "steps", low=0)
         validate.integer(self, "publish_every", "log_every", low=1)
+        validate.boolean(self, "overlap_publish")
         validate.integer(self, "seq_len", low=2, optional=True, allowed="an integer >= 2")

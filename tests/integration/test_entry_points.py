@@ -121,6 +121,12 @@ def test_train_step_bench_quick_reports_mfu_and_async_speedup(tmp_path):
     assert sync["episodes_finished"] >= 3 * result["rl"]["batch_size"]  # every episode trained ok
     assert sync["staleness_max"] == 0 and async_["staleness_max"] >= 1  # S=2 sampled meanwhile
     assert async_["wall_s"] < sync["wall_s"]
+    # Part 3: both arms published every version to a real server (timings only reported).
+    overlap = result["publish_overlap"]
+    assert overlap["size"] == "tiny" and overlap["steps"] == 3
+    for arm in (overlap["overlapped"], overlap["in_line"]):
+        assert arm["step_wall_s"] > 0 and arm["load_s"] > 0
+        assert arm["publish_total_s"] >= arm["export_s"] + arm["load_s"]
 
 
 @pytest.mark.slow

@@ -451,6 +451,8 @@ def policy_trainer():
 
 
 def _rl(trainer, publisher, tmp_path, steps=3):
+    """`steps` RL steps, each version published before the next step (no overlap: the
+    overlapped loop's failures are tested in test_rl_publish_overlap.py)."""
     import asyncio
 
     from rl.train.config import PolicyLossConfig
@@ -474,6 +476,7 @@ def _rl(trainer, publisher, tmp_path, steps=3):
             pad_id=0,
             ckpt=ckpt,
             ckpt_every=1,
+            overlap_publish=False,
             progress=False,
         )
         try:
