@@ -48,9 +48,15 @@ def shell_backends(
 
     def real(task: Task) -> Shell:
         if e2b:
+            import dataclasses
+
             from envs.e2b import E2BShell
 
-            return E2BShell(shell_cfg.e2b, run_id=run_id, episode_id=task.id, setup=task.setup)
+            cfg = shell_cfg.e2b
+            template = task.metadata.get("e2b_template")  # a task file's instance may pick one
+            if template:
+                cfg = dataclasses.replace(cfg, template=template)
+            return E2BShell(cfg, run_id=run_id, episode_id=task.id, setup=task.setup)
         return LocalShell(shell_cfg.local, setup=task.setup)
 
     simulated = None

@@ -2,15 +2,16 @@
 
 A reward function is `async fn(task, submission, ctx) -> float`: `submission` is the agent's
 final answer (None when it never submitted), `ctx` gives what some rewards need, such as a
-factory for a fresh shell. Built in: `exact_match` (here), `textops` (envs.textops) and
-`swe_tests` (envs.swe); `register_reward` adds more.
+factory for a fresh shell; it may return a `Grade` (the reward and what decided it, which the
+trajectory keeps). Built in: `exact_match` (here), `textops` (envs.textops), `swe_tests`
+(envs.swe) and `swe_bench` (envs.swe_file); `register_reward` adds more.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from envs.shell import Shell, TaskSetup
 from envs.tasks import Task
@@ -26,14 +27,24 @@ class RewardContext:
     """Budget of each command a reward runs."""
 
 
-RewardFn = Callable[[Task, str | None, RewardContext], Awaitable[float]]
+@dataclass(frozen=True)
+class Grade:
+    """A reward with what decided it, for the trajectory (a reward function may return one in
+    place of a float; `compute_grade` always does)."""
+
+    reward: float
+    details: dict = field(default_factory=dict)
+    """JSON-able: e.g. `swe_bench`'s per-test results."""
+
+
+RewardFn = Callable[[Task, str | None, RewardContext], Awaitable["float | Grade"]]
 VerdictFn = Callable[[Task, str | None], str | None]
 """What a reward's checker says about a failed submission, for the feedback between trials:
 an explanation of its decision, never the reference answer (None: nothing to say)."""
 
 _REGISTRY: dict[str, RewardFn] = {}
 _VERDICTS: dict[str, VerdictFn] = {}
-_BUILTIN_MODULES = ("envs.textops", "envs.swe")
+_BUILTIN_MODULES = ("envs.textops", "envs.swe", "envs.swe_file")
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -83,14 +94,23 @@ def get_reward(name: str) -> RewardFn:
         raise ValueError(f"reward {name!r} is unknown: one of {sorted(_REGISTRY)}") from None
 
 
+async def compute_grade(
+    task: Task, submission: str | None, ctx: RewardContext | None = None
+) -> Grade:
+    """The task's reward for `submission` and what decided it (0.0 when nothing was
+    submitted)."""
+    fn = get_reward(task.reward.name)
+    if submission is None:
+        return Grade(0.0, {"submitted": False})
+    out = await fn(task, submission, ctx or RewardContext())
+    return out if isinstance(out, Grade) else Grade(float(out))
+
+
 async def compute_reward(
     task: Task, submission: str | None, ctx: RewardContext | None = None
 ) -> float:
     """The task's reward for `submission` (0.0 when nothing was submitted)."""
-    fn = get_reward(task.reward.name)
-    if submission is None:
-        return 0.0
-    return float(await fn(task, submission, ctx or RewardContext()))
+    return (await compute_grade(task, submission, ctx)).reward
 
 
 @register_reward("exact_match")

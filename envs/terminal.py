@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from envs.backends import ShellFactory
 from envs.config import TerminalConfig
-from envs.rewards import RewardContext, compute_reward, task_verdict
+from envs.rewards import RewardContext, compute_grade, task_verdict
 from envs.shell import Observation, Shell, ShellError, setup_hash, truncate_middle
 from envs.tasks import Task
 from rl.data.sim_format import strip_think
@@ -219,7 +219,10 @@ class TerminalEnv:
         info = {**info, "status": status, "turns": self.turns}
         if status == "submitted":
             try:
-                self.reward = await compute_reward(self.task, self.submission, self.reward_context)
+                grade = await compute_grade(self.task, self.submission, self.reward_context)
+                self.reward = grade.reward
+                if grade.details:
+                    info["grade"] = grade.details
             except ShellError as e:  # the grader's shell failed: no verdict, say so
                 self.status = "error"
                 info["status"] = "error"

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from launch.config import write_config
@@ -59,17 +60,44 @@ def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
     return dataclasses.replace(cfg, env=env)
 
 
+def swe_tasks(cfg: SimloopConfig) -> list:
+    """The SWE tasks a harness job runs: the instances of `harness.task_file` (or
+    `train_agent.tasks: file:PATH`), else the built-in suite; `harness.tasks` picks by id.
+    Invalid lines of a task file are reported on stderr, each with its line and field, and
+    left out; UsageError when nothing is left."""
+    from envs.swe_file import load_task_file
+    from envs.swe_suite import swe_suite
+
+    path = cfg.harness.task_file or cfg.train_agent.task_file
+    if path is None:
+        try:
+            return swe_suite(cfg.harness.tasks or None)
+        except ValueError as e:
+            raise UsageError(f"harness.tasks: {e}") from e
+    try:
+        loaded = load_task_file(path)
+    except OSError as e:
+        raise UsageError(f"task file {path}: {e.strerror or e}") from e
+    for error in loaded.errors:
+        print(f"simloop: skipping {error}", file=sys.stderr)
+    tasks = loaded.tasks
+    if cfg.harness.tasks:
+        by_id = {t.id: t for t in tasks}
+        unknown = [i for i in cfg.harness.tasks if i not in by_id]
+        if unknown:
+            raise UsageError(f"harness.tasks: {unknown} are not instances of {path}")
+        tasks = [by_id[i] for i in cfg.harness.tasks]
+    if not tasks:
+        raise UsageError(f"task file {path}: no valid instance ({len(loaded.errors)} skipped)")
+    return tasks
+
+
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     if getattr(args, "dry_run", False):
         return print_dry_run(args, cfg, "harness", ["agent"])
     if not args.out:
         raise UsageError("--out DIR is required")
-    from envs.swe_suite import swe_suite
-
-    try:
-        tasks = swe_suite(cfg.harness.tasks or None)
-    except ValueError as e:
-        raise UsageError(f"harness.tasks: {e}") from e
+    tasks = swe_tasks(cfg)
     out = Path(args.out)
     check_servers(cfg, ["agent"])
     cfg = harness_shell(cfg)

@@ -85,12 +85,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"agent.server_url is set: export {ADMIN_TOKEN_ENV} (the server's admin token) so "
             "new weights can be published to it"
         )
-    if cfg.train_agent.tasks == "swe" and ocfg.arm == "gated":
+    if cfg.train_agent.swe and ocfg.arm == "gated":
         raise UsageError(
-            "train_agent.tasks=swe runs harnesses in real sandboxes: there is no "
-            "simulator to gate; use orchestrator.arm real"
+            f"train_agent.tasks={cfg.train_agent.tasks} runs harnesses in real sandboxes: "
+            "there is no simulator to gate; use orchestrator.arm real"
         )
-    if cfg.train_agent.tasks == "swe":
+    if cfg.train_agent.swe:
         cfg = _swe_config(cfg)
     check_servers(cfg, _roles(cfg))
     out = Path(args.out)
@@ -189,10 +189,10 @@ def session(cfg: SimloopConfig, out: Path):
     from rl.session import HarnessSetup, RLSession, SimCoTraining
 
     tok = load_tokenizer(cfg.agent.tokenizer)
-    if cfg.train_agent.tasks == "swe":
-        from envs.swe_suite import swe_suite
+    if cfg.train_agent.swe:
+        from launch.jobs.harness import swe_tasks
 
-        tasks, eval_tasks = swe_suite(cfg.harness.tasks or None), []
+        tasks, eval_tasks = swe_tasks(cfg), []
     else:
         tasks, eval_tasks = agent_tasks(cfg)
 

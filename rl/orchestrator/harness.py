@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from envs.backends import ShellFactory
-from envs.rewards import RewardContext, get_reward
+from envs.rewards import Grade, RewardContext, get_reward
 from envs.swe import upload_commands
 from envs.tasks import Task
 from rl import validate
@@ -90,12 +90,22 @@ class HarnessConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     """More environment variables for the harness process."""
     tasks: list[str] = field(default_factory=list)
-    """`simloop harness`: ids of the built-in swe suite (`envs.swe_suite`); empty: all."""
+    """`simloop harness`: ids of the built-in swe suite (`envs.swe_suite`); empty: all. With
+    `task_file`: ids of its instances; empty: all."""
+    task_file: str | None = None
+    """SWE-bench-shaped instances (JSONL, `envs.swe_file`) in place of the built-in suite,
+    graded as SWE-bench grades them; `train_agent.tasks: file:PATH` sets it."""
     samples: int = 1
     """`simloop harness`: rollouts per task."""
 
     def __post_init__(self) -> None:
         validate.one_of(self, "kind", HARNESSES)
+        validate.require(
+            self.task_file is None or (isinstance(self.task_file, str) and self.task_file),
+            self,
+            "task_file",
+            "a path to a JSONL file of SWE-bench-shaped instances, or null",
+        )
         validate.require(
             self.kind != "command" or self.command,
             self,
@@ -327,9 +337,9 @@ class HarnessRunner:
         except Exception as e:  # noqa: BLE001 - the rollout ends `error`, the run goes on
             status, reason = "error", f"{type(e).__name__}: {e}"
             log.warning("rollout %s (task %s) failed: %s", rid, task.id, reason)
-        reward = None
+        reward, grade = None, None
         if status in ("ok", "timeout"):
-            reward = await self._grade(task, diff)
+            reward, grade = await self._grade(task, diff)
         wall = time.perf_counter() - started
         meta = {
             "harness": cfg.kind,
@@ -337,6 +347,8 @@ class HarnessRunner:
             "wall_s": round(wall, 3),
             "diff_bytes": len(diff.encode()),
         }
+        if grade:  # what decided the reward, e.g. swe_bench's per-test results
+            meta["grade"] = grade
         if status == "ok":
             finish_status, finish_reason = "ok", None
         else:
@@ -371,18 +383,19 @@ class HarnessRunner:
             cmds += upload_commands(config, f"{WORK_DIR}/mini.yaml")
         return cmds
 
-    async def _grade(self, task: Task, diff: str) -> float:
-        """The task's reward for `diff`, computed in a fresh sandbox."""
+    async def _grade(self, task: Task, diff: str) -> tuple[float, dict]:
+        """The task's reward for `diff`, computed in a fresh sandbox, and what decided it."""
         fn = get_reward(task.reward.name)
         ctx = RewardContext(
             shell_factory=lambda setup: self.real(_with_setup(task, setup)),
             timeout_s=self.cfg.grade_timeout_s,
         )
         try:
-            return float(await fn(task, diff, ctx))
+            out = await fn(task, diff, ctx)
         except Exception as e:  # noqa: BLE001 - an ungradable diff earns nothing
             log.warning("grading task %s failed: %s", task.id, e)
-            return 0.0
+            return 0.0, {"error": f"{type(e).__name__}: {e}"[:500]}
+        return (out.reward, dict(out.details)) if isinstance(out, Grade) else (float(out), {})
 
     async def _finish(
         self,

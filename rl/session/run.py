@@ -71,7 +71,7 @@ def server_roles(train: TrainAgentConfig, orchestrator: OrchestratorConfig) -> l
     """The model roles whose servers RL and its evaluation need."""
     ecfg = train.eval
     roles = ["agent"] if train.steps > 0 else []
-    if train.tasks == "swe":
+    if train.swe:
         return roles
     if roles and (
         needs_simulator(orchestrator.arm) or (ecfg.tasks > 0 and "closed_loop" in ecfg.arms)
@@ -246,7 +246,7 @@ class RLSession:
             publish_every=tcfg.publish_every,
             # A harness batch starts its rollouts at once, with no admission to wait on the
             # new version: overlapped, they would sample the one before it.
-            overlap_publish=tcfg.overlap_publish and tcfg.tasks != "swe",
+            overlap_publish=tcfg.overlap_publish and not tcfg.swe,
             export_dtype=tcfg.checkpoint.export_dtype,
             log_every=tcfg.log_every,
             ckpt_every=tcfg.checkpoint.every_steps,
@@ -277,7 +277,7 @@ class RLSession:
         ecfg = tcfg.eval
         evaluating = ecfg.tasks > 0 and bool(self.eval_tasks)
         roles, publishes = self.roles(), self.publishes()
-        swe = tcfg.tasks == "swe"
+        swe = tcfg.swe
         async with contextlib.AsyncExitStack() as stack:
             servers: Servers = await stack.enter_async_context(self.servers(roles, publishes))
             clients = servers.clients

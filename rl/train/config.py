@@ -270,10 +270,28 @@ class TrainAgentConfig:
     tasks: str = "textops"
     """`textops`: the built-in agent loop on `env.textops` tasks (orchestrator arms);
     `swe`: the built-in SWE suite (`harness.tasks`), each episode an unmodified harness
-    (`harness`) through `simloop middleware`, graded in a clean sandbox."""
+    (`harness`) through `simloop middleware`, graded in a clean sandbox; `file:PATH`: the same
+    on the SWE-bench-shaped instances of a JSONL file (`envs.swe_file`), graded as SWE-bench
+    grades them."""
+
+    @property
+    def swe(self) -> bool:
+        """Harness rollouts on SWE tasks (`swe` or `file:PATH`)."""
+        return self.tasks == "swe" or self.tasks.startswith("file:")
+
+    @property
+    def task_file(self) -> str | None:
+        return self.tasks.removeprefix("file:") if self.tasks.startswith("file:") else None
 
     def __post_init__(self) -> None:
-        validate.one_of(self, "tasks", ("textops", "swe"), allowed="'textops' or 'swe'")
+        validate.require(
+            isinstance(self.tasks, str)
+            and (self.tasks in ("textops", "swe") or len(self.tasks) > len("file:"))
+            and (self.tasks in ("textops", "swe") or self.tasks.startswith("file:")),
+            self,
+            "tasks",
+            "'textops', 'swe' or 'file:PATH' (a JSONL file of SWE-bench-shaped instances)",
+        )
         validate.integer(self, "steps", low=0)
         validate.integer(self, "publish_every", "log_every", low=1)
         validate.boolean(self, "overlap_publish")
