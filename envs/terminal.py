@@ -251,8 +251,9 @@ class TrialEnv:
         per_trial = self.config.turns_per_trial or self.config.max_turns
         self.trial_config = dataclasses.replace(self.config, max_turns=per_trial)
         self.reward_context = reward_context
-        self.max_turns = per_trial * self.config.trials
-        """Agent turns the whole episode may take."""
+        self.max_turns = min(per_trial * self.config.trials, self.config.max_turns)
+        """Agent turns the whole episode may take: `max_turns` bounds it, whatever the trials
+        would add up to (a trial gets what is left of it, at most `turns_per_trial`)."""
         self.trials: list[dict[str, Any]] = []
         self.turns = 0
         self.env: TerminalEnv | None = None
@@ -279,9 +280,11 @@ class TrialEnv:
         if self.config.trials > 1:
             hash_fn = getattr(shell, "workspace_hash", None)
             workspace = await hash_fn() if callable(hash_fn) else setup_hash(self.task.setup)
-        self.env = TerminalEnv(
-            self.task, shell, self.trial_config, reward_context=self.reward_context
-        )
+        left = self.max_turns - self.turns
+        config = self.trial_config
+        if left < config.max_turns:
+            config = dataclasses.replace(config, max_turns=left)
+        self.env = TerminalEnv(self.task, shell, config, reward_context=self.reward_context)
         self.trials.append(
             {
                 "index": len(self.trials),
@@ -328,7 +331,8 @@ class TrialEnv:
         )
         if "reason" in result.info:
             trial["reason"] = result.info["reason"]
-        last = len(self.trials) == self.config.trials
+        # the last trial, or no turn left for another (`max_turns` bounds the episode)
+        last = len(self.trials) == self.config.trials or self.turns >= self.max_turns
         if result.reward >= SUCCESS_REWARD or last or status == "error":
             info = {
                 **result.info,

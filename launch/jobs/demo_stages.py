@@ -168,9 +168,15 @@ def thesis_stages(base: SimloopConfig) -> list[Stage]:
 
 
 def trials_flags(base: SimloopConfig) -> list[str]:
-    """The `trials` stage's flags: K trials, the demo's `trials_overrides`, the real shell."""
+    """The `trials` stage's flags: K trials, turns for all of them (`max_turns` bounds the
+    episode: K x `turns_per_trial`, as the overrides set it), the demo's `trials_overrides`,
+    the real shell."""
+    k, over = base.demo.trials, list(base.demo.trials_overrides)
+    per = base.env.terminal.turns_per_trial or base.env.terminal.max_turns
+    if "--env.terminal.turns_per_trial" in over[:-1]:
+        per = int(over[over.index("--env.terminal.turns_per_trial") + 1])
     return [
-        "--env.terminal.trials", str(base.demo.trials), *base.demo.trials_overrides,
+        "--env.terminal.trials", str(k), "--env.terminal.max_turns", str(k * per), *over,
         "--orchestrator.arm", "real", "--train_agent.eval.arms", json.dumps(["real"]),
     ]  # fmt: skip
 

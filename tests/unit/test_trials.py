@@ -78,6 +78,28 @@ async def test_every_trial_starts_from_the_identical_workspace_in_real_bash():
     ]
 
 
+async def test_max_turns_bounds_the_whole_episode_and_a_trial_gets_what_is_left():
+    cfg = TerminalConfig(trials=2, max_turns=3)  # each trial may take 3: the episode too
+    async with TrialEnv(TASK, local_factory, cfg) as env:
+        await env.reset()
+        assert env.max_turns == 3
+        for _ in range(2):
+            assert not (await env.step(bash("true"))).done
+        r = await env.step(bash("true"))
+    assert r.done and len(env.trials) == 1, r.info  # not a second trial of 3 more turns
+    assert env.turns == 3 and env.trials[0]["status"] == "max_turns"
+    async with TrialEnv(TASK, local_factory, cfg) as env:
+        await env.reset()
+        await env.step(bash("true"))
+        r = await env.step(bash("submit nope"))  # trial 1 ends at turn 2: 1 turn is left
+        assert not r.done and r.info["trial_end"]["status"] == "submitted"
+        r = await env.step(bash("true"))
+    assert r.done and env.turns == 3 and [t["status"] for t in env.trials] == [
+        "submitted",
+        "max_turns",
+    ]
+
+
 async def test_first_success_ends_the_episode_and_per_trial_returns_the_last_reward():
     async with TrialEnv(TASK, local_factory, TerminalConfig(trials=4)) as env:
         await env.reset()
