@@ -13,13 +13,14 @@ goes back as each API's response body or its SSE stream, in the documented event
   the usage when `stream_options.include_usage`), then `data: [DONE]`.
 
 Requests the middleware cannot serve faithfully (images, server-side tools, an assistant
-prefill, `n` > 1), roles the API does not allow (`system` inside Anthropic `messages`: its
-system text goes in the top-level `system`) and the other API's parameters sent by mistake
+prefill, `n` > 1), roles the API does not allow, and the other API's parameters sent by mistake
 (`stop` or `seed` to Anthropic, `stop_sequences` or `top_k` to OpenAI) are refused with
 `BadRequest` naming the field and what is allowed; so are bodies that are not strict JSON
 (`loads`: NaN and Infinity, nesting past `MAX_DEPTH`, lone surrogates). Fields that change
 nothing here are accepted and ignored: `tool_choice` (the Qwen3 format cannot force a call),
-`metadata`, `thinking` (see `middleware.enable_thinking`), `cache_control`.
+`metadata`, `thinking` (see `middleware.enable_thinking`), `cache_control`,
+`context_management`, `output_config`. A `system` message inside Anthropic `messages` (Claude
+Code 2.1 sends one after the task) is a later system message, as an OpenAI one is.
 """
 
 from __future__ import annotations
@@ -296,15 +297,9 @@ def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
     for i, m in enumerate(raw):
         m = _obj(m, f"messages[{i}]")
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            hint = (
-                " (the Messages API takes system text in the top-level `system` field, "
-                "not as a message)"
-                if role == "system"
-                else ""
-            )
+        if role not in ("user", "assistant", "system"):
             raise BadRequest(
-                f"messages[{i}].role={role!r} is invalid: user or assistant{hint}", "messages"
+                f"messages[{i}].role={role!r} is invalid: user, assistant or system", "messages"
             )
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -312,7 +307,9 @@ def parse_anthropic(body: Any, *, default_model: str) -> Conversation:
             raise BadRequest(
                 f"messages[{i}].content must be a string or a list of blocks", "messages"
             )
-        if role == "assistant":
+        if role == "system":  # a later system message (Claude Code sends one after the task)
+            messages.append(Msg("system", _text_blocks(blocks, f"messages[{i}].content")))
+        elif role == "assistant":
             messages.append(_anthropic_assistant(blocks, i))
         else:
             messages.extend(_anthropic_user(blocks, i))

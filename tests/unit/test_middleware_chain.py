@@ -126,25 +126,27 @@ def test_anthropic_request_becomes_messages_in_order():
     assert conv.system_text.startswith("S\n\n# Tools")
 
 
-def test_anthropic_refuses_a_system_role_in_messages():
-    # Anthropic's Messages API allows only user and assistant there; system text is top-level
-    with pytest.raises(
-        BadRequest,
-        match=r"messages\[1\]\.role='system' is invalid: user or "
-        r"assistant \(.*top-level `system`",
-    ) as e:
+def test_anthropic_takes_a_system_message_mid_conversation_as_claude_code_sends_it():
+    conv = parse_anthropic(
+        {
+            "max_tokens": 3,
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
+                {"role": "user", "content": "c"},
+            ],
+        },
+        default_model="d",
+    )
+    assert [(m.role, m.content) for m in conv.messages] == [
+        ("user", "a"),
+        ("system", "remember b"),
+        ("user", "c"),
+    ]
+    with pytest.raises(BadRequest, match=r"messages\[0\]\.role='tool' is invalid: user, "):
         parse_anthropic(
-            {
-                "max_tokens": 3,
-                "messages": [
-                    {"role": "user", "content": "a"},
-                    {"role": "system", "content": [{"type": "text", "text": "remember b"}]},
-                    {"role": "user", "content": "c"},
-                ],
-            },
-            default_model="d",
+            {"max_tokens": 3, "messages": [{"role": "tool", "content": "x"}]}, default_model="d"
         )
-    assert e.value.param == "messages"
 
 
 @pytest.mark.parametrize(
@@ -161,7 +163,7 @@ def test_anthropic_refuses_a_system_role_in_messages():
           "messages": [{"role": "user", "content": "x"}]}, "server-side tools"),
         ({"max_tokens": 5, "temperature": 9, "messages": [{"role": "user", "content": "x"}]},
          "temperature=9"),
-        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user or assistant"),
+        ({"max_tokens": 5, "messages": [{"role": "bot", "content": "x"}]}, "user, assistant or system"),
         ({"max_tokens": 5, "top_k": float("inf"), "messages": [{"role": "user", "content": "x"}]},
          "top_k=inf"),
         ({"max_tokens": 5, "top_p": float("nan"), "messages": [{"role": "user", "content": "x"}]},
