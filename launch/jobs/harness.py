@@ -45,10 +45,16 @@ def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
     the host: not the working directory, which holds the project (its tests and grader)."""
     import sys
 
+    from rl.orchestrator.harness import NPM_PACKAGES, npm_root
+
     shell = cfg.env.shell
     if shell.backend != "local":
         return cfg
     python = [p for p in (sys.prefix, sys.base_prefix) if p not in ("/usr", "/")]
+    if cfg.harness.kind in NPM_PACKAGES:  # the installed harness (its folder may not exist yet)
+        cache = npm_root(cfg.harness).parent
+        cache.mkdir(parents=True, exist_ok=True)
+        python.append(str(cache))
     visible = list(dict.fromkeys([*shell.local.visible_paths, *python]))
     local = dataclasses.replace(
         shell.local,

@@ -31,8 +31,11 @@ import os
 import re
 import secrets
 import shlex
+import shutil
+import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +52,9 @@ from rl.data.trajectory import Exclusion
 
 log = logging.getLogger(__name__)
 
-HARNESSES = ("mini-swe-agent", "command")
+HARNESSES = ("mini-swe-agent", "claude-code", "command")
+NPM_PACKAGES = {"claude-code": ("@anthropic-ai/claude-code", "claude")}
+"""npm-installed harnesses: (package, the executable it installs)."""
 WORK_DIR = ".simloop-harness"
 """The harness's files in the sandbox (config, task text, its own trajectory), git-excluded."""
 
@@ -59,7 +64,14 @@ class HarnessConfig:
     """`simloop harness` / harness-driven RL: which agent runs, and its limits."""
 
     kind: str = "mini-swe-agent"
-    """`mini-swe-agent` (PyPI `mini-swe-agent`, unmodified) or `command` (`command` below)."""
+    """`mini-swe-agent` (PyPI `mini-swe-agent`, unmodified), `claude-code` (npm
+    `@anthropic-ai/claude-code` at `npm_version`, unmodified, in print mode against the
+    middleware's Anthropic API) or `command` (`command` below)."""
+    npm_version: str = "2.1.328"
+    """`claude-code`: the pinned npm version, installed into `npm_cache` when missing."""
+    npm_cache: str | None = None
+    """Where npm harnesses are installed (`<package>@<version>/` each); the sandbox sees it
+    read-only. Default: `~/.cache/simloop/npm`."""
     command: str | None = None
     """`kind: command`: the command line, run in the sandbox's working directory, with
     `{base_url}` (the middleware), `{api_key}` (the rollout id), `{task_file}` (the task
@@ -194,6 +206,81 @@ class HarnessUnavailable(RuntimeError):
     """The harness cannot be started inside the sandbox."""
 
 
+class NpmUnavailable(HarnessUnavailable):
+    """An npm harness cannot be installed: no npm, or the registry cannot be reached."""
+
+
+def npm_root(cfg: HarnessConfig) -> Path:
+    """The folder an npm harness of `cfg` is installed in."""
+    package, _ = NPM_PACKAGES[cfg.kind]
+    cache = Path(cfg.npm_cache or Path.home() / ".cache" / "simloop" / "npm").expanduser()
+    return cache / f"{package.replace('/', '+')}@{cfg.npm_version}"
+
+
+def install_npm_harness(cfg: HarnessConfig, *, timeout_s: float = 600.0) -> Path:
+    """The executable of `cfg`'s npm harness, installed from the npm registry into
+    `npm_root(cfg)` when missing (`npm install <package>@<version>`, into a fresh folder
+    moved into place once complete). `HarnessUnavailable` says why when npm or the registry
+    cannot be reached."""
+    package, binary = NPM_PACKAGES[cfg.kind]
+    root = npm_root(cfg)
+    exe = root / "node_modules" / ".bin" / binary
+    if exe.exists():
+        return exe
+    npm = shutil.which("npm")
+    if npm is None:
+        raise NpmUnavailable(
+            f"harness.kind={cfg.kind} installs {package}@{cfg.npm_version} with npm, which is "
+            "not on PATH: install Node.js (20 or later) and npm"
+        )
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    staging.chmod(0o755)  # the sandbox runs it as another user
+    try:
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
+             "--loglevel", "error", f"{package}@{cfg.npm_version}"],
+            capture_output=True, text=True, timeout=timeout_s, check=False,
+        )  # fmt: skip
+        if done.returncode != 0 or not (staging / "node_modules" / ".bin" / binary).exists():
+            why = (done.stderr or done.stdout).strip()[-600:]
+            raise NpmUnavailable(
+                f"npm install {package}@{cfg.npm_version} failed (exit {done.returncode}; is "
+                f"the npm registry reachable?): {why}"
+            )
+        os.replace(staging, root)
+    except subprocess.TimeoutExpired:
+        raise NpmUnavailable(
+            f"npm install {package}@{cfg.npm_version} took longer than {timeout_s:g}s"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return exe
+
+
+def claude_command(cfg: HarnessConfig, executable: str, base_url: str, api_key: str) -> str:
+    """Claude Code in print mode (`-p`, its JSON result on stdout), its tools
+    allowed without asking (the sandbox is the boundary), at most `step_limit` model turns,
+    against the middleware (`ANTHROPIC_BASE_URL`, the rollout id as its API key), with no
+    traffic but the model's."""
+    env = {
+        "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
+        "ANTHROPIC_API_KEY": api_key,
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(cfg.max_tokens),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        **cfg.extra_env,
+    }
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return (
+        f'{assigns} {shlex.quote(executable)} -p "$(cat {WORK_DIR}/task.txt)" '
+        f"--output-format json --max-turns {cfg.step_limit} "
+        f"--permission-mode bypassPermissions"
+    )
+
+
 def launchers(cfg: HarnessConfig) -> list[str]:
     """Command prefixes that may start the harness inside the sandbox, in order: for
     mini-swe-agent `harness.executable` if set, else `mini`'s module run by this Python, or,
@@ -202,6 +289,8 @@ def launchers(cfg: HarnessConfig) -> list[str]:
     `command`, those Pythons (the command's `{python}`)."""
     if cfg.kind == "mini-swe-agent" and cfg.executable:
         return [cfg.executable]
+    if cfg.kind in NPM_PACKAGES:  # installed by `install_npm_harness`
+        return [str(npm_root(cfg) / "node_modules" / ".bin" / NPM_PACKAGES[cfg.kind][1])]
     paths = sysconfig.get_paths()
     site = os.pathsep.join(dict.fromkeys([paths["purelib"], paths["platlib"]]))
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -216,9 +305,13 @@ def launchers(cfg: HarnessConfig) -> list[str]:
 
 
 async def pick_launcher(cfg: HarnessConfig, real: ShellFactory, task: Task) -> str:
-    """The first of `launchers` that starts inside a sandbox of `task`."""
+    """The first of `launchers` that starts inside a sandbox of `task` (an npm harness is
+    installed first, when missing)."""
     tried = []
     probe = "--help" if cfg.kind == "mini-swe-agent" else "-c 'import sys'"
+    if cfg.kind in NPM_PACKAGES:
+        await asyncio.to_thread(install_npm_harness, cfg)
+        probe = "--version"
     for launcher in launchers(cfg):
         async with real(task) as shell:
             obs = await shell.run(f"{launcher} {probe}", timeout_s=300.0)
@@ -308,6 +401,8 @@ class HarnessRunner:
                 command = (
                     mini_command(cfg, self.launcher)
                     if cfg.kind == "mini-swe-agent"
+                    else claude_command(cfg, self.launcher, base, rid)
+                    if cfg.kind == "claude-code"
                     else cfg.command.format(
                         base_url=base,
                         api_key=rid,

@@ -94,10 +94,8 @@ async def test_max_turns_bounds_the_whole_episode_and_a_trial_gets_what_is_left(
         r = await env.step(bash("submit nope"))  # trial 1 ends at turn 2: 1 turn is left
         assert not r.done and r.info["trial_end"]["status"] == "submitted"
         r = await env.step(bash("true"))
-    assert r.done and env.turns == 3 and [t["status"] for t in env.trials] == [
-        "submitted",
-        "max_turns",
-    ]
+    statuses = [t["status"] for t in env.trials]
+    assert r.done and env.turns == 3 and statuses == ["submitted", "max_turns"]
 
 
 async def test_first_success_ends_the_episode_and_per_trial_returns_the_last_reward():
