@@ -59,7 +59,7 @@ LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026
     "test_replica_restart.py",  # ~100
     "test_vllm_backend_e2e.py",  # ~75
     "test_rollout_e2e.py",  # ~65
-    "test_claude_code.py",  # ~50 (npm install when not cached; Claude Code's 18k-token prompts)
+    "test_npm_harnesses.py",  # ~60 (npm installs when not cached; 18k-token prompts)
     "test_pretrain_sim.py",  # ~45
     "test_simulated_shell_live.py",  # ~30
     "test_compaction_parity.py",  # ~30

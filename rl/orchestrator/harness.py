@@ -52,8 +52,11 @@ from rl.data.trajectory import Exclusion
 
 log = logging.getLogger(__name__)
 
-HARNESSES = ("mini-swe-agent", "claude-code", "command")
-NPM_PACKAGES = {"claude-code": ("@anthropic-ai/claude-code", "claude")}
+HARNESSES = ("mini-swe-agent", "claude-code", "codex", "command")
+NPM_PACKAGES = {
+    "claude-code": ("@anthropic-ai/claude-code", "claude"),
+    "codex": ("@openai/codex", "codex"),
+}
 """npm-installed harnesses: (package, the executable it installs)."""
 WORK_DIR = ".simloop-harness"
 """The harness's files in the sandbox (config, task text, its own trajectory), git-excluded."""
@@ -65,10 +68,12 @@ class HarnessConfig:
 
     kind: str = "mini-swe-agent"
     """`mini-swe-agent` (PyPI `mini-swe-agent`, unmodified), `claude-code` (npm
-    `@anthropic-ai/claude-code` at `npm_version`, unmodified, in print mode against the
-    middleware's Anthropic API) or `command` (`command` below)."""
-    npm_version: str = "2.1.328"
-    """`claude-code`: the pinned npm version, installed into `npm_cache` when missing."""
+    `@anthropic-ai/claude-code`, unmodified, in print mode against the middleware's Anthropic
+    API), `codex` (npm `@openai/codex`, unmodified, `codex exec` against its Responses API) or
+    `command` (`command` below)."""
+    npm_version: str | None = None
+    """The pinned npm version of `claude-code` / `codex`, installed into `npm_cache` when
+    missing. Default: `NPM_VERSIONS` (the versions the tests run)."""
     npm_cache: str | None = None
     """Where npm harnesses are installed (`<package>@<version>/` each); the sandbox sees it
     read-only. Default: `~/.cache/simloop/npm`."""
@@ -206,6 +211,14 @@ class HarnessUnavailable(RuntimeError):
     """The harness cannot be started inside the sandbox."""
 
 
+NPM_VERSIONS = {"claude-code": "2.1.328", "codex": "0.171.0"}
+"""The versions `tests/integration/test_claude_code.py` and `test_codex.py` run."""
+
+
+def npm_version(cfg: HarnessConfig) -> str:
+    return cfg.npm_version or NPM_VERSIONS[cfg.kind]
+
+
 class NpmUnavailable(HarnessUnavailable):
     """An npm harness cannot be installed: no npm, or the registry cannot be reached."""
 
@@ -214,7 +227,7 @@ def npm_root(cfg: HarnessConfig) -> Path:
     """The folder an npm harness of `cfg` is installed in."""
     package, _ = NPM_PACKAGES[cfg.kind]
     cache = Path(cfg.npm_cache or Path.home() / ".cache" / "simloop" / "npm").expanduser()
-    return cache / f"{package.replace('/', '+')}@{cfg.npm_version}"
+    return cache / f"{package.replace('/', '+')}@{npm_version(cfg)}"
 
 
 def install_npm_harness(cfg: HarnessConfig, *, timeout_s: float = 600.0) -> Path:
@@ -230,7 +243,7 @@ def install_npm_harness(cfg: HarnessConfig, *, timeout_s: float = 600.0) -> Path
     npm = shutil.which("npm")
     if npm is None:
         raise NpmUnavailable(
-            f"harness.kind={cfg.kind} installs {package}@{cfg.npm_version} with npm, which is "
+            f"harness.kind={cfg.kind} installs {package}@{npm_version(cfg)} with npm, which is "
             "not on PATH: install Node.js (20 or later) and npm"
         )
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -239,19 +252,19 @@ def install_npm_harness(cfg: HarnessConfig, *, timeout_s: float = 600.0) -> Path
     try:
         done = subprocess.run(
             [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-             "--loglevel", "error", f"{package}@{cfg.npm_version}"],
+             "--loglevel", "error", f"{package}@{npm_version(cfg)}"],
             capture_output=True, text=True, timeout=timeout_s, check=False,
         )  # fmt: skip
         if done.returncode != 0 or not (staging / "node_modules" / ".bin" / binary).exists():
             why = (done.stderr or done.stdout).strip()[-600:]
             raise NpmUnavailable(
-                f"npm install {package}@{cfg.npm_version} failed (exit {done.returncode}; is "
+                f"npm install {package}@{npm_version(cfg)} failed (exit {done.returncode}; is "
                 f"the npm registry reachable?): {why}"
             )
         os.replace(staging, root)
     except subprocess.TimeoutExpired:
         raise NpmUnavailable(
-            f"npm install {package}@{cfg.npm_version} took longer than {timeout_s:g}s"
+            f"npm install {package}@{npm_version(cfg)} took longer than {timeout_s:g}s"
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -278,6 +291,40 @@ def claude_command(cfg: HarnessConfig, executable: str, base_url: str, api_key: 
         f'{assigns} {shlex.quote(executable)} -p "$(cat {WORK_DIR}/task.txt)" '
         f"--output-format json --max-turns {cfg.step_limit} "
         f"--permission-mode bypassPermissions"
+    )
+
+
+def codex_config(base_url: str) -> str:
+    """Codex's `config.toml`: the middleware as its model provider, on the Responses API (the
+    only one Codex speaks), the rollout id its key (`SIMLOOP_API_KEY`)."""
+    return (
+        'model_provider = "simloop"\n'
+        "[model_providers.simloop]\n"
+        'name = "simloop"\n'
+        f"base_url = {json.dumps(base_url.rstrip('/') + '/v1')}\n"
+        'env_key = "SIMLOOP_API_KEY"\n'
+        'wire_api = "responses"\n'
+        "request_max_retries = 0\n"
+        "stream_max_retries = 0\n"
+    )
+
+
+def codex_command(cfg: HarnessConfig, executable: str, api_key: str) -> str:
+    """Codex non-interactively (`codex exec`, JSON events on stdout) with its config in
+    `WORK_DIR/codex` (`codex_config`), its own sandbox off (the task's sandbox is the
+    boundary) and no approvals asked."""
+    env = {
+        "CODEX_HOME": f"$PWD/{WORK_DIR}/codex",
+        "SIMLOOP_API_KEY": api_key,
+        **cfg.extra_env,
+    }
+    assigns = " ".join(
+        f'{k}="{v}"' if k == "CODEX_HOME" else f"{k}={shlex.quote(v)}" for k, v in env.items()
+    )
+    return (
+        f"{assigns} {shlex.quote(executable)} exec --skip-git-repo-check --json "
+        f"--model {shlex.quote(cfg.model)} --dangerously-bypass-approvals-and-sandbox "
+        f'"$(cat {WORK_DIR}/task.txt)"'
     )
 
 
@@ -403,6 +450,8 @@ class HarnessRunner:
                     if cfg.kind == "mini-swe-agent"
                     else claude_command(cfg, self.launcher, base, rid)
                     if cfg.kind == "claude-code"
+                    else codex_command(cfg, self.launcher, rid)
+                    if cfg.kind == "codex"
                     else cfg.command.format(
                         base_url=base,
                         api_key=rid,
@@ -476,6 +525,9 @@ class HarnessRunner:
         if self.cfg.kind == "mini-swe-agent":
             config = json.dumps(mini_config(self.cfg, base, rid))  # JSON is YAML
             cmds += upload_commands(config, f"{WORK_DIR}/mini.yaml")
+        if self.cfg.kind == "codex":
+            cmds += [f"mkdir -p {WORK_DIR}/codex"]
+            cmds += upload_commands(codex_config(base), f"{WORK_DIR}/codex/config.toml")
         return cmds
 
     async def _grade(self, task: Task, diff: str) -> tuple[float, dict]:

@@ -5,8 +5,9 @@ them the admin routes that finish rollouts.
     ANTHROPIC_BASE_URL=http://127.0.0.1:8300 ANTHROPIC_API_KEY=<rollout id> <harness>
 
 The API listener (`middleware.host:port`, what harnesses reach):
-- `POST /v1/messages` (Anthropic Messages) and `POST /v1/chat/completions` (OpenAI chat), both
-  with SSE streaming. The API key (`x-api-key`, or `Authorization: Bearer`) names the rollout.
+- `POST /v1/messages` (Anthropic Messages), `POST /v1/chat/completions` (OpenAI chat) and
+  `POST /v1/responses` (OpenAI Responses, what Codex CLI speaks; `responses.py`), all with SSE
+  streaming. The API key (`x-api-key`, or `Authorization: Bearer`) names the rollout.
 - `POST /v1/messages/count_tokens`, `GET /v1/models`, `GET /health`, `GET /metrics`
   (Prometheus text: rollouts open and finished, refusals by reason, refused finishes).
 - Nothing under `/rollouts`: such a request is a 404 in the API's shape, logged with its key
@@ -55,7 +56,7 @@ from rl.data.chat import ChatRenderer
 from rl.data.tools import parse_assistant
 from rl.data.trajectory import CONTROL_META_KEYS, STATUSES, Trajectory
 from serving.client import ClientError, InferenceClient
-from serving.middleware import formats
+from serving.middleware import formats, responses
 from serving.middleware.chain import Rollout, SegmentsExceeded
 from serving.middleware.config import MiddlewareConfig
 from serving.middleware.formats import BadRequest, Call, Conversation, Reply
@@ -153,6 +154,7 @@ class Middleware:
         app.router.add_post("/v1/messages", self._anthropic)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_post("/v1/chat/completions", self._openai)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -250,6 +252,9 @@ class Middleware:
     async def _openai(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "openai")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
     async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
         self.requests[api] += 1
         rollout_id = _rollout_id(request)
@@ -294,7 +299,8 @@ class Middleware:
                     )
                 except SegmentsExceeded as e:
                     raise HTTPFailure(400, str(e), "messages", reason="segments_max") from e
-                msg_id = ("msg_" if api == "anthropic" else "chatcmpl-") + secrets.token_hex(12)
+                prefix = {"anthropic": "msg_", "responses": "resp_"}.get(api, "chatcmpl-")
+                msg_id = prefix + secrets.token_hex(12)
                 work = self._sample(rollout, plan, conv)
                 if conv.stream:
                     return await self._stream(request, conv, msg_id, len(plan.prompt_ids), work)
@@ -303,6 +309,9 @@ class Middleware:
         finally:
             rollout.inflight -= 1
             self._forget_if_empty(rollout)
+        if api == "responses":
+            body = responses.response_object(reply, response_id=msg_id, model=conv.model)
+            return web.json_response(body)
         build = formats.anthropic_message if api == "anthropic" else formats.openai_completion
         return web.json_response(build(reply, msg_id=msg_id, model=conv.model))
 
@@ -330,6 +339,12 @@ class Middleware:
     def _parse(self, body: Any, api: str) -> Conversation:
         if api == "anthropic":
             conv = formats.parse_anthropic(body, default_model=self.cfg.model_name)
+        elif api == "responses":
+            conv = responses.parse_responses(
+                body,
+                default_model=self.cfg.model_name,
+                default_max_tokens=self.cfg.default_max_tokens,
+            )
         else:
             conv = formats.parse_openai(
                 body,
@@ -452,6 +467,9 @@ class Middleware:
                 first = formats.anthropic_events(placeholder, msg_id=msg_id, model=conv.model)[:2]
                 for event, data in first:
                     await response.write(_sse(data, event))
+            elif api == "responses":
+                for event, data in responses.start_events(response_id=msg_id, model=conv.model):
+                    await response.write(_sse(data, event))
             else:
                 await response.write(b": generating\n\n")
             while True:
@@ -469,6 +487,10 @@ class Middleware:
                     log.exception("middleware: a streamed generation failed")
                     failure = HTTPFailure(500, f"the middleware failed: {type(e).__name__}: {e}")
                 self.refused[failure.reason] += 1
+                if api == "responses":
+                    event = responses.error_event(failure.status, str(failure), 2)
+                    await response.write(_sse(event, "error"))
+                    return response
                 body = formats.error_body(api, failure.status, str(failure), failure.param)
                 await response.write(_sse(body, "error" if api == "anthropic" else None))
                 if api == "openai":
@@ -477,6 +499,10 @@ class Middleware:
             if api == "anthropic":
                 events = formats.anthropic_events(reply, msg_id=msg_id, model=conv.model)[2:]
                 for event, data in events:
+                    await response.write(_sse(data, event))
+            elif api == "responses":
+                events = responses.response_events(reply, response_id=msg_id, model=conv.model)
+                for event, data in events[2:]:
                     await response.write(_sse(data, event))
             else:
                 for chunk in formats.openai_chunks(

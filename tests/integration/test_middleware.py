@@ -379,9 +379,9 @@ async def test_hostile_input_gets_a_4xx_in_the_apis_shape_never_a_plain_500(real
             message = err["error"]["message"]
             assert status == 400 and reward.strip("-") in message or "reward=inf" in message, err
     c = real.anthropic("hostile-3")
-    system_msg = [user, {"role": "system", "content": "obey"}, user]
-    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.role='system'.*top-level"):
-        await c.messages.create(model="tiny", max_tokens=4, messages=system_msg)
+    bot_msg = [user, {"role": "bot", "content": "obey"}, user]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]\.role='bot'.*or system"):
+        await c.messages.create(model="tiny", max_tokens=4, messages=bot_msg)
     with pytest.raises(anthropic.BadRequestError, match="stop is a parameter of the OpenAI"):
         await c.messages.create(
             model="tiny", max_tokens=4, messages=[user], extra_body={"stop": ["x"]}

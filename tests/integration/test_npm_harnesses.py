@@ -1,8 +1,9 @@
-"""Claude Code, unmodified, as a harness (`harness.kind: claude-code`): the pinned npm package
-installed from the registry into a cache folder, run in print mode inside a real sandbox
-against `simloop middleware` over a real tiny engine whose tokenizer is a byte-level BPE
-trained here (so the client's ~49,000-character prompt fits a 32,768-token context). Its
-rollout is recorded token-exact and graded in a clean sandbox. Skips only where npm or the
+"""Claude Code and Codex CLI, unmodified, as harnesses (`harness.kind: claude-code | codex`):
+each pinned npm package installed from the registry into a cache folder and run inside a real
+sandbox against `simloop middleware` (Claude Code in print mode on the Anthropic Messages API,
+Codex with `codex exec` on the Responses API) over one real tiny engine whose tokenizer is a
+byte-level BPE trained here (so the clients' ~40,000-49,000-character prompts fit a
+32,768-token context). Each rollout is recorded token-exact. Skips only where npm or the
 registry cannot be reached."""
 
 from __future__ import annotations
@@ -52,19 +53,22 @@ async def stack(tmp_path_factory):
             [
                 "--middleware.port", "0",
                 "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(bpe)}),
-                "--harness.kind", "claude-code",
+                "--harness.kind", "claude-code",  # the npm cache, shown to the sandbox
+                "--middleware.max_tokens_cap", "24",  # Codex asks for no limit: 1,024 here
             ],
         )
     )  # fmt: skip
-    hcfg = HarnessConfig(
-        kind="claude-code", wall_s=300.0, step_limit=2, max_tokens=24, temperature=1.0
-    )
-    real = shell_backends(cfg.env.shell, run_id="test-claude-code").real
+    real = shell_backends(cfg.env.shell, run_id="test-npm-harnesses").real
     task = swe_suite(["clamp"])[0]
-    try:
-        launcher = await pick_launcher(hcfg, real, task)
-    except NpmUnavailable as e:
-        pytest.skip(f"Claude Code cannot be installed here: {e}")
+    configs, launchers = {}, {}
+    for kind in ("claude-code", "codex"):
+        configs[kind] = HarnessConfig(
+            kind=kind, wall_s=300.0, step_limit=2, max_tokens=24, temperature=1.0
+        )
+        try:
+            launchers[kind] = await pick_launcher(configs[kind], real, task)
+        except NpmUnavailable as e:
+            pytest.skip(f"{kind} cannot be installed here: {e}")
     model = Qwen3(tiny(vocab_size=tok.vocab_size, initializer_range=0.3), rngs=nnx.Rngs(0))
     engine = Engine(
         model,
@@ -78,7 +82,10 @@ async def stack(tmp_path_factory):
         async with running_middleware(cfg, out, client) as (middleware, url, admin):
             yield {
                 "out": out,
-                "runner": HarnessRunner(hcfg, real, url, launcher, admin=admin),
+                "runners": {
+                    k: HarnessRunner(configs[k], real, url, launchers[k], admin=admin)
+                    for k in configs
+                },
                 "client": client,
                 "task": task,
                 "tok": tok,
@@ -88,7 +95,7 @@ async def stack(tmp_path_factory):
 
 @ASYNC
 async def test_claude_code_runs_through_the_middleware_and_is_recorded_token_exact(stack):
-    result = await stack["runner"].run_one(stack["task"], "g0", 0)
+    result = await stack["runners"]["claude-code"].run_one(stack["task"], "g0", 0)
     # The random tiny model never says end-of-turn within max_tokens (24): Claude Code asks
     # it to go on, three times, then gives up with its own error, which the rollout keeps.
     assert result.status in ("ok", "error"), (result.status, result.reason)
@@ -101,7 +108,26 @@ async def test_claude_code_runs_through_the_middleware_and_is_recorded_token_exa
     assert len(traj.turns) >= 2, traj.turns  # each call extended the one before it
     assert result.finish["plans"]["extend"] == len(traj.turns) - 1, result.finish
     assert_token_exact(stack["client"].calls, traj)
-    prompts = [len(p) for p, _ in stack["client"].calls]
+    prompts = [len(stack["client"].calls[0][0])]
     # its own system prompt and tool schemas: ~18,000 tokens of this BPE, over 40x the task
     assert min(prompts) > 10 * len(stack["tok"].encode(stack["task"].instruction)), prompts
     assert max(prompts) < CONTEXT
+
+
+@ASYNC
+async def test_codex_runs_through_the_responses_api_and_is_recorded_token_exact(stack):
+    before = len(stack["client"].calls)
+    result = await stack["runners"]["codex"].run_one(stack["task"], "g0", 0)
+    # The random tiny model never ends its turn: Codex gets an `incomplete` response
+    # (max_output_tokens) and stops its turn with that error, which the rollout keeps.
+    assert result.status in ("ok", "error"), (result.status, result.reason)
+    if result.status == "error":
+        assert "max_output_tokens" in result.reason, result.reason
+    files = sorted((stack["out"] / "trajectories").glob("middleware-*.jsonl"))
+    (traj,) = [t for p in files for t in read_jsonl(p) if t.rollout_id == result.rollout_id]
+    assert traj.status == result.status
+    assert traj.meta["harness"] == "codex" and traj.meta["api"] == "responses"
+    assert traj.turns and all(len(x.agent_text) > 0 for x in traj.turns)
+    assert_token_exact(stack["client"].calls[before:], traj)
+    prompt = len(stack["client"].calls[before][0])  # Codex's instructions and tool schemas
+    assert 10 * len(stack["tok"].encode(stack["task"].instruction)) < prompt < CONTEXT
