@@ -501,22 +501,25 @@ def _validate_kv_epochs(traj: Trajectory, fail) -> None:
                 f"an integer in ({last}, {len(traj.token_ids)}] "
                 "(epochs in increasing order, within the token ids)",
             )
-        last, prev = start, 0
+        last = start
         if not isinstance(kept, list):
             fail(f"{name}.kept", kept, "a list of [a, b] ranges")
-        for r in kept:
-            if not (
-                isinstance(r, list | tuple)
-                and len(r) == 2
-                and all(_is_int(x) for x in r)
-                and prev <= r[0] < r[1] <= start
-            ):
-                fail(
-                    f"{name}.kept",
-                    r,
-                    f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})",
-                )
-            prev = r[1]
+        _check_ranges(kept, start, f"{name}.kept", fail)
+
+
+def _check_ranges(ranges: list, start: int, name: str, fail) -> int:
+    """`ranges` are sorted, disjoint `[a, b)` before `start`; returns where the last ends."""
+    prev = 0
+    for r in ranges:
+        if not (
+            isinstance(r, list | tuple)
+            and len(r) == 2
+            and all(_is_int(x) for x in r)
+            and prev <= r[0] < r[1] <= start
+        ):
+            fail(name, r, f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})")
+        prev = r[1]
+    return prev
 
 
 def _validate_context_resets(traj: Trajectory, fail) -> None:
@@ -536,23 +539,10 @@ def _validate_context_resets(traj: Trajectory, fail) -> None:
                 f"an integer in ({last}, {len(traj.token_ids)}] "
                 "(resets in increasing order, within the token ids)",
             )
-        last, prev = start, 0
+        last = start
         if not isinstance(context, list) or not context:
             fail(f"{name}.context", context, "a non-empty list of [a, b] ranges")
-        for r in context:
-            if not (
-                isinstance(r, list | tuple)
-                and len(r) == 2
-                and all(_is_int(x) for x in r)
-                and prev <= r[0] < r[1] <= start
-            ):
-                fail(
-                    f"{name}.context",
-                    r,
-                    f"sorted, disjoint [a, b) ranges with {prev} <= a < b <= start ({start})",
-                )
-            prev = r[1]
-        if prev != start:
+        if _check_ranges(context, start, f"{name}.context", fail) != start:
             fail(f"{name}.context", context, f"ranges whose last one ends at start ({start})")
         prefix = [list(r) for r in context] == [[0, start]]
         nxt = resets[i + 1]["start"] if i + 1 < len(resets) else len(traj.token_ids) + 1
