@@ -309,3 +309,67 @@ def assert_token_exact(calls, trajectory) -> None:
             and trajectory.policy_version[a:b] == out.token_versions
             for out in matches
         ), f"turn {turn.token_span}: no server answer to its prompt has its ids and logprobs"
+
+
+CALC_BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+CALC_TESTS = "from calc import mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n"
+CALC_FIX = ("calc.py", "a - b", "a + b")
+"""The one fix every instance of `swe_task_file` needs: replace in calc.py."""
+
+
+def _git(repo, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def swe_task_file(root, n: int = 1):
+    """A JSONL task file of `n` SWE-bench-shaped instances on one small pytest repository
+    (`calc`, whose `add` subtracts), each adding its own failing test of `add` in its
+    `test_patch`, all fixed by `CALC_FIX`: -> (task file, repository, {instance: test_patch})."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(root)
+    repo = root / "calc"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text(CALC_BUGGY)
+    (repo / "tests" / "test_calc.py").write_text(CALC_TESTS)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "calc")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    lines, patches = [], {}
+    for k in range(n):
+        name = f"test_add_{k}"
+        new = CALC_TESTS.replace("import mul", "import add, mul") + (
+            f"\n\ndef {name}():\n    assert add({k}, 3) == {k + 3}\n"
+        )
+        (repo / "tests" / "test_calc.py").write_text(new)
+        patch = _git(repo, "diff")
+        (repo / "tests" / "test_calc.py").write_text(CALC_TESTS)
+        patches[f"calc-{k}"] = patch
+        lines.append(
+            json.dumps(
+                {
+                    "instance_id": f"calc-{k}",
+                    "repo": "local/calc",
+                    "base_commit": base,
+                    "problem_statement": f"add(a, b) returns a - b; add({k}, 3) must be {k + 3}.",
+                    "test_patch": patch,
+                    "FAIL_TO_PASS": [f"tests/test_calc.py::{name}"],
+                    "PASS_TO_PASS": ["tests/test_calc.py::test_mul"],
+                    "repo_path": "calc",
+                    "test_cmd": f"{sys.executable} -m pytest -rA -p no:cacheprovider",
+                }
+            )
+        )
+    path = root / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, repo, patches

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shlex
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ from rl.model import Qwen3, tiny
 from rl.orchestrator.harness import HarnessConfig, HarnessRunner, HarnessUnavailable, pick_launcher
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig
-from tests.fakes import RecordingClient, assert_token_exact, user_env
+from tests.fakes import CALC_FIX, RecordingClient, assert_token_exact, swe_task_file, user_env
 
 pytestmark = pytest.mark.slow
 ASYNC = pytest.mark.asyncio(loop_scope="module")
@@ -188,21 +189,28 @@ def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):
     assert all(t.meta["harness"] == "mini-swe-agent" and sum(t.loss_mask) > 0 for t in trajs)
 
 
-def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
-    """RL through harness + middleware with the same loop: every rollout's reward is the
-    scripted harness's rule applied to what the model sampled, each step publishes a version,
-    and the next step's tokens carry it."""
+def test_train_agent_on_a_swe_task_file_trains_through_the_harness(tmp_path):
+    """RL through harness + middleware with the same loop, on a 3-instance task file graded
+    as SWE-bench grades: every rollout's reward is the scripted harness's rule applied to
+    what the model sampled (it applies the fix when the model's first reply has an even
+    length), its per-test results go with it, each step publishes a version, and the next
+    step's tokens carry it."""
     out = tmp_path / "rl"
-    harness = f"{{python}} {SCRIPT} {{base_url}} {{api_key}} {{task_file}} --turns 1 --fix-if-even"
+    tasks, _, _ = swe_task_file(tmp_path / "tasks", n=3)
+    fix = " ".join(shlex.quote(x) for x in CALC_FIX)
+    harness = (
+        f"{{python}} {SCRIPT} {{base_url}} {{api_key}} {{task_file}} --turns 1 --fix-if-even "
+        f"--fix-replace {fix}"
+    )
     cmd = [SIMLOOP, "train-agent", "--config", "configs/demo_cpu.yaml", "--out", str(out),
-           "--train_agent.tasks", "swe", "--train_agent.warm_start.steps", "0",
+           "--train_agent.tasks", f"file:{tasks}", "--train_agent.warm_start.steps", "0",
            "--train_agent.steps", "2", "--train_agent.seq_len", "1024",
            "--train_agent.loss.aggregation", "rollout_mean", "--train_agent.eval.tasks", "0",
            "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
            "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "1024",
            "--serve.engine.max_seq_len", "1024", "--serve.engine.num_slots", "8",
            "--harness.kind", "command", "--harness.command", json.dumps(harness),
-           "--harness.tasks", "[clamp]", *SHOW_SCRIPT,
+           *SHOW_SCRIPT,
            "--middleware.port", "0"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True, text=True, timeout=900
@@ -219,6 +227,14 @@ def test_train_agent_on_swe_tasks_trains_through_the_harness(tmp_path):
     for t in trajs:
         first = parse_assistant(t.turns[0].agent_text).content
         assert t.reward == float(len(first) % 2 == 0), (first, t.reward)
+        grade = t.meta["grade"]  # SWE-bench's verdict, test by test (no diff: no tests run)
+        assert grade["resolved"] == (t.reward == 1.0), grade
+        if t.reward == 1.0:
+            assert grade["PASS_TO_PASS"] == {"passed": 1, "of": 1}, grade
+            assert set(grade["tests"].values()) == {"PASSED"}, grade
+        else:
+            assert grade["reason"] == "no diff was submitted", grade
+    assert {t.task_id for t in trajs} <= {"calc-0", "calc-1", "calc-2"}
     versions = sorted({v for t in trajs for v in t.policy_version if v is not None})
     assert versions == [1, 2]  # step 2's rollouts ran on the version step 1 published
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

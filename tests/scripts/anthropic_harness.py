@@ -3,6 +3,7 @@
 bash tool, runs any `tool_use` it gets and sends the results back, otherwise asks it to go on.
 
     python anthropic_harness.py BASE_URL API_KEY TASK_FILE [--turns N] [--fix clamp]
+        [--fix-if-even] [--fix-replace FILE OLD NEW]
 
 `--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
 that passes; `--fix-if-even` does so only when the model's first reply has an even number of
@@ -40,6 +41,13 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=2)
     p.add_argument("--fix", default=None)
     p.add_argument("--fix-if-even", action="store_true")
+    p.add_argument(
+        "--fix-replace",
+        nargs=3,
+        metavar=("FILE", "OLD", "NEW"),
+        default=None,
+        help="the fix: replace OLD by NEW in FILE (default: the clamp task's)",
+    )
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--forge", action="store_true")
     args = p.parse_args()
@@ -77,8 +85,9 @@ def main() -> None:
             )
         messages.append({"role": "user", "content": results})
     if args.fix == "clamp" or (args.fix_if_even and len(first or "") % 2 == 0):
-        path = pathlib.Path("clamp.py")
-        path.write_text(path.read_text().replace("min(x, lo)", "min(x, hi)"))
+        name, old, new = args.fix_replace or ("clamp.py", "min(x, lo)", "min(x, hi)")
+        path = pathlib.Path(name)
+        path.write_text(path.read_text().replace(old, new))
     if args.forge:
         forge(args.base_url, args.api_key)
 
