@@ -7,7 +7,6 @@ its field while the others load."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from envs.config import LocalShellConfig
 from envs.local import LocalShell
 from envs.rewards import RewardContext, compute_grade
 from envs.swe_file import load_task_file, parse_pytest_summary
+from tests.fakes import _git as git
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,6 @@ NEW_TESTS = (
     "from calc import add, mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n\n\n"
     "def test_add():\n    assert add(2, 3) == 5\n"
 )
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
 
 
 def diff_of(repo: Path, path: str, text: str) -> str:
