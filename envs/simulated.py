@@ -12,7 +12,6 @@ aborted request, server error) raise `SimulatorError` rather than invent an obse
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -30,8 +29,6 @@ from rl.data.sim_format import (
     strip_think,
 )
 from rl.data.tokenizer import IM_END, common_prefix_len
-
-log = logging.getLogger(__name__)
 
 UNKNOWN_EXIT_CODE = -1
 """Exit code of an observation whose return code the simulator did not produce."""
@@ -80,21 +77,6 @@ class Completion:
 
 class SimulatorError(ShellError):
     """The simulator could not produce an observation (timeout, abort, server error)."""
-
-
-_WARNED = False
-
-
-def _warn_no_sessions() -> None:
-    """Once per process: simulator sessions were asked for and its server has none."""
-    global _WARNED
-    if not _WARNED:
-        _WARNED = True
-        log.warning(
-            "simulator sessions were asked for but its server has none (404/405 on "
-            "/v1/sessions): its prompts go as stateless completions. For a vLLM server set "
-            "serve.backends: {simulator: vllm} (the client then keeps the sessions)"
-        )
 
 
 class SimulatedShell(ShellLifecycle):
@@ -167,8 +149,6 @@ class SimulatedShell(ShellLifecycle):
         self._session = await self.client.open_session(compaction=compaction)
         self._session_ids = []
         self._stateless = self._session is None  # the server has no sessions: say no more
-        if self._stateless:
-            _warn_no_sessions()
 
     async def _session_step(self, prompt: list[int], kw: dict) -> CompletionLike:
         held = self._session_ids

@@ -17,6 +17,7 @@ or, when `logprobs` was asked, none or not one per token) is a `BadAnswer`, neve
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,24 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from rl import validate
 from serving.compaction import SessionCompaction  # also the orchestrator's (via the client)
 from serving.token_sessions import TokenSessions
+
+log = logging.getLogger(__name__)
+_NO_SESSIONS: set[str] = set()
+
+
+def _warn_no_sessions(base_url: str) -> None:
+    """Once per server: sessions were asked of a server that has none (a server without a
+    session API that this client does not keep them for: `client_sessions` off), so its
+    caller runs stateless completions, uncompacted. Jobs set `client_sessions` for the vLLM
+    servers they know of; this says so for any other."""
+    if base_url not in _NO_SESSIONS:
+        _NO_SESSIONS.add(base_url)
+        log.warning(
+            "sessions were asked of %s, which has none (404/405 on /v1/sessions): its "
+            "episodes run on stateless completions, uncompacted. For a vLLM server set "
+            "serve.backends: {ROLE: vllm} (the client then keeps the sessions)",
+            base_url,
+        )
 
 
 @dataclass(frozen=True)
@@ -398,6 +417,7 @@ class InferenceClient:
             body, _ = await self.request("POST", "/v1/sessions", json_body=ask)
         except ClientError as e:
             if e.status in (404, 405):
+                _warn_no_sessions(self.cfg.base_url)
                 return None
             raise
         return str(body["id"])

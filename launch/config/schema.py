@@ -27,6 +27,7 @@ from rl.train.config import (
 )
 from serving.config import EngineConfig, ServerConfig
 from serving.middleware.config import MiddlewareConfig
+from serving.token_sessions import TOKEN_LEVEL_MODES
 from serving.vllm.config import VllmConfig
 
 
@@ -450,12 +451,6 @@ def session_settings(cfg: SimloopConfig) -> dict[str, dict[str, Any]]:
     }
 
 
-VLLM_COMPACTION = ("none", "markovian")
-"""Compaction a session can have on vLLM: the client keeps the session and re-sends what it may
-see (`serving.token_sessions`); `turn` and `budget` thin a KV cache, which only simloop's engine
-keeps."""
-
-
 def check_session_backends(cfg: SimloopConfig) -> None:
     """ValueError when a role's episodes are asked for session compaction that its backend
     cannot do: on vLLM the client keeps the sessions (`serving.token_sessions`: the prompt and
@@ -464,7 +459,7 @@ def check_session_backends(cfg: SimloopConfig) -> None:
     for role, s in session_settings(cfg).items():
         if not s["sessions"] or cfg.serve.backend_of(role) != "vllm":
             continue
-        if s["compaction"] in VLLM_COMPACTION:
+        if s["compaction"] in TOKEN_LEVEL_MODES:  # what the client re-sends
             continue
         backend = f"serve.backends.{role}" if role in cfg.serve.backends else "serve.backend"
         key = s["compaction_setting"]

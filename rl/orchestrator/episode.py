@@ -21,7 +21,6 @@ client (or behind the simulated shell) keeps all of the episode's requests on on
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,8 +35,6 @@ from rl.data.chat import ChatRenderer, Message
 from rl.data.trajectory import Trajectory, Trial, Turn, render_token_view
 from rl.orchestrator.config import OrchestratorConfig
 from serving.pool import Affinity, pinned
-
-log = logging.getLogger(__name__)
 
 SHELL_FLAGS = ("cap_hit", "think_leak", "repetition", "empty", "malformed", "timeout")
 ENV_STATUS = {
@@ -269,25 +266,6 @@ class _SessionTurns:
             pass
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_no_sessions(role: str) -> None:
-    """Once per role and process: sessions were asked for and the server has none (a server
-    without a session API, not started as vLLM: `ClientConfig.client_sessions` is off), so the
-    episodes run on stateless completions. Config validation covers the servers a job starts;
-    this says so for one given by URL."""
-    if role not in _WARNED:
-        _WARNED.add(role)
-        log.warning(
-            "sessions were asked for but the %s server has none (404/405 on /v1/sessions): "
-            "its episodes run on stateless completions, uncompacted. For a vLLM server set "
-            "serve.backends: {%s: vllm} (the client then keeps the sessions)",
-            role,
-            role,
-        )
-
-
 async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, version_hint):
     session = None
     if cfg.sessions and hasattr(client, "open_session"):
@@ -298,8 +276,6 @@ async def _agent_loop(spec, client, env: TrialEnv, renderer, cfg, result, versio
             compaction = SessionCompaction.from_json(cfg.session_compaction)
         sid = await client.open_session(compaction=compaction)
         session = None if sid is None else _SessionTurns(client, sid, compaction)
-        if sid is None:
-            _warn_no_sessions("agent")
     try:
         await _agent_turns(spec, session or client, env, renderer, cfg, result, version_hint)
     finally:
