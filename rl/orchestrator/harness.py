@@ -271,6 +271,11 @@ def install_npm_harness(cfg: HarnessConfig, *, timeout_s: float = 600.0) -> Path
     return exe
 
 
+def _assigns(env: dict[str, str]) -> str:
+    """`env` as shell assignments before a command, each value quoted."""
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+
+
 def claude_command(cfg: HarnessConfig, executable: str, base_url: str, api_key: str) -> str:
     """Claude Code in print mode (`-p`, its JSON result on stdout), its tools
     allowed without asking (the sandbox is the boundary), at most `step_limit` model turns,
@@ -286,9 +291,8 @@ def claude_command(cfg: HarnessConfig, executable: str, base_url: str, api_key: 
         "DISABLE_ERROR_REPORTING": "1",
         **cfg.extra_env,
     }
-    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (
-        f'{assigns} {shlex.quote(executable)} -p "$(cat {WORK_DIR}/task.txt)" '
+        f'{_assigns(env)} {shlex.quote(executable)} -p "$(cat {WORK_DIR}/task.txt)" '
         f"--output-format json --max-turns {cfg.step_limit} "
         f"--permission-mode bypassPermissions"
     )
@@ -313,16 +317,10 @@ def codex_command(cfg: HarnessConfig, executable: str, api_key: str) -> str:
     """Codex non-interactively (`codex exec`, JSON events on stdout) with its config in
     `WORK_DIR/codex` (`codex_config`), its own sandbox off (the task's sandbox is the
     boundary) and no approvals asked."""
-    env = {
-        "CODEX_HOME": f"$PWD/{WORK_DIR}/codex",
-        "SIMLOOP_API_KEY": api_key,
-        **cfg.extra_env,
-    }
-    assigns = " ".join(
-        f'{k}="{v}"' if k == "CODEX_HOME" else f"{k}={shlex.quote(v)}" for k, v in env.items()
-    )
+    env = {"SIMLOOP_API_KEY": api_key, **cfg.extra_env}
+    home = f'CODEX_HOME="$PWD/{WORK_DIR}/codex"'  # expanded by the sandbox's shell
     return (
-        f"{assigns} {shlex.quote(executable)} exec --skip-git-repo-check --json "
+        f"{home} {_assigns(env)} {shlex.quote(executable)} exec --skip-git-repo-check --json "
         f"--model {shlex.quote(cfg.model)} --dangerously-bypass-approvals-and-sandbox "
         f'"$(cat {WORK_DIR}/task.txt)"'
     )
@@ -382,9 +380,8 @@ def mini_command(cfg: HarnessConfig, launcher: str) -> str:
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         **cfg.extra_env,
     }
-    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (
-        f"{assigns} {launcher} -c mini.yaml -c {WORK_DIR}/mini.yaml "
+        f"{_assigns(env)} {launcher} -c mini.yaml -c {WORK_DIR}/mini.yaml "
         f'-t "$(cat {WORK_DIR}/task.txt)" -y --exit-immediately --agent-class default '
         f"-o {WORK_DIR}/trajectory.json"
     )
