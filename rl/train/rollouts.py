@@ -205,7 +205,7 @@ def build_rl_batch(
         # `context_resets`): token k of the sequence predicts token k + 1, which is trained
         # here only if it is one of the segment's own tokens.
         parts = []
-        for idx, own in replay_segments(t):
+        for idx, own, _ in replay_segments(t):
             k = np.arange(1, len(idx))
             own_k = k >= max(own, 1)
             parts.append((idx, np.where(own_k, idx[k], -1)))
@@ -274,11 +274,12 @@ def rollout_tokens(
     return out
 
 
-def replay_segments(t: Trajectory) -> list[tuple[np.ndarray, int]]:
+def replay_segments(t: Trajectory) -> list[tuple[np.ndarray, int, int]]:
     """The sequences the server computed `t` in, as training replays them: `(indices into
-    t.token_ids in sequence order, how many of them lead as re-sent context)`. One `(all, 0)`
-    without `context_resets`; each reset adds its context ranges followed by its own tokens
-    (up to the next reset). A reset with no own tokens adds nothing."""
+    t.token_ids in sequence order, how many of them lead as re-sent context, the index of its
+    first own token)`. One `(all, 0, 0)` without `context_resets`; each reset adds its context
+    ranges followed by its own tokens (up to the next reset). A reset with no own tokens adds
+    nothing."""
     n = len(t.token_ids)
     bounds = [0, *(int(r["start"]) for r in t.context_resets), n]
     out = []
@@ -288,7 +289,7 @@ def replay_segments(t: Trajectory) -> list[tuple[np.ndarray, int]]:
             continue
         ctx = [] if j == 0 else [np.arange(a, b) for a, b in t.context_resets[j - 1]["context"]]
         lead = sum(len(c) for c in ctx)
-        out.append((np.concatenate([*ctx, np.arange(lo, hi)]).astype(np.int64), lead))
+        out.append((np.concatenate([*ctx, np.arange(lo, hi)]).astype(np.int64), lead, lo))
     return out
 
 
@@ -303,19 +304,16 @@ def kv_visibility(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) ->
     T = seq_len
     layouts = []
     for t in episodes:
-        segs, at, bounds = [], 0, [0, *(int(r["start"]) for r in t.context_resets)]
-        for idx, lead in replay_segments(t):
-            lo = int(idx[lead]) if lead < len(idx) else len(t.token_ids)
-            segs.append((at, lo))
-            at += len(idx) - 1
-        epochs = []
-        for off, lo in segs:
-            nxt = min([b for b in bounds if b > lo] + [len(t.token_ids) + 1])
+        epochs, off = [], 0
+        segs = replay_segments(t)
+        ends = [lo for _, _, lo in segs[1:]] + [len(t.token_ids) + 1]
+        for (idx, _, lo), hi in zip(segs, ends, strict=True):
             epochs.append((off, []))
             for ep in t.kv_epochs:
-                if lo <= ep["start"] < nxt:
+                if lo <= ep["start"] < hi:
                     kept = [(off + a, off + b) for a, b in ep["kept"]]
                     epochs.append((off + int(ep["start"]), kept))
+            off += len(idx) - 1
         layouts.append(epochs)
     E = max([len(e) for e in layouts] + [1])
     epoch = np.zeros((rows, T), np.int32)
