@@ -22,7 +22,7 @@ the workspace it started from. A single-trial episode has none (as before trials
 What code decides on is a typed field (`group_index`, `admitted_version`, `task_kind`,
 `trial_reward`, `gate_unit`, `replica_down`, `exclusion`); `meta` is provenance only (nothing
 branches on it) and may not hold those names. Schema 1 files kept them in `meta`: the loader
-moves them onto the fields (`_upgrade_v1`).
+moves them onto the fields (`rl.data.trajectory_v1.upgrade_v1`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from rl.data.chat import ROLES, ChatRenderer, Message, generation_prompt
+from rl.data.trajectory_v1 import upgrade_v1
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class Trajectory:
         data = dict(data)
         schema = data.pop("schema", None)
         if schema == 1:
-            data = _upgrade_v1(data)
+            data = upgrade_v1(data)
         elif schema != SCHEMA_VERSION:
             raise ValueError(
                 f"schema={schema!r} is invalid: this simloop reads 1 and {SCHEMA_VERSION}"
@@ -285,59 +286,6 @@ def _known(cls: type, data: dict[str, Any], where: str) -> dict[str, Any]:
     missing = [k for k in required if k not in data]
     if missing:
         raise ValueError(f"{where}: missing key(s) {missing}")
-    return data
-
-
-_LEGACY_DROPPED = (
-    ("reward_mode last_segment", "earlier_segment"),
-    ("the server forgot", "unreplayable"),
-    ("the batch had more segments", "over_rows"),
-)
-"""Schema 1 wrote `meta.dropped` as True (a failed episode, `drop_episode`) or as one of these
-reasons; the kind each maps to."""
-
-
-def _upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
-    """A schema 1 record with its control flags moved from `meta` onto the typed fields."""
-    meta = data.get("meta")
-    if not isinstance(meta, dict):
-        return data  # validation names the bad `meta`
-    meta, data = dict(meta), dict(data)
-    for name in (
-        "group_index",
-        "admitted_version",
-        "task_kind",
-        "trial_reward",
-        "gate_unit",
-        "replica_down",
-    ):
-        if name in meta:
-            data[name] = meta.pop(name)
-    if "kind" in meta and data.get("task_kind") is None:  # `simloop pretrain-sim`'s command kind
-        data["task_kind"] = meta.pop("kind")
-    if "unit" in meta and meta.get("shadow"):  # a gated run's shadow replay
-        data["gate_unit"] = meta.pop("unit")
-    if data.get("task_kind") == "":
-        data["task_kind"] = None
-    masked, masked_reason = meta.pop("masked", None), meta.pop("masked_reason", None)
-    dropped, stale = meta.pop("dropped", None), meta.pop("stale", None)
-    exclusion = None
-    if masked:
-        exclusion = {"kind": "masked_group", "reason": masked_reason or "a sibling failed"}
-    elif isinstance(dropped, str) and dropped.strip():
-        kind = next((k for prefix, k in _LEGACY_DROPPED if dropped.startswith(prefix)), "dropped")
-        exclusion = {"kind": kind, "reason": dropped}
-    elif dropped:
-        exclusion = {
-            "kind": "dropped",
-            "reason": "it failed (orchestrator.failed_sibling: "
-            f"drop_episode): {data.get('reason') or data.get('status')}",
-        }
-    elif stale:
-        exclusion = {"kind": "stale", "reason": f"admitted {stale} versions before the trainer"}
-    if exclusion is not None:
-        data["exclusion"] = exclusion
-    data["meta"] = meta
     return data
 
 
