@@ -66,11 +66,10 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+import types
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
@@ -361,42 +360,43 @@ def tiny_hf_dir(path: Path) -> Path:
     return save_hf(cfg, Qwen3(cfg, rngs=nnx.Rngs(0)), path)
 
 
-def start_fake_vllm(hf_dir: Path, args, *, caching: bool, log: Path):
-    """One fake vLLM server of the tiny model at `hf_dir` -> (process, URL), healthy."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = [
-        sys.executable, "-m", "serving.vllm.fake_server", "serve", str(hf_dir),
-        "--port", str(port), "--served-model-name", "agent",
-        "--max-model-len", str(seq_len_for(args)), "--max-num-seqs", str(args.sessions),
-        "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the fake vLLM server exited {proc.returncode}: see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the fake vLLM server was not healthy within 300 s: see {log}")
+def start_fake_vllms(hf_dir: Path, args, *, caching: bool, log_dir: Path) -> list:
+    """`--replicas` fake vLLM servers of the tiny model at `hf_dir`, started as `simloop`
+    starts `vllm serve` (`serving.vllm.launcher.launch_servers`, the fake's module in place of
+    the `vllm` executable), each healthy: their `VllmServer`s."""
+    from serving.vllm.config import VllmConfig
+    from serving.vllm.launcher import ServedModel, default_spawn, launch_servers
 
+    def fake(argv, env, log_file):
+        return default_spawn([sys.executable, "-m", "serving.vllm.fake_server", *argv[1:]], env,
+                             log_file)  # fmt: skip
 
-def stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    ports = []
+    for _ in range(args.replicas):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    procs = [
+        types.SimpleNamespace(role="agent_serve", chips=(0,), http_port=port, env={})
+        for port in ports
+    ]
+    cfg = VllmConfig(
+        max_model_len=seq_len_for(args),
+        enable_prefix_caching=caching,
+        start_stagger_s=0.0,
+        health_timeout_s=300.0,
+        extra_args=["--max-num-seqs", str(args.sessions)],
+    )
+    return launch_servers(
+        procs,
+        cfg,
+        {"agent_serve": ServedModel(str(hf_dir), "agent")},
+        log_dir=log_dir,
+        base_env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
+        lockfile=log_dir / "libtpu_lock",
+        spawn=fake,
+        poll_s=0.5,
+    )
 
 
 def positive(value: str) -> int:
@@ -489,12 +489,12 @@ def main() -> int:
         if args.vllm:
             hf_dir = tiny_hf_dir(Path(tmp) / "hf")
             for name, caching in (("vllm/session", True), ("vllm/reprefill", False)):
-                for i in range(args.replicas):
-                    with console.status(f"fake vLLM, prefix caching {caching} ({i + 1})"):
-                        log = Path(tmp) / f"{name.replace('/', '-')}-{i}.log"
-                        proc, url = start_fake_vllm(hf_dir, args, caching=caching, log=log)
-                    stack.callback(stop, proc)
-                    urls.setdefault(name, []).append(url)
+                with console.status(f"{args.replicas} fake vLLM, prefix caching {caching}"):
+                    log_dir = Path(tmp) / name.replace("/", "-")
+                    started = start_fake_vllms(hf_dir, args, caching=caching, log_dir=log_dir)
+                for server in started:
+                    stack.callback(server.stop)
+                urls[name] = [server.url for server in started]
         with console.status(f"{args.sessions} episodes x {args.turns} turns, {len(urls)} modes"):
             done = asyncio.run(measure(urls, args))
     replies = {mode: d.pop("replies") for mode, d in done.items()}
