@@ -43,8 +43,6 @@ def harness_shell(cfg: SimloopConfig) -> SimloopConfig:
     the network, sees this Python's environment and its interpreter (read-only) besides the
     configured `visible_paths`, and may spend `harness.wall_s` of CPU time. Nothing else of
     the host: not the working directory, which holds the project (its tests and grader)."""
-    import sys
-
     from rl.orchestrator.harness import NPM_PACKAGES, npm_root
 
     shell = cfg.env.shell
