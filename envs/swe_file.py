@@ -82,11 +82,12 @@ def load_task_file(path: str | Path) -> TaskFile:
     path = Path(path)
     out = TaskFile()
     seen: set[str] = set()
+    bundles: dict[str, str] = {}  # one bundle per repository, however many instances use it
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            task = instance_task(json.loads(line), base=path.parent)
+            task = instance_task(json.loads(line), base=path.parent, bundles=bundles)
             if task.id in seen:
                 raise _Bad("instance_id", f"{task.id!r} appears on an earlier line")
             seen.add(task.id)
@@ -116,9 +117,12 @@ def _tests(obj: dict, key: str) -> list[str]:
     return list(value)
 
 
-def instance_task(obj: Any, *, base: Path = Path(".")) -> Task:
+def instance_task(
+    obj: Any, *, base: Path = Path("."), bundles: dict[str, str] | None = None
+) -> Task:
     """One instance as a `Task`; `_Bad` (a ValueError) names the field. A relative `repo_path`
-    is relative to `base` (the task file's folder)."""
+    is relative to `base` (the task file's folder); `bundles` keeps each repository's bundle
+    for the next instance of it."""
     if not isinstance(obj, dict):
         raise _Bad("(line)", f"a JSON object, got {type(obj).__name__}")
     for key in REQUIRED:
@@ -160,7 +164,7 @@ def instance_task(obj: Any, *, base: Path = Path(".")) -> Task:
     test_files = patched_files(obj["test_patch"])
     if not test_files:
         raise _Bad("test_patch", "a unified diff (no 'diff --git a/... b/...' header found)")
-    bundle = _bundle(base / repo_path, obj["base_commit"])
+    bundle = _bundle(base / repo_path, obj["base_commit"], {} if bundles is None else bundles)
     base_commit = obj["base_commit"].strip()
     setup = TaskSetup(
         files={f"{BUNDLE}.b64": bundle},
@@ -205,9 +209,9 @@ def patched_files(patch: str) -> list[str]:
     return out
 
 
-def _bundle(repo: Path, commit: str) -> str:
-    """`repo`'s refs as a git bundle, base64; `_Bad` when it is not a repository holding
-    `commit`."""
+def _bundle(repo: Path, commit: str, made: dict[str, str]) -> str:
+    """`repo`'s refs as a git bundle, base64 (from `made` when an instance before bundled it);
+    `_Bad` when it is not a repository holding `commit`."""
 
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -218,13 +222,16 @@ def _bundle(repo: Path, commit: str) -> str:
         raise _Bad("repo_path", f"{str(repo)!r} is not a git repository")
     if git("cat-file", "-e", f"{commit.strip()}^{{commit}}").returncode != 0:
         raise _Bad("base_commit", f"{commit!r} is not a commit of {str(repo)!r}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "repo.bundle"
-        made = git("bundle", "create", str(out), "--all")
-        if made.returncode != 0:
-            why = made.stderr.decode(errors="replace").strip()[-300:]
-            raise _Bad("repo_path", f"git bundle failed: {why}")
-        return base64.b64encode(out.read_bytes()).decode()
+    key = str(repo.resolve())
+    if key not in made:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "repo.bundle"
+            done = git("bundle", "create", str(out), "--all")
+            if done.returncode != 0:
+                why = done.stderr.decode(errors="replace").strip()[-300:]
+                raise _Bad("repo_path", f"git bundle failed: {why}")
+            made[key] = base64.b64encode(out.read_bytes()).decode()
+    return made[key]
 
 
 def parse_pytest_summary(output: str) -> dict[str, str]:
