@@ -82,6 +82,17 @@ def json_path(value: str) -> Path:
     return path
 
 
+def positive(value: str) -> int:
+    """argparse type: an integer >= 1, else the flag's error naming the value."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is invalid: a positive integer")
+    return n
+
+
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",

@@ -74,7 +74,7 @@ from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
-from results import Row, add_json_flag, table, write_json  # bench/ is on sys.path
+from results import Row, add_json_flag, positive, table, write_json  # bench/ is on sys.path
 from rich.console import Console
 
 from launch.deploy.local import LocalServer
@@ -397,16 +397,6 @@ def start_fake_vllms(hf_dir: Path, args, *, caching: bool, log_dir: Path) -> lis
         spawn=fake,
         poll_s=0.5,
     )
-
-
-def positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is invalid: a positive integer")
-    return n
 
 
 def main() -> int:

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from results import Row, add_json_flag, write_json  # bench/ is on sys.path
+from results import Row, add_json_flag, positive, write_json  # bench/ is on sys.path
 from rich.console import Console
 from rich.table import Table
 
@@ -472,16 +472,6 @@ def int_list(value: str) -> tuple[int, ...]:
             f"{value!r} is invalid: comma-separated positive integers, e.g. 1,2,4"
         )
     return tuple(dict.fromkeys(out))
-
-
-def positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is invalid: a positive integer")
-    return n
 
 
 def parse_args(argv=None) -> argparse.Namespace:
