@@ -118,10 +118,6 @@ def _swe_config(cfg: SimloopConfig) -> SimloopConfig:
             "--train_agent.warm_start.steps 0 (RL from agent.weights) or give "
             "train_agent.warm_start.trajectories"
         )
-    if cfg.orchestrator.max_staleness != 0:
-        raise UsageError(
-            "train_agent.tasks=swe runs synchronous RL: set --orchestrator.max_staleness 0"
-        )
     return harness_shell(cfg)
 
 

@@ -7,7 +7,8 @@ Per rollout (`HarnessRunner.run_one`):
 2. the harness runs there, with its model pointed at the middleware and its API key set to the
    rollout id (`mini-swe-agent`: its litellm `openai/` model with `api_base` and `api_key`;
    `command`: any command line, with `{base_url}`, `{api_key}`, `{task_file}`, `{python}`),
-   under a wall-clock guard (`wall_s`: the shell kills its process group, status `timeout`);
+   under a wall-clock guard (`wall_s`: the shell kills its process group; the rollout is
+   `truncated`, its turns so far kept and graded like a finished one's);
 3. its diff (`git add -A && git diff --cached`, the harness's own files excluded) is graded
    by the task's reward in a fresh sandbox (`envs.swe`: apply, restore protected tests, run
    the test command);
@@ -25,6 +26,7 @@ finishes rollouts through the admin listener the job that started the middleware
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +60,8 @@ NPM_PACKAGES = {
     "codex": ("@openai/codex", "codex"),
 }
 """npm-installed harnesses: (package, the executable it installs)."""
+CLOSE_GRACE_S = 15.0
+"""How long `HarnessSource.close()` waits for cancelled rollouts to wind down."""
 WORK_DIR = ".simloop-harness"
 """The harness's files in the sandbox (config, task text, its own trajectory), git-excluded."""
 
@@ -98,7 +102,8 @@ class HarnessConfig:
     """Tokens per model call."""
     temperature: float = 1.0
     wall_s: float = 600.0
-    """Wall-clock guard of one harness run; past it the run is killed and recorded `timeout`."""
+    """Wall-clock guard of one harness run; past it the run is killed and recorded `truncated`
+    (with the reason): the turns it made are trained, on the grade of the diff it left."""
     grade_timeout_s: float = 120.0
     """Budget of each grading command (the tests)."""
     concurrency: int = 4
@@ -459,7 +464,8 @@ class HarnessRunner:
                 obs = await shell.run(command, timeout_s=cfg.wall_s)
                 exit_code = obs.exit_code
                 if obs.info.get("timeout"):
-                    status, reason = "timeout", f"the harness ran past wall_s={cfg.wall_s:g}s"
+                    status = "truncated"
+                    reason = f"the harness ran past wall_s={cfg.wall_s:g}s and was killed"
                 elif exit_code != 0:
                     status = "error"
                     reason = f"the harness exited {exit_code}: {obs.output.strip()[-300:]}"
@@ -479,7 +485,7 @@ class HarnessRunner:
             status, reason = "error", f"{type(e).__name__}: {e}"
             log.warning("rollout %s (task %s) failed: %s", rid, task.id, reason)
         reward, grade = None, None
-        if status in ("ok", "timeout"):
+        if status in ("ok", "truncated"):
             reward, grade = await self._grade(task, diff)
         wall = time.perf_counter() - started
         meta = {
@@ -578,13 +584,24 @@ def _with_setup(task: Task, setup) -> Task:
 
 
 class HarnessSource:
-    """Harness rollouts as the RL trainer's episode source (`rl.train.rollouts.EpisodeSource`).
+    """Harness rollouts as the RL trainer's episode source (`rl.train.rollouts.EpisodeSource`),
+    asynchronous under `max_staleness` as `RolloutBuffer` runs every other arm.
 
-    Each batch runs `groups` tasks x `group_size` rollouts at the served policy version (the
-    trainer waits: synchronous RL), then hands over the trajectories the middleware wrote for
-    them: its sink calls `collect`. A rollout may have split into several segments; when the
-    batch holds more than `rows`, the earliest segments of the rollouts with the most are
-    excluded (`over_rows`: kept on disk, not trained) and counted in `dropped_segments`."""
+    `start(version)` runs the task stream in the background: each group (`group_size`
+    rollouts of one task) starts when admission (`AdmissionController`: `groups x group_size`
+    rollouts per version) has room for it, so with S = 0 a batch's rollouts start only once the
+    trainer has published the version that trains them, and with S > 0 up to S batches run
+    ahead. A finished group's trajectories (the middleware's sink calls `collect`) are queued
+    whole, stamped with their admitted version. `next_batch()` takes `groups` finished groups
+    in the order they finished; a group admitted more than S versions before the source's
+    version is not trained (`stale` exclusion, counted in `dropped_stale`) and its places go
+    to fresh rollouts.
+
+    A rollout may have split into several segments. A batch's segments go in `rows` rows of
+    `seq_len` positions, several segments of one rollout per row where they fit
+    (`rl.data.packing.pack_rows`); only what still does not fit is excluded (`over_rows`:
+    the earliest segments of the rollouts with the most; on disk, not trained), counted in
+    `dropped_segments` and logged with the settings that would have fitted it."""
 
     def __init__(
         self,
@@ -594,72 +611,171 @@ class HarnessSource:
         group_size: int,
         groups: int,
         rows: int,
+        seq_len: int,
         steps: int,
+        max_staleness: int,
         seed: int,
     ) -> None:
+        from rl.orchestrator.admission import AdmissionController
         from rl.orchestrator.buffer import task_stream
 
-        self.runner, self.group_size, self.groups, self.rows = runner, group_size, groups, rows
-        self._tasks = iter(task_stream(tasks, groups * max(steps, 1), seed))
+        if max_staleness is None or max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness!r} is invalid: an integer >= 0")
+        self.runner, self.group_size, self.groups = runner, group_size, groups
+        self.rows, self.seq_len, self.max_staleness = rows, seq_len, max_staleness
+        # Every step's groups, plus (S > 0) what may start early and what replaces stale ones.
+        extra = max_staleness + 1 if max_staleness else 0
+        self._tasks = task_stream(tasks, groups * (max(steps, 1) + extra), seed)
+        self.admission = AdmissionController(groups * group_size, max_staleness)
         self._collected: dict[str, list] = {}
-        self.version: int | None = None
+        self._done: asyncio.Queue = asyncio.Queue()
+        self._feed: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
         self.results: list[HarnessResult] = []
         self.dropped_segments = 0
-        self._batch = 0
+        self.dropped_stale = 0
+
+    @property
+    def version(self) -> int:
+        return self.admission.version
 
     def collect(self, trajectories: list) -> None:
         """The middleware's sink: a finished rollout's trajectories."""
         for t in trajectories:
             self._collected.setdefault(t.rollout_id, []).append(t)
 
-    async def next_batch(self) -> list:
-        self._batch += 1
-        picked = [next(self._tasks) for _ in range(self.groups)]
-        tag = f"b{self._batch}v{self.version}"
-        groups = await asyncio.gather(
-            *(
-                self.runner.run_group(task, f"{tag}-g{i}", self.group_size)
-                for i, task in enumerate(picked)
+    async def start(self, version: int) -> None:
+        """Start rolling out under policy `version` (the one the agent server serves now)."""
+        self.admission.rebase(version)
+        self._feed = asyncio.create_task(self._run_stream(), name="harness-source")
+
+    async def _run_stream(self) -> None:
+        for n, task in enumerate(self._tasks):
+            admitted = await self.admission.admit(self.group_size)
+            group = asyncio.create_task(
+                self._group(task, f"g{n}v{admitted}", admitted), name=f"harness-group-{n}"
             )
-        )
-        results = [r for g in groups for r in g]
-        self.results += results
+            self._running.add(group)
+            group.add_done_callback(self._running.discard)
+
+    async def _group(self, task: Task, group: str, admitted: int) -> None:
+        try:
+            results = await self.runner.run_group(task, group, self.group_size)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - surfaces from next_batch, never lost
+            self._done.put_nowait(e)
+            return
         trajectories = [t for r in results for t in self._collected.pop(r.rollout_id, [])]
-        # What is left came from no rollout of this batch: one written later by the
-        # middleware's reaper or at shutdown (`aborted`, never trained on). It is on disk.
-        if self._collected:
-            late = sum(len(v) for v in self._collected.values())
-            log.info(
-                "harness source: %d segments written outside a batch (%s) are not trained",
-                late,
-                ", ".join(sorted(self._collected))[:300],
+        for t in trajectories:
+            t.admitted_version = admitted
+        self.results += results
+        self._done.put_nowait((admitted, results, trajectories))
+
+    async def _next_group(self):
+        while True:
+            if not self._done.empty():
+                item = self._done.get_nowait()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"a harness group failed: {item}") from item
+                return item
+            if self._feed.done():
+                self._feed.result()  # the stream's own exception, if any
+                if not self._running:
+                    raise RuntimeError(
+                        "harness rollouts ended after delivering every planned group: more "
+                        "steps than tasks planned"
+                    )
+            get = asyncio.ensure_future(self._done.get())
+            waits = {get, *self._running, *([] if self._feed.done() else [self._feed])}
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                self._done.put_nowait(get.result())  # handled at the top of the loop
+            else:
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await get
+
+    async def next_batch(self) -> list:
+        if self._feed is None:
+            raise RuntimeError("HarnessSource.start() was not called")
+        trajectories: list = []
+        taken = 0
+        while taken < self.groups:
+            admitted, results, group = await self._next_group()
+            worst = self.admission.version - admitted
+            if worst > self.max_staleness:
+                stale = Exclusion(
+                    "stale",
+                    f"its group was admitted {worst} versions before the trainer's "
+                    f"{self.admission.version}; max_staleness={self.max_staleness}",
+                )
+                for t in group:
+                    t.exclusion = t.exclusion or stale
+                for _ in results:
+                    await self.admission.release()
+                self.dropped_stale += len(results)
+                log.info(
+                    "harness source: dropped a group of %d rollouts admitted %d versions ago "
+                    "(max_staleness=%d)",
+                    len(results),
+                    worst,
+                    self.max_staleness,
+                )
+                continue
+            trajectories += group
+            taken += 1
+        dropped = fit_rows(trajectories, self.rows, self.seq_len)
+        if dropped:
+            log.warning(
+                "harness source: %d segments of this batch do not fit its %d rows of %d "
+                "tokens even packed, and are not trained (over_rows); more rows "
+                "(orchestrator.batch_size) or a longer train_agent.seq_len would fit them",
+                dropped,
+                self.rows,
+                self.seq_len,
             )
-            self._collected.clear()
-        self.dropped_segments += fit_rows(trajectories, self.rows)
+        self.dropped_segments += dropped
         return trajectories
 
     async def set_version(self, version: int) -> None:
-        self.version = version
+        await self.admission.set_version(version)
 
     async def close(self) -> None:
+        """Cancel the stream and the rollouts still running (their sandboxes are killed; the
+        middleware writes what they sent `aborted` once no grade comes)."""
+        pending = [t for t in (self._feed, *self._running) if t is not None and not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=CLOSE_GRACE_S)
+        if self._collected:
+            late = sum(len(v) for v in self._collected.values())
+            log.info(
+                "harness source: %d segments were written outside any trained group (%s)",
+                late,
+                ", ".join(sorted(self._collected))[:300],
+            )
         self._collected.clear()
 
 
-def fit_rows(trajectories: list, rows: int) -> int:
-    """Exclude segments (`over_rows`) until at most `rows` remain trainable: each time the
-    earliest remaining segment of the rollout with the most. Returns how many were excluded."""
+def fit_rows(trajectories: list, rows: int, seq_len: int) -> int:
+    """Exclude segments (`over_rows`) until the trainable ones fit `rows` rows of `seq_len`
+    (`pack_rows`: several segments of a rollout per row): each time the earliest remaining
+    segment of the rollout with the most. Returns how many were excluded."""
+    from rl.data.packing import pack_rows
+
     live: dict[str, list] = {}
     for t in trajectories:
         if t.exclusion is None:
             live.setdefault(t.rollout_id or str(id(t)), []).append(t)
-    count = sum(len(v) for v in live.values())
     marked = 0
-    while count > rows:
+    while pack_rows([t for v in live.values() for t in v], rows=rows, seq_len=seq_len) is None:
         longest = max(live.values(), key=len)
         victim = longest.pop(0)
         victim.exclusion = Exclusion(
-            "over_rows", f"the batch had more segments than its {rows} rows"
+            "over_rows",
+            f"the batch's segments did not fit its {rows} rows of {seq_len} tokens, packed",
         )
-        count -= 1
         marked += 1
     return marked

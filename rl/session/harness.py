@@ -35,11 +35,14 @@ async def harness_source(
     *,
     group_size: int,
     batch_size: int,
+    seq_len: int,
+    max_staleness: int,
     steps: int,
     seed: int,
 ) -> AsyncIterator[Any]:
     """An episode source of `steps` batches of `batch_size` rollouts (`group_size` per task)
-    of the harness in sandboxes of `real_backend`."""
+    of the harness in sandboxes of `real_backend`, at most `max_staleness` versions behind the
+    trainer, their segments packed into `batch_size` rows of `seq_len`."""
     from rl.orchestrator.harness import (
         HarnessRunner,
         HarnessSource,
@@ -64,13 +67,15 @@ async def harness_source(
             group_size=group_size,
             groups=batch_size // group_size,
             rows=batch_size,
+            seq_len=seq_len,
             steps=steps,
+            max_staleness=max_staleness,
             seed=seed,
         )
         print(
             f"simloop train-agent: RL through {hcfg.kind} on {len(tasks)} swe tasks, "
-            f"{batch_size // group_size} x {group_size} rollouts per step "
-            f"(middleware {running.url})",
+            f"{batch_size // group_size} x {group_size} rollouts per step, max_staleness "
+            f"{max_staleness} (middleware {running.url})",
             flush=True,
         )
         yield source
@@ -89,4 +94,5 @@ def harness_summary(source) -> dict:
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "trajectories": sum(r.finish.get("trajectories") or 0 for r in results),
         "dropped_segments": source.dropped_segments,
+        "dropped_stale": source.dropped_stale,
     }

@@ -244,9 +244,7 @@ class RLSession:
             pad_id=self.renderer.tokenizer.pad_id,
             base_version=1,
             publish_every=tcfg.publish_every,
-            # A harness batch starts its rollouts at once, with no admission to wait on the
-            # new version: overlapped, they would sample the one before it.
-            overlap_publish=tcfg.overlap_publish and not tcfg.swe,
+            overlap_publish=tcfg.overlap_publish,
             export_dtype=tcfg.checkpoint.export_dtype,
             log_every=tcfg.log_every,
             ckpt_every=tcfg.checkpoint.every_steps,
@@ -328,6 +326,8 @@ class RLSession:
                         self.tasks,
                         group_size=ocfg.group_size,
                         batch_size=ocfg.batch_size,
+                        seq_len=seq_len,
+                        max_staleness=ocfg.max_staleness,
                         steps=remaining,
                         seed=self.seed + start_version,
                     )
@@ -371,10 +371,7 @@ class RLSession:
                 )
                 if gated:
                     buffer = gated.buffer(buffer)
-            if runner is not None:
-                await buffer.start(start_version)
-            else:
-                await buffer.set_version(start_version)
+            await buffer.start(start_version)
             try:
                 summary = await rl_loop(
                     trainer, buffer, publisher, log=metrics, ckpt=ckpt, **self._loop_kwargs(seq_len)

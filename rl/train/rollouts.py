@@ -1,9 +1,13 @@
 """From episodes to an RL batch: the `EpisodeSource` Protocol the RL loop pulls from, group
 advantages, and `[B, T]` rows aligned with the SFT batch convention (`rl/data/datasets.py`).
 
-One episode per row (so `seq_mean` aggregation is per episode); rows are padded to a fixed
-count and length, so the train step never recompiles. `rl/orchestrator/buffer.py` implements
-`EpisodeSource` over live rollouts; `InMemoryEpisodeSource` serves tests and benches.
+One episode per row (so `seq_mean` aggregation is per episode) while the episodes fit the
+rows; when a batch has more (a harness rollout split into several segments),
+`rl.data.packing.pack_rows` puts several segments of one rollout into a row, each attending
+only to itself (its own segment ids and positions; `seq_mean` then weighs the row as one).
+Rows are padded to a fixed count and length, so the train step never recompiles.
+`rl/orchestrator/buffer.py` implements `EpisodeSource` over live rollouts;
+`InMemoryEpisodeSource` serves tests and benches.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from rl.data.packing import pack_rows, replay_segments
 from rl.data.trajectory import Trajectory, success_trial
 from rl.train.config import PolicyLossConfig
 
@@ -181,8 +186,12 @@ def build_rl_batch(
             skipped[reason] += 1
         else:
             used.append(t)
-    if len(used) > rows:
-        raise ValueError(f"{len(used)} usable episodes do not fit in {rows} rows")
+    layout = pack_rows(used, rows=rows, seq_len=seq_len)
+    if layout is None:
+        raise ValueError(
+            f"{len(used)} usable episodes do not fit in {rows} rows, even with the segments of "
+            "each rollout packed together"
+        )
     stats.skipped, stats.used = dict(skipped), len(used)
     T = seq_len
     batch = {
@@ -200,46 +209,51 @@ def build_rl_batch(
     adv = rollout_advantages(used, rewards, cfg)
     per_trial = trial_advantages(used, cfg)
     stale: list[int] = []
-    for row, (t, a) in enumerate(zip(used, adv, strict=True)):
-        # Each sequence the server computed becomes a segment of the row (one without
-        # `context_resets`): token k of the sequence predicts token k + 1, which is trained
-        # here only if it is one of the segment's own tokens.
-        parts = []
-        for idx, own, _ in replay_segments(t):
-            k = np.arange(1, len(idx))
-            own_k = k >= max(own, 1)
-            parts.append((idx, np.where(own_k, idx[k], -1)))
-        total = sum(len(idx) - 1 for idx, _ in parts)
-        if total > T:
-            stats.truncated_rows += 1
-        ids = np.asarray(t.token_ids, np.int64)
-        lmask = np.asarray(t.loss_mask, np.int32)
-        blp_all = np.asarray([x if x is not None else 0.0 for x in t.behavior_logprobs], np.float32)
-        trial_adv = per_trial.get(row)
-        at = 0
-        for j, (idx, trained) in enumerate(parts):
-            n = min(len(idx) - 1, T - at)
-            if n <= 0:
-                break
-            sl = slice(at, at + n)
-            tgt, mine = idx[1 : n + 1], trained[:n]
-            m = np.where(mine >= 0, lmask[tgt], 0).astype(np.int32)
-            batch["tokens"][row, sl] = ids[idx[:n]]
-            batch["targets"][row, sl] = ids[tgt]
-            batch["loss_mask"][row, sl] = m
-            batch["segment_ids"][row, sl] = j + 1
-            batch["positions"][row, sl] = np.arange(n)
-            batch["behavior_logprobs"][row, sl] = blp_all[tgt] * m
-            if trial_adv is not None:  # each trial's tokens get its own trial's advantage
-                batch["advantages"][row, sl] = trial_adv[tgt] * m
-            else:
-                batch["advantages"][row, sl] = a * m
-            stale += [
-                version - t.policy_version[i]
-                for i, keep in zip(tgt, m, strict=True)
-                if keep and t.policy_version[i] is not None
-            ]
-            at += n
+    for row, members in enumerate(layout):
+        at = seg = 0
+        cut = False
+        for e in members:
+            t, a = used[e], adv[e]
+            # Each sequence the server computed becomes a segment of the row (one without
+            # `context_resets`): token k of the sequence predicts token k + 1, which is
+            # trained here only if it is one of the segment's own tokens.
+            parts = []
+            for idx, own, _ in replay_segments(t):
+                k = np.arange(1, len(idx))
+                own_k = k >= max(own, 1)
+                parts.append((idx, np.where(own_k, idx[k], -1)))
+            cut = cut or at + sum(len(idx) - 1 for idx, _ in parts) > T
+            ids = np.asarray(t.token_ids, np.int64)
+            lmask = np.asarray(t.loss_mask, np.int32)
+            blp_all = np.asarray(
+                [x if x is not None else 0.0 for x in t.behavior_logprobs], np.float32
+            )
+            trial_adv = per_trial.get(e)
+            for idx, trained in parts:
+                n = min(len(idx) - 1, T - at)
+                if n <= 0:
+                    break
+                seg += 1
+                sl = slice(at, at + n)
+                tgt, mine = idx[1 : n + 1], trained[:n]
+                m = np.where(mine >= 0, lmask[tgt], 0).astype(np.int32)
+                batch["tokens"][row, sl] = ids[idx[:n]]
+                batch["targets"][row, sl] = ids[tgt]
+                batch["loss_mask"][row, sl] = m
+                batch["segment_ids"][row, sl] = seg
+                batch["positions"][row, sl] = np.arange(n)
+                batch["behavior_logprobs"][row, sl] = blp_all[tgt] * m
+                if trial_adv is not None:  # each trial's tokens get its own trial's advantage
+                    batch["advantages"][row, sl] = trial_adv[tgt] * m
+                else:
+                    batch["advantages"][row, sl] = a * m
+                stale += [
+                    version - t.policy_version[i]
+                    for i, keep in zip(tgt, m, strict=True)
+                    if keep and t.policy_version[i] is not None
+                ]
+                at += n
+        stats.truncated_rows += cut
     groups: dict[str, list[float]] = defaultdict(list)
     for t, r in zip(used, rewards, strict=True):
         groups[t.group_id or t.task_id].append(r)
@@ -251,17 +265,19 @@ def build_rl_batch(
     stats.staleness_max = int(max(stale)) if stale else 0
     stats.episode_tokens_mean = float(np.mean([len(t.token_ids) for t in used]))
     if any(t.kv_epochs for t in used):
-        batch.update(kv_visibility(used, rows=rows, seq_len=T))
+        batch.update(kv_visibility(used, rows=rows, seq_len=T, layout=layout))
     if cfg.aggregation == "rollout_mean":
-        batch["rollout_tokens"] = rollout_tokens(used, batch["loss_mask"], rows=rows)
+        keys = [used[members[0]] for members in layout]
+        batch["rollout_tokens"] = rollout_tokens(keys, batch["loss_mask"], rows=rows)
     return batch, stats
 
 
 def rollout_tokens(
     episodes: Sequence[Trajectory], loss_mask: np.ndarray, *, rows: int
 ) -> np.ndarray:
-    """[rows, T] float32: along row i (episode i), the generated tokens in the batch of every
-    row sharing its `rollout_id` (its own when it has none); 0 for padding rows. (Per token,
+    """[rows, T] float32: along row i (whose episodes are of `episodes[i]`'s rollout), the
+    generated tokens in the batch of every row sharing its `rollout_id` (its own when it has
+    none); 0 for padding rows. (Per token,
     like every batch array, so one batch sharding fits all.)"""
     keys = [t.rollout_id or f"\0row{i}" for i, t in enumerate(episodes)]
     per_row = loss_mask.sum(axis=1)
@@ -274,46 +290,37 @@ def rollout_tokens(
     return out
 
 
-def replay_segments(t: Trajectory) -> list[tuple[np.ndarray, int, int]]:
-    """The sequences the server computed `t` in, as training replays them: `(indices into
-    t.token_ids in sequence order, how many of them lead as re-sent context, the index of its
-    first own token)`. One `(all, 0, 0)` without `context_resets`; each reset adds its context
-    ranges followed by its own tokens (up to the next reset). A reset with no own tokens adds
-    nothing."""
-    n = len(t.token_ids)
-    bounds = [0, *(int(r["start"]) for r in t.context_resets), n]
-    out = []
-    for j in range(len(bounds) - 1):
-        lo, hi = bounds[j], bounds[j + 1]
-        if hi <= lo:
-            continue
-        ctx = [] if j == 0 else [np.arange(a, b) for a, b in t.context_resets[j - 1]["context"]]
-        lead = sum(len(c) for c in ctx)
-        out.append((np.concatenate([*ctx, np.arange(lo, hi)]).astype(np.int64), lead, lo))
-    return out
-
-
-def kv_visibility(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> dict:
-    """The arrays of `rl.model.transformer.KVVisibility` for rows of `episodes` (row i is
-    episode i): `kv_epoch` [rows, T], `kv_start` [rows, E], `kv_kept` [rows, E, T] (E: the
-    most epochs of any row). Every segment of a row (`replay_segments`) opens with a plain
-    epoch; an episode's `kv_epochs` fall in the segment whose own tokens they start in, whose
-    positions are token indices (the first segment, or a reset that re-sent the whole prefix),
-    shifted by where the segment begins in the row. Plain epochs see everything of their
-    segment: the row's segment ids keep the segments apart."""
+def kv_visibility(
+    episodes: Sequence[Trajectory],
+    *,
+    rows: int,
+    seq_len: int,
+    layout: Sequence[Sequence[int]] | None = None,
+) -> dict:
+    """The arrays of `rl.model.transformer.KVVisibility` for rows of `episodes` (row i holds
+    the episodes `layout[i]`, by default episode i alone): `kv_epoch` [rows, T], `kv_start`
+    [rows, E], `kv_kept` [rows, E, T] (E: the most epochs of any row). Every segment of a row
+    (`replay_segments`, episode after episode) opens with a plain epoch; an episode's
+    `kv_epochs` fall in the segment whose own tokens they start in, whose positions are token
+    indices (the first segment, or a reset that re-sent the whole prefix), shifted by where
+    the segment begins in the row. Plain epochs see everything of their segment: the row's
+    segment ids keep the segments apart."""
     T = seq_len
+    if layout is None:
+        layout = [[i] for i in range(len(episodes))]
     layouts = []
-    for t in episodes:
+    for members in layout:
         epochs, off = [], 0
-        segs = replay_segments(t)
-        ends = [lo for _, _, lo in segs[1:]] + [len(t.token_ids) + 1]
-        for (idx, _, lo), hi in zip(segs, ends, strict=True):
-            epochs.append((off, []))
-            for ep in t.kv_epochs:
-                if lo <= ep["start"] < hi:
-                    kept = [(off + a, off + b) for a, b in ep["kept"]]
-                    epochs.append((off + int(ep["start"]), kept))
-            off += len(idx) - 1
+        for t in (episodes[i] for i in members):
+            segs = replay_segments(t)
+            ends = [lo for _, _, lo in segs[1:]] + [len(t.token_ids) + 1]
+            for (idx, _, lo), hi in zip(segs, ends, strict=True):
+                epochs.append((off, []))
+                for ep in t.kv_epochs:
+                    if lo <= ep["start"] < hi:
+                        kept = [(off + a, off + b) for a, b in ep["kept"]]
+                        epochs.append((off + int(ep["start"]), kept))
+                off += len(idx) - 1
         layouts.append(epochs)
     E = max([len(e) for e in layouts] + [1])
     epoch = np.zeros((rows, T), np.int32)

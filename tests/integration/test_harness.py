@@ -152,12 +152,29 @@ async def test_a_refused_finish_is_reported_and_the_rollout_ends_aborted(stack, 
 
 
 @ASYNC
-async def test_a_stalled_harness_is_killed_at_wall_s(stack):
+async def test_a_stalled_harness_is_killed_at_wall_s_and_its_turns_are_kept(stack):
     (task,) = swe_suite(["clamp"])
-    result = await runner(stack, "--sleep 60", wall_s=2.0).run_one(task)
-    assert result.status == "timeout" and "wall_s=2" in result.reason
-    assert result.wall_s < 30 and result.reward == 0.0  # graded: an empty diff
+    # Stalled before any model call: killed, graded (an empty diff), nothing to write.
+    result = await runner(stack, "--sleep 60", wall_s=2.0).run_one(task, "g2", 0)
+    assert result.status == "truncated" and "wall_s=2" in result.reason
+    assert result.wall_s < 30 and result.reward == 0.0
     assert result.finish["trajectories"] == 0  # it never called the model
+    # Stalled after two model calls: its rollout is written `truncated`, with the reason and
+    # the grade, token-exact, like any finished rollout (never lost or aborted).
+    result = await runner(stack, "--turns 2", "--sleep-after 60", wall_s=10.0).run_one(
+        task, "g2", 1
+    )
+    assert result.status == "truncated" and "wall_s=10" in result.reason
+    assert result.reward == 0.0 and result.finish["trajectories"] == 1
+    (t,) = [
+        t
+        for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+        for t in read_jsonl(p)
+        if t.rollout_id == result.rollout_id
+    ]
+    assert (t.status, t.reward, len(t.turns)) == ("truncated", 0.0, 2)
+    assert "wall_s=10" in t.reason
+    assert_token_exact(stack["client"].calls, t)
 
 
 def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):

@@ -8,9 +8,9 @@ bash tool, runs any `tool_use` it gets and sends the results back, otherwise ask
 `--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
 that passes; `--fix-if-even` does so only when the model's first reply has an even number of
 characters (a reward that depends on what the model sampled, for RL tests); `--sleep S`
-stalls first (the wall-clock guard's test); `--forge` then tries to grade itself, POSTing
-`{"reward": 1.0}` to `BASE_URL/rollouts/API_KEY/finish` (the red-team test: it must be refused),
-and prints the answer's status."""
+stalls first, `--sleep-after S` after its turns (the wall-clock guard's tests); `--forge`
+then tries to grade itself, POSTing `{"reward": 1.0}` to `BASE_URL/rollouts/API_KEY/finish`
+(the red-team test: it must be refused), and prints the answer's status."""
 
 import argparse
 import json
@@ -49,6 +49,7 @@ def main() -> None:
         help="the fix: replace OLD by NEW in FILE (default: the clamp task's)",
     )
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--sleep-after", type=float, default=0.0)
     p.add_argument("--forge", action="store_true")
     args = p.parse_args()
     time.sleep(args.sleep)
@@ -84,6 +85,7 @@ def main() -> None:
                 {"type": "tool_result", "tool_use_id": use.id, "content": run.stdout + run.stderr}
             )
         messages.append({"role": "user", "content": results})
+    time.sleep(args.sleep_after)
     if args.fix == "clamp" or (args.fix_if_even and len(first or "") % 2 == 0):
         name, old, new = args.fix_replace or ("clamp.py", "min(x, lo)", "min(x, hi)")
         path = pathlib.Path(name)

@@ -1,4 +1,5 @@
-"""rl/train/rollouts.py: group advantages against a loop, RL batches from real trajectories."""
+"""rl/train/rollouts.py: group advantages against a loop, RL batches from real trajectories,
+harness segments packed into rows (rl/data/packing.py)."""
 
 import dataclasses
 import math
@@ -6,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from rl.data.packing import pack_rows, replay_length
 from rl.data.trajectory import Exclusion, Trajectory, Turn, validate
 from rl.train.config import PolicyLossConfig
 from rl.train.rollouts import (
@@ -388,3 +390,60 @@ def test_a_prefix_reset_keeps_its_kv_epochs_in_the_second_segment():
     t.context_resets = [{"start": 15, "context": [[0, 3], [9, 15]]}]
     with pytest.raises(ValueError, match=r"context_resets\[0\]\.context"):
         validate(t)
+
+
+# ----- packing a rollout's segments ------------------------------------------------------------
+
+
+def segment(rollout: str, group: str, reward: float, n: int, first_id: int) -> Trajectory:
+    """One segment of a harness rollout: 3 prompt ids and one turn of `n` generated ids."""
+    t = make_traj(gens=((n, 0),), group=group, reward=reward, first_id=first_id)
+    t.rollout_id = rollout
+    return t
+
+
+def test_segments_beyond_the_rows_share_their_rollouts_rows_each_attending_to_itself():
+    # Rollout a: three short segments; rollout b: one. Four segments, two rows of 16: a's
+    # three (6 + 5 + 4 positions) pack into one row, b keeps the other.
+    a = [segment("a", "g", 1.0, n, 10 * (k + 1)) for k, n in enumerate((4, 3, 2))]
+    b = segment("b", "g", 0.0, 5, 100)
+    assert pack_rows([*a, b], rows=4, seq_len=16) == [[0], [1], [2], [3]]  # fits: one each
+    assert pack_rows([*a, b], rows=2, seq_len=16) == [[0, 1, 2], [3]]
+    assert pack_rows([*a, b], rows=2, seq_len=10) is None  # a needs 2 rows of 10, b one
+    assert pack_rows([*a, b], rows=3, seq_len=10) == [[0, 2], [1], [3]]  # first fit, longest first
+    cfg = PolicyLossConfig(advantage="drgrpo", aggregation="rollout_mean")
+    batch, stats = build_rl_batch([*a, b], rows=2, seq_len=16, cfg=cfg, version=0)
+    assert stats.used == 4 and stats.truncated_rows == 0
+    lens = [replay_length(t) for t in a]
+    assert lens == [6, 5, 4]
+    assert batch["segment_ids"][0].tolist() == [1] * 6 + [2] * 5 + [3] * 4 + [0]
+    assert batch["positions"][0].tolist() == [*range(6), *range(5), *range(4), 0]
+    at = 0
+    for t, n in zip(a, lens, strict=True):
+        ids = np.asarray(t.token_ids)
+        assert batch["tokens"][0, at : at + n].tolist() == ids[:-1].tolist()
+        assert batch["targets"][0, at : at + n].tolist() == ids[1:].tolist()
+        at += n
+    # Every generated token trained once, each with its rollout's advantage (a: 1 - 0.5).
+    assert int(batch["loss_mask"][0].sum()) == 4 + 3 + 2 and int(batch["loss_mask"][1].sum()) == 5
+    m = batch["loss_mask"].astype(bool)
+    assert set(batch["advantages"][0][m[0]].tolist()) == {0.5}
+    assert set(batch["advantages"][1][m[1]].tolist()) == {-0.5}
+    # rollout_mean: each row carries its rollout's generated-token count.
+    assert batch["rollout_tokens"][0, 0] == 9 and batch["rollout_tokens"][1, 0] == 5
+
+
+def test_fit_rows_leaves_out_only_what_does_not_fit_packed():
+    from rl.orchestrator.harness import fit_rows
+
+    a = [segment("a", "g", 1.0, 4, 10 * (k + 1)) for k in range(3)]  # 6 positions each
+    b = [segment("b", "g", 0.0, 4, 100 + 10 * k) for k in range(2)]
+    # Two rows of 12: a needs two rows, b one; one of a's segments must go, the earliest.
+    assert fit_rows([*a, *b], rows=2, seq_len=12) == 1
+    assert [t.exclusion and t.exclusion.kind for t in [*a, *b]] == ["over_rows"] + [None] * 4
+    assert "2 rows of 12 tokens" in a[0].exclusion.reason
+    _, stats = build_rl_batch([*a, *b], rows=2, seq_len=12, cfg=CFG, version=0)
+    assert stats.used == 4 and stats.skipped == {"over_rows": 1}
+    # Room for all: nothing is left out.
+    fresh = [segment("c", "g", 1.0, 4, 10 * (k + 1)) for k in range(3)]
+    assert fit_rows(fresh, rows=3, seq_len=12) == 0
