@@ -626,6 +626,10 @@ class HarnessSource:
         # Every step's groups, plus (S > 0) what may start early and what replaces stale ones.
         extra = max_staleness + 1 if max_staleness else 0
         self._tasks = task_stream(tasks, groups * (max(steps, 1) + extra), seed)
+        self._wanted = groups * max(steps, 1)  # groups the steps train
+        self._pending = 0  # started, not yet taken into a batch or dropped
+        self._taken = 0
+        self._room = asyncio.Condition()
         self.admission = AdmissionController(groups * group_size, max_staleness)
         self._collected: dict[str, list] = {}
         self._done: asyncio.Queue = asyncio.Queue()
@@ -651,6 +655,10 @@ class HarnessSource:
 
     async def _run_stream(self) -> None:
         for n, task in enumerate(self._tasks):
+            # Never more groups than the steps still train (a stale one frees its place).
+            async with self._room:
+                await self._room.wait_for(lambda: self._taken + self._pending < self._wanted)
+                self._pending += 1
             admitted = await self.admission.admit(self.group_size)
             group = asyncio.create_task(
                 self._group(task, f"g{n}v{admitted}", admitted), name=f"harness-group-{n}"
@@ -715,6 +723,7 @@ class HarnessSource:
                 for _ in results:
                     await self.admission.release()
                 self.dropped_stale += len(results)
+                await self._settle(taken=False)
                 log.info(
                     "harness source: dropped a group of %d rollouts admitted %d versions ago "
                     "(max_staleness=%d)",
@@ -725,6 +734,7 @@ class HarnessSource:
                 continue
             trajectories += group
             taken += 1
+            await self._settle(taken=True)
         dropped = fit_rows(trajectories, self.rows, self.seq_len)
         if dropped:
             log.warning(
@@ -737,6 +747,13 @@ class HarnessSource:
             )
         self.dropped_segments += dropped
         return trajectories
+
+    async def _settle(self, *, taken: bool) -> None:
+        """A finished group left the queue: into a batch (`taken`) or dropped as stale."""
+        async with self._room:
+            self._pending -= 1
+            self._taken += taken
+            self._room.notify_all()
 
     async def set_version(self, version: int) -> None:
         await self.admission.set_version(version)

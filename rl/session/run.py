@@ -285,6 +285,8 @@ class RLSession:
                 if servers.tag_versions
                 else clients["agent"]
             )
+            if self.terminal.trials > 1 and not swe:
+                print(f"simloop train-agent: {trial_context(self)}", flush=True)
             report = await publisher.publish(str(start_path), start_version)
             print(
                 f"simloop train-agent: serving policy v{start_version} "
@@ -405,3 +407,37 @@ class RLSession:
         summary["reward_first"] = rewards[0] if rewards else None
         summary["reward_last"] = rewards[-1] if rewards else None
         return summary
+
+
+def trial_context(session: RLSession) -> str:
+    """What a K-trial episode's context holds besides its observations, said before RL starts:
+    the longest task prompt, every reply at its `max_tokens_per_turn` budget and each failed
+    trial's feedback, against `orchestrator.max_context_tokens`. Observations come on top; an
+    episode that still runs out ends `truncated` ("context full"), and each RL step counts
+    those (`truncated_context`)."""
+    import string
+
+    term, ocfg, renderer = session.terminal, session.orchestrator, session.renderer
+    per = term.turns_per_trial or term.max_turns
+    turns = min(per * term.trials, term.max_turns)
+    prompt = max(
+        len(renderer.render([{"role": "user", "content": term.prompt_template.format(
+            instruction=t.instruction)}], add_generation_prompt=True))
+        for t in list(session.tasks)[:64]
+    )  # fmt: skip
+    fields = [f for _, f, _, _ in string.Formatter().parse(term.trial_feedback_template) if f]
+    feedback = len(
+        renderer.render(
+            [{"role": "user", "content": term.trial_feedback_template.format(**dict.fromkeys(
+                fields, ""))}]
+        )
+    )  # fmt: skip
+    need = prompt + turns * ocfg.max_tokens_per_turn + (term.trials - 1) * feedback
+    fits = "fits" if need <= ocfg.max_context_tokens else "does NOT fit"
+    return (
+        f"{term.trials} trials x {per} turns (at most {turns} turns): a prompt of up to {prompt} "
+        f"tokens, {turns} replies of up to {ocfg.max_tokens_per_turn} and {term.trials - 1} "
+        f"feedback message(s) of ~{feedback} need up to {need} tokens before observations; "
+        f"orchestrator.max_context_tokens={ocfg.max_context_tokens} {fits} (episodes that run "
+        "out end `truncated`, counted per step as truncated_context)"
+    )

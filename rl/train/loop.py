@@ -531,6 +531,7 @@ async def rl_loop(
         )
 
     began = time.perf_counter()
+    warned_context = False
     with _Progress("rl", steps, start, progress) as bar:
         try:
             for step in range(start, steps):
@@ -549,6 +550,21 @@ async def rl_loop(
                     version=version,  # the trainer's own: staleness is measured against it
                     pad_id=pad_id,
                 )
+                if stats.truncated_context and not warned_context:
+                    warned_context = True
+                    example = next(
+                        t.reason for t in episodes if (t.reason or "").startswith("context full")
+                    )
+                    logger.warning(
+                        "rl step %d: %d of %d episodes ended truncated with a full context "
+                        "(e.g. %s): their later turns and trials never ran. A longer "
+                        "orchestrator.max_context_tokens (with serve.engine.max_seq_len to "
+                        "match) lets them; each step's record counts them (truncated_context)",
+                        step + 1,
+                        stats.truncated_context,
+                        stats.episodes,
+                        example,
+                    )
                 if multi:  # process 0's batch, on every process (each places its own rows)
                     batch = await asyncio.to_thread(
                         multihost.broadcast,

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from rl.data.packing import pack_rows, replay_segments
-from rl.data.trajectory import Trajectory, success_trial
+from rl.data.trajectory import Trajectory, success_trial, trial_metrics
 from rl.train.config import PolicyLossConfig
 
 USABLE = ("ok", "truncated")
@@ -120,9 +120,17 @@ class BatchStats:
     zero_variance_groups: int = 0
     """Groups whose episodes all got the same reward (no learning signal)."""
     episode_tokens_mean: float = 0.0
+    truncated_context: int = 0
+    """Episodes of the batch (used or not) that ended `truncated` because their context was
+    full: with several trials, the later trials they never reached."""
+    trials: dict[str, float] = field(default_factory=dict)
+    """Multi-trial batches: `success_by_trial_k` (share of the used episodes that succeeded by
+    trial k) and `adaptation_delta` (by trial 2 minus by trial 1), as the evaluations report
+    them (`rl.data.trajectory.trial_metrics`); empty for single-trial episodes."""
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k != "trials"}
+        return {**out, **self.trials}
 
 
 def _reward(t: Trajectory, cfg: PolicyLossConfig) -> float | None:
@@ -178,6 +186,9 @@ def build_rl_batch(
     behavior_logprobs, advantages` from `episodes` (unusable ones are skipped and counted;
     extra episodes beyond `rows` are an error, the loop sizes batches)."""
     stats = BatchStats(episodes=len(episodes))
+    stats.truncated_context = sum(
+        t.status == "truncated" and (t.reason or "").startswith("context full") for t in episodes
+    )
     used: list[Trajectory] = []
     skipped: dict[str, int] = defaultdict(int)
     for t in episodes:
@@ -264,6 +275,12 @@ def build_rl_batch(
     stats.staleness_mean = float(np.mean(stale)) if stale else 0.0
     stats.staleness_max = int(max(stale)) if stale else 0
     stats.episode_tokens_mean = float(np.mean([len(t.token_ids) for t in used]))
+    if any(t.trials for t in used):
+        tm = trial_metrics(used)
+        stats.trials = {
+            **{f"success_by_trial_{k + 1}": v for k, v in enumerate(tm["success_at"])},
+            "adaptation_delta": tm["adaptation_delta"],
+        }
     if any(t.kv_epochs for t in used):
         batch.update(kv_visibility(used, rows=rows, seq_len=T, layout=layout))
     if cfg.aggregation == "rollout_mean":

@@ -143,6 +143,10 @@ class Middleware:
         """Model requests, by API."""
         self.refused: Counter[str] = Counter()
         """Requests answered with an error, by reason."""
+        self.timing: Counter[str] = Counter()
+        """Sampled requests (`sampled`), their seconds in the middleware (`request_s`: from
+        arrival to the last byte sent, less any wait behind the rollout's other requests) and
+        in the agent server's call (`agent_s`); the difference is the middleware's overhead."""
         self.refused_finishes: Counter[str] = Counter()
         """Finish calls refused, by listener: `api` (sent where harnesses talk), `admin` (without
         the right token)."""
@@ -256,6 +260,20 @@ class Middleware:
         return await self._generate(request, "responses")
 
     async def _generate(self, request: web.Request, api: str) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        waited: list[float] = []  # behind the rollout's lock (another request of the rollout)
+        sampled: list[float] = []  # the agent server's call, when one was made
+        try:
+            return await self._generate_timed(request, api, waited, sampled)
+        finally:
+            if sampled:
+                self.timing["sampled"] += 1
+                self.timing["request_s"] += time.perf_counter() - arrived - sum(waited)
+                self.timing["agent_s"] += sum(sampled)
+
+    async def _generate_timed(
+        self, request: web.Request, api: str, waited: list[float], sampled: list[float]
+    ) -> web.StreamResponse:
         self.requests[api] += 1
         rollout_id = _rollout_id(request)
         conv = self._parse(formats.loads(await request.read()), api)
@@ -281,7 +299,9 @@ class Middleware:
             )
         rollout.inflight += 1
         try:
+            queued = time.perf_counter()
             async with rollout.lock:
+                waited.append(time.perf_counter() - queued)
                 if self.rollouts.get(rollout_id) is not rollout:
                     raise HTTPFailure(
                         409,
@@ -301,7 +321,7 @@ class Middleware:
                     raise HTTPFailure(400, str(e), "messages", reason="segments_max") from e
                 prefix = {"anthropic": "msg_", "responses": "resp_"}.get(api, "chatcmpl-")
                 msg_id = prefix + secrets.token_hex(12)
-                work = self._sample(rollout, plan, conv)
+                work = self._sample(rollout, plan, conv, sampled)
                 if conv.stream:
                     return await self._stream(request, conv, msg_id, len(plan.prompt_ids), work)
                 reply = await work
@@ -353,8 +373,11 @@ class Middleware:
             )
         return conv
 
-    async def _sample(self, rollout: Rollout, plan, conv: Conversation) -> Reply:
-        """Generate from the plan's ids and record the turn (only once it fully arrived)."""
+    async def _sample(
+        self, rollout: Rollout, plan, conv: Conversation, sampled: list[float] | None = None
+    ) -> Reply:
+        """Generate from the plan's ids and record the turn (only once it fully arrived);
+        the agent server's call's seconds go to `sampled`."""
         s = conv.sampling
         max_tokens = min(s.max_tokens, self.cfg.max_tokens_cap or s.max_tokens)
         context = await self._context_limit()
@@ -372,6 +395,7 @@ class Middleware:
             route = getattr(self.client, "session", None)
             client = route(rollout.id) if callable(route) else self.client
             self._routes[rollout.id] = client
+        called = time.perf_counter()
         try:
             out = await client.complete(
                 plan.prompt_ids,
@@ -385,6 +409,8 @@ class Middleware:
                 timeout_s=self.cfg.request_timeout_s,
             )
         except ClientError as e:
+            if sampled is not None:
+                sampled.append(time.perf_counter() - called)
             status = e.status if e.status in (400, 413, 422) else 503
             message = f"the agent server refused or failed: {e}"
             if status < 500 and "context" in str(e):
@@ -396,6 +422,8 @@ class Middleware:
                     f"{n} tokens, max_tokens {max_tokens}): {message}"
                 )
             raise HTTPFailure(status, message) from e
+        if sampled is not None:
+            sampled.append(time.perf_counter() - called)
         if out.finish_reason == "abort" or not out.token_ids:
             raise HTTPFailure(503, "the agent server aborted the generation (shutting down?)")
         ids = list(out.token_ids)
@@ -680,6 +708,14 @@ class Middleware:
             metric = f"simloop_middleware_{name}"
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
             lines += [f'{metric}{{{label}="{key}"}} {n}' for key, n in sorted(counts.items())]
+        for name, key, help_text in [
+            ("request_seconds", "request_s", "a sampled request's time in the middleware"),
+            ("agent_seconds", "agent_s", "a sampled request's agent-server call"),
+        ]:
+            metric = f"simloop_middleware_{name}"
+            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} summary"]
+            lines += [f"{metric}_sum {self.timing[key]:.6f}"]
+            lines += [f"{metric}_count {self.timing['sampled']}"]
         return "\n".join(lines) + "\n"
 
 

@@ -196,6 +196,9 @@ async def test_concurrent_rollouts_extend_and_diverge_token_exact(real):
 
 
 async def test_openai_client_streamed_and_not_over_the_real_server(real):
+    count = "simloop_middleware_request_seconds_count"
+    timed = (count, *(f"simloop_middleware_{x}_seconds_sum" for x in ("request", "agent")))
+    before = {m: await real.metric(m) for m in timed}
     c = real.openai("oa-1")
     r = await c.chat.completions.create(
         model="tiny",
@@ -223,6 +226,13 @@ async def test_openai_client_streamed_and_not_over_the_real_server(real):
     result = await real.finish("oa-1", reward=0.0)
     assert result["plans"]["extend"] == 1 and result["trajectories"] == 1
     assert_token_exact(real.client.calls, real.written[-1])
+    # Both requests were timed, in the middleware and in their agent-server call (overhead:
+    # the difference, never negative).
+    after = {m: await real.metric(m) for m in before}
+    assert after[count] - before[count] == 2
+    spent = {m: after[m] - before[m] for m in before if m.endswith("_sum")}
+    agent = spent["simloop_middleware_agent_seconds_sum"]
+    assert 0 < agent <= spent["simloop_middleware_request_seconds_sum"]
 
 
 async def test_a_harness_that_disconnects_aborts_the_generation(real):

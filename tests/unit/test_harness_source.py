@@ -151,3 +151,17 @@ async def test_a_failing_group_surfaces_from_next_batch():
     with pytest.raises(RuntimeError, match="a harness group failed: sandbox backend is gone"):
         await source.next_batch()
     await source.close()
+
+
+async def test_no_more_groups_start_than_the_steps_train():
+    runner = Runner()
+    source = make_source(runner, max_staleness=2, steps=2)  # 2 steps x 2 groups
+    await source.start(1)
+    await settle()
+    assert len(runner.started) == 4  # S = 2 would let 6 start; 2 steps train only 4
+    await source.next_batch()
+    await source.set_version(2)
+    await source.next_batch()
+    await settle()
+    assert len(runner.started) == 4
+    await source.close()

@@ -447,3 +447,29 @@ def test_fit_rows_leaves_out_only_what_does_not_fit_packed():
     # Room for all: nothing is left out.
     fresh = [segment("c", "g", 1.0, 4, 10 * (k + 1)) for k in range(3)]
     assert fit_rows(fresh, rows=3, seq_len=12) == 0
+
+
+def test_multi_trial_batches_report_success_by_trial_and_context_truncations():
+    from rl.data.trajectory import Trial
+
+    def two_trials(first: float, second: float | None, group: str) -> Trajectory:
+        t = make_traj(gens=((3, 0), (3, 0)), group=group, reward=max(first, second or 0.0))
+        t.trials = [Trial(0, 0, 1, reward=first), Trial(1, 1, 2, reward=second)]
+        t.trial_reward = "per_trial"
+        return t
+
+    won_first = two_trials(1.0, None, "g0")
+    won_second = two_trials(0.0, 1.0, "g0")
+    lost = two_trials(0.0, 0.0, "g1")
+    full = "context full (510 of 512 tokens) before turn 2"
+    cut = make_traj(status="truncated", reason=full, reward=None, group="g1")
+    _, stats = build_rl_batch(
+        [won_first, won_second, lost, cut], rows=4, seq_len=32, cfg=CFG, version=0
+    )
+    d = stats.to_dict()
+    assert stats.truncated_context == 1 and d["truncated_context"] == 1
+    # Over the 4 used episodes (the truncated one counts as a failure).
+    assert d["success_by_trial_1"] == 0.25 and d["success_by_trial_2"] == 0.5
+    assert d["adaptation_delta"] == 0.25 and "trials" not in d
+    _, single = build_rl_batch([make_traj()], rows=1, seq_len=32, cfg=CFG, version=0)
+    assert "adaptation_delta" not in single.to_dict() and single.truncated_context == 0
