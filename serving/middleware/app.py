@@ -140,7 +140,8 @@ class Middleware:
         self.written: Counter[str] = Counter()
         """Rollouts written, by status."""
         self.requests: Counter[str] = Counter()
-        """Model requests, by API."""
+        """Requests, by API (`anthropic`, `openai`, `responses`; `count_tokens`: Anthropic's
+        token counting, which samples nothing)."""
         self.refused: Counter[str] = Counter()
         """Requests answered with an error, by reason."""
         self.timing: Counter[str] = Counter()
@@ -347,6 +348,7 @@ class Middleware:
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's token counting (Claude Code asks before long requests): the tokens the
         request would render to as a fresh segment. Samples nothing, records nothing."""
+        self.requests["count_tokens"] += 1
         body = formats.loads(await request.read())
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}  # count_tokens requests carry none
@@ -695,7 +697,7 @@ class Middleware:
         ]
         for name, help_text, label, counts in [
             ("rollouts_finished_total", "rollouts written, by status", "status", self.written),
-            ("requests_total", "model requests, by API", "api", self.requests),
+            ("requests_total", "requests by API (count_tokens: unsampled)", "api", self.requests),
             ("refused_total", "requests answered with an error, by reason", "reason", self.refused),
             (
                 "refused_finishes_total",

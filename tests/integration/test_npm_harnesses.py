@@ -24,7 +24,7 @@ from launch.jobs.middleware import running_middleware
 from rl.data.bpe import train_bpe
 from rl.data.tokenizer import HFTokenizer
 from rl.data.trajectory import read_jsonl
-from rl.model import Qwen3, tiny
+from rl.model import Qwen3, save_hf, tiny
 from rl.orchestrator.harness import HarnessConfig, HarnessRunner, NpmUnavailable, pick_launcher
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig
@@ -69,7 +69,9 @@ async def stack(tmp_path_factory):
             launchers[kind] = await pick_launcher(configs[kind], real, task)
         except NpmUnavailable as e:
             pytest.skip(f"{kind} cannot be installed here: {e}")
-    model = Qwen3(tiny(vocab_size=tok.vocab_size, initializer_range=0.3), rngs=nnx.Rngs(0))
+    model_cfg = tiny(vocab_size=tok.vocab_size, initializer_range=0.3)
+    model = Qwen3(model_cfg, rngs=nnx.Rngs(0))
+    hf = save_hf(model_cfg, model, root / "hf")  # the same weights, for the trainer
     engine = Engine(
         model,
         tok,
@@ -89,6 +91,7 @@ async def stack(tmp_path_factory):
                 "client": client,
                 "task": task,
                 "tok": tok,
+                "model": (model_cfg, hf),
             }
         await client.close()
 
@@ -131,3 +134,53 @@ async def test_codex_runs_through_the_responses_api_and_is_recorded_token_exact(
     assert_token_exact(stack["client"].calls[before:], traj)
     prompt = len(stack["client"].calls[before][0])  # Codex's instructions and tool schemas
     assert 10 * len(stack["tok"].encode(stack["task"].instruction)) < prompt < CONTEXT
+
+
+TOL = 1e-4
+"""f32, as tests/integration/test_compaction_parity.py: the server computed each prompt in
+2,048-token prefill chunks and each sampled token from its KV cache (a running softmax over
+128-key blocks), the trainer the whole row at once (128-query causal blocks); the same terms
+summed in other orders."""
+
+
+@ASYNC
+async def test_the_trainer_gives_the_clients_rollouts_the_servers_logprobs(stack):
+    """The trainer's forward over each client's whole rollout (its 14,000-18,000-token prompt
+    and every sampled id spliced back) gives the server's logprob of every sampled token. A
+    rollout the client ended with its own error is trained as `truncated` would be: its
+    tokens are what the server computed either way."""
+    import dataclasses
+
+    import numpy as np
+
+    from launch.config.schema import SimloopConfig
+    from rl.train.build import build_trainer
+    from rl.train.config import OptimConfig, PolicyLossConfig, RoleConfig
+    from rl.train.rollouts import build_rl_batch
+
+    files = sorted((stack["out"] / "trajectories").glob("middleware-*.jsonl"))
+    trajs = [t for p in files for t in read_jsonl(p)]
+    assert {t.meta["harness"] for t in trajs} == {"claude-code", "codex"}, "run the clients first"
+    seq_len = -(-max(len(t.token_ids) for t in trajs) // 1024) * 1024  # one shape, one compile
+    model_cfg, hf = stack["model"]
+    trainer = build_trainer(
+        RoleConfig(model=model_cfg, hf_path=str(hf)),
+        stack["tok"],
+        optim=OptimConfig(),
+        steps=1,
+        loss="policy",
+        rules=SimloopConfig().sharding.rules,
+        seed=0,
+        device_ids=[0],
+    )
+    for t in trajs:
+        row = dataclasses.replace(t, status="ok", reason=None, reward=0.0)
+        batch, stats = build_rl_batch(
+            [row], rows=1, seq_len=seq_len, cfg=PolicyLossConfig(), version=0
+        )
+        assert stats.used == 1 and stats.truncated_rows == 0
+        mask = batch["loss_mask"].astype(bool)
+        assert mask.sum() == sum(t.loss_mask) > 0
+        logp = np.asarray(trainer.logprobs(batch))
+        gap = np.abs(logp - batch["behavior_logprobs"])[mask]
+        assert gap.max() <= TOL, (t.meta["harness"], len(t.token_ids), float(gap.max()))
