@@ -10,7 +10,8 @@ What runs (as tests/integration/test_npm_harnesses.py does, here with timings): 
 unmodified, from its pinned npm package (installed into the harness cache when missing),
 inside a real local sandbox on the built-in `clamp` task, against a middleware in front of a
 tiny random model served by simloop's engine in this process. The model's tokenizer is a
-4,096-id byte-level BPE trained here on the repository's docs and serving code, so the
+4,096-id byte-level BPE trained here on the repository's docs and serving code
+(`dev/bpe_agent.py`, the README's agent for real harnesses), so the
 clients' ~40,000-49,000-character prompts fit its 32,768-token context. The random model
 never ends a turn within the 24 tokens it may write, so Claude Code asks it to go on three
 times and then stops, and Codex ends its turn on the truncated response: the counts are
@@ -66,18 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def measure(args, console: Console) -> dict:
-    from flax import nnx
-
     from envs.backends import shell_backends
     from envs.swe_suite import swe_suite
     from launch.config.loading import load_config
     from launch.config.schema import SimloopConfig
     from launch.jobs.harness import harness_shell
     from launch.jobs.middleware import running_middleware
-    from rl.data.bpe import train_bpe
     from rl.data.tokenizer import HFTokenizer
     from rl.data.trajectory import read_jsonl
-    from rl.model import Qwen3, tiny
+    from rl.model import load_hf
     from rl.orchestrator.harness import HarnessConfig, HarnessRunner, pick_launcher
     from serving.client import InferenceClient
     from serving.config import ServerConfig
@@ -95,11 +93,12 @@ async def measure(args, console: Console) -> dict:
             self.prompts.append(len(prompt))
             return await super().complete(prompt, **kw)
 
+    sys.path.insert(0, str(REPO / "dev"))
+    from bpe_agent import bpe_agent
+
     root = Path(tempfile.mkdtemp(prefix="bench-harness-clients-"))
-    texts = [p.read_text() for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]]
-    texts += [p.read_text() for p in sorted((REPO / "serving").rglob("*.py"))]
-    with console.status("training the 4,096-id BPE"):
-        bpe = train_bpe(texts, root / "bpe", vocab_size=4096)
+    with console.status("training the 4,096-id BPE (dev/bpe_agent.py)"):
+        bpe = bpe_agent(root / "agent")
     tok = HFTokenizer(bpe)
     cfg = harness_shell(
         load_config(
@@ -122,7 +121,7 @@ async def measure(args, console: Console) -> dict:
         )
         with console.status(f"installing / finding {kind}"):
             launchers[kind] = await pick_launcher(runners_cfg[kind], real, task)
-    model = Qwen3(tiny(vocab_size=tok.vocab_size, initializer_range=0.3), rngs=nnx.Rngs(0))
+    _, model = load_hf(bpe)
     engine = Engine(
         model,
         tok,

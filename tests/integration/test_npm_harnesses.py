@@ -9,11 +9,12 @@ registry cannot be reached."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from flax import nnx
 
 from envs.backends import shell_backends
 from envs.swe_suite import swe_suite
@@ -21,20 +22,21 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig
 from launch.jobs.harness import harness_shell
 from launch.jobs.middleware import running_middleware
-from rl.data.bpe import train_bpe
 from rl.data.tokenizer import HFTokenizer
 from rl.data.trajectory import read_jsonl
-from rl.model import Qwen3, save_hf, tiny
+from rl.model import load_hf
 from rl.orchestrator.harness import HarnessConfig, HarnessRunner, NpmUnavailable, pick_launcher
 from serving.config import ServerConfig
 from serving.engine import Engine, EngineConfig
-from tests.fakes import RecordingClient, assert_token_exact
+from tests.fakes import RecordingClient, assert_token_exact, user_env
 
 pytestmark = pytest.mark.slow
 ASYNC = pytest.mark.asyncio(loop_scope="module")
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 32768
+sys.path.insert(0, str(REPO / "dev"))
+from bpe_agent import bpe_agent  # noqa: E402
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -42,9 +44,7 @@ async def stack(tmp_path_factory):
     from serving.server import background_server
 
     root = tmp_path_factory.mktemp("claude-code")
-    texts = [p.read_text() for p in sorted(REPO.glob("docs/*.md")) + [REPO / "README.md"]]
-    texts += [p.read_text() for p in sorted((REPO / "serving").rglob("*.py"))]
-    bpe = train_bpe(texts, root / "bpe", vocab_size=4096)
+    bpe = bpe_agent(root / "agent")  # tokenizer and checkpoint, as the README makes them
     tok = HFTokenizer(bpe)
     cfg = harness_shell(
         load_config(
@@ -69,9 +69,8 @@ async def stack(tmp_path_factory):
             launchers[kind] = await pick_launcher(configs[kind], real, task)
         except NpmUnavailable as e:
             pytest.skip(f"{kind} cannot be installed here: {e}")
-    model_cfg = tiny(vocab_size=tok.vocab_size, initializer_range=0.3)
-    model = Qwen3(model_cfg, rngs=nnx.Rngs(0))
-    hf = save_hf(model_cfg, model, root / "hf")  # the same weights, for the trainer
+    model_cfg, model = load_hf(bpe)
+    hf = bpe  # the same weights, for the trainer and the CLI run
     engine = Engine(
         model,
         tok,
@@ -184,3 +183,34 @@ async def test_the_trainer_gives_the_clients_rollouts_the_servers_logprobs(stack
         logp = np.asarray(trainer.logprobs(batch))
         gap = np.abs(logp - batch["behavior_logprobs"])[mask]
         assert gap.max() <= TOL, (t.meta["harness"], len(t.token_ids), float(gap.max()))
+
+
+def test_simloop_harness_runs_claude_code_as_the_readme_says(stack, tmp_path):
+    """The README's command, as a user runs it: `simloop harness --harness.kind claude-code`
+    starts its own agent server on the BPE agent, the middleware, and Claude Code from the
+    npm cache in a sandbox, and writes the rollout."""
+    agent = stack["model"][1]
+    out = tmp_path / "claude-code"
+    cmd = [str(Path(sys.executable).parent / "simloop"), "harness",
+           "--config", "configs/demo_cpu.yaml", "--out", str(out),
+           "--agent.hf_path", str(agent),
+           "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
+           "--harness.kind", "claude-code", "--harness.tasks", "[clamp]",
+           "--harness.samples", "1", "--harness.step_limit", "2", "--harness.max_tokens", "24",
+           "--orchestrator.max_context_tokens", str(CONTEXT),
+           "--serve.engine.max_seq_len", str(CONTEXT), "--serve.engine.num_slots", "2",
+           "--middleware.max_tokens_cap", "24", "--middleware.port", "0"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=user_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "harness.json").read_text())
+    assert summary["harness"] == "claude-code" and summary["rollouts"] == 1
+    assert summary["trajectories"] == 1, summary
+    (result,) = summary["results"]
+    # The random model runs out of output tokens: Claude Code's own error ends the rollout.
+    assert result["status"] in ("ok", "error"), result
+    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
+    assert traj.meta["harness"] == "claude-code" and len(traj.turns) >= 2
+    assert traj.rollout_id == result["rollout_id"] and sum(traj.loss_mask) > 0
