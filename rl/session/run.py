@@ -434,10 +434,18 @@ def trial_context(session: RLSession) -> str:
     )  # fmt: skip
     need = prompt + turns * ocfg.max_tokens_per_turn + (term.trials - 1) * feedback
     fits = "fits" if need <= ocfg.max_context_tokens else "does NOT fit"
+    reached = -(-turns // per)  # trials that get a turn at all
+    unreached = (
+        f" env.terminal.max_turns={term.max_turns} leaves trial {reached + 1} on no turn at "
+        f"all (each trial takes up to {per}): set env.terminal.turns_per_trial or raise "
+        "max_turns."
+        if reached < term.trials
+        else ""
+    )
     return (
         f"{term.trials} trials x {per} turns (at most {turns} turns): a prompt of up to {prompt} "
         f"tokens, {turns} replies of up to {ocfg.max_tokens_per_turn} and {term.trials - 1} "
         f"feedback message(s) of ~{feedback} need up to {need} tokens before observations; "
         f"orchestrator.max_context_tokens={ocfg.max_context_tokens} {fits} (episodes that run "
-        "out end `truncated`, counted per step as truncated_context)"
+        "out end `truncated`, counted per step as truncated_context)" + unreached
     )

@@ -1,6 +1,7 @@
 """rl/session/run.py `trial_context`: what train-agent says before RL about the context K
 trials need (the prompt, every reply at its budget, the feedback between trials)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 from envs.config import TerminalConfig
@@ -36,3 +37,11 @@ def test_it_counts_the_longest_prompt_every_reply_and_the_feedback():
     assert f"need up to {need} tokens" in said and f"a prompt of up to {prompt}" in said
     assert "2 trials x 2 turns" in said and "max_context_tokens=" + str(need) + " fits" in said
     assert "does NOT fit" in trial_context(session(2, need - 1))
+
+
+def test_it_says_when_max_turns_leaves_a_trial_no_turn():
+    s = session(2, 4096)
+    s.terminal = dataclasses.replace(s.terminal, max_turns=2)  # 2 turns per trial: trial 2 none
+    said = trial_context(s)
+    assert "env.terminal.max_turns=2 leaves trial 2 on no turn at all" in said
+    assert "leaves trial" not in trial_context(session(2, 4096))
