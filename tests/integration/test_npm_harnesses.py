@@ -8,6 +8,7 @@ registry cannot be reached."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -36,7 +37,7 @@ ASYNC = pytest.mark.asyncio(loop_scope="module")
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 32768
 sys.path.insert(0, str(REPO / "dev"))
-from bpe_agent import bpe_agent  # noqa: E402
+from bpe_agent import SHELL_TOOLS, TOOL_COMMAND, bpe_agent, tool_calling_agent  # noqa: E402
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -91,6 +92,9 @@ async def stack(tmp_path_factory):
                 "task": task,
                 "tok": tok,
                 "model": (model_cfg, hf),
+                "real": real,
+                "launchers": launchers,
+                "cfg": cfg,
             }
         await client.close()
 
@@ -214,3 +218,55 @@ def test_simloop_harness_runs_claude_code_as_the_readme_says(stack, tmp_path):
     (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
     assert traj.meta["harness"] == "claude-code" and len(traj.turns) >= 2
     assert traj.rollout_id == result["rollout_id"] and sum(traj.loss_mask) > 0
+
+
+@ASYNC
+@pytest.mark.parametrize("kind", sorted(SHELL_TOOLS))
+async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, tmp_path, kind):
+    """Each client with a model that calls its shell tool (weights set by hand,
+    `dev/bpe_agent.py`'s `tool_calling_agent`: the call first, "Done." once the call is in its
+    context): the client runs the command in the sandbox, sends its output back (Claude
+    Code a `tool_result`, Codex a `function_call_output`) and ends on the answer. Two model
+    turns, one tool round, recorded token-exact, the command's effect in the rollout's diff."""
+    from rl.data.tools import parse_assistant
+    from serving.server import background_server
+
+    tok_dir, _ = tool_calling_agent(
+        stack["model"][1],
+        tmp_path / "agent",
+        kind,
+        enable_thinking=stack["cfg"].middleware.enable_thinking,
+    )
+    tok = HFTokenizer(tok_dir)
+    _, model = load_hf(tok_dir)
+    tool, arg = SHELL_TOOLS[kind]
+    cfg = dataclasses.replace(
+        stack["cfg"],
+        agent=dataclasses.replace(
+            stack["cfg"].agent,
+            tokenizer=dataclasses.replace(stack["cfg"].agent.tokenizer, path=str(tok_dir)),
+        ),
+    )
+    engine = Engine(model, tok, EngineConfig(num_slots=2, max_seq_len=CONTEXT, prefill_chunk=2048))
+    scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+    out = tmp_path / "run"
+    async with background_server(engine, tok, scfg, start_timeout_s=300) as agent_url:
+        client = RecordingClient(agent_url)
+        async with running_middleware(cfg, out, client) as (_, url, admin):
+            runner = HarnessRunner(
+                HarnessConfig(kind=kind, wall_s=300.0, step_limit=4, max_tokens=64),
+                stack["real"],
+                url,
+                stack["launchers"][kind],
+                admin=admin,
+            )
+            result = await runner.run_one(stack["task"], "g1", 0)
+        await client.close()
+    assert result.status == "ok", (result.status, result.reason)
+    assert "simloop-was-here" in result.diff  # the client ran the model's command in the sandbox
+    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
+    assert len(traj.turns) == 2 and result.finish["plans"]["extend"] == 1, result.finish
+    (call,) = parse_assistant(traj.turns[0].agent_text).tool_calls
+    assert call.name == tool and call.arguments == {arg: TOOL_COMMAND}
+    assert parse_assistant(traj.turns[1].agent_text).content == "Done."
+    assert_token_exact(client.calls, traj)
