@@ -13,9 +13,11 @@ tiny random model served by simloop's engine in this process. The model's tokeni
 4,096-id byte-level BPE trained here on the repository's docs and serving code
 (`dev/bpe_agent.py`, the README's agent for real harnesses), so the
 clients' ~40,000-49,000-character prompts fit its 32,768-token context. The random model
-never ends a turn within the 24 tokens it may write, so Claude Code asks it to go on three
-times and then stops, and Codex ends its turn on the truncated response: the counts are
-those of such rollouts, not of a model that calls tools.
+(`--model random`) never ends a turn within the 24 tokens it may write, so Claude Code asks
+it to go on three times and then stops, and Codex ends its turn on the truncated response;
+the tool-calling one (`--model tool-calling`, the default: weights set by hand) calls the
+client's shell tool once, the client runs it and sends the result, and the model answers
+"Done.": a rollout of one tool round. Neither is a model that solves the task.
 
 Measures, per client, over its rollouts:
 - turns per rollout: model calls recorded in the rollout's trajectories;
@@ -52,6 +54,13 @@ CLIENTS = ("claude-code", "codex")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rollouts", type=positive, default=1, help="rollouts per client")
+    p.add_argument(
+        "--model",
+        choices=("random", "tool-calling"),
+        default="tool-calling",
+        help="the agent: random weights (never ends a turn within 24 tokens) or weights that "
+        "call the client's shell tool once and then answer (dev/bpe_agent.py)",
+    )
     p.add_argument(
         "--clients",
         default=",".join(CLIENTS),
@@ -94,47 +103,46 @@ async def measure(args, console: Console) -> dict:
             return await super().complete(prompt, **kw)
 
     sys.path.insert(0, str(REPO / "dev"))
-    from bpe_agent import bpe_agent
+    from bpe_agent import bpe_agent, tool_calling_agent
 
     root = Path(tempfile.mkdtemp(prefix="bench-harness-clients-"))
     with console.status("training the 4,096-id BPE (dev/bpe_agent.py)"):
         bpe = bpe_agent(root / "agent")
-    tok = HFTokenizer(bpe)
-    cfg = harness_shell(
-        load_config(
-            SimloopConfig,
-            REPO / "configs/demo_cpu.yaml",
-            [
-                "--middleware.port", "0",
-                "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(bpe)}),
-                "--harness.kind", "claude-code",  # the npm cache, shown to the sandbox
-                "--middleware.max_tokens_cap", "24",  # Codex asks for no limit
-            ],
-        )
-    )  # fmt: skip
-    real = shell_backends(cfg.env.shell, run_id="bench-harness-clients").real
     task = swe_suite(["clamp"])[0]
-    runners_cfg, launchers = {}, {}
-    for kind in args.clients:
-        runners_cfg[kind] = HarnessConfig(
-            kind=kind, wall_s=300.0, step_limit=2, max_tokens=24, temperature=1.0
-        )
-        with console.status(f"installing / finding {kind}"):
-            launchers[kind] = await pick_launcher(runners_cfg[kind], real, task)
-    _, model = load_hf(bpe)
-    engine = Engine(
-        model,
-        tok,
-        EngineConfig(num_slots=2, max_seq_len=CONTEXT, prefill_chunk=2048, prefill_batch=1),
-    )
-    scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
-    out = root / "run"
     per: dict[str, list[dict]] = {k: [] for k in args.clients}
-    async with background_server(engine, tok, scfg, start_timeout_s=300) as agent_url:
-        client = Recording(agent_url)
-        async with running_middleware(cfg, out, client) as (mw, url, admin):
-            for kind in args.clients:
-                runner = HarnessRunner(runners_cfg[kind], real, url, launchers[kind], admin=admin)
+    for kind in args.clients:
+        agent = bpe
+        if args.model == "tool-calling":
+            agent, _ = tool_calling_agent(bpe, root / f"agent-{kind}", kind)
+        tok = HFTokenizer(agent)
+        cfg = harness_shell(
+            load_config(
+                SimloopConfig,
+                REPO / "configs/demo_cpu.yaml",
+                [
+                    "--middleware.port", "0",
+                    "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
+                    "--harness.kind", "claude-code",  # the npm cache, shown to the sandbox
+                    "--middleware.max_tokens_cap", "24",  # Codex asks for no limit
+                ],
+            )
+        )  # fmt: skip
+        real = shell_backends(cfg.env.shell, run_id="bench-harness-clients").real
+        hcfg = HarnessConfig(kind=kind, wall_s=300.0, step_limit=4, max_tokens=24)
+        with console.status(f"installing / finding {kind}"):
+            launcher = await pick_launcher(hcfg, real, task)
+        _, model = load_hf(agent)
+        engine = Engine(
+            model,
+            tok,
+            EngineConfig(num_slots=2, max_seq_len=CONTEXT, prefill_chunk=2048, prefill_batch=1),
+        )
+        scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+        out = root / f"run-{kind}"
+        async with background_server(engine, tok, scfg, start_timeout_s=300) as agent_url:
+            client = Recording(agent_url)
+            async with running_middleware(cfg, out, client) as (mw, url, admin):
+                runner = HarnessRunner(hcfg, real, url, launcher, admin=admin)
                 for i in range(args.rollouts):
                     requests0 = sum(mw.requests.values())
                     timing0 = dict(mw.timing)
@@ -145,18 +153,16 @@ async def measure(args, console: Console) -> dict:
                     trajs = [
                         t for p in files for t in read_jsonl(p) if t.rollout_id == result.rollout_id
                     ]
-                    turns = sum(len(t.turns) for t in trajs)
                     plans = result.finish.get("plans") or {}
-                    sampled = mw.timing["sampled"] - timing0.get("sampled", 0)
                     per[kind].append(
                         {
                             "status": result.status,
                             "reason": result.reason,
                             "wall_s": round(result.wall_s, 3),
-                            "turns": turns,
+                            "turns": sum(len(t.turns) for t in trajs),
                             "segments": len(trajs),
                             "requests": sum(mw.requests.values()) - requests0,
-                            "sampled": sampled,
+                            "sampled": mw.timing["sampled"] - timing0.get("sampled", 0),
                             "prompt_tokens": client.prompts[prompts0:],
                             "request_s": mw.timing["request_s"] - timing0.get("request_s", 0.0),
                             "agent_s": mw.timing["agent_s"] - timing0.get("agent_s", 0.0),
@@ -165,8 +171,8 @@ async def measure(args, console: Console) -> dict:
                         }
                     )
                     console.print(f"{kind} rollout {i + 1}: {json.dumps(per[kind][-1])[:400]}")
-        await client.close()
-    return {"per_client": per, "context": CONTEXT, "vocab": tok.vocab_size}
+            await client.close()
+    return {"per_client": per, "context": CONTEXT, "vocab": 4096, "model": args.model}
 
 
 def rows_of(done: dict) -> list[Row]:
@@ -224,10 +230,11 @@ def main(argv=None) -> int:
     rows = rows_of(done)
     console.print(table("Claude Code and Codex CLI through the middleware", rows))
     console.print(
-        f"{args.rollouts} rollout(s) per client on the clamp task; a tiny random model on a "
-        f"{done['vocab']}-id BPE with a {done['context']}-token context, which never ends a "
-        "turn within 24 tokens (no tool rounds). Overhead: a sampled request's time in the "
-        "middleware minus its agent-server call (peer column). "
+        f"{args.rollouts} rollout(s) per client on the clamp task; a tiny {done['model']} model "
+        f"on a {done['vocab']}-id BPE with a {done['context']}-token context (random: never "
+        "ends a turn within 24 tokens; tool-calling: one shell call, then 'Done.'). "
+        "Overhead: a sampled request's time in the middleware minus its agent-server call "
+        "(peer column). "
         f"Measured in {time.perf_counter() - began:.0f} s."
     )
     if args.json:
