@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import shlex
 import subprocess
 import sys
 import time
@@ -206,51 +205,65 @@ def test_simloop_harness_runs_mini_swe_agent_unmodified(tmp_path):
     assert all(t.meta["harness"] == "mini-swe-agent" and sum(t.loss_mask) > 0 for t in trajs)
 
 
-def test_train_agent_on_a_swe_task_file_trains_through_the_harness(tmp_path):
-    """RL through harness + middleware with the same loop, on a 3-instance task file graded
-    as SWE-bench grades: every rollout's reward is the scripted harness's rule applied to
-    what the model sampled (it applies the fix when the model's first reply has an even
-    length), its per-test results go with it, each step publishes a version, and the next
-    step's tokens carry it."""
+def test_train_agent_on_a_swe_task_file_trains_through_mini_swe_agent(tmp_path):
+    """RL through mini-swe-agent, unmodified, + the middleware, on a 3-instance task file
+    graded as SWE-bench grades. The agent (`dev/bpe_agent.py`'s tool-calling agent: weights
+    set by hand) calls mini-swe-agent's bash tool with the instances' fix or with `true`,
+    each as likely, then submits: so each rollout is resolved or not by what the model
+    sampled, its per-test results go with it, a step with mixed grades has a gradient, each
+    step publishes a version, and the next step's tokens carry it."""
+    sys.path.insert(0, str(REPO / "dev"))
+    from bpe_agent import bpe_agent, tool_calling_agent
+
+    from rl.data.tools import parse_assistant
+
     out = tmp_path / "rl"
     tasks, _, _ = swe_task_file(tmp_path / "tasks", n=3)
-    fix = " ".join(shlex.quote(x) for x in CALC_FIX)
-    harness = (
-        f"{{python}} {SCRIPT} {{base_url}} {{api_key}} {{task_file}} --turns 1 --fix-if-even "
-        f"--fix-replace {fix}"
+    name, old, new = CALC_FIX
+    fix = f"sed -i 's/{old}/{new}/' {name}"
+    agent, _ = tool_calling_agent(
+        bpe_agent(tmp_path / "bpe"), tmp_path / "agent", "mini-swe-agent", commands=(fix, "true")
     )
     cmd = [SIMLOOP, "train-agent", "--config", "configs/demo_cpu.yaml", "--out", str(out),
            "--train_agent.tasks", f"file:{tasks}", "--train_agent.warm_start.steps", "0",
-           "--train_agent.steps", "2", "--train_agent.seq_len", "1024",
+           "--agent.hf_path", str(agent),
+           "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
+           "--train_agent.steps", "2", "--train_agent.seq_len", "2048",
            "--train_agent.loss.aggregation", "rollout_mean", "--train_agent.eval.tasks", "0",
-           "--orchestrator.batch_size", "8", "--orchestrator.group_size", "4",
-           "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "1024",
-           "--serve.engine.max_seq_len", "1024", "--serve.engine.num_slots", "8",
-           "--harness.kind", "command", "--harness.command", json.dumps(harness),
-           *SHOW_SCRIPT,
-           "--middleware.port", "0"]  # fmt: skip
+           "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+           "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "2048",
+           "--serve.engine.max_seq_len", "2048", "--serve.engine.num_slots", "4",
+           "--harness.kind", "mini-swe-agent", "--harness.step_limit", "3",
+           "--harness.max_tokens", "64", "--middleware.port", "0",
+           # The hand-set switch's MLP runs at activations in the hundreds: an Adam step of
+           # 1e-3 (the demo's) moves every output weight by that much and breaks it.
+           "--train_agent.optim.lr", "1e-5"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=REPO, env=user_env(cheap_compile=True), capture_output=True, text=True, timeout=900
     )
     if proc.returncode == 1 and "does not start inside the sandbox" in proc.stdout + proc.stderr:
-        pytest.skip("no Python this machine's sandbox user can run: " + proc.stdout[-300:])
+        pytest.skip(
+            "mini-swe-agent cannot run as this machine's sandbox user: " + proc.stdout[-300:]
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from rl.data.tools import parse_assistant
-
     trajs = [
         t for p in sorted((out / "trajectories").glob("middleware-*.jsonl")) for t in read_jsonl(p)
     ]
-    assert len(trajs) == 16  # 2 steps x 8 rollouts, one segment each
+    assert len(trajs) == 8  # 2 steps x 4 rollouts, one segment each
     for t in trajs:
-        first = parse_assistant(t.turns[0].agent_text).content
-        assert t.reward == float(len(first) % 2 == 0), (first, t.reward)
-        grade = t.meta["grade"]  # SWE-bench's verdict, test by test (no diff: no tests run)
-        assert grade["resolved"] == (t.reward == 1.0), grade
-        if t.reward == 1.0:
-            assert grade["PASS_TO_PASS"] == {"passed": 1, "of": 1}, grade
-            assert set(grade["tests"].values()) == {"PASSED"}, grade
-        else:
-            assert grade["reason"] == "no diff was submitted", grade
+        assert t.meta["harness"] == "mini-swe-agent" and t.status == "ok", (t.status, t.reason)
+        commands = [
+            c.arguments["command"]
+            for x in t.turns
+            for c in parse_assistant(x.agent_text).tool_calls
+        ]
+        assert commands[0] in (fix, "true") and commands[-1].startswith("echo COMPLETE"), commands
+        grade = t.meta["grade"]  # SWE-bench's verdict, test by test
+        assert t.reward == float(grade["resolved"]) == float(fix in commands), (commands, grade)
+        if grade["resolved"]:
+            assert grade["FAIL_TO_PASS"] == grade["PASS_TO_PASS"] == {"passed": 1, "of": 1}
+    # Both grades occur but with probability 2/256 (every rollout the same call, as likely as
+    # any other sequence of choices), so the test asserts each grade's cause, not their mix.
     assert {t.task_id for t in trajs} <= {"calc-0", "calc-1", "calc-2"}
     versions = sorted({v for t in trajs for v in t.policy_version if v is not None})
     assert versions == [1, 2]  # step 2's rollouts ran on the version step 1 published
@@ -260,7 +273,7 @@ def test_train_agent_on_a_swe_task_file_trains_through_the_harness(tmp_path):
     for r in rl:
         # A group with mixed rewards gives a real gradient. Not a nonzero loss: on-policy the
         # surrogate's value is minus the sum of the group-centred advantages (x IS weights ~1),
-        # which is zero by construction, and CI's run printed exactly 0.0.
-        if r["zero_variance_groups"] < 2:
+        # which is zero by construction.
+        if r["zero_variance_groups"] == 0:
             assert r["grad_norm"] > 0.0, r
     assert (out / "weights" / "final").is_dir()
