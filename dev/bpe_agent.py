@@ -226,13 +226,24 @@ def main(argv=None) -> int:
         help="instead of random weights, ones that call this client's shell tool once "
         f"({TOOL_COMMAND!r}) and then answer",
     )
+    p.add_argument(
+        "--command",
+        action="append",
+        dest="commands",
+        metavar="CMD",
+        help=f"with --tool-calls: a command its first call may run (repeat: each as likely; "
+        f"default {TOOL_COMMAND!r})",
+    )
     args = p.parse_args(argv)
+    if args.commands and not args.tool_calls:
+        p.error("--command goes with --tool-calls")
     if args.tool_calls:
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
             src = bpe_agent(Path(tmp) / "bpe", vocab_size=args.vocab_size, seed=args.seed)
-            out, calls = tool_calling_agent(src, args.out, args.tool_calls)
+            commands = tuple(args.commands or (TOOL_COMMAND,))
+            out, calls = tool_calling_agent(src, args.out, args.tool_calls, commands=commands)
         print(f"wrote a tool-calling tiny Qwen3 ({calls[0]}, then an answer) and its BPE to {out}")
         return 0
     out = bpe_agent(args.out, vocab_size=args.vocab_size, seed=args.seed)
