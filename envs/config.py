@@ -399,6 +399,44 @@ class TerminalConfig:
             )
 
 
+FILEOPS_KINDS = ("chain", "append", "move")
+
+
+@dataclass(frozen=True)
+class FileopsConfig:
+    """The seeded `fileops` task family (envs/fileops.py): workspace tasks of 3-8 commands
+    whose later commands read what earlier ones wrote."""
+
+    num_tasks: int = 64
+    """How many tasks to generate."""
+    seed: int = 0
+    """Generator seed: the same seed gives the same tasks."""
+    kinds: list[str] = field(default_factory=lambda: list(FILEOPS_KINDS))
+    """Which kinds to draw from."""
+    min_lines: int = 3
+    """Fewest lines of a `chain` task's input."""
+    max_lines: int = 6
+    """Most lines of a `chain` task's input (and of an `append` task's log)."""
+    distractors: int = 2
+    """Files beside the task's own that no step reads or writes."""
+
+    def __post_init__(self) -> None:
+        validate.positive_int(self, "num_tasks", "min_lines", "max_lines")
+        validate.integer(self, "seed", "distractors", low=0)
+        kinds = self.kinds
+        validate.require(
+            isinstance(kinds, list | tuple) and kinds and all(k in FILEOPS_KINDS for k in kinds),
+            self,
+            "kinds",
+            f"a non-empty list drawn from {list(FILEOPS_KINDS)}",
+        )
+        validate.require(
+            self.max_lines >= self.min_lines >= 3, self, "min_lines",
+            f"at least 3 and at most max_lines ({self.max_lines})",
+        )  # fmt: skip
+        validate.require(self.distractors <= 6, self, "distractors", "an integer in [0, 6]")
+
+
 @dataclass(frozen=True)
 class TextopsConfig:
     """The seeded `textops` task family (exact rewards, CPU-cheap)."""

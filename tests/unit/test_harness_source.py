@@ -12,8 +12,6 @@ from envs.tasks import Task
 from rl.data.trajectory import Trajectory, Turn
 from rl.orchestrator.harness import HarnessResult, HarnessSource
 
-pytestmark = pytest.mark.asyncio
-
 
 class Runner:
     """Runs a group as soon as asked, or when `release` lets it; each rollout's middleware

@@ -1,0 +1,286 @@
+"""The `fileops` task family: seeded, CPU-cheap workspace tasks of 3-8 commands whose later
+commands read what earlier ones wrote, with exact rewards computed from the task's own
+parameters (as `textops`), so a simulated shell can be scored exactly too. Issue 60's family:
+a shell is a state machine (the next `cat` shows what the last `>` wrote), and these tasks
+need it to be one.
+
+Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that matter:
+- `chain`: transform `input.txt` (a few words, one per line) into `a.txt`, `a.txt` into
+  `b.txt`, then submit a property of `b.txt` (its first or last line, or its line count);
+- `append`: append given lines to `log.txt` (which already holds some), then submit its line
+  count or its last line;
+- `move`: make `archive/`, move two of `inbox/`'s files into it (one renamed), then submit
+  `archive/`'s listing (sorted, comma-separated).
+
+`generate_fileops(cfg)` makes the tasks; the `fileops` reward recomputes the truth from
+`reward.params`; `FileopsSolver` is a scripted agent that solves them in a real shell, with
+realistic mistakes on request (reading a file before it is written, a step out of order, a
+typo'd command, a command that fails and is retried), for collecting real trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+from envs.config import FileopsConfig
+from envs.rewards import RewardContext, register_reward
+from envs.shell import TaskSetup
+from envs.tasks import RewardSpec, Task
+
+_WORDS = (
+    "amber", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "ivory", "jolly",
+    "kayak", "lemon", "maple", "noble", "ocean", "pearl", "quill", "raven", "solar", "tulip",
+    "umbra", "vivid", "willow", "xenon", "yarrow", "zephyr",
+)  # fmt: skip
+_OUTPUT = re.compile(r"<output>\n(.*)\n</output>", re.S)
+
+# A transformation of a file's lines: (shell command from SRC to DST, what it computes).
+TRANSFORMS = {
+    "sort": ("sort {src} > {dst}", lambda lines, p: sorted(lines)),
+    "sort_reverse": ("sort -r {src} > {dst}", lambda lines, p: sorted(lines, reverse=True)),
+    "reverse_order": ("tac {src} > {dst}", lambda lines, p: lines[::-1]),
+    "upper": ("tr a-z A-Z < {src} > {dst}", lambda lines, p: [x.upper() for x in lines]),
+    "head": ("head -n {k} {src} > {dst}", lambda lines, p: lines[: p["k"]]),
+    "tail": ("tail -n {k} {src} > {dst}", lambda lines, p: lines[-p["k"] :]),
+}
+_DESCRIBE = {
+    "sort": "its lines sorted alphabetically",
+    "sort_reverse": "its lines sorted in reverse alphabetical order",
+    "reverse_order": "its lines in reverse order (last line first)",
+    "upper": "its lines in upper case",
+    "head": "its first {k} lines",
+    "tail": "its last {k} lines",
+}
+PROPERTIES = ("first_line", "last_line", "line_count")
+_PROPERTY_COMMAND = {
+    "first_line": "head -n 1 {f}",
+    "last_line": "tail -n 1 {f}",
+    "line_count": "wc -l < {f}",
+}
+_PROPERTY_WORDS = {
+    "first_line": "the first line of",
+    "last_line": "the last line of",
+    "line_count": "the number of lines of",
+}
+
+
+def fileops_truth(params: dict) -> str:
+    """The correct submission, from the task's reward params alone."""
+    kind = params["kind"]
+    if kind == "chain":
+        lines = list(params["lines"])
+        for step in params["steps"]:
+            lines = TRANSFORMS[step["op"]][1](lines, step)
+        return _property(lines, params["property"])
+    if kind == "append":
+        return _property([*params["existing"], *params["appended"]], params["property"])
+    if kind == "move":
+        moved = [new or old for old, new in params["moves"]]
+        return ",".join(sorted(moved))
+    raise ValueError(f"fileops kind {kind!r} is unknown")
+
+
+def _property(lines: list[str], prop: str) -> str:
+    if prop == "line_count":
+        return str(len(lines))
+    if not lines:
+        return ""
+    return lines[0] if prop == "first_line" else lines[-1]
+
+
+def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
+    """`n` files that no step reads or writes, with plausible names and content."""
+    names = ["notes.txt", "a_old.txt", "backup/input.txt", "b.txt.bak", "readme.md", "tmp/log.txt"]
+    rng.shuffle(names)
+    out = {}
+    for name in names:
+        if len(out) == n:
+            break
+        if name not in taken:
+            out[name] = "\n".join(rng.sample(_WORDS, 3)) + "\n"
+    return out
+
+
+def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
+    steps = []
+    for _ in range(2):
+        op = rng.choice([o for o in TRANSFORMS if not steps or o != steps[-1]["op"]])
+        step: dict = {"op": op}
+        if op in ("head", "tail"):
+            step["k"] = rng.randint(2, max(2, len(lines) - 1))
+        steps.append(step)
+    prop = rng.choice(PROPERTIES)
+    params = {"kind": "chain", "lines": lines, "steps": steps, "property": prop}
+    files = {"input.txt": "\n".join(lines) + "\n"}
+    describe = [_DESCRIBE[s["op"]].format(k=s.get("k")) for s in steps]
+    instruction = (
+        f"1. Write `input.txt` with {describe[0]} into `a.txt`. "
+        f"2. Write `a.txt` with {describe[1]} into `b.txt`. "
+        f"3. Submit {_PROPERTY_WORDS[prop]} `b.txt`."
+    )
+    return params, files, instruction
+
+
+def _append(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    existing = rng.sample(_WORDS, rng.randint(1, cfg.max_lines))
+    appended = [f"{w}-{rng.randint(10, 99)}" for w in rng.sample(_WORDS, rng.randint(2, 3))]
+    prop = rng.choice(("last_line", "line_count"))
+    params = {"kind": "append", "existing": existing, "appended": appended, "property": prop}
+    files = {"log.txt": "\n".join(existing) + "\n"}
+    steps = " ".join(
+        f"{i + 1}. Append the line `{line}` to `log.txt`." for i, line in enumerate(appended)
+    )
+    instruction = f"{steps} {len(appended) + 1}. Submit {_PROPERTY_WORDS[prop]} `log.txt`."
+    return params, files, instruction
+
+
+def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    names = [f"{w}.txt" for w in rng.sample(_WORDS, rng.randint(3, 5))]
+    first, second = rng.sample(names, 2)
+    renamed = f"{second.removesuffix('.txt')}_{rng.choice(['old', 'v2', 'done'])}.txt"
+    params = {"kind": "move", "inbox": names, "moves": [[first, None], [second, renamed]]}
+    files = {f"inbox/{n}": f"{n.removesuffix('.txt')}\n" for n in names}
+    instruction = (
+        "1. Create the directory `archive`. "
+        f"2. Move `inbox/{first}` into `archive`. "
+        f"3. Move `inbox/{second}` into `archive`, renamed `{renamed}`. "
+        "4. Submit the names in `archive`, sorted, separated by commas (no spaces)."
+    )
+    return params, files, instruction
+
+
+_KINDS = {"chain": _chain, "append": _append, "move": _move}
+
+
+def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
+    kind = rng.choice(list(cfg.kinds))
+    params, files, instruction = _KINDS[kind](rng, cfg)
+    files = {**files, **_distractors(rng, cfg.distractors, set(files))}
+    return Task(
+        id=f"fileops-{cfg.seed}-{index}",
+        instruction=instruction,
+        setup=TaskSetup(files=files),
+        reward=RewardSpec("fileops", params),
+        family="fileops",
+        metadata={"kind": kind},
+    )
+
+
+def generate_fileops(cfg: FileopsConfig | None = None) -> list[Task]:
+    """`cfg.num_tasks` tasks; the same config gives the same tasks."""
+    cfg = cfg or FileopsConfig()
+    rng = random.Random(cfg.seed)
+    return [make_task(i, rng, cfg) for i in range(cfg.num_tasks)]
+
+
+def split_fileops(cfg: FileopsConfig, eval_tasks: int) -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out evaluation tasks): a prefix-stable stream, as textops'."""
+    n = cfg.num_tasks
+    tasks = generate_fileops(dataclasses.replace(cfg, num_tasks=n + eval_tasks))
+    return tasks[:n], tasks[n:]
+
+
+@register_reward("fileops")
+async def fileops_reward(task: Task, submission: str | None, ctx: RewardContext) -> float:
+    """1.0 when the submission (surrounding whitespace ignored) equals the computed truth."""
+    if submission is None:
+        return 0.0
+    return 1.0 if submission.strip() == fileops_truth(dict(task.reward.params)) else 0.0
+
+
+def plan(params: dict) -> list[str]:
+    """The commands that do a task's steps, in order; the last one prints the answer."""
+    kind = params["kind"]
+    if kind == "chain":
+        files = ["input.txt", "a.txt", "b.txt"]
+        cmds = [
+            TRANSFORMS[s["op"]][0].format(src=files[i], dst=files[i + 1], k=s.get("k"))
+            for i, s in enumerate(params["steps"])
+        ]
+        return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="b.txt")]
+    if kind == "append":
+        cmds = [f"echo '{line}' >> log.txt" for line in params["appended"]]
+        return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="log.txt")]
+    (first, _), (second, renamed) = params["moves"]
+    return [
+        "mkdir archive",
+        f"mv inbox/{first} archive/",
+        f"mv inbox/{second} archive/{renamed}",
+        "ls archive | paste -sd, -",
+    ]
+
+
+MISTAKES = ("early_read", "out_of_order", "typo", "failed_retry")
+"""What `FileopsSolver` gets wrong, with probability `noise` per task (one mistake each):
+`early_read`, reading the step's output file before writing it; `out_of_order`, running a
+step before the one whose file it reads; `typo`, a misspelt command (command not found), then
+the right one; `failed_retry`, a step run with a wrong path (it fails), then the right one.
+An append is never run twice (it would change the answer): there `out_of_order` becomes
+`failed_retry`."""
+
+
+def _bash(command: str) -> str:
+    return f"```bash\n{command}\n```"
+
+
+class FileopsSolver:
+    """A scripted agent: `act(last_observation)` returns the assistant's text. It runs the
+    task's `plan`, with one of `MISTAKES` inserted (recovering from it) with probability
+    `noise`, then submits what the last command printed."""
+
+    def __init__(self, task: Task, *, noise: float = 0.0, seed: int = 0):
+        if task.reward.name != "fileops":
+            raise ValueError(f"FileopsSolver solves fileops tasks, not {task.reward.name!r}")
+        if not 0.0 <= noise <= 1.0:
+            raise ValueError(f"FileopsSolver noise={noise!r} is invalid: a probability in [0, 1]")
+        rng = random.Random(f"{seed}:{task.id}")
+        steps = plan(dict(task.reward.params))
+        self.mistake = rng.choice(MISTAKES) if rng.random() < noise else None
+        self.commands = _with_mistake(steps, self.mistake, rng)
+        self._step = 0
+
+    def act(self, last_observation: str | None) -> str:
+        if self._step < len(self.commands):
+            cmd = self.commands[self._step]
+            self._step += 1
+            return f"Next step.\n\n{_bash(cmd)}"
+        text = last_observation or ""
+        m = _OUTPUT.search(text)  # the default observation template; else the whole text
+        answer = (m.group(1) if m else text).strip()
+        return f"The last command printed the answer.\n\n{_bash('submit ' + answer)}"
+
+
+def _with_mistake(steps: list[str], mistake: str | None, rng: random.Random) -> list[str]:
+    if mistake is None:
+        return list(steps)
+    i = rng.randrange(len(steps) - 1)  # never the last (it prints the answer)
+    step = steps[i]
+    appends = ">>" in step  # not idempotent: a step done twice would change the answer
+    if mistake == "early_read":
+        target = _written(step)
+        return [*steps[:i], f"cat {target}" if target else "ls", *steps[i:]]
+    if mistake == "out_of_order" and not appends and i + 1 < len(steps) - 1:
+        return [*steps[:i], steps[i + 1], *steps[i:]]  # fails (or reads stale), redone after
+    if mistake == "typo":
+        word, _, rest = step.partition(" ")
+        typo = word[:-2] + word[-1] + word[-2] if len(word) > 2 else word + word[-1]
+        return [*steps[:i], f"{typo} {rest}".strip(), *steps[i:]]
+    # failed_retry (and out_of_order where no step may run early): a wrong path, which fails
+    candidates = [j for j in range(len(steps) - 1) if ".txt" in steps[j]]
+    j = rng.choice(candidates) if candidates else i
+    wrong = steps[j].replace(">> ", ">> missing/") if ">>" in steps[j] else steps[j]
+    wrong = wrong.replace(".txt", "_.txt", 1) if wrong == steps[j] else wrong
+    return [*steps[:j], wrong, *steps[j:]]
+
+
+def _written(command: str) -> str | None:
+    """The file a plan step writes (`> f`, `>> f`, `mv ... f`), or None."""
+    m = re.search(r">>?\s*(\S+)\s*$", command)
+    if m:
+        return m.group(1)
+    if command.startswith("mv "):
+        return command.split()[-1]
+    return None

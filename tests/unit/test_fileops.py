@@ -1,0 +1,103 @@
+"""envs/fileops.py: the stateful task family. Every task's truth is what its steps leave in a
+real bash workspace; the scripted solver reaches it with and without each of its mistakes;
+episodes are 3-8 commands whose later commands read what earlier ones wrote."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from envs.config import FILEOPS_KINDS, FileopsConfig, TerminalConfig
+from envs.fileops import (
+    MISTAKES,
+    FileopsSolver,
+    fileops_truth,
+    generate_fileops,
+    plan,
+    split_fileops,
+)
+from envs.local import LocalShell
+from envs.terminal import TerminalEnv
+
+TERMINAL = TerminalConfig(max_turns=10)
+
+
+async def solve(task, **solver) -> tuple[list, TerminalEnv]:
+    agent = FileopsSolver(task, **solver)
+    async with LocalShell(setup=task.setup) as sh:
+        env = TerminalEnv(task, sh, TERMINAL)
+        observation = await env.reset()
+        results = []
+        while not env.done:
+            result = await env.step(agent.act(observation))
+            results.append(result)
+            observation = result.observation
+    return results, env
+
+
+async def test_the_solver_solves_every_kind_in_real_bash_and_the_truth_is_what_bash_left():
+    tasks = generate_fileops(FileopsConfig(num_tasks=12, seed=1))
+    assert {t.metadata["kind"] for t in tasks} == set(FILEOPS_KINDS)
+    for task in tasks:
+        results, env = await solve(task)
+        assert results[-1].reward == 1.0, (task.instruction, env.submission)
+        assert env.submission.strip() == fileops_truth(dict(task.reward.params))
+        commands = len(plan(dict(task.reward.params)))
+        assert 3 <= commands <= 8 and len(results) == commands + 1  # + the submission
+        assert all(r.info.get("exit_code", 0) == 0 for r in results[:-1]), task.instruction
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+async def test_each_mistake_shows_in_the_episode_and_is_recovered_from(mistake):
+    found = 0
+    for task in generate_fileops(FileopsConfig(num_tasks=24, seed=2)):
+        for seed in range(40):
+            solver = FileopsSolver(task, noise=1.0, seed=seed)
+            if solver.mistake == mistake:
+                break
+        else:
+            continue
+        results, env = await solve(task, noise=1.0, seed=seed)
+        assert results[-1].reward == 1.0, (mistake, solver.commands, env.submission)
+        assert len(results) == len(plan(dict(task.reward.params))) + 2  # one extra command
+        if mistake in ("typo", "failed_retry"):
+            assert any(r.info.get("exit_code", 0) != 0 for r in results[:-1]), solver.commands
+        extra = [c for c in solver.commands if c not in plan(dict(task.reward.params))]
+        if mistake == "early_read":  # a file read before the step that writes it: missing,
+            # or (appended to) what it held before; either way not what it holds after
+            assert len(extra) == 1 and extra[0].split()[0] in ("cat", "ls"), solver.commands
+        found += 1
+    assert found >= 10, f"only {found} tasks drew {mistake}"
+
+
+def test_tasks_are_seeded_and_the_held_out_split_is_prefix_stable():
+    cfg = FileopsConfig(num_tasks=8, seed=3)
+    assert generate_fileops(cfg) == generate_fileops(cfg)
+    train, held = split_fileops(cfg, 4)
+    assert train == generate_fileops(cfg) and len(held) == 4
+    assert not {t.id for t in train} & {t.id for t in held}
+    # Distractors: files no step reads or writes.
+    for task in train:
+        named = set(task.setup.files) - {"input.txt", "log.txt"}
+        assert any(not f.startswith("inbox/") for f in named), task.setup.files
+
+
+async def test_a_wrong_or_missing_submission_earns_nothing():
+    from envs.rewards import RewardContext, get_reward
+
+    task = generate_fileops(FileopsConfig(num_tasks=1, seed=4))[0]
+    reward = get_reward("fileops")
+    truth = fileops_truth(dict(task.reward.params))
+    assert await reward(task, f"  {truth}\n", RewardContext()) == 1.0
+    assert await reward(task, truth + "x", RewardContext()) == 0.0
+    assert await reward(task, None, RewardContext()) == 0.0
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="kinds"):
+        FileopsConfig(kinds=["chain", "nope"])
+    with pytest.raises(ValueError, match="min_lines"):
+        FileopsConfig(min_lines=2)
+    with pytest.raises(ValueError, match="distractors"):
+        dataclasses.replace(FileopsConfig(), distractors=9)
