@@ -174,8 +174,10 @@ def print_fidelity(result: dict[str, Any]) -> None:
     for key, title, label in (
         ("by_context", "By prompt length (tokens)", "prompt tokens"),
         ("by_depth", "By depth (turns before the command)", "turns"),
+        ("by_state_distance", "By state distance (turns since the file it reads was written)",
+         "turns"),
         ("by_command", "By command", "command"),
-    ):
+    ):  # fmt: skip
         t = Table(title=title)
         for col in (label, "n", "exact (masked)", "return code", "similarity"):
             t.add_column(col, justify="right" if col != label else "left")

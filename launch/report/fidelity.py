@@ -3,13 +3,15 @@ the gating experiment's page both show."""
 
 from __future__ import annotations
 
+from launch.report.charts import line_chart
 from launch.report.markup import fmt, missing, table
 from rl.data import rundir
 
 
 def fidelity_section(fid: dict | None) -> str:
     """`fidelity.json` (arm c) as a section: the pairs, hygiene against the real shell, and
-    the breakdowns by operation, context length, depth and command."""
+    the breakdowns by operation, context length, depth, state distance and command, and the
+    curves by depth and by state distance."""
     if fid is None:
         return missing(rundir.FIDELITY, "written by `simloop eval-sim` / the demo's eval_sim stage")
     p, h, r = fid["pairs"], fid["hygiene"], fid["real_hygiene"]
@@ -42,8 +44,10 @@ def fidelity_section(fid: dict | None) -> str:
         ("by_kind", "By operation (the replayed task's)", "operation"),
         ("by_context", "By context length (prompt tokens)", "prompt tokens"),
         ("by_depth", "By depth (turns before the command)", "turns"),
+        ("by_state_distance", "By state distance (turns since the file it reads was written)",
+         "turns"),
         ("by_command", "By command", "command"),
-    ):
+    ):  # fmt: skip
         out.append(f"<h3>{title}</h3>")
         rows = [
             [
@@ -58,4 +62,37 @@ def fidelity_section(fid: dict | None) -> str:
         out.append(
             table([first, "observations", "exact (masked)", "return code", "similarity"], rows)
         )
+    dep = fid.get("state_dependent") or {}
+    out.append(
+        f'<p class="note">{fmt(dep.get("count"))} observations ({fmt(dep.get("share"))} of '
+        "them) read a file the episode itself wrote; at a state distance of 3 turns or more, "
+        f"exact (masked) {fmt((fid.get('state_distance_3plus') or {}).get('exact_masked'))}.</p>"
+    )
+    out.append(fidelity_curves(fid))
     return "".join(out)
+
+
+def _bucket_start(name: str) -> float:
+    return float(name.split("-")[0])
+
+
+def fidelity_curves(fid: dict) -> str:
+    """Exact (masked) by turn depth and by state distance, as line charts over each bucket's
+    lower bound."""
+    charts = []
+    for key, title, xlabel in (
+        ("by_depth", "Exact (masked) by depth", "turns before the command (bucket start)"),
+        ("by_state_distance", "Exact (masked) by state distance",
+         "turns since the file it reads was written (bucket start)"),
+    ):  # fmt: skip
+        series = {
+            "exact (masked)": [
+                (_bucket_start(k), v.get("exact_masked")) for k, v in fid.get(key, {}).items()
+            ],
+            "return code": [
+                (_bucket_start(k), v.get("exit_code_agreement"))
+                for k, v in fid.get(key, {}).items()
+            ],
+        }
+        charts.append(line_chart(title, series, xlabel=xlabel))
+    return '<div class="charts">' + "".join(charts) + "</div>"

@@ -163,6 +163,7 @@ def replay_fidelity(
     *,
     context_edges: Sequence[int] = (256, 512, 1024, 2048),
     depth_edges: Sequence[int] = (1, 4, 8, 16),
+    state_edges: Sequence[int] = (2, 3, 5, 8),
     top_commands: int = 8,
 ) -> dict[str, Any]:
     """Fidelity of the simulator from arm (c) replays: every turn with both a real and a
@@ -171,8 +172,10 @@ def replay_fidelity(
     rates (cap hit, think leak, repetition, empty, malformed) next to the same rates of the
     real observations, and pair metrics by prompt length, by depth (the turns of the session
     before the command: the same axis whether or not the simulator's context was compacted or
-    cut), by command and by the replayed task's kind (`task_kind`, e.g. the textops
-    operation)."""
+    cut), by state distance (`envs.shellstate`: the turns since the episode last wrote a
+    file the command reads; `state_dependent` is the share of observations with one, and
+    `state_distance_3plus` their pairs at distance >= 3), by command and by the replayed
+    task's kind (`task_kind`, e.g. the textops operation)."""
     from envs.fidelity import (
         Hygiene,
         compare_observations,
@@ -181,13 +184,15 @@ def replay_fidelity(
         summarize_hygiene,
         summarize_pairs,
     )
+    from envs.shellstate import state_distances
 
-    pairs, keyed, deep, sim_hygiene, real_hygiene = [], [], [], [], []
+    pairs, keyed, deep, sim_hygiene, real_hygiene, stateful = [], [], [], [], [], []
     by_command: dict[str, list] = defaultdict(list)
     by_kind: dict[str, list] = defaultdict(list)
     malformed = 0
     statuses = Counter(t.status for t in trajectories)
     for traj in trajectories:
+        distances = state_distances([turn.command for turn in traj.turns])
         for depth, turn in enumerate(traj.turns):
             if turn.sim_observation is None or turn.observation is None:
                 continue
@@ -196,6 +201,8 @@ def replay_fidelity(
             )
             pairs.append(m)
             deep.append((depth, m))
+            if distances[depth] is not None:
+                stateful.append((distances[depth], m))
             flags = set(turn.flags)
             sim_hygiene.append(
                 Hygiene(
@@ -229,6 +236,12 @@ def replay_fidelity(
         "real_hygiene": summarize_hygiene(real_hygiene),
         "by_context": summarize_by(keyed, list(context_edges)),
         "by_depth": summarize_by(deep, list(depth_edges)),
+        "by_state_distance": summarize_by(stateful, list(state_edges)),
+        "state_dependent": {
+            "count": len(stateful),
+            "share": len(stateful) / len(pairs) if pairs else 0.0,
+        },
+        "state_distance_3plus": summarize_pairs([m for d, m in stateful if d >= 3]),
         "by_command": commands,
         "by_kind": {k: summarize_pairs(v) for k, v in sorted(by_kind.items())},
     }

@@ -106,6 +106,25 @@ def test_replay_fidelity_by_depth_whatever_the_prompt_held():
     assert got == {"0-1": (2, 1.0), "1-4": (2, 1.0), "4-8": (4, 0.5), "8-inf": (3, 0.0)}
 
 
+def test_replay_fidelity_by_state_distance_and_the_state_dependent_share():
+    """State distance: the turns since the episode last wrote a file the command reads
+    (envs/shellstate.py); observations that read only starting files have none."""
+    turns = [
+        _turn("sort input.txt > a.txt", "", ""),  # reads a starting file: no distance
+        _turn("cat notes.txt", "x", "x"),  # a distractor: no distance
+        _turn("head -n 2 a.txt > b.txt", "", ""),  # a.txt, written 2 turns back
+        _turn("echo 1 >> b.txt", "", ""),  # writes only
+        _turn("wc -l < b.txt", "3", "2"),  # b.txt, written the turn before (wrong)
+        _turn("cat a.txt", "a\nb", "a\nb"),  # a.txt, written 5 turns back
+    ]
+    fid = replay_fidelity([_replay("s", turns)], state_edges=[2, 3])
+    assert fid["state_dependent"] == {"count": 3, "share": 0.5}
+    got = {k: (v["count"], v["exact"]) for k, v in fid["by_state_distance"].items()}
+    assert got == {"0-2": (1, 0.0), "2-3": (1, 1.0), "3-inf": (1, 1.0)}
+    assert fid["state_distance_3plus"]["count"] == 1
+    assert replay_fidelity([])["state_dependent"] == {"count": 0, "share": 0.0}
+
+
 def test_replay_fidelity_by_the_replayed_tasks_operation():
     a = _replay("a", [_turn("tr | rev", "cba", "cba"), _turn("tr | rev", "ab", "ba")])
     b = _replay("b", [_turn("tr | tr", "ABC", "ABC")])

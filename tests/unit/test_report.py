@@ -123,7 +123,8 @@ def test_report_of_a_run_directory(tmp_path):
     # Self-contained: nothing to fetch (the SVG namespace is a name, not a request).
     assert not re.search(r"""(src|href)\s*=|<link|<script|@import|url\(""", page)
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # simulated text is escaped
-    assert page.count("<svg") == 7  # the success bars and six curves
+    # the success bars, six training curves, fidelity by depth and by state distance
+    assert page.count("<svg") == 9
     assert "No summary.json" in page  # a single-job directory: the demo's summary is absent
     # The action distributions, one column per evaluation that recorded one (escaped).
     assert "real shell, before RL</th><th>real shell, after RL</th></tr>" in page
