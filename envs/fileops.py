@@ -92,7 +92,7 @@ def _property(lines: list[str], prop: str) -> str:
 
 def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
     """`n` files that no step reads or writes, with plausible names and content."""
-    names = ["notes.txt", "a_old.txt", "backup/input.txt", "b.txt.bak", "readme.md", "tmp/log.txt"]
+    names = ["notes.txt", "a_old.txt", "backup/input.txt", "b.txt.bak", "todo.txt", "tmp/log.txt"]
     rng.shuffle(names)
     out = {}
     for name in names:

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from envs.config import TRANSFORM_OPS, GrammarConfig, ShellConfig, TerminalConfig, TextopsConfig
+from envs.config import (
+    TRANSFORM_OPS,
+    FileopsConfig,
+    GrammarConfig,
+    ShellConfig,
+    TerminalConfig,
+    TextopsConfig,
+)
 from launch.config.deploy import ChipsConfig, GkeConfig, TpuVmConfig
 from rl import validate
 from rl.data.datasets import DatasetConfig
@@ -134,6 +141,9 @@ class ServeConfig:
         validate.integer(self.engine, "max_seq_len", low=1, high=MAX_SEQ_LEN)
 
 
+TASK_FAMILIES = ("textops", "fileops")
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """Where episodes run and what they ask."""
@@ -142,8 +152,18 @@ class EnvConfig:
     """Backend (`local`, `e2b`, `simulated`) and its settings."""
     terminal: TerminalConfig = field(default_factory=TerminalConfig)
     """Action parsing, observation format and episode limits."""
+    family: str = "textops"
+    """The seeded task family that `collect`, `train-agent` and `eval-agent` draw from:
+    `textops` (one transformation of one word, 1-3 turns) or `fileops` (workspace tasks of
+    3-8 commands whose later ones read what earlier ones wrote: give episodes the turns,
+    e.g. `--env.terminal.max_turns 8`)."""
     textops: TextopsConfig = field(default_factory=TextopsConfig)
-    """The seeded CPU task family."""
+    """The `textops` family."""
+    fileops: FileopsConfig = field(default_factory=FileopsConfig)
+    """The `fileops` family."""
+
+    def __post_init__(self) -> None:
+        validate.one_of(self, "family", TASK_FAMILIES)
 
 
 def _noise_kinds() -> tuple[str, ...]:
@@ -228,10 +248,10 @@ class CollectConfig:
     """Which mistakes. `other_op` matters most for a simulator: the same file under every
     command shows it that the output follows the command, not the task."""
     task_seed: int | None = None
-    """Seed of the textops tasks collected on; None: `env.textops.seed` (the agent's own
-    training tasks). Another seed collects on tasks the agent never trains on."""
+    """Seed of the tasks collected on (of `env.family`); None: the family's own seed (the
+    agent's training tasks). Another seed collects on tasks the agent never trains on."""
     num_tasks: int | None = None
-    """How many textops tasks to collect on; None: `env.textops.num_tasks`."""
+    """How many tasks to collect on; None: the family's `num_tasks`."""
 
     def __post_init__(self) -> None:
         from envs.textops import SOLVER_STYLES

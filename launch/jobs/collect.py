@@ -1,4 +1,5 @@
-"""`simloop collect`: real trajectories from a scripted (optionally noisy) textops agent.
+"""`simloop collect`: real trajectories from a scripted (optionally noisy) agent on the
+config's task family (`env.family`).
 
     simloop collect --config configs/demo_cpu.yaml --out runs/collect
     simloop collect --config configs/demo_cpu.yaml --out runs/collect --collect.noise 0.3
@@ -44,11 +45,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
 
 def collect_tasks_config(cfg: SimloopConfig):
-    """The textops family collected on: `env.textops` with `collect.task_seed` /
-    `collect.num_tasks` where set."""
+    """The family collected on (`env.family`: `env.textops` or `env.fileops`) with
+    `collect.task_seed` / `collect.num_tasks` where set."""
     import dataclasses
 
-    c, t = cfg.collect, cfg.env.textops
+    c, t = cfg.collect, getattr(cfg.env, cfg.env.family)
     return dataclasses.replace(
         t,
         seed=t.seed if c.task_seed is None else c.task_seed,
@@ -61,15 +62,14 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
 
     from rich.progress import Progress
 
-    from envs.textops import generate_textops
-    from launch.jobs.episodes import job_backends
+    from launch.jobs.episodes import family_tasks, job_backends
     from rl.data import ChatRenderer, load_tokenizer
     from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
     from rl.orchestrator.storage import TrajectoryWriter
 
     c = cfg.collect
-    tasks = generate_textops(collect_tasks_config(cfg))
+    tasks = family_tasks(cfg.env.family, collect_tasks_config(cfg))
     renderer = ChatRenderer(load_tokenizer(cfg.agent.tokenizer))
     marker = feedback_marker(cfg.env.terminal.trial_feedback_template)
     client = ScriptedAgentClient(

@@ -76,10 +76,26 @@ def job_backends(cfg: SimloopConfig, simulator_client=None):
 
 
 def agent_tasks(cfg: SimloopConfig) -> tuple[list, list]:
-    """(training tasks, held-out evaluation tasks) of the config's textops family."""
+    """(training tasks, held-out evaluation tasks) of the config's task family
+    (`env.family`)."""
+    if cfg.env.family == "fileops":
+        from envs.fileops import split_fileops
+
+        return split_fileops(cfg.env.fileops, cfg.train_agent.eval.tasks)
     from envs.textops import split_textops
 
     return split_textops(cfg.env.textops, cfg.train_agent.eval.tasks)
+
+
+def family_tasks(family: str, family_cfg) -> list:
+    """The tasks of `family` (`env.family`) that `family_cfg` (its config) generates."""
+    if family == "fileops":
+        from envs.fileops import generate_fileops
+
+        return generate_fileops(family_cfg)
+    from envs.textops import generate_textops
+
+    return generate_textops(family_cfg)
 
 
 async def evaluate_agent(

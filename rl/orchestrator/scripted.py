@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+from envs.fileops import FileopsSolver
 from envs.tasks import RewardSpec, Task
 from envs.textops import HIDEABLE, TRANSFORMS, TextopsSolver, wanted
 from rl.data.tokenizer import IM_START, Tokenizer
@@ -90,6 +91,8 @@ class ScriptedAgentClient:
         text = self.tok.decode(list(prompt))
         task = self._task(text)
         turn = text.count(f"{IM_START}assistant") - 1
+        if task.reward.name == "fileops":
+            return self._reply(self._fileops(task, text, turn), max_tokens)
         trial = text.rsplit(self.trial_marker, 1)[-1] if self.trial_marker else text
         if task.reward.params.get("hidden"):
             task = self._guess(task, text)
@@ -101,6 +104,16 @@ class ScriptedAgentClient:
         rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
         if rng.random() < self.noise:
             reply = perturb(reply, rng, self.noise_kinds)
+        return self._reply(reply, max_tokens)
+
+    def _fileops(self, task: Task, text: str, turn: int) -> str:
+        """A `fileops` task's reply: `FileopsSolver`'s, its mistake (if any) drawn once per
+        episode with probability `noise` (seeded by the task)."""
+        solver = FileopsSolver(task, noise=self.noise, seed=self.seed)
+        solver._step = min(turn, len(solver.commands))
+        return solver.act(text.rsplit(f"{IM_START}user\n", 1)[-1])
+
+    def _reply(self, reply: str, max_tokens: int) -> SimpleNamespace:
         gen = self.tok.encode(reply)[: max_tokens - 1] + [self.tok.eos_id]
         return SimpleNamespace(
             text=self.tok.decode(gen[:-1]),

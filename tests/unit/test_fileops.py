@@ -101,3 +101,38 @@ def test_bad_config_names_the_field():
         FileopsConfig(min_lines=2)
     with pytest.raises(ValueError, match="distractors"):
         dataclasses.replace(FileopsConfig(), distractors=9)
+    from launch.config.schema import EnvConfig
+
+    with pytest.raises(ValueError, match=r"EnvConfig.family='files' is invalid"):
+        EnvConfig(family="files")
+
+
+async def test_scripted_fileops_episodes_through_the_runner_in_real_bash():
+    """What `simloop collect --env.family fileops` runs: the scripted agent client (its
+    mistakes drawn per episode) through the orchestrator, real bash per episode."""
+    from envs.local import LocalShell
+    from rl.data import ByteTokenizer, ChatRenderer
+    from rl.data.trajectory import validate
+    from rl.orchestrator.config import OrchestratorConfig
+    from rl.orchestrator.runner import Backends, RolloutRunner
+    from rl.orchestrator.scripted import ScriptedAgentClient
+
+    tasks = generate_fileops(FileopsConfig(num_tasks=6, seed=6))
+    renderer = ChatRenderer(ByteTokenizer())
+    client = ScriptedAgentClient(tasks, renderer.tokenizer, noise=0.5, seed=1)
+    runner = RolloutRunner(
+        OrchestratorConfig(arm="real", group_size=1, max_context_tokens=4096,
+                           max_tokens_per_turn=256),
+        TERMINAL,
+        renderer,
+        Backends(real=lambda task: LocalShell(setup=task.setup)),
+        client=client,
+    )  # fmt: skip
+    trajs = await runner.run(tasks)
+    assert len(trajs) == 6
+    for t, task in zip(trajs, tasks, strict=True):
+        validate(t)
+        assert t.status == "ok" and t.reward == 1.0, (task.instruction, t.status, t.reason)
+        mistake = FileopsSolver(task, noise=0.5, seed=1).mistake
+        assert len(t.turns) == len(plan(dict(task.reward.params))) + 1 + (mistake is not None)
+    assert any(FileopsSolver(t, noise=0.5, seed=1).mistake for t in tasks)
