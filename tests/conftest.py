@@ -50,22 +50,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # worker idle at the end.
 LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026-12-05)
     "test_demo.py",  # ~290 (demo --quick, the gating experiment, a rerun)
-    "test_train_agent.py",  # ~225 (the learning criterion)
-    "test_harness.py",  # ~175 (mini-swe-agent and train-agent through the middleware)
-    "test_entry_points.py",  # ~130 (the bench smoke runs)
-    "test_train_cli.py",  # ~125
-    "test_multihost.py",  # ~125 (SFT as one and as two processes, a killed process; RL)
-    "test_rehearse.py",  # ~110 (gke-v6e-32's eight pods on CPU)
-    "test_replica_restart.py",  # ~100
-    "test_vllm_backend_e2e.py",  # ~75
+    "test_multihost.py",  # ~215 (SFT as one and as two processes, a killed process; RL)
+    "test_train_agent.py",  # ~210 (the learning criterion)
+    "test_entry_points.py",  # ~195 (the bench smoke runs)
+    "test_npm_harnesses.py",  # ~160 (npm installs when not cached; 14-18k-token prompts)
+    "test_harness.py",  # ~155 (mini-swe-agent, and train-agent through it)
+    "test_replica_restart.py",  # ~130
+    "test_train_cli.py",  # ~105
+    "test_vllm_backend_e2e.py",  # ~100
+    "test_rehearse.py",  # ~90 (gke-v6e-32's eight pods on CPU)
     "test_rollout_e2e.py",  # ~65
-    "test_npm_harnesses.py",  # ~60 (npm installs when not cached; 18k-token prompts)
-    "test_pretrain_sim.py",  # ~45
-    "test_simulated_shell_live.py",  # ~30
-    "test_compaction_parity.py",  # ~30
+    "test_pretrain_sim.py",  # ~55
+    "test_simulated_shell_live.py",  # ~35
+    "test_compaction_parity.py",  # ~35
     "test_chip_plan_cpu.py",  # ~30
-    "test_bench_sessions.py",  # ~25
-    "test_pool_sessions.py",  # ~20
+    "test_bench_sessions.py",  # ~20
+    "test_pool_sessions.py",  # ~15
 )
 
 

@@ -7,7 +7,8 @@ second clean one:
   itself with reward 1 (refused on the API listener, logged and counted; it keeps the grader's
   0); all written through the job's writer as token-exact trajectories; a stalled harness is
   killed at `wall_s`; a runner whose finish is refused (a wrong admin token) says so, and the
-  rollout is written `aborted` when no grade arrives;
+  rollout is written `aborted` when no grade arrives; a main line and an interleaved sub-agent
+  become two segments of one rollout;
 - `simloop harness` with mini-swe-agent, unmodified, on the built-in clamp task.
 """
 
@@ -125,6 +126,31 @@ async def test_scripted_sdk_harness_rollouts_are_graded_and_token_exact(stack, c
         t = trajs[r.rollout_id]
         assert (t.reward, t.task_id, t.group_id, t.status) == (r.reward, task.id, "g0", "ok")
         assert len(t.turns) == 2 and t.meta["harness"] == "command"
+        assert_token_exact(stack["client"].calls, t)
+
+
+@ASYNC
+async def test_an_interleaved_sub_agent_is_its_own_segment_of_the_rollout(stack):
+    """A harness whose main line dispatches a sub-agent, their calls interleaved (main, sub,
+    main, sub, main, sub): the middleware keeps two segments of one rollout, each extended by
+    its own later calls, both written with the rollout's id and grade, token-exact."""
+    (task,) = swe_suite(["clamp"])
+    result = await runner(stack, "--turns 3", "--subagent").run_one(task, "g3", 0)
+    assert result.status == "ok", result.reason
+    assert result.finish["trajectories"] == 2, result.finish
+    assert result.finish["plans"] == {"new": 2, "extend": 4, "retry": 0}, result.finish
+    segments = [
+        t
+        for p in sorted((stack["out"] / "trajectories").glob("*.jsonl"))
+        for t in read_jsonl(p)
+        if t.rollout_id == result.rollout_id
+    ]
+    assert len(segments) == 2 and all(len(t.turns) == 3 for t in segments)
+    firsts = sorted(TOK.decode(t.token_ids[: t.turns[0].token_span[0]]) for t in segments)
+    assert "You fix bugs." in firsts[0] + firsts[1] and "sub-agent" in firsts[0] + firsts[1]
+    assert not any("sub-agent" in f and "You fix bugs." in f for f in firsts)  # kept apart
+    for t in segments:
+        assert (t.reward, t.group_id, t.status) == (result.reward, "g3", "ok")
         assert_token_exact(stack["client"].calls, t)
 
 

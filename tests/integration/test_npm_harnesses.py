@@ -1,10 +1,15 @@
 """Claude Code and Codex CLI, unmodified, as harnesses (`harness.kind: claude-code | codex`):
 each pinned npm package installed from the registry into a cache folder and run inside a real
 sandbox against `simloop middleware` (Claude Code in print mode on the Anthropic Messages API,
-Codex with `codex exec` on the Responses API) over one real tiny engine whose tokenizer is a
-byte-level BPE trained here (so the clients' ~40,000-49,000-character prompts fit a
-32,768-token context). Each rollout is recorded token-exact. Skips only where npm or the
-registry cannot be reached."""
+Codex with `codex exec` on the Responses API), over tiny models whose tokenizer is a
+byte-level BPE trained here (`dev/bpe_agent.py`, so the clients' ~40,000-49,000-character
+prompts fit a 32,768-token context):
+- a random model: Claude Code through the README's `simloop harness` command (four calls,
+  one segment), Codex through the harness runner (one call, token-exact); the trainer's
+  logprobs of both rollouts equal the server's;
+- a tool-calling model (weights set by hand): each client runs the shell tool call it makes
+  and ends on the model's answer, two turns, token-exact.
+Skips only where npm or the registry cannot be reached."""
 
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ async def stack(tmp_path_factory):
         async with running_middleware(cfg, out, client) as (middleware, url, admin):
             yield {
                 "out": out,
+                "claude_cli": root / "claude-cli",  # the README command's run directory
                 "runners": {
                     k: HarnessRunner(configs[k], real, url, launchers[k], admin=admin)
                     for k in configs
@@ -97,27 +103,6 @@ async def stack(tmp_path_factory):
                 "cfg": cfg,
             }
         await client.close()
-
-
-@ASYNC
-async def test_claude_code_runs_through_the_middleware_and_is_recorded_token_exact(stack):
-    result = await stack["runners"]["claude-code"].run_one(stack["task"], "g0", 0)
-    # The random tiny model never says end-of-turn within max_tokens (24): Claude Code asks
-    # it to go on, three times, then gives up with its own error, which the rollout keeps.
-    assert result.status in ("ok", "error"), (result.status, result.reason)
-    if result.status == "error":
-        assert "output token maximum" in result.reason, result.reason
-    files = sorted((stack["out"] / "trajectories").glob("middleware-*.jsonl"))
-    (traj,) = [t for p in files for t in read_jsonl(p) if t.rollout_id == result.rollout_id]
-    assert traj.meta["harness"] == "claude-code" and traj.meta["api"] == "anthropic"
-    assert traj.status == result.status and (traj.reason or "") == (result.reason or "")
-    assert len(traj.turns) >= 2, traj.turns  # each call extended the one before it
-    assert result.finish["plans"]["extend"] == len(traj.turns) - 1, result.finish
-    assert_token_exact(stack["client"].calls, traj)
-    prompts = [len(stack["client"].calls[0][0])]
-    # its own system prompt and tool schemas: ~18,000 tokens of this BPE, over 40x the task
-    assert min(prompts) > 10 * len(stack["tok"].encode(stack["task"].instruction)), prompts
-    assert max(prompts) < CONTEXT
 
 
 @ASYNC
@@ -136,6 +121,43 @@ async def test_codex_runs_through_the_responses_api_and_is_recorded_token_exact(
     assert traj.turns and all(len(x.agent_text) > 0 for x in traj.turns)
     assert_token_exact(stack["client"].calls[before:], traj)
     prompt = len(stack["client"].calls[before][0])  # Codex's instructions and tool schemas
+    assert 10 * len(stack["tok"].encode(stack["task"].instruction)) < prompt < CONTEXT
+
+
+def test_simloop_harness_runs_claude_code_as_the_readme_says(stack):
+    """The README's command, as a user runs it: `simloop harness --harness.kind claude-code`
+    starts its own agent server on the BPE agent, the middleware, and Claude Code from the
+    npm cache in a sandbox, and writes the rollout. The random model never ends a turn within
+    max_tokens (24): Claude Code asks it to go on, three times, then gives up with its own
+    error, which the rollout keeps; every call extends the one before (one segment)."""
+    agent = stack["model"][1]
+    out = stack["claude_cli"]
+    cmd = [str(Path(sys.executable).parent / "simloop"), "harness",
+           "--config", "configs/demo_cpu.yaml", "--out", str(out),
+           "--agent.hf_path", str(agent),
+           "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
+           "--harness.kind", "claude-code", "--harness.tasks", "[clamp]",
+           "--harness.samples", "1", "--harness.step_limit", "2", "--harness.max_tokens", "24",
+           "--orchestrator.max_context_tokens", str(CONTEXT),
+           "--serve.engine.max_seq_len", str(CONTEXT), "--serve.engine.num_slots", "2",
+           "--middleware.max_tokens_cap", "24", "--middleware.port", "0"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=user_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "harness.json").read_text())
+    assert summary["harness"] == "claude-code" and summary["rollouts"] == 1
+    assert summary["trajectories"] == 1, summary
+    (result,) = summary["results"]
+    assert result["status"] in ("ok", "error"), result
+    if result["status"] == "error":
+        assert "output token maximum" in result["reason"], result["reason"]
+    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
+    assert traj.meta["harness"] == "claude-code" and traj.meta["api"] == "anthropic"
+    assert traj.status == result["status"] and len(traj.turns) >= 2, traj.turns
+    assert traj.rollout_id == result["rollout_id"] and sum(traj.loss_mask) > 0
+    prompt = traj.turns[0].token_span[0]  # its own system prompt and tool schemas
     assert 10 * len(stack["tok"].encode(stack["task"].instruction)) < prompt < CONTEXT
 
 
@@ -162,6 +184,7 @@ async def test_the_trainer_gives_the_clients_rollouts_the_servers_logprobs(stack
     from rl.train.rollouts import build_rl_batch
 
     files = sorted((stack["out"] / "trajectories").glob("middleware-*.jsonl"))
+    files += sorted((stack["claude_cli"] / "trajectories").glob("*.jsonl"))
     trajs = [t for p in files for t in read_jsonl(p)]
     assert {t.meta["harness"] for t in trajs} == {"claude-code", "codex"}, "run the clients first"
     seq_len = -(-max(len(t.token_ids) for t in trajs) // 1024) * 1024  # one shape, one compile
@@ -187,37 +210,6 @@ async def test_the_trainer_gives_the_clients_rollouts_the_servers_logprobs(stack
         logp = np.asarray(trainer.logprobs(batch))
         gap = np.abs(logp - batch["behavior_logprobs"])[mask]
         assert gap.max() <= TOL, (t.meta["harness"], len(t.token_ids), float(gap.max()))
-
-
-def test_simloop_harness_runs_claude_code_as_the_readme_says(stack, tmp_path):
-    """The README's command, as a user runs it: `simloop harness --harness.kind claude-code`
-    starts its own agent server on the BPE agent, the middleware, and Claude Code from the
-    npm cache in a sandbox, and writes the rollout."""
-    agent = stack["model"][1]
-    out = tmp_path / "claude-code"
-    cmd = [str(Path(sys.executable).parent / "simloop"), "harness",
-           "--config", "configs/demo_cpu.yaml", "--out", str(out),
-           "--agent.hf_path", str(agent),
-           "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
-           "--harness.kind", "claude-code", "--harness.tasks", "[clamp]",
-           "--harness.samples", "1", "--harness.step_limit", "2", "--harness.max_tokens", "24",
-           "--orchestrator.max_context_tokens", str(CONTEXT),
-           "--serve.engine.max_seq_len", str(CONTEXT), "--serve.engine.num_slots", "2",
-           "--middleware.max_tokens_cap", "24", "--middleware.port", "0"]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=user_env(), capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "harness.json").read_text())
-    assert summary["harness"] == "claude-code" and summary["rollouts"] == 1
-    assert summary["trajectories"] == 1, summary
-    (result,) = summary["results"]
-    # The random model runs out of output tokens: Claude Code's own error ends the rollout.
-    assert result["status"] in ("ok", "error"), result
-    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
-    assert traj.meta["harness"] == "claude-code" and len(traj.turns) >= 2
-    assert traj.rollout_id == result["rollout_id"] and sum(traj.loss_mask) > 0
 
 
 @ASYNC

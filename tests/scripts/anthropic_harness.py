@@ -8,7 +8,8 @@ bash tool, runs any `tool_use` it gets and sends the results back, otherwise ask
 `--fix clamp` applies the clamp task's reference fix itself, so the grading path sees a diff
 that passes; `--fix-if-even` does so only when the model's first reply has an even number of
 characters (a reward that depends on what the model sampled, for RL tests); `--sleep S`
-stalls first, `--sleep-after S` after its turns (the wall-clock guard's tests); `--forge`
+stalls first, `--sleep-after S` after its turns (the wall-clock guard's tests); `--subagent`
+interleaves a main line with a sub-agent's conversation instead; `--forge`
 then tries to grade itself, POSTing `{"reward": 1.0}` to `BASE_URL/rollouts/API_KEY/finish`
 (the red-team test: it must be refused), and prints the answer's status."""
 
@@ -50,10 +51,14 @@ def main() -> None:
     )
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--sleep-after", type=float, default=0.0)
+    p.add_argument("--subagent", action="store_true")
     p.add_argument("--forge", action="store_true")
     args = p.parse_args()
     time.sleep(args.sleep)
     client = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key, max_retries=2)
+    if args.subagent:
+        interleaved(client, pathlib.Path(args.task_file).read_text(), args.turns)
+        return
     messages = [{"role": "user", "content": pathlib.Path(args.task_file).read_text()}]
     first = None
     for _ in range(args.turns):
@@ -92,6 +97,26 @@ def main() -> None:
         path.write_text(path.read_text().replace(old, new))
     if args.forge:
         forge(args.base_url, args.api_key)
+
+
+def interleaved(client, task: str, turns: int) -> None:
+    """A main line that dispatches a sub-agent, their calls interleaved (main, sub, main,
+    sub, ...), each conversation growing by its own replies, as a harness with a sub-agent
+    tool sends them under one API key."""
+    lines = {
+        "main": ("You fix bugs.", [{"role": "user", "content": task}]),
+        "sub": ("You are a sub-agent: list what you are asked to.", [
+            {"role": "user", "content": "List the Python files."}
+        ]),
+    }  # fmt: skip
+    for _ in range(turns):
+        for system, messages in lines.values():
+            m = client.messages.create(
+                model="simloop-agent", max_tokens=16, system=system, messages=messages
+            )
+            content = [b.model_dump(exclude_none=True) for b in m.content]
+            messages += [{"role": "assistant", "content": content}]
+            messages += [{"role": "user", "content": "Go on."}]
 
 
 def forge(base_url: str, api_key: str) -> None:
