@@ -28,13 +28,13 @@ from envs.config import FileopsConfig
 from envs.rewards import RewardContext, register_reward
 from envs.shell import TaskSetup
 from envs.tasks import RewardSpec, Task
+from envs.textops import submit_printed
 
 _WORDS = (
     "amber", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "ivory", "jolly",
     "kayak", "lemon", "maple", "noble", "ocean", "pearl", "quill", "raven", "solar", "tulip",
     "umbra", "vivid", "willow", "xenon", "yarrow", "zephyr",
 )  # fmt: skip
-_OUTPUT = re.compile(r"<output>\n(.*)\n</output>", re.S)
 
 # A transformation of a file's lines: (shell command from SRC to DST, what it computes).
 TRANSFORMS = {
@@ -247,10 +247,7 @@ class FileopsSolver:
             cmd = self.commands[self._step]
             self._step += 1
             return f"Next step.\n\n{_bash(cmd)}"
-        text = last_observation or ""
-        m = _OUTPUT.search(text)  # the default observation template; else the whole text
-        answer = (m.group(1) if m else text).strip()
-        return f"The last command printed the answer.\n\n{_bash('submit ' + answer)}"
+        return submit_printed(last_observation, "The last command printed the answer.")
 
 
 def _with_mistake(steps: list[str], mistake: str | None, rng: random.Random) -> list[str]:

@@ -180,6 +180,15 @@ def _bash(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
+def submit_printed(last_observation: str | None, note: str) -> str:
+    """A scripted agent's submission of what the last command printed: the output inside the
+    default observation template, else the whole observation."""
+    text = last_observation or ""
+    m = _OUTPUT.search(text)
+    answer = (m.group(1) if m else text).strip()
+    return f"{note}\n\n{_bash('submit ' + answer)}"
+
+
 SOLVER_STYLES = ("two_step", "marker", "explore")
 
 
@@ -243,10 +252,7 @@ class TextopsSolver:
             cmd = self.plan[self._step]
             self._step += 1
             return f"I run the next step.\n\n{_bash(cmd)}"
-        text = last_observation or ""
-        m = _OUTPUT.search(text)  # the default observation template; else the whole text
-        answer = (m.group(1) if m else text).strip()
-        return f"The shell printed the answer.\n\n{_bash('submit ' + answer)}"
+        return submit_printed(last_observation, "The shell printed the answer.")
 
 
 class TextopsAnswerShell(ShellLifecycle):

@@ -45,6 +45,15 @@ def task_stream(tasks: Sequence[Task], groups: int, seed: int) -> list[Task]:
     return out[:groups]
 
 
+def stale_exclusion(worst: int, now: int, bound: int) -> Exclusion:
+    """Why a group admitted `worst` versions before the trainer's `now` is not trained."""
+    return Exclusion(
+        "stale",
+        f"its group was admitted {worst} versions before the trainer's {now}; "
+        f"max_staleness={bound}",
+    )
+
+
 class RolloutBuffer:
     """`EpisodeSource` (rl/train/rollouts.py) over a `RolloutRunner` that delivers into
     `queue` (one of the runner's sinks is `queue.put_nowait`).
@@ -158,11 +167,7 @@ class RolloutBuffer:
         )
         if worst <= bound:
             return False
-        stale = Exclusion(
-            "stale",
-            f"its group was admitted {worst} versions before the "
-            f"trainer's {now}; max_staleness={bound}",
-        )
+        stale = stale_exclusion(worst, now, bound)
         for traj in group:
             traj.exclusion = traj.exclusion or stale
             await self.admission.release()  # its place goes to a fresh episode

@@ -51,6 +51,7 @@ from envs.swe import upload_commands
 from envs.tasks import Task
 from rl import validate
 from rl.data.trajectory import Exclusion
+from rl.orchestrator.buffer import stale_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -713,11 +714,7 @@ class HarnessSource:
             admitted, results, group = await self._next_group()
             worst = self.admission.version - admitted
             if worst > self.max_staleness:
-                stale = Exclusion(
-                    "stale",
-                    f"its group was admitted {worst} versions before the trainer's "
-                    f"{self.admission.version}; max_staleness={self.max_staleness}",
-                )
+                stale = stale_exclusion(worst, self.admission.version, self.max_staleness)
                 for t in group:
                     t.exclusion = t.exclusion or stale
                 for _ in results:
