@@ -8,7 +8,8 @@ prompts fit a 32,768-token context):
   one segment), Codex through the harness runner (one call, token-exact); the trainer's
   logprobs of both rollouts equal the server's;
 - a tool-calling model (weights set by hand): each client runs the shell tool call it makes
-  and ends on the model's answer, two turns, token-exact.
+  and ends on the model's answer, two turns, token-exact; Claude Code on a call that hangs is
+  killed at `wall_s` and its rollout written `truncated`.
 Skips only where npm or the registry cannot be reached."""
 
 from __future__ import annotations
@@ -261,4 +262,50 @@ async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, t
     (call,) = parse_assistant(traj.turns[0].agent_text).tool_calls
     assert call.name == tool and call.arguments == {arg: TOOL_COMMAND}
     assert parse_assistant(traj.turns[1].agent_text).content == "Done."
+    assert_token_exact(client.calls, traj)
+
+
+@ASYNC
+async def test_a_real_client_past_wall_s_is_recorded_truncated_with_its_turn(stack, tmp_path):
+    """Claude Code whose model's tool call hangs (`tail -f /dev/null`; Claude Code refuses a
+    long `sleep`): the runner's wall-clock guard kills it; the rollout is written `truncated`
+    with the reason, its one turn token-exact."""
+    from serving.server import background_server
+
+    tok_dir, _ = tool_calling_agent(
+        stack["model"][1],
+        tmp_path / "agent",
+        "claude-code",
+        commands=("tail -f /dev/null",),
+        enable_thinking=stack["cfg"].middleware.enable_thinking,
+    )
+    tok = HFTokenizer(tok_dir)
+    _, model = load_hf(tok_dir)
+    cfg = dataclasses.replace(
+        stack["cfg"],
+        agent=dataclasses.replace(
+            stack["cfg"].agent,
+            tokenizer=dataclasses.replace(stack["cfg"].agent.tokenizer, path=str(tok_dir)),
+        ),
+    )
+    engine = Engine(model, tok, EngineConfig(num_slots=2, max_seq_len=CONTEXT, prefill_chunk=2048))
+    scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
+    out = tmp_path / "run"
+    async with background_server(engine, tok, scfg, start_timeout_s=300) as agent_url:
+        client = RecordingClient(agent_url)
+        async with running_middleware(cfg, out, client) as (_, url, admin):
+            runner = HarnessRunner(
+                HarnessConfig(kind="claude-code", wall_s=20.0, step_limit=4, max_tokens=64),
+                stack["real"],
+                url,
+                stack["launchers"]["claude-code"],
+                admin=admin,
+            )
+            result = await runner.run_one(stack["task"], "g2", 0)
+        await client.close()
+    assert result.status == "truncated" and "wall_s=20" in result.reason, result
+    assert result.wall_s < 60 and result.finish["trajectories"] == 1, result.finish
+    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
+    assert traj.status == "truncated" and "wall_s=20" in traj.reason
+    assert len(traj.turns) == 1 and traj.reward == 0.0  # graded: the diff it left (none)
     assert_token_exact(client.calls, traj)
