@@ -213,26 +213,21 @@ async def test_the_trainer_gives_the_clients_rollouts_the_servers_logprobs(stack
         assert gap.max() <= TOL, (t.meta["harness"], len(t.token_ids), float(gap.max()))
 
 
-@ASYNC
-@pytest.mark.parametrize("kind", ["claude-code", "codex"])
-async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, tmp_path, kind):
-    """Each client with a model that calls its shell tool (weights set by hand,
-    `dev/bpe_agent.py`'s `tool_calling_agent`: the call first, "Done." once the call is in its
-    context): the client runs the command in the sandbox, sends its output back (Claude
-    Code a `tool_result`, Codex a `function_call_output`) and ends on the answer. Two model
-    turns, one tool round, recorded token-exact, the command's effect in the rollout's diff."""
-    from rl.data.tools import parse_assistant
+async def tool_calling_run(stack, tmp_path, kind: str, commands: tuple[str, ...], wall_s: float):
+    """One rollout of `kind` against its own middleware and engine serving
+    `dev/bpe_agent.py`'s tool-calling agent (its first call runs one of `commands`):
+    -> (the runner's result, the rollout's one trajectory, the recording client)."""
     from serving.server import background_server
 
     tok_dir, _ = tool_calling_agent(
         stack["model"][1],
         tmp_path / "agent",
         kind,
+        commands=commands,
         enable_thinking=stack["cfg"].middleware.enable_thinking,
     )
     tok = HFTokenizer(tok_dir)
     _, model = load_hf(tok_dir)
-    tool, arg = SHELL_TOOLS[kind]
     cfg = dataclasses.replace(
         stack["cfg"],
         agent=dataclasses.replace(
@@ -247,7 +242,7 @@ async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, t
         client = RecordingClient(agent_url)
         async with running_middleware(cfg, out, client) as (_, url, admin):
             runner = HarnessRunner(
-                HarnessConfig(kind=kind, wall_s=300.0, step_limit=4, max_tokens=64),
+                HarnessConfig(kind=kind, wall_s=wall_s, step_limit=4, max_tokens=64),
                 stack["real"],
                 url,
                 stack["launchers"][kind],
@@ -255,9 +250,24 @@ async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, t
             )
             result = await runner.run_one(stack["task"], "g1", 0)
         await client.close()
+    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
+    return result, traj, client
+
+
+@ASYNC
+@pytest.mark.parametrize("kind", ["claude-code", "codex"])
+async def test_each_client_makes_a_tool_round_with_a_tool_calling_model(stack, tmp_path, kind):
+    """Each client with a model that calls its shell tool (weights set by hand,
+    `dev/bpe_agent.py`'s `tool_calling_agent`: the call first, "Done." once the call is in its
+    context): the client runs the command in the sandbox, sends its output back (Claude
+    Code a `tool_result`, Codex a `function_call_output`) and ends on the answer. Two model
+    turns, one tool round, recorded token-exact, the command's effect in the rollout's diff."""
+    from rl.data.tools import parse_assistant
+
+    result, traj, client = await tool_calling_run(stack, tmp_path, kind, (TOOL_COMMAND,), 300.0)
+    tool, arg = SHELL_TOOLS[kind]
     assert result.status == "ok", (result.status, result.reason)
     assert "simloop-was-here" in result.diff  # the client ran the model's command in the sandbox
-    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
     assert len(traj.turns) == 2 and result.finish["plans"]["extend"] == 1, result.finish
     (call,) = parse_assistant(traj.turns[0].agent_text).tool_calls
     assert call.name == tool and call.arguments == {arg: TOOL_COMMAND}
@@ -270,42 +280,11 @@ async def test_a_real_client_past_wall_s_is_recorded_truncated_with_its_turn(sta
     """Claude Code whose model's tool call hangs (`tail -f /dev/null`; Claude Code refuses a
     long `sleep`): the runner's wall-clock guard kills it; the rollout is written `truncated`
     with the reason, its one turn token-exact."""
-    from serving.server import background_server
-
-    tok_dir, _ = tool_calling_agent(
-        stack["model"][1],
-        tmp_path / "agent",
-        "claude-code",
-        commands=("tail -f /dev/null",),
-        enable_thinking=stack["cfg"].middleware.enable_thinking,
+    result, traj, client = await tool_calling_run(
+        stack, tmp_path, "claude-code", ("tail -f /dev/null",), 20.0
     )
-    tok = HFTokenizer(tok_dir)
-    _, model = load_hf(tok_dir)
-    cfg = dataclasses.replace(
-        stack["cfg"],
-        agent=dataclasses.replace(
-            stack["cfg"].agent,
-            tokenizer=dataclasses.replace(stack["cfg"].agent.tokenizer, path=str(tok_dir)),
-        ),
-    )
-    engine = Engine(model, tok, EngineConfig(num_slots=2, max_seq_len=CONTEXT, prefill_chunk=2048))
-    scfg = ServerConfig(host="127.0.0.1", port=0, model_name="tiny", shutdown_timeout_s=5.0)
-    out = tmp_path / "run"
-    async with background_server(engine, tok, scfg, start_timeout_s=300) as agent_url:
-        client = RecordingClient(agent_url)
-        async with running_middleware(cfg, out, client) as (_, url, admin):
-            runner = HarnessRunner(
-                HarnessConfig(kind="claude-code", wall_s=20.0, step_limit=4, max_tokens=64),
-                stack["real"],
-                url,
-                stack["launchers"]["claude-code"],
-                admin=admin,
-            )
-            result = await runner.run_one(stack["task"], "g2", 0)
-        await client.close()
     assert result.status == "truncated" and "wall_s=20" in result.reason, result
     assert result.wall_s < 60 and result.finish["trajectories"] == 1, result.finish
-    (traj,) = [t for p in sorted((out / "trajectories").glob("*.jsonl")) for t in read_jsonl(p)]
     assert traj.status == "truncated" and "wall_s=20" in traj.reason
     assert len(traj.turns) == 1 and traj.reward == 0.0  # graded: the diff it left (none)
     assert_token_exact(client.calls, traj)
