@@ -328,6 +328,21 @@ def _git(repo, *args: str) -> str:
     ).stdout
 
 
+def calc_repo(repo, source: str, tests: str):
+    """A one-commit git repository at `repo`: `calc.py` and `tests/test_calc.py` -> (the
+    repository's path, its commit)."""
+    from pathlib import Path
+
+    repo = Path(repo)
+    (repo / "tests").mkdir(parents=True)
+    (repo / "calc.py").write_text(source)
+    (repo / "tests" / "test_calc.py").write_text(tests)
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "calc")
+    return repo, _git(repo, "rev-parse", "HEAD").strip()
+
+
 def swe_task_file(root, n: int = 1):
     """A JSONL task file of `n` SWE-bench-shaped instances on one small pytest repository
     (`calc`, whose `add` subtracts), each adding its own failing test of `add` in its
@@ -337,14 +352,7 @@ def swe_task_file(root, n: int = 1):
     from pathlib import Path
 
     root = Path(root)
-    repo = root / "calc"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text(CALC_BUGGY)
-    (repo / "tests" / "test_calc.py").write_text(CALC_TESTS)
-    _git(repo, "init", "-q")
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-qm", "calc")
-    base = _git(repo, "rev-parse", "HEAD").strip()
+    repo, base = calc_repo(root / "calc", CALC_BUGGY, CALC_TESTS)
     lines, patches = [], {}
     for k in range(n):
         name = f"test_add_{k}"

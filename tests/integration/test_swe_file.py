@@ -17,6 +17,7 @@ from envs.local import LocalShell
 from envs.rewards import RewardContext, compute_grade
 from envs.swe_file import load_task_file, parse_pytest_summary
 from tests.fakes import _git as git
+from tests.fakes import calc_repo
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +41,7 @@ def diff_of(repo: Path, path: str, text: str) -> str:
 @pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
     root = tmp_path_factory.mktemp("swe-file")
-    repo = root / "calc"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "calc.py").write_text(BUGGY)
-    (repo / "tests" / "test_calc.py").write_text(OLD_TESTS)
-    git(repo, "init", "-q")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "calc")
-    base = git(repo, "rev-parse", "HEAD").strip()
+    repo, base = calc_repo(root / "calc", BUGGY, OLD_TESTS)
     test_patch = diff_of(repo, "tests/test_calc.py", NEW_TESTS)
     good = {
         "instance_id": "calc-1",
