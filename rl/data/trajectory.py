@@ -64,8 +64,8 @@ EXCLUSION_KINDS = (
 (`orchestrator.failed_sibling: drop_episode`); `stale`, its group was admitted more than
 `max_staleness` versions before the trainer; `unreplayable`, its tokens cannot be replayed
 (runs from before `context_resets`: a compacted session the server recomputed); `earlier_segment`,
-a harness rollout's earlier segment under `reward_mode: last_segment`; `over_rows`, the batch
-had more segments than rows."""
+a harness rollout's earlier segment under `reward_mode: last_segment`; `over_rows`, the batch's
+segments did not fit its rows even packed (`rl.data.packing.pack_rows`)."""
 CONTROL_FIELDS = (
     "group_index",
     "admitted_version",
