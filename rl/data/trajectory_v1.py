@@ -20,9 +20,16 @@ def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(meta, dict):
         return data  # validation names the bad `meta`
     meta, data = dict(meta), dict(data)
-    from rl.data.trajectory import CONTROL_FIELDS
-
-    for name in (n for n in CONTROL_FIELDS if n != "exclusion"):  # exclusion: below
+    # `rl.data.trajectory.CONTROL_FIELDS` but `exclusion` (below); not imported: that module
+    # imports this one
+    for name in (
+        "group_index",
+        "admitted_version",
+        "task_kind",
+        "trial_reward",
+        "gate_unit",
+        "replica_down",
+    ):
         if name in meta:
             data[name] = meta.pop(name)
     if "kind" in meta and data.get("task_kind") is None:  # `simloop pretrain-sim`'s command kind
