@@ -22,10 +22,15 @@ from envs.shell import Observation, ShellError, ShellLifecycle, TaskSetup
 from rl.data.chat import ChatRenderer, render_text
 from rl.data.sim_format import (
     ObservationFormatError,
+    apply_changes,
     kept_history,
+    normalize_workspace,
+    parse_changes,
     parse_observation,
     parse_observation_prefix,
     render_sim_messages,
+    render_workspace_messages,
+    split_changes,
     strip_think,
 )
 from rl.data.tokenizer import IM_END, common_prefix_len
@@ -101,6 +106,8 @@ class SimulatedShell(ShellLifecycle):
         if self.config.max_context_tokens is not None and renderer is None:
             raise ValueError("SimulatedShellConfig.max_context_tokens needs a renderer")
         self.history: list[tuple[str, Observation]] = []
+        self.workspace = normalize_workspace(self.setup.files)
+        """The files as the simulator has written them (`config.workspace`; else the start)."""
         self._lock = asyncio.Lock()
         self._closed = False
         self._session: str | None = None
@@ -181,11 +188,21 @@ class SimulatedShell(ShellLifecycle):
                 show_task=cfg.show_task,
             )
 
-        messages = messages_with(history)
+        if cfg.workspace:
+            messages = render_workspace_messages(
+                self.task_instruction,
+                self.workspace,
+                command,
+                system_prompt=cfg.system_prompt,
+                show_task=cfg.show_task,
+            )
+            history = []
+        else:
+            messages = messages_with(history)
         if self.renderer is None:
             text = render_text(messages, add_generation_prompt=True, enable_thinking=False)
-            return text, cfg.max_tokens, len(self.history) - len(history)
-        if cfg.max_context_tokens is not None and not cfg.compacting:
+            return text, cfg.max_tokens, 0 if cfg.workspace else len(self.history) - len(history)
+        if cfg.max_context_tokens is not None and not cfg.compacting and not cfg.workspace:
             # Whole oldest turns go until the prompt fits `prompt_budget`: the rule
             # `simloop train-sim` builds its examples with (ChatML messages tokenize alone).
             render = self.renderer.render
@@ -197,10 +214,17 @@ class SimulatedShell(ShellLifecycle):
                 history = history[len(history) - kept :]
                 messages = messages_with(history)
         ids = self.renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
-        dropped = len(self.history) - len(history)
+        dropped = 0 if cfg.workspace else len(self.history) - len(history)
         if cfg.max_context_tokens is None or cfg.compacting:  # the server bounds its KV
             return ids, cfg.max_tokens, dropped
         room = cfg.max_context_tokens - len(ids)
+        budget = cfg.prompt_budget
+        if cfg.workspace and budget is not None and len(ids) > budget:
+            raise SimulatorError(
+                f"the workspace prompt has {len(ids)} tokens, more than the prompt budget "
+                f"{budget} (max_prompt_tokens, else max_context_tokens - max_tokens): the "
+                "files no longer fit; workspace mode is for small workspaces"
+            )
         if room <= 0:
             raise SimulatorError(
                 f"the prompt alone has {len(ids)} tokens, more than "
@@ -263,6 +287,8 @@ class SimulatedShell(ShellLifecycle):
         text, think_leak = strip_think(text)
         cap_hit = result.finish_reason == "length"
         malformed = False
+        if cfg.workspace:
+            text, workspace_malformed = self._keep_changes(text, cap_hit)
         try:
             output, exit_code = parse_observation(text)
         except ObservationFormatError:
@@ -284,10 +310,12 @@ class SimulatedShell(ShellLifecycle):
                 min_compression=cfg.repetition_min_compression,
             ),
             "empty": not text.strip(),
-            "malformed": malformed,
+            "malformed": malformed or (cfg.workspace and workspace_malformed),
             "finish_reason": result.finish_reason,
             "completion_tokens": len(result.token_ids),
         }
+        if cfg.workspace:
+            info["workspace_files"] = len(self.workspace)
         return Observation(
             output=output,
             exit_code=exit_code,
@@ -295,3 +323,20 @@ class SimulatedShell(ShellLifecycle):
             duration_s=duration_s,
             info=info,
         )
+
+    def _keep_changes(self, text: str, cap_hit: bool) -> tuple[str, bool]:
+        """Workspace mode: (the observation text, whether the changes were malformed). The
+        changes block the simulator wrote after its observation is applied to `workspace`;
+        one that does not parse, or was cut off by the token cap, changes nothing."""
+        text, body = split_changes(text)
+        if body is None:
+            # no block: nothing changed, unless the reply was cut inside one
+            cut = text.find("</output>\n<changes>")
+            if cut >= 0:
+                return text[: cut + len("</output>")], True
+            return text, False
+        try:
+            self.workspace = apply_changes(self.workspace, parse_changes(body))
+        except ObservationFormatError:
+            return text, True
+        return text, False

@@ -67,6 +67,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         show_task=sim_shell.show_task,
         context_budget=sim_shell.prompt_budget,
     )
+    if sim_shell.workspace:  # the real files after each command, for the simulator to keep
+        prompt["workspaces"] = replayed_workspaces(trajs, cfg)
     ds, stats = sim_sft_dataset(
         weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data, **prompt
     )
@@ -134,6 +136,24 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         f"({summary['tokens_per_s']:.0f} target tok/s, {summary['wall_s']:.0f}s) -> {path}"
     )
     return 0
+
+
+def replayed_workspaces(trajs: list, cfg: SimloopConfig):
+    """`SimulatedShellConfig.workspace`: each trajectory's commands run again in real bash
+    (`envs.workspace`), for the workspace after every command; says how long it took."""
+    import time
+
+    from envs.workspace import trajectory_workspaces
+
+    began = time.perf_counter()
+    states, failed = trajectory_workspaces(trajs, config=cfg.env.shell.local)
+    note = f", {failed} failed (their trajectories give no examples)" if failed else ""
+    print(
+        f"simloop train-sim: replayed {len(trajs)} trajectories in real bash for their "
+        f"workspaces ({time.perf_counter() - began:.0f}s{note})",
+        flush=True,
+    )
+    return states
 
 
 def weighted_by_kind(trajs: list, weights: dict[str, int] | None) -> list:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,14 @@ import numpy as np
 
 from rl import validate
 from rl.data.chat import ChatRenderer
-from rl.data.sim_format import format_observation, kept_history, render_sim_messages
+from rl.data.sim_format import (
+    format_observation,
+    format_workspace_reply,
+    kept_history,
+    render_sim_messages,
+    render_workspace_messages,
+    workspace_changes,
+)
 from rl.data.tokenizer import IM_END, Tokenizer
 from rl.data.trajectory import Trajectory, render_token_view
 
@@ -124,6 +131,17 @@ def _sim_pairs(traj: Trajectory, missing_exit_code: int | None) -> list[tuple[st
     return pairs
 
 
+def sim_commands(traj: Trajectory) -> list[str]:
+    """The commands of `traj` that give simulator examples (each turn that ran a command and
+    has its observation), in order: what `envs.workspace` replays for workspace mode."""
+    return [t.command for t in traj.turns if t.command is not None and t.observation is not None]
+
+
+WorkspaceStates = Callable[[Trajectory], Sequence[Mapping[str, str]] | None]
+"""Workspace mode's real states of a trajectory: [at the start, after each `sim_commands`
+command], or None when there are none (`envs.workspace.replay_workspaces` makes them)."""
+
+
 def sim_sft_examples(
     trajectories: Iterable[Trajectory],
     tokenizer: Tokenizer,
@@ -134,6 +152,7 @@ def sim_sft_examples(
     show_task: bool = True,
     context_budget: int | None = None,
     cut_targets: bool = False,
+    workspaces: WorkspaceStates | None = None,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -145,7 +164,12 @@ def sim_sft_examples(
     target is too long to fit beside them, unless `cut_targets` (`DatasetConfig.cut_targets`):
     then it keeps the target's first tokens that fit, without the end-of-turn token (nothing
     teaches the simulator to stop where the real output goes on), if they hold at least the
-    return-code header."""
+    return-code header.
+
+    With `workspaces` (`SimulatedShellConfig.workspace`), each example is instead the
+    workspace prompt (`render_workspace_messages`: the real files before the command, the
+    command) and its target the observation with the files it changed
+    (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`)."""
     stats = SFTStats()
     examples = [
         e
@@ -159,6 +183,7 @@ def sim_sft_examples(
             show_task=show_task,
             context_budget=context_budget,
             cut_targets=cut_targets,
+            workspaces=workspaces,
         )
     ]
     return examples, stats
@@ -175,6 +200,7 @@ def _sim_examples(
     show_task: bool = True,
     context_budget: int | None = None,
     cut_targets: bool = False,
+    workspaces: WorkspaceStates | None = None,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -188,6 +214,22 @@ def _sim_examples(
         pairs = _sim_pairs(traj, missing_exit_code)
         if not pairs:
             stats.skipped["missing_exit_code" if pairs is None else "no_commands"] += 1
+            continue
+        if workspaces is not None:
+            yield from _workspace_examples(
+                traj,
+                pairs,
+                workspaces(traj),
+                renderer,
+                text,
+                end_of_turn,
+                stats,
+                max_len=max_len if context_budget is None else min(max_len, context_budget),
+                target_room=max_len,
+                system_prompt=system_prompt,
+                show_task=show_task,
+                cut_targets=cut_targets,
+            )
             continue
         messages = render_sim_messages(
             traj.instruction,
@@ -230,6 +272,57 @@ def _sim_examples(
             stats.target_tokens += len(target)
             stats.context_tokens += len(context)
             yield traj, k, _example(context, target)
+
+
+def _workspace_examples(
+    traj: Trajectory,
+    pairs: list[tuple[str, _Obs]],
+    states: Sequence[Mapping[str, str]] | None,
+    renderer: ChatRenderer,
+    text: Callable[[str], list[int]],
+    end_of_turn: int,
+    stats: SFTStats,
+    *,
+    max_len: int,
+    target_room: int,
+    system_prompt: str | None,
+    show_task: bool,
+    cut_targets: bool,
+) -> Iterator[tuple[Trajectory, int, Example]]:
+    """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
+    files before command k (`max_len` bounds it: the shell's prompt budget), the target the
+    observation and the changes to the files after it (the context and the target together
+    within `target_room`)."""
+    if states is None or len(states) != len(pairs) + 1:
+        stats.skipped["no_workspace"] += 1
+        return
+    for k, (command, obs) in enumerate(pairs):
+        messages = render_workspace_messages(
+            traj.instruction,
+            states[k],
+            command,
+            system_prompt=system_prompt,
+            show_task=show_task,
+        )
+        # exactly the ids `SimulatedShell` sends
+        context = renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
+        reply = format_workspace_reply(
+            obs.output, obs.exit_code, workspace_changes(states[k], states[k + 1])
+        )
+        target = text(reply) + [end_of_turn]
+        if len(context) > max_len:
+            stats.skipped["too_long"] += 1
+            continue
+        if len(context) + len(target) > target_room:
+            if not cut_targets or target_room - len(context) <= len(text(_header(obs.exit_code))):
+                stats.skipped["too_long"] += 1
+                continue
+            target = target[: target_room - len(context)]
+            stats.cut_targets += 1
+        stats.examples += 1
+        stats.target_tokens += len(target)
+        stats.context_tokens += len(context)
+        yield traj, k, _example(context, target)
 
 
 def labelled_sim_examples(
@@ -384,6 +477,7 @@ def sim_sft_dataset(
     system_prompt: str | None = None,
     show_task: bool = True,
     context_budget: int | None = None,
+    workspaces: WorkspaceStates | None = None,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -395,6 +489,7 @@ def sim_sft_dataset(
         show_task=show_task,
         context_budget=context_budget,
         cut_targets=cfg.cut_targets,
+        workspaces=workspaces,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

@@ -104,6 +104,188 @@ def setup_description(files: Mapping[str, str]) -> str:
     return "\n".join(parts)
 
 
+# ----- workspace mode: the simulator keeps the files itself ----------------------------------
+
+SIM_WORKSPACE_SYSTEM_PROMPT = """You are a Linux terminal. The working directory holds the files \
+listed below. The user sends one shell command, which runs in a fresh `bash -c` there. Reply with \
+exactly what running it prints (stdout and stderr) and its exit status, then every file it \
+created, changed or removed, in this format and nothing else:
+<returncode>N</returncode>
+<output>
+...
+</output>
+<changes>
+--- path ---
+(the file's whole new content)
+--- path/ ---     (a new empty directory)
+--- path --- removed
+</changes>
+Leave out the changes block when no file changed."""
+
+WORKSPACE_HEADER = "Files in the working directory:"
+_NO_NEWLINE = "\\ no newline at end of file"
+_CHANGES = re.compile(r"\n<changes>\n(.*)</changes>\s*\Z", re.S)
+_ENTRY = re.compile(r"^--- (.+?) ---( removed)?$")
+
+Workspace = dict[str, str]
+"""A working directory as the simulator sees it: path -> content for every file, and
+`dir/` -> "" for every empty directory (a directory holding files is implied by them)."""
+
+
+def normalize_workspace(files: Mapping[str, str]) -> Workspace:
+    """`files` with each `dir/` entry dropped where files or directories below it exist."""
+    out = dict(files)
+    for path in [p for p in out if p.endswith("/")]:
+        if any(q != path and q.startswith(path) for q in out):
+            del out[path]
+    return out
+
+
+def _file_block(path: str, content: str) -> str:
+    if path.endswith("/"):
+        return f"--- {path} ---\n"
+    if content and not content.endswith("\n"):
+        content += f"\n{_NO_NEWLINE}\n"
+    return f"--- {path} ---\n{content}"
+
+
+def workspace_description(files: Mapping[str, str]) -> str:
+    """The current workspace in the simulator's prompt (lossless: `parse_changes` reads the
+    same blocks back)."""
+    body = "".join(_file_block(p, files[p]) for p in sorted(files))
+    return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
+
+
+def _dirs(files: Mapping[str, str]) -> set[str]:
+    """Every directory of a workspace (`dir/`), implied by its files or listed empty."""
+    out = set()
+    for path in files:
+        parts = path.rstrip("/").split("/")
+        out.update("/".join(parts[:i]) + "/" for i in range(1, len(parts)))
+        if path.endswith("/"):
+            out.add(path)
+    return out
+
+
+def workspace_changes(before: Mapping[str, str], after: Mapping[str, str]) -> str:
+    """The changes block body from workspace `before` to `after` (both normalized), in path
+    order: each file written (new or different content), each new empty directory, each
+    directory gone (which takes everything below it) and each other file gone. A directory
+    that stays is no change, whether files still fill it or not."""
+    old_dirs, new_dirs = _dirs(before), _dirs(after)
+    gone_dirs = old_dirs - new_dirs
+    top_gone = {d for d in gone_dirs if not any(d != e and d.startswith(e) for e in gone_dirs)}
+    parts = []
+    for path in sorted(set(before) | set(after) | top_gone):
+        if path in top_gone:
+            parts.append(f"--- {path} --- removed\n")
+        elif any(path.startswith(d) for d in top_gone):
+            continue  # removed with its directory
+        elif path.endswith("/"):
+            if path in after and path not in old_dirs:
+                parts.append(_file_block(path, ""))
+        elif path in after:
+            if before.get(path) != after[path]:
+                parts.append(_file_block(path, after[path]))
+        else:
+            parts.append(f"--- {path} --- removed\n")
+    return "".join(parts)
+
+
+def format_workspace_reply(output: str, exit_code: int, changes: str) -> str:
+    """What a workspace-mode simulator must write: the observation, then its changes block
+    (`workspace_changes`) when any file changed."""
+    obs = format_observation(output, exit_code)
+    return f"{obs}\n<changes>\n{changes}</changes>" if changes else obs
+
+
+def split_changes(text: str) -> tuple[str, str | None]:
+    """(observation text, changes body or None when the reply has no changes block)."""
+    m = _CHANGES.search(text)
+    if m is None or "</output>" not in text[: m.start() + 1]:
+        return text, None
+    return text[: m.start()], m.group(1)
+
+
+def parse_changes(body: str) -> list[tuple[str, str | None]]:
+    """[(path, new content, or None for removed)] from a changes body (or a workspace
+    description without its header); `ObservationFormatError` when it is not one."""
+    entries: list[tuple[str, str | None]] = []
+    lines = body.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    current: list[str] | None = None
+    for line in lines:
+        m = _ENTRY.match(line)
+        if m is None:
+            if current is None:
+                raise ObservationFormatError(f"changes: expected '--- path ---', got {line[:60]!r}")
+            current.append(line)
+            continue
+        path, removed = m.group(1), bool(m.group(2))
+        if not path or path.startswith("/") or ".." in path.split("/"):
+            raise ObservationFormatError(f"changes: path {path!r} is not inside the workspace")
+        if removed:
+            entries.append((path, None))
+            current = None
+        else:
+            current = []
+            entries.append((path, current))  # type: ignore[arg-type] - filled below
+    out = []
+    for path, body_lines in entries:
+        if body_lines is None:
+            out.append((path, None))
+            continue
+        if path.endswith("/"):
+            if body_lines:
+                raise ObservationFormatError(f"changes: directory {path!r} has content")
+            out.append((path, ""))
+            continue
+        if body_lines and body_lines[-1] == _NO_NEWLINE:
+            out.append((path, "\n".join(body_lines[:-1])))
+        else:
+            out.append((path, "".join(f"{ln}\n" for ln in body_lines)))
+    return out
+
+
+def apply_changes(files: Mapping[str, str], changes: list[tuple[str, str | None]]) -> Workspace:
+    """The workspace after `changes` (`parse_changes`): a path written replaces its content;
+    a removed path goes with everything below it, and its directory stays (listed empty when
+    nothing is left in it). The result is normalized."""
+    out = dict(files)
+    for path, content in changes:
+        if content is not None:
+            out[path] = content
+            continue
+        base = path.rstrip("/")
+        for p in [p for p in out if p.rstrip("/") == base or p.startswith(base + "/")]:
+            del out[p]
+        parent = base.rpartition("/")[0]
+        if parent and not any(p.startswith(parent + "/") for p in out):
+            out[parent + "/"] = ""
+    return normalize_workspace(out)
+
+
+def render_workspace_messages(
+    task_instruction: str,
+    workspace: Mapping[str, str],
+    command: str,
+    *,
+    system_prompt: str | None = None,
+    show_task: bool = True,
+) -> list[Message]:
+    """The workspace-mode simulator's chat for `command`: the system message (instructions,
+    the task when `show_task`, the workspace as it is now) and the command; no history, since
+    each command runs in a fresh `bash -c` and only the files carry over. The target is
+    `format_workspace_reply(...)` followed by the end-of-turn token."""
+    system = SIM_WORKSPACE_SYSTEM_PROMPT if system_prompt is None else system_prompt
+    if show_task:
+        system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
+    files = workspace_description(workspace)
+    system = f"{system}\n\n{files}" if system else files
+    return [{"role": "system", "content": system}, {"role": "user", "content": command}]
+
+
 def kept_history(prefix_len: int, turn_lens: Sequence[int], suffix_len: int, budget: int) -> int:
     """How many of the newest history turns the simulator sees: whole turns, newest first,
     while the prompt (`prefix_len` system tokens + the kept turns + `suffix_len` for the

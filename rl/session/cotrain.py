@@ -117,6 +117,11 @@ class SimCoTrainer:
         base = self._rng.sample(self._base, min(n_base, len(self._base)))
         sim = self.sim.simulated
         data = self.sim.train_sim.data
+        workspaces = None
+        if sim.workspace:  # the real files after each command (`envs.workspace`)
+            from envs.workspace import trajectory_workspaces
+
+            workspaces, _ = trajectory_workspaces(real + base)
         ds, stats = sim_sft_dataset(
             real + base,
             self._tok,
@@ -124,6 +129,7 @@ class SimCoTrainer:
             system_prompt=sim.system_prompt,
             show_task=sim.show_task,
             context_budget=sim.prompt_budget,
+            workspaces=workspaces,
         )
         target = self._trainer.step_count + g.cotrain_steps
         s = sft_loop(

@@ -1,0 +1,237 @@
+"""Workspace mode: the simulator keeps the files itself (`rl.data.sim_format`'s changes
+format, `envs.workspace`'s real replays, `SimulatedShell` applying what the model wrote) and
+`simloop train-sim` trains on exactly the prompts the shell sends."""
+
+import asyncio
+import random
+
+import pytest
+
+from envs.config import FileopsConfig, SimulatedShellConfig
+from envs.fileops import fileops_truth, generate_fileops, plan
+from envs.local import LocalShell
+from envs.shell import TaskSetup
+from envs.simulated import Completion, SimulatedShell
+from envs.workspace import replay_workspaces, snapshot, trajectory_workspaces
+from rl.data.chat import ChatRenderer
+from rl.data.datasets import sim_sft_examples
+from rl.data.sim_format import (
+    ObservationFormatError,
+    apply_changes,
+    format_workspace_reply,
+    normalize_workspace,
+    parse_changes,
+    parse_observation,
+    split_changes,
+    workspace_changes,
+    workspace_description,
+)
+from rl.data.tokenizer import ByteTokenizer
+from rl.data.trajectory import Trajectory, Turn
+
+BYTES = ByteTokenizer()
+
+
+def random_workspace(rng: random.Random) -> dict[str, str]:
+    names = ["a.txt", "b.txt", "d/x.txt", "d/y.txt", "d/e/z.txt", "q/", "r/s/", "n"]
+    out = {}
+    for name in rng.sample(names, rng.randint(0, len(names))):
+        if name.endswith("/"):
+            out[name] = ""
+            continue
+        lines = [rng.choice(["amber", "", " x y", "--- no", "日本", "\\ no"]) for _ in range(3)]
+        text = "\n".join(lines[: rng.randint(0, 3)])
+        out[name] = text + ("\n" if rng.random() < 0.7 and text else "")
+    return normalize_workspace(out)
+
+
+def test_changes_round_trip_between_any_two_workspaces():
+    rng = random.Random(0)
+    for _ in range(2000):
+        before, after = random_workspace(rng), random_workspace(rng)
+        body = workspace_changes(before, after)
+        reply = format_workspace_reply("out\n", 3, body)
+        text, got = split_changes(reply)
+        assert parse_observation(text) == ("out\n", 3)
+        assert apply_changes(before, parse_changes(got) if got else []) == after
+        assert (got is None) == (before == after)
+
+
+def test_the_workspace_prompt_is_the_changes_format():
+    ws = {"a.txt": "x\n", "n": "no newline", "e/": ""}
+    text = workspace_description(ws)
+    header, _, body = text.partition("\n")
+    assert header == "Files in the working directory:"
+    assert apply_changes({}, parse_changes(body)) == ws
+    assert workspace_description({}).endswith("(empty)\n")
+
+
+@pytest.mark.parametrize(
+    "body",
+    ["stray line\n", "--- /etc/passwd ---\nx\n", "--- ../up.txt ---\n", "--- d/ ---\ncontent\n"],
+)
+def test_malformed_changes_are_refused(body):
+    with pytest.raises(ObservationFormatError):
+        parse_changes(body)
+
+
+async def test_replay_reads_the_real_workspace_after_each_command():
+    task = generate_fileops(FileopsConfig(seed=3, num_tasks=12, kinds=("chain",)))[0]
+    commands = plan(dict(task.reward.params))
+    states = await replay_workspaces(dict(task.setup.files), commands)
+    assert len(states) == len(commands) + 1
+    assert states[0] == normalize_workspace(task.setup.files)
+    # the chain's answer is a property of b.txt, which the replay read back from real bash
+    b = states[-1]["b.txt"].splitlines()
+    prop = task.reward.params["property"]
+    got = {"first_line": b[:1], "last_line": b[-1:], "line_count": [str(len(b))]}[prop]
+    assert "".join(got) == fileops_truth(dict(task.reward.params))
+    # and a snapshot of a live shell is what the replay recorded at the start
+    async with LocalShell(setup=TaskSetup(files=dict(task.setup.files))) as shell:
+        assert snapshot(shell.workspace) == states[0]
+
+
+def fileops_trajectory(task, commands, outputs) -> Trajectory:
+    return Trajectory(
+        task_id=task.id,
+        arm="real",
+        env_backend="local",
+        status="ok",
+        reward=1.0,
+        instruction=task.instruction,
+        setup_files=dict(task.setup.files),
+        prompt=[{"role": "user", "content": task.instruction}],
+        turns=[
+            Turn(agent_text=f"```bash\n{c}\n```", command=c, observation=o.output, exit_code=code)
+            for c, (o, code) in zip(commands, outputs, strict=True)
+        ],
+        source="rendered",
+        behavior_logprobs=None,
+        policy_version=None,
+        task_kind="chain",
+    )
+
+
+async def real_outputs(task, commands):
+    out = []
+    async with LocalShell(setup=TaskSetup(files=dict(task.setup.files))) as shell:
+        for c in commands:
+            obs = await shell.run(c, 10.0)
+            out.append((obs, obs.exit_code))
+    return out
+
+
+class Teacher:
+    """A simulator that answers the k-th prompt with the k-th text, recording the prompts."""
+
+    def __init__(self, replies):
+        self.replies, self.prompts = replies, []
+
+    async def complete(self, prompt, **kw):
+        self.prompts.append(list(prompt))
+        text = self.replies[len(self.prompts) - 1]
+        return Completion(text, list(text.encode()), "stop")
+
+
+async def run_all(shell, commands):
+    return [await shell.run(c, 10.0) for c in commands]
+
+
+@pytest.mark.parametrize("prompt", [{"system_prompt": "", "show_task": False}, {}])
+def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt):
+    """Teacher forcing: a simulator that answers each prompt with its training target sees,
+    turn after turn, exactly the contexts train-sim built, and ends holding the real files."""
+    tasks = generate_fileops(FileopsConfig(seed=5, num_tasks=6))
+    renderer = ChatRenderer(BYTES)
+    for task in tasks[:3]:
+        commands = [*plan(dict(task.reward.params)), "cat missing.txt"]
+        outputs = asyncio.run(real_outputs(task, commands))
+        traj = fileops_trajectory(task, commands, outputs)
+        states, failed = trajectory_workspaces([traj])
+        assert failed == 0
+        examples, stats = sim_sft_examples([traj], BYTES, max_len=4096, workspaces=states, **prompt)
+        assert stats.examples == len(commands)
+        contexts = [list(e["tokens"][e["loss_mask"] == 0]) for e in examples]
+        targets = [BYTES.decode(list(e["tokens"][e["loss_mask"] == 1])[:-1]) for e in examples]
+
+        teacher = Teacher(targets)
+        cfg = SimulatedShellConfig(workspace=True, max_context_tokens=4096, **prompt)
+        shell = SimulatedShell(
+            teacher,
+            task_instruction=task.instruction,
+            setup=task.setup,
+            config=cfg,
+            renderer=renderer,
+        )
+        seen = asyncio.run(run_all(shell, commands))
+        assert teacher.prompts == contexts
+        assert [(o.output, o.exit_code) for o in seen] == [(o.output, code) for o, code in outputs]
+        assert not any(o.info["malformed"] for o in seen)
+        assert shell.workspace == states(traj)[-1]
+
+
+def workspace_shell(replies, files=None, renderer=None, **cfg):
+    class Scripted:
+        def __init__(self):
+            self.prompts = []
+
+        async def complete(self, prompt, **kw):
+            self.prompts.append(prompt)
+            text = replies.pop(0)
+            return Completion(text, list(text.encode()), kw.get("finish", "stop"))
+
+    client = Scripted()
+    shell = SimulatedShell(
+        client,
+        task_instruction="t",
+        setup=TaskSetup(files=files or {"in.txt": "b\na\n"}),
+        config=SimulatedShellConfig(workspace=True, system_prompt="", show_task=False, **cfg),
+        renderer=renderer,
+    )
+    return shell, client
+
+
+async def test_the_shell_keeps_what_the_simulator_wrote_and_shows_no_history():
+    ok = format_workspace_reply("", 0, "--- out.txt ---\na\nb\n")
+    shell, client = workspace_shell([ok, format_workspace_reply("a\n", 0, "")])
+    await shell.run("sort in.txt > out.txt", 5.0)
+    assert shell.workspace == {"in.txt": "b\na\n", "out.txt": "a\nb\n"}
+    obs = await shell.run("head -n 1 out.txt", 5.0)
+    assert (obs.output, obs.exit_code, obs.info["malformed"]) == ("a\n", 0, False)
+    second = client.prompts[1]
+    assert "--- out.txt ---\na\nb\n" in second and "sort in.txt" not in second
+    assert "history_dropped" not in obs.info
+
+
+async def test_malformed_or_cut_changes_leave_the_files_as_they_were():
+    bad = "<returncode>0</returncode>\n<output>\n\n</output>\n<changes>\nno header\n</changes>"
+    cut = "<returncode>0</returncode>\n<output>\nhi\n</output>\n<changes>\n--- x.txt ---\nab"
+    shell, _ = workspace_shell([bad, cut])
+    obs = await shell.run("echo > x.txt", 5.0)
+    assert obs.info["malformed"] and shell.workspace == {"in.txt": "b\na\n"}
+    obs = await shell.run("echo hi; echo ab > x.txt", 5.0)
+    assert (obs.output, obs.exit_code) == ("hi", 0)
+    assert obs.info["malformed"] and shell.workspace == {"in.txt": "b\na\n"}
+
+
+async def test_a_workspace_over_the_prompt_budget_is_a_clear_error():
+    from envs.simulated import SimulatorError
+
+    shell, _ = workspace_shell(
+        [],
+        files={"big.txt": "x" * 400},
+        renderer=ChatRenderer(BYTES),
+        max_tokens=64,
+        max_context_tokens=256,
+    )
+    with pytest.raises(SimulatorError, match="workspace prompt has .* tokens"):
+        await shell.run("cat big.txt", 5.0)
+
+
+def test_workspace_mode_config_is_checked():
+    with pytest.raises(ValueError, match="workspace"):
+        SimulatedShellConfig(workspace="yes")
+    with pytest.raises(ValueError, match="workspace"):
+        SimulatedShellConfig(
+            workspace=True, sessions=True, session_compaction={"mode": "markovian"}
+        )
