@@ -248,6 +248,15 @@ class SimulatedShellConfig:
     `{"mode": "markovian", "n_protect_turns": 2}` ...; empty: none). With compaction the whole
     history is sent and the server decides what the simulator still sees, instead of the
     `max_context_tokens` rule. Needs `sessions: true`."""
+    workspace: bool = False
+    """The simulator keeps the working directory itself (`rl.data.sim_format`'s workspace
+    mode): each prompt shows the files as they are now and the command, with no history
+    (each command runs in a fresh `bash -c`, so only the files carry over), and the simulator
+    writes, after the observation, every file the command created, changed or removed. The
+    shell applies what it wrote to the files the next prompt shows: the model writes the
+    state, nothing is executed. `simloop train-sim` builds its examples the same way, from
+    the real workspace after each command (`envs.workspace`). For small workspaces (task
+    files), not repositories. Off: the prompt is the starting files and the session."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "max_tokens", "repetition_min_lines")
@@ -274,7 +283,13 @@ class SimulatedShellConfig:
         validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
         validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
         validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
-        validate.boolean(self, "sessions")
+        validate.boolean(self, "sessions", "workspace")
+        validate.require(
+            not (self.workspace and self.session_compaction),
+            self,
+            "workspace",
+            "false with session_compaction (a workspace prompt holds no history to compact)",
+        )
         compaction = self.session_compaction
         mode = compaction.get("mode", "none") if isinstance(compaction, dict) else None
         validate.require(
