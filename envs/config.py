@@ -1,11 +1,13 @@
-"""Configs of the environment side: one frozen dataclass per shell backend, the terminal env and
-the textops task family, plus `ShellConfig`, which picks a backend.
+"""Configs of the environment side: one frozen dataclass per shell backend, the terminal env (and
+its reward shaping per task family) and the textops task family, plus `ShellConfig`, which
+picks a backend.
 
 Imports no JAX (and not the e2b SDK), so configs validate instantly.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rl import validate
@@ -329,6 +331,54 @@ class ShellConfig:
         validate.one_of(self, "backend", SHELL_BACKENDS)
 
 
+SHAPED_FAMILIES = ("textops", "fileops", "swe")
+"""The task families (`Task.family`) that `TerminalConfig.shaping` may name."""
+
+
+@dataclass(frozen=True)
+class ShapingConfig:
+    """Reward shaping of one task family's episodes (`TerminalConfig.shaping`): terms added to
+    the task's reward for training, and recorded apart from it (`Trajectory.task_reward`,
+    `Trajectory.shaping`), so success, which only the task's reward decides, stays exact.
+    Every weight is >= 0 and the term's sign is fixed: a bonus adds, a penalty subtracts. All
+    weights 0 (the default): no shaping."""
+
+    format_bonus: float = 0.0
+    """Added once to an episode none of whose replies was malformed (no format error)."""
+    turn_budget: int | None = None
+    """Agent turns an episode may take before `per_turn_penalty` applies; None: no budget."""
+    per_turn_penalty: float = 0.0
+    """Subtracted per agent turn beyond `turn_budget` (needs one)."""
+    per_call_penalty: float = 0.0
+    """Subtracted per command sent to the shell: every well-formed reply but `submit <answer>`
+    (which runs nothing), a marker submission's block included."""
+
+    def __post_init__(self) -> None:
+        for name in ("format_bonus", "per_turn_penalty", "per_call_penalty"):
+            value = getattr(self, name)
+            validate.require(
+                validate.is_number(value) and math.isfinite(value) and value >= 0,
+                self,
+                name,
+                "a finite number >= 0 (a bonus is added, a penalty subtracted)",
+            )
+        validate.positive_int(
+            self, "turn_budget", optional=True, allowed="None or a positive integer"
+        )
+        validate.require(
+            self.per_turn_penalty == 0 or self.turn_budget is not None,
+            self,
+            "per_turn_penalty",
+            "0 unless turn_budget is set (the penalty counts the turns beyond it)",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any term can be non-zero."""
+        turns = self.per_turn_penalty > 0 and self.turn_budget is not None
+        return self.format_bonus > 0 or turns or self.per_call_penalty > 0
+
+
 @dataclass(frozen=True)
 class TerminalConfig:
     """The terminal env: action parsing, observation format and episode limits."""
@@ -370,6 +420,12 @@ class TerminalConfig:
     reward is its last trial's."""
     trial_discount: float = 0.6
     """`first_success`: the factor per extra trial (LaMer uses 0.6)."""
+    shaping: dict[str, ShapingConfig] = field(default_factory=dict)
+    """Reward shaping per task family (`SHAPED_FAMILIES`), e.g. `{fileops: {format_bonus:
+    0.1, turn_budget: 4, per_turn_penalty: 0.05}}`; a family not named is not shaped, and
+    empty (the default) is off. The terms are added to the episode's reward once it ends (the
+    whole episode's, over all its trials) and recorded apart from the task's reward, which
+    alone decides success (`envs.terminal`)."""
 
     def __post_init__(self) -> None:
         validate.positive_int(
@@ -389,6 +445,7 @@ class TerminalConfig:
         )
         validate.one_of(self, "trial_reward", TRIAL_REWARDS)
         validate.number(self, "trial_discount", low=0, high=1, low_open=True)
+        self._validate_shaping()
         template = self.trial_feedback_template
         ok = isinstance(template, str)
         if ok:
@@ -412,6 +469,36 @@ class TerminalConfig:
                 name,
                 f"a string containing {' and '.join(keys)}",
             )
+
+    def _validate_shaping(self) -> None:
+        shaping = self.shaping
+        validate.require(
+            isinstance(shaping, dict), self, "shaping", "a mapping from task families to shaping"
+        )
+        for family, terms in shaping.items():
+            validate.require(
+                family in SHAPED_FAMILIES,
+                self,
+                "shaping",
+                f"a task family as key, one of {list(SHAPED_FAMILIES)}",
+                value=family,
+            )
+            validate.require(
+                isinstance(terms, ShapingConfig),
+                self,
+                f"shaping.{family}",
+                "a ShapingConfig (in YAML, a mapping of its fields)",
+                value=terms,
+            )
+        shaped = any(terms.enabled for terms in shaping.values())
+        validate.require(
+            not (shaped and self.trials > 1 and self.trial_reward == "per_trial"),
+            self,
+            "shaping",
+            "off with trials > 1 and trial_reward per_trial: shaping is the episode's, and "
+            "per-trial advantages read each trial's task reward",
+            value=dict(shaping),
+        )
 
 
 FILEOPS_KINDS = ("chain", "append", "move")

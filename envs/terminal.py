@@ -18,6 +18,12 @@ The episode ends on submission, at `max_turns`, when the observations shown exce
 `max_total_observation_chars`, after `max_format_errors`, or when the shell fails; `info["status"]`
 says which. The reward comes from the task's reward function when the episode ends.
 
+Reward shaping (`TerminalConfig.shaping`, per task family, off by default): when the episode
+ends, `shaping_terms` counts its turns, commands and malformed replies against the family's
+`ShapingConfig`; the step's `reward` is the task's reward plus the terms, and the result
+carries both apart (`StepResult.task_reward`, `StepResult.shaping`). Success is decided on the
+task's reward alone.
+
 Several attempts (`TerminalConfig.trials` > 1): `TrialEnv` runs one `TerminalEnv` per trial,
 each on a fresh shell from the same task setup (the identical starting workspace), and turns a
 failed trial's end into one more observation, the feedback, so the agent keeps its whole
@@ -39,11 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from envs.backends import ShellFactory
-from envs.config import TerminalConfig
+from envs.config import ShapingConfig, TerminalConfig
 from envs.rewards import RewardContext, compute_grade, task_verdict
 from envs.shell import Observation, Shell, ShellError, setup_hash, truncate_middle
 from envs.tasks import Task
 from rl.data.sim_format import strip_think
+from rl.data.trajectory import shaped_reward
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +116,45 @@ def marker_submission(output: str) -> str | None:
     return None
 
 
+def shaping_terms(
+    cfg: ShapingConfig | None, *, turns: int, format_errors: int, calls: int
+) -> dict[str, float]:
+    """The shaping terms of an episode that took `turns` agent turns, sent `calls` commands to
+    the shell and had `format_errors` malformed replies, by name and signed as they add to the
+    reward: `format_bonus` (the bonus, or 0 after any malformed reply), `turn_penalty` (per
+    turn beyond the budget), `call_penalty` (per command). A term whose weight is 0 is left
+    out, so no shaping (`cfg` None or all zero) is `{}`."""
+    if cfg is None:
+        return {}
+    terms: dict[str, float] = {}
+    if cfg.format_bonus > 0:
+        terms["format_bonus"] = cfg.format_bonus if format_errors == 0 else 0.0
+    if cfg.per_turn_penalty > 0 and cfg.turn_budget is not None:
+        terms["turn_penalty"] = 0.0 - cfg.per_turn_penalty * max(0, turns - cfg.turn_budget)
+    if cfg.per_call_penalty > 0:
+        terms["call_penalty"] = 0.0 - cfg.per_call_penalty * calls
+    return terms
+
+
 @dataclass(frozen=True)
 class StepResult:
     observation: str
     """What the agent sees next (empty after a `submit` action)."""
     done: bool
     reward: float = 0.0
-    """The task's reward once done; 0.0 before."""
+    """Once done, what training sees: the task's reward plus the shaping terms (the task's
+    alone without shaping); 0.0 before."""
     info: dict[str, Any] = field(default_factory=dict)
+    task_reward: float | None = None
+    """Once done, the task's own reward (what decides success); None before."""
+    shaping: dict[str, float] = field(default_factory=dict)
+    """Once done, the shaping terms `reward` adds to `task_reward` (`shaping_terms`); empty
+    without shaping."""
 
 
 class TerminalEnv:
-    """A task in a shell; the caller owns the shell (enters and closes it)."""
+    """A task in a shell; the caller owns the shell (enters and closes it). `reward` is the
+    task's; a finished step's reward adds the shaping terms of the task's family, if any."""
 
     def __init__(
         self,
@@ -134,9 +168,12 @@ class TerminalEnv:
         self.shell = shell
         self.config = config or TerminalConfig()
         self.reward_context = reward_context or RewardContext()
+        self.shaping = self.config.shaping.get(task.family)
         self._reset = False
         self.turns = 0
         self.format_errors = 0
+        self.calls = 0
+        """Commands sent to the shell (a `submit <answer>` runs nothing)."""
         self.observation_chars = 0
         self.submission: str | None = None
         self.status: Status = "running"
@@ -149,7 +186,7 @@ class TerminalEnv:
     async def reset(self) -> str:
         """The first user message: the task inside the prompt template."""
         self._reset = True
-        self.turns = self.format_errors = self.observation_chars = 0
+        self.turns = self.format_errors = self.observation_chars = self.calls = 0
         self.submission, self.status, self.reward = None, "running", 0.0
         return self.config.prompt_template.format(instruction=self.task.instruction)
 
@@ -180,6 +217,7 @@ class TerminalEnv:
         if action.kind == "submit":
             self.submission = action.answer
             return await self._finish("submitted", "", {"command": action.command})
+        self.calls += 1
         try:
             obs = await self.shell.run(action.command, timeout_s=cfg.command_timeout_s)
         except ShellError as e:
@@ -212,7 +250,15 @@ class TerminalEnv:
         # Only limits end here: nothing was submitted, so the reward is 0 without scoring.
         self.status = status
         info = {**info, "status": status, "turns": self.turns}
-        return StepResult(observation, True, 0.0, info)
+        return self._ended(observation, info)
+
+    def _ended(self, observation: str, info: dict[str, Any]) -> StepResult:
+        """The episode's last step: the task's reward, shaped."""
+        terms = shaping_terms(
+            self.shaping, turns=self.turns, format_errors=self.format_errors, calls=self.calls
+        )
+        reward = shaped_reward(self.reward, terms)
+        return StepResult(observation, True, reward, info, task_reward=self.reward, shaping=terms)
 
     async def _finish(self, status: Status, observation: str, info: dict[str, Any]) -> StepResult:
         self.status = status
@@ -228,15 +274,21 @@ class TerminalEnv:
                 info["status"] = "error"
                 info["reason"] = f"reward: {type(e).__name__}: {e}"
                 log.warning("task %s: reward failed: %s", self.task.id, e)
-        return StepResult(observation, True, self.reward, info)
+        return self._ended(observation, info)
 
 
 class TrialEnv:
     """`config.trials` attempts at one task (see the module docstring). Each trial is a
     `TerminalEnv` limited to `turns_per_trial` turns (default `max_turns`) and
     `trial_timeout_s` seconds, on its own fresh shell. The episode ends on the first success
-    (reward >= `SUCCESS_REWARD`), after the last trial, or when a shell fails; its reward
-    follows `config.trial_reward`. `trials` holds one record per trial, in env terms."""
+    (task reward >= `SUCCESS_REWARD`), after the last trial, or when a shell fails; its reward
+    follows `config.trial_reward`. `trials` holds one record per trial, in env terms.
+
+    Shaping (`config.shaping`) is the episode's, not each trial's: the trials' envs shape
+    nothing and their records keep the task's rewards (so success by trial k is exact); when
+    the episode ends its terms count all of its turns, commands and malformed replies, across
+    every trial, and are added once to the episode's reward (`first_success`: the discounted
+    task reward; `per_trial` refuses shaping, see `TerminalConfig`)."""
 
     def __init__(
         self,
@@ -249,13 +301,18 @@ class TrialEnv:
         self.task, self.factory = task, shell_factory
         self.config = config or TerminalConfig()
         per_trial = self.config.turns_per_trial or self.config.max_turns
-        self.trial_config = dataclasses.replace(self.config, max_turns=per_trial)
+        self.trial_config = dataclasses.replace(self.config, max_turns=per_trial, shaping={})
+        self.shaping = self.config.shaping.get(task.family)
         self.reward_context = reward_context
         self.max_turns = min(per_trial * self.config.trials, self.config.max_turns)
         """Agent turns the whole episode may take: `max_turns` bounds it, whatever the trials
         would add up to (a trial gets what is left of it, at most `turns_per_trial`)."""
         self.trials: list[dict[str, Any]] = []
         self.turns = 0
+        self.format_errors = 0
+        """Malformed replies of the trials that ended (for shaping)."""
+        self.calls = 0
+        """Commands the trials that ended sent to their shells (for shaping)."""
         self.env: TerminalEnv | None = None
         self._stack: AsyncExitStack | None = None
         self._trial_started = 0.0
@@ -301,6 +358,7 @@ class TrialEnv:
     async def reset(self) -> str:
         """Start the first trial; the first user message."""
         self.trials, self.turns = [], 0
+        self.format_errors = self.calls = 0
         return await self._start_trial()
 
     @property
@@ -318,33 +376,45 @@ class TrialEnv:
         if not result.done and limit is not None and time.monotonic() - self._trial_started > limit:
             self.env.status = "trial_timeout"
             info = {**result.info, "status": "trial_timeout", "turns": self.env.turns}
-            result = StepResult(result.observation, True, 0.0, info)
+            result = StepResult(result.observation, True, 0.0, info, task_reward=0.0)
         if not result.done:
             return result
         status = result.info.get("status", "error")
         trial = self.trials[-1]
+        task_reward = float(result.task_reward or 0.0)  # the trial envs shape nothing
         trial.update(
             end_turn=self.turns,
-            reward=float(result.reward),
+            reward=task_reward,
             status=status,
             submission=self.env.submission,
         )
+        self.format_errors += self.env.format_errors
+        self.calls += self.env.calls
         if "reason" in result.info:
             trial["reason"] = result.info["reason"]
         # the last trial, or no turn left for another (`max_turns` bounds the episode)
         last = len(self.trials) == self.config.trials or self.turns >= self.max_turns
-        if result.reward >= SUCCESS_REWARD or last or status == "error":
+        if task_reward >= SUCCESS_REWARD or last or status == "error":
             info = {
                 **result.info,
                 "trial_end": dict(trial),
                 "trials": [dict(t) for t in self.trials],
             }
-            return StepResult(result.observation, True, self.episode_reward(), info)
+            return self._ended(result.observation, info)
         feedback = self.feedback(trial)
         await self._start_trial()  # the identical starting workspace, a fresh shell
         observation = f"{result.observation}\n\n{feedback}" if result.observation else feedback
         info = {**result.info, "trial_end": dict(trial), "feedback": feedback}
         return StepResult(observation, False, 0.0, info)
+
+    def _ended(self, observation: str, info: dict[str, Any]) -> StepResult:
+        """The episode's last step: its reward (`episode_reward`), shaped once."""
+        task_reward = self.episode_reward()
+        terms = shaping_terms(
+            self.shaping, turns=self.turns, format_errors=self.format_errors, calls=self.calls
+        )
+        reward = shaped_reward(task_reward, terms)
+        return StepResult(observation, True, reward, info, task_reward=task_reward, shaping=terms)
 
     def feedback(self, trial: dict[str, Any]) -> str:
         """The user message after a failed trial (`trial_feedback_template`)."""
@@ -358,8 +428,9 @@ class TrialEnv:
         )
 
     def episode_reward(self) -> float:
-        """`first_success`: the successful trial's reward times `trial_discount` per trial
-        before it (the best such value without a success); `per_trial`: the last trial's."""
+        """The episode's task reward, before shaping. `first_success`: the successful trial's
+        reward times `trial_discount` per trial before it (the best such value without a
+        success); `per_trial`: the last trial's."""
         rewards = [t["reward"] or 0.0 for t in self.trials]
         if self.config.trial_reward == "per_trial":
             return rewards[-1]

@@ -7,7 +7,9 @@ Order of precedence: the dataclass defaults, then the file, then the overrides. 
 defaults and the file's other keys. draccus converts and type-checks the values and each
 dataclass's `__post_init__` validates them; the glue here is what draccus lacks: sections merge
 over their field's default (which may differ from the class's, e.g. `RoleConfig.model = tiny()`),
-presets, unknown keys that name the allowed ones, and one-line `ConfigError`s. Imports no JAX.
+presets, unknown keys that name the allowed ones, and one-line `ConfigError`s. A field typed
+`dict[str, SomeConfig]` (`env.terminal.shaping`) takes a mapping whose values are sections,
+each merged over the class's defaults. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -90,9 +92,22 @@ def _merge(default: Any, user: Any, prefix: str) -> dict[str, Any]:
     tree = draccus.encode(default)
     for key, value in user.items():
         sub = getattr(default, key)
-        nested = dataclasses.is_dataclass(sub) and value is not None
-        tree[key] = _merge(sub, value, f"{prefix}{key}.") if nested else value
+        if dataclasses.is_dataclass(sub) and value is not None:
+            tree[key] = _merge(sub, value, f"{prefix}{key}.")
+        elif isinstance(value, Mapping) and (item := _section_values(cls, key)) is not None:
+            tree[key] = {k: _merge(item(), v, f"{prefix}{key}.{k}.") for k, v in value.items()}
+        else:
+            tree[key] = value
     return tree
+
+
+def _section_values(cls: type, name: str) -> type | None:
+    """The config class of the values of a `dict[str, SomeConfig]` field, else None."""
+    tp = typing.get_type_hints(cls)[name]
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return args[1]
+    return None
 
 
 def _one_line(e: DecodingError, cls: type, tree: Any) -> str:
@@ -127,6 +142,12 @@ def _no_bools_for_numbers(cls: type, tree: Mapping[str, Any], prefix: str) -> No
             options = [tp]
         if dataclasses.is_dataclass(options[0]) and isinstance(value, Mapping):
             _no_bools_for_numbers(options[0], value, f"{key}.")
+            continue
+        item = _section_values(cls, f.name)
+        if item is not None and isinstance(value, Mapping):
+            for k, v in value.items():
+                if isinstance(v, Mapping):
+                    _no_bools_for_numbers(item, v, f"{key}.{k}.")
             continue
         numeric = [a for a in options if a in (int, float)]
         if numeric and bool not in options and isinstance(value, bool):

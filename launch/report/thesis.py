@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.data import rundir
+from rl.data.trajectory import unshaped_reward
 
 Z95 = 1.959963984540054
 SIM_RUN, REAL_RUN = "agent", "agent_real"
@@ -35,10 +36,11 @@ def episodes(run_dir: Path, prefix: str) -> list:
 
 
 def per_task(trajs: Sequence) -> dict[str, float]:
-    """Task id -> its episodes' success rate (reward >= 1; a missing reward is a failure)."""
+    """Task id -> its episodes' success rate (task reward >= 1, shaping aside; a missing
+    reward is a failure)."""
     wins: dict[str, list[float]] = defaultdict(list)
     for t in trajs:
-        wins[t.task_id].append(1.0 if (t.reward or 0.0) >= 1.0 else 0.0)
+        wins[t.task_id].append(1.0 if (unshaped_reward(t) or 0.0) >= 1.0 else 0.0)
     return {k: sum(v) / len(v) for k, v in wins.items()}
 
 
@@ -58,8 +60,9 @@ def paired(a: dict[str, float], b: dict[str, float]) -> tuple[float, list[float]
 
 
 def success_rate(trajs: Sequence) -> float:
-    """Share of `trajs` that succeeded (reward >= 1; a missing reward is a failure)."""
-    return sum(1.0 for t in trajs if (t.reward or 0.0) >= 1.0) / len(trajs)
+    """Share of `trajs` that succeeded (task reward >= 1, shaping aside; a missing reward is
+    a failure)."""
+    return sum(1.0 for t in trajs if (unshaped_reward(t) or 0.0) >= 1.0) / len(trajs)
 
 
 def thesis(run_dir: str | Path, *, min_gain: float = 0.10, max_gap: float = 0.05) -> dict[str, Any]:

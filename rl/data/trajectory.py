@@ -23,6 +23,10 @@ What code decides on is a typed field (`group_index`, `admitted_version`, `task_
 `trial_reward`, `gate_unit`, `replica_down`, `exclusion`); `meta` is provenance only (nothing
 branches on it) and may not hold those names. Schema 1 files kept them in `meta`: the loader
 moves them onto the fields (`rl.data.trajectory_v1.upgrade_v1`).
+
+Reward shaping (`env.terminal.shaping`): `reward` is what training sees, the task's reward
+plus the `shaping` terms; `task_reward` is the task's own, and success is decided on it alone
+(`success_trial`, `unshaped_reward`), so success rates are the same with shaping on or off.
 """
 
 from __future__ import annotations
@@ -233,6 +237,13 @@ class Trajectory:
     exclusion: Exclusion | None = None
     """Why the trainer leaves it out (the first decision that did); None: trainable, as far as
     the orchestrator knows (the trainer still skips unusable statuses)."""
+    task_reward: float | None = None
+    """The task's own reward, before shaping; success is decided on it. None where no
+    terminal env scored the episode (imports, replays, harness rollouts, older files): then
+    `reward` is the task's. Set, `reward` is `shaped_reward(task_reward, shaping)`."""
+    shaping: dict[str, float] = field(default_factory=dict)
+    """The shaping terms (`envs.config.ShapingConfig`) that `reward` adds to `task_reward`, by
+    name and signed (`format_bonus`, `turn_penalty`, `call_penalty`); empty without shaping."""
 
     def to_dict(self) -> dict[str, Any]:
         data = plain(self)
@@ -306,15 +317,28 @@ SUCCESS_REWARD = 1.0
 are 0 or 1; a multi-trial episode's discounted reward may be lower, its trial's is not)."""
 
 
+def shaped_reward(task_reward: float, shaping: Mapping[str, float]) -> float:
+    """The reward training sees: the task's plus the shaping terms (exactly the task's
+    without any)."""
+    return task_reward + math.fsum(shaping.values()) if shaping else task_reward
+
+
+def unshaped_reward(traj: Trajectory) -> float | None:
+    """The episode's task reward, without shaping: `task_reward`, else `reward` (which then
+    holds no shaping)."""
+    return traj.task_reward if traj.task_reward is not None else traj.reward
+
+
 def success_trial(traj: Trajectory) -> int | None:
     """The index of the trial that succeeded (0 for a successful single-trial episode), or
-    None when the episode did not succeed."""
+    None when the episode did not succeed. Decided on the task's reward, never the shaped
+    one (trials record the task's)."""
     if traj.trials:
         return next(
             (t.index for t in traj.trials if t.reward is not None and t.reward >= SUCCESS_REWARD),
             None,
         )
-    return 0 if (traj.reward or 0.0) >= SUCCESS_REWARD else None
+    return 0 if (unshaped_reward(traj) or 0.0) >= SUCCESS_REWARD else None
 
 
 def trial_metrics(episodes: Iterable[Trajectory], trials: int | None = None) -> dict[str, Any]:
@@ -392,6 +416,7 @@ def validate(traj: Trajectory) -> None:
     if traj.arm == "imported" and traj.source != "rendered":
         fail("source", traj.source, "'rendered' for the imported arm (no sampler made its ids)")
     _validate_control(traj, fail)
+    _validate_shaping(traj, fail)
     for i, turn in enumerate(traj.turns):
         _validate_turn(traj, turn, i, fail)
     _validate_trials(traj, fail)
@@ -427,6 +452,29 @@ def _validate_control(traj: Trajectory, fail) -> None:
             "not in meta: control flags are "
             "typed fields (group_index, admitted_version, task_kind, trial_reward, gate_unit, "
             "replica_down, exclusion); meta is provenance only",
+        )
+
+
+def _validate_shaping(traj: Trajectory, fail) -> None:
+    shaping, task = traj.shaping, traj.task_reward
+    if not isinstance(shaping, dict):
+        fail("shaping", shaping, "a mapping from term names to numbers")
+    for name, value in shaping.items():
+        if not (isinstance(name, str) and name):
+            fail("shaping", name, "term names that are non-empty strings")
+        if not _is_finite(value):
+            fail(f"shaping[{name!r}]", value, "a finite number")
+    if task is None:
+        if shaping:
+            fail("task_reward", None, "a number when shaping is set (shaping adds to it)")
+        return
+    if not _is_finite(task):
+        fail("task_reward", task, "a finite number or null")
+    if traj.reward != shaped_reward(task, shaping):
+        fail(
+            "reward",
+            traj.reward,
+            f"{shaped_reward(task, shaping)!r}: task_reward ({task!r}) plus the shaping terms",
         )
 
 

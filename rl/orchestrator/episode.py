@@ -149,8 +149,8 @@ async def run_agent_episode(
         except Exception as e:  # noqa: BLE001 - a broken shell/env ends this episode, not the run
             traj.status, traj.reason = "error", f"{type(e).__name__}: {e}"
     _blame_replica(traj, affinity)
-    if traj.status != "ok":
-        traj.reward = traj.reward if traj.status == "truncated" else None
+    if traj.status != "ok" and traj.status != "truncated":
+        traj.reward, traj.task_reward, traj.shaping = None, None, {}
     if terminal.trials > 1:
         traj.trials = _trials(env.trials, traj)
         traj.trial_reward = terminal.trial_reward
@@ -378,6 +378,8 @@ async def _agent_turns(spec, client, env: TrialEnv, renderer, cfg, result, versi
             env_status = info.get("status", "error")
             traj.status = ENV_STATUS.get(env_status, "error")
             traj.reward = float(step.reward)
+            traj.task_reward = None if step.task_reward is None else float(step.task_reward)
+            traj.shaping = dict(step.shaping)
             traj.reason = None if traj.status == "ok" else (info.get("reason") or env_status)
             traj.meta["env_status"] = env_status
             return

@@ -16,7 +16,7 @@ from typing import Any
 
 from envs.config import TerminalConfig
 from envs.tasks import Task
-from rl.data.trajectory import Trajectory, success_trial, trial_metrics
+from rl.data.trajectory import Trajectory, success_trial, trial_metrics, unshaped_reward
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 
@@ -33,8 +33,9 @@ class EvalResult:
     episodes: int
     success_rate: float
     """Share of all episodes (errors and truncations count as failures) that succeeded: a
-    reward >= 1 (in some trial, for multi-trial episodes)."""
+    task reward >= 1 (in some trial, for multi-trial episodes); shaping never counts."""
     reward_mean: float
+    """Mean task reward over all episodes (a missing one is 0), before any shaping."""
     statuses: dict[str, int] = field(default_factory=dict)
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per task kind (the textops operation, else the task family): episodes and success."""
@@ -58,9 +59,10 @@ def task_kind(task: Task) -> str:
 def score(
     episodes: Sequence[Trajectory], tasks: Sequence[Task], arm: str, version: int | None
 ) -> EvalResult:
-    """Aggregate finished episodes (a missing reward is a failure, never skipped)."""
+    """Aggregate finished episodes (a missing reward is a failure, never skipped), on the
+    task's rewards: shaping (`env.terminal.shaping`) changes no number here."""
     kinds = {t.id: task_kind(t) for t in tasks}
-    rewards = [float(e.reward or 0.0) for e in episodes]
+    rewards = [float(unshaped_reward(e) or 0.0) for e in episodes]
     wins = [success_trial(e) is not None for e in episodes]
     per: dict[str, list[bool]] = defaultdict(list)
     for e, w in zip(episodes, wins, strict=True):

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from rl.data.rundir import MetricsLog
+from rl.data.trajectory import unshaped_reward
 
 
 class RolloutMetrics:
@@ -27,6 +28,9 @@ class RolloutMetrics:
         self.arms: Counter[str] = Counter()
         """Episodes by the arm they ran in (`real`, `closed_loop`, ...): what reality cost."""
         self.rewards: list[float] = []
+        """Rewards trained on (the task's plus any shaping terms)."""
+        self.task_rewards: list[float] = []
+        """The same episodes' task rewards, before shaping: success is counted on these."""
         self.masked = 0
         self.dropped_stale = 0
         """Episodes the rollout buffer did not train on: older than the staleness bound."""
@@ -51,6 +55,7 @@ class RolloutMetrics:
             self.replica_down[traj.replica_down] += 1
         if traj.reward is not None and traj.status in ("ok", "truncated"):
             self.rewards.append(float(traj.reward))
+            self.task_rewards.append(float(unshaped_reward(traj) or 0.0))
         for t in result.timings:
             self.turns_reached[t.turn] += 1
             self.agent_s[t.turn] += t.agent_s
@@ -69,10 +74,13 @@ class RolloutMetrics:
             "status": dict(self.statuses),
             "arms": dict(self.arms),
             "success_rate": (
-                sum(r > 0 for r in self.rewards) / self.episodes if self.episodes else 0.0
+                sum(r > 0 for r in self.task_rewards) / self.episodes if self.episodes else 0.0
             ),
             "ok_rate": ok / self.episodes if self.episodes else 0.0,
             "mean_reward": sum(self.rewards) / len(self.rewards) if self.rewards else 0.0,
+            "mean_task_reward": (
+                sum(self.task_rewards) / len(self.task_rewards) if self.task_rewards else 0.0
+            ),
             "turns": turns,
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,

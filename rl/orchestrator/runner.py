@@ -30,7 +30,7 @@ from envs.backends import Backends
 from envs.config import TerminalConfig
 from envs.tasks import Task
 from rl.data.chat import ChatRenderer
-from rl.data.trajectory import Exclusion, Trajectory
+from rl.data.trajectory import Exclusion, Trajectory, unshaped_reward
 from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.episode import (
@@ -189,7 +189,8 @@ class RolloutRunner:
         for t in trajs:
             if self.router is not None:
                 t.gate_unit = unit_of(task, self.router.cfg.unit)
-                self.router.result(task, t.arm, t.reward if t.status not in FAILED else None)
+                reward = unshaped_reward(t) if t.status not in FAILED else None
+                self.router.result(task, t.arm, reward)  # success: the task's reward
             if self.shadow is not None:
                 self.shadow.observe(t, task)
             self._deliver(t)

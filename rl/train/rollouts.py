@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from rl.data.packing import pack_rows, replay_segments
-from rl.data.trajectory import Trajectory, success_trial, trial_metrics
+from rl.data.trajectory import Trajectory, success_trial, trial_metrics, unshaped_reward
 from rl.train.config import PolicyLossConfig
 
 USABLE = ("ok", "truncated")
@@ -109,8 +109,16 @@ class BatchStats:
     used: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     reward_mean: float = 0.0
+    """Mean reward trained on over the used episodes: the task's plus any shaping terms."""
+    task_reward_mean: float = 0.0
+    """Mean task reward over the used episodes, before shaping (`reward_mean` without
+    shaping)."""
+    shaping: dict[str, float] = field(default_factory=dict)
+    """Mean of each shaping term over the used episodes (`shaping_<term>` in the record; an
+    episode without the term counts 0); empty when no used episode was shaped."""
     success_rate: float = 0.0
-    """Share of used episodes with reward >= 1 (textops rewards are 0/1)."""
+    """Share of used episodes whose task reward reached 1 (in some trial); shaping never
+    counts."""
     tokens: int = 0
     """Generated (trained) tokens."""
     truncated_rows: int = 0
@@ -129,14 +137,20 @@ class BatchStats:
     them (`rl.data.trajectory.trial_metrics`); empty for single-trial episodes."""
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "trials"}
-        return {**out, **self.trials}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("trials", "shaping")}
+        return {**out, **{f"shaping_{k}": v for k, v in self.shaping.items()}, **self.trials}
 
 
 def _reward(t: Trajectory, cfg: PolicyLossConfig) -> float | None:
     if t.reward is None and t.status == "truncated":
         return cfg.truncated_reward
     return t.reward
+
+
+def _task_reward(t: Trajectory, cfg: PolicyLossConfig) -> float:
+    """`_reward` before shaping (of a used episode, so never None)."""
+    task = unshaped_reward(t)
+    return float(cfg.truncated_reward if task is None else task)
 
 
 def _skip_reason(t: Trajectory, cfg: PolicyLossConfig) -> str | None:
@@ -270,6 +284,9 @@ def build_rl_batch(
         groups[t.group_id or t.task_id].append(r)
     stats.zero_variance_groups = sum(1 for g in groups.values() if len(set(g)) == 1)
     stats.reward_mean = float(np.mean(rewards))
+    stats.task_reward_mean = float(np.mean([_task_reward(t, cfg) for t in used]))
+    terms = sorted({name for t in used for name in t.shaping})
+    stats.shaping = {k: float(np.mean([t.shaping.get(k, 0.0) for t in used])) for k in terms}
     stats.success_rate = float(np.mean([success_trial(t) is not None for t in used]))
     stats.tokens = int(batch["loss_mask"].sum())
     stats.staleness_mean = float(np.mean(stale)) if stale else 0.0
