@@ -24,13 +24,13 @@ from rl.data.sim_format import (
     ObservationFormatError,
     apply_changes,
     kept_history,
-    normalize_workspace,
     parse_changes,
     parse_observation,
     parse_observation_prefix,
     render_sim_messages,
     render_workspace_messages,
     split_changes,
+    start_workspace,
     strip_think,
 )
 from rl.data.tokenizer import IM_END, common_prefix_len
@@ -106,7 +106,7 @@ class SimulatedShell(ShellLifecycle):
         if self.config.max_context_tokens is not None and renderer is None:
             raise ValueError("SimulatedShellConfig.max_context_tokens needs a renderer")
         self.history: list[tuple[str, Observation]] = []
-        self.workspace = normalize_workspace(self.setup.files)
+        self.workspace = start_workspace(self.setup.files)
         """The files as the simulator has written them (`config.workspace`; else the start)."""
         self._lock = asyncio.Lock()
         self._closed = False

@@ -31,11 +31,14 @@ import numpy as np
 from rl import validate
 from rl.data.chat import ChatRenderer
 from rl.data.sim_format import (
+    apply_changes,
     format_observation,
     format_workspace_reply,
     kept_history,
+    parse_changes,
     render_sim_messages,
     render_workspace_messages,
+    start_workspace,
     workspace_changes,
 )
 from rl.data.tokenizer import IM_END, Tokenizer
@@ -296,19 +299,22 @@ def _workspace_examples(
     if states is None or len(states) != len(pairs) + 1:
         stats.skipped["no_workspace"] += 1
         return
+    # The files in the order the shell keeps them (`apply_changes`: newest last), which the
+    # real states (snapshots) do not have.
+    current = start_workspace(states[0])
     for k, (command, obs) in enumerate(pairs):
         messages = render_workspace_messages(
             traj.instruction,
-            states[k],
+            current,
             command,
             system_prompt=system_prompt,
             show_task=show_task,
         )
+        changes = workspace_changes(states[k], states[k + 1])
+        current = apply_changes(current, parse_changes(changes))
         # exactly the ids `SimulatedShell` sends
         context = renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
-        reply = format_workspace_reply(
-            obs.output, obs.exit_code, workspace_changes(states[k], states[k + 1])
-        )
+        reply = format_workspace_reply(obs.output, obs.exit_code, changes)
         target = text(reply) + [end_of_turn]
         if len(context) > max_len:
             stats.skipped["too_long"] += 1

@@ -133,7 +133,8 @@ Workspace = dict[str, str]
 
 
 def normalize_workspace(files: Mapping[str, str]) -> Workspace:
-    """`files` with each `dir/` entry dropped where files or directories below it exist."""
+    """`files` with each `dir/` entry dropped where files or directories below it exist
+    (the order kept: it is the prompt's, `workspace_description`)."""
     out = dict(files)
     for path in [p for p in out if p.endswith("/")]:
         if any(q != path and q.startswith(path) for q in out):
@@ -149,10 +150,17 @@ def _file_block(path: str, content: str) -> str:
     return f"--- {path} ---\n{content}"
 
 
+def start_workspace(files: Mapping[str, str]) -> Workspace:
+    """A workspace at the start of an episode: its files in path order."""
+    return normalize_workspace({p: files[p] for p in sorted(files)})
+
+
 def workspace_description(files: Mapping[str, str]) -> str:
-    """The current workspace in the simulator's prompt (lossless: `parse_changes` reads the
-    same blocks back)."""
-    body = "".join(_file_block(p, files[p]) for p in sorted(files))
+    """The current workspace in the simulator's prompt, in the workspace's order: the start's
+    files by path, then each file as it was last written, newest last (`apply_changes`), so
+    the file a command most likely reads (the one just written) sits right before it.
+    Lossless: `parse_changes` reads the same blocks back."""
+    body = "".join(_file_block(p, files[p]) for p in files)
     return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
 
 
@@ -249,12 +257,14 @@ def parse_changes(body: str) -> list[tuple[str, str | None]]:
 
 
 def apply_changes(files: Mapping[str, str], changes: list[tuple[str, str | None]]) -> Workspace:
-    """The workspace after `changes` (`parse_changes`): a path written replaces its content;
-    a removed path goes with everything below it, and its directory stays (listed empty when
-    nothing is left in it). The result is normalized."""
+    """The workspace after `changes` (`parse_changes`): a path written takes its new content
+    and moves to the end (newest last); a removed path goes with everything below it, and
+    its directory stays (listed empty, at the end, when nothing is left in it). The result
+    is normalized."""
     out = dict(files)
     for path, content in changes:
         if content is not None:
+            out.pop(path, None)
             out[path] = content
             continue
         base = path.rstrip("/")

@@ -235,3 +235,14 @@ def test_workspace_mode_config_is_checked():
         SimulatedShellConfig(
             workspace=True, sessions=True, session_compaction={"mode": "markovian"}
         )
+
+
+async def test_the_file_just_written_is_shown_last():
+    """Newest last: the file a command most likely reads sits right before it."""
+    write = format_workspace_reply("", 0, "--- a.txt ---\nnew\n")
+    shell, client = workspace_shell([write, write], files={"a.txt": "old\n", "z.txt": "z\n"})
+    await shell.run("echo new > a.txt", 5.0)
+    assert list(shell.workspace) == ["z.txt", "a.txt"]
+    await shell.run("cat a.txt", 5.0)
+    assert client.prompts[0].index("a.txt") < client.prompts[0].index("z.txt")
+    assert client.prompts[1].index("z.txt") < client.prompts[1].index("a.txt")
