@@ -119,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument(
                 "--experiment",
-                choices=["thesis", "gating"],
+                choices=["thesis", "stateful", "gating"],
                 default="thesis",
                 help="thesis (default): RL in the simulator vs the real shell; "
+                "stateful: the same on fileops tasks, whose later commands read what "
+                "earlier ones wrote (demo.stateful_overrides); "
                 "gating: real-only vs ungated vs fidelity-gated RL from a weak "
                 "simulator",
             )

@@ -286,16 +286,22 @@ class EvalSimConfig:
     """Replay at most this many (the first ones, in file order); None: all."""
     context_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
     """Bucket edges (prompt tokens) of the fidelity-by-context-length table."""
+    depth_edges: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    """Bucket edges (turns before the command) of the fidelity-by-depth table; `[1, 2, ...,
+    8]` gives one row per depth up to 8 (the stateful experiment's)."""
 
     def __post_init__(self) -> None:
         validate.integer(self, "max_trajectories", low=1, optional=True)
-        edges = self.context_edges
-        validate.require(
-            all(validate.is_int(e) and e >= 1 for e in edges) and list(edges) == sorted(set(edges)),
-            self,
-            "context_edges",
-            "increasing positive integers",
-        )
+        for name in ("context_edges", "depth_edges"):
+            edges = getattr(self, name)
+            validate.require(
+                isinstance(edges, list)
+                and all(validate.is_int(e) and e >= 1 for e in edges)
+                and list(edges) == sorted(set(edges)),
+                self,
+                name,
+                "increasing positive integers",
+            )
 
 
 @dataclass(frozen=True)
@@ -337,6 +343,27 @@ class DemoConfig:
     """What the `trials` stage sets besides `env.terminal.trials` (the byte-level agent needs
     the longer context for two attempts and a short feedback)."""
 
+    stateful_overrides: list[str] = field(
+        default_factory=lambda: [
+            "--env.family", "fileops",
+            "--env.terminal.max_turns", "8",
+            "--simulator.weights", "pretrained/sim-fileops",
+            "--env.shell.simulated.workspace", "true",
+            "--env.shell.simulated.max_prompt_tokens", "512",
+            "--orchestrator.max_context_tokens", "1536",
+            "--serve.engine.max_seq_len", "1536",
+            "--train_agent.warm_start.data.seq_len", "1536",
+            "--train_agent.warm_start.data.batch_size", "4",
+            "--collect.noise_kinds", "[]",
+            "--collect.noise", "0.3",
+            "--eval_sim.depth_edges", "[1, 2, 3, 4, 5, 6, 7, 8]",
+        ]
+    )  # fmt: skip
+    """`simloop demo --experiment stateful`: what turns the demo's config into the deciding
+    experiment on the `fileops` family (tasks whose later commands read what earlier ones
+    wrote): its tasks, the workspace-mode simulator pretrained for them, the turns and the
+    contexts multi-turn episodes need, one fidelity row per depth. They come after the config
+    file and before `--quick`'s and the user's overrides."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""

@@ -22,6 +22,9 @@ Stages, each a run directory of its own under `--out`, each the same code as its
 7. `summary.json` (`thesis`: the deciding experiment, recomputed from the stored episodes)
    and `report.html` at the top of `--out`
 
+`--experiment stateful` runs the same table on the `fileops` family (`demo.stateful_overrides`:
+tasks whose later commands read what earlier ones wrote, the workspace-mode simulator), and
+summary.json's `stateful` block holds its fidelity acceptance by depth and state distance.
 `--experiment gating` runs the gating experiment's table instead (`launch/jobs/demo_gating.py`
 says what it measures). A finished stage leaves `stage.json`; running the same command again
 skips finished stages and resumes an interrupted one from its checkpoints.
@@ -56,6 +59,10 @@ def _gating(args: argparse.Namespace) -> bool:
     return getattr(args, "experiment", "thesis") == "gating"
 
 
+def _stateful(args: argparse.Namespace) -> bool:
+    return getattr(args, "experiment", "thesis") == "stateful"
+
+
 def _stages(args: argparse.Namespace) -> list[Stage]:
     """The experiment's table, from the demo's config."""
     base = stage_config(args, [])
@@ -66,6 +73,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from rich.console import Console
 
     args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
+    if _stateful(args):  # the thesis table on fileops: the config file, then these, then --quick
+        args.quick_overrides = list(cfg.demo.stateful_overrides) + args.quick_overrides
     if getattr(args, "dry_run", False):
         return print_processes(args, demo_processes(args, cfg))
     if not args.out:
@@ -97,6 +106,13 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         }
     else:
         summary = build_summary(out, stages, quick=bool(args.quick), config=args.config)
+        if _stateful(args):
+            from launch.report.thesis import stateful_fidelity
+
+            summary["experiment"] = "stateful"
+            summary["stateful"] = stateful_fidelity(
+                json.loads((out / "eval_sim" / rundir.FIDELITY).read_text())
+            )
     summary["wall_s"] = round(time.perf_counter() - began, 1)
     (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))
     rundir.MetricsLog(out).write({"stage": "demo", **summary})  # its numbers in TensorBoard too
@@ -107,6 +123,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         print_gating(console, summary["gating"], summary["stages_wall_s"])
     else:
         print_summary(console, summary)
+        if summary.get("stateful"):
+            print_stateful(console, summary["stateful"])
     console.print(f"simloop demo: summary -> {out / rundir.SUMMARY}, report -> {report}")
     return 0
 
@@ -130,7 +148,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
         "--out",
         str(out),
         *(["--quick"] if args.quick else []),
-        *(["--experiment", "gating"] if _gating(args) else []),
+        *(["--experiment", args.experiment] if _gating(args) or _stateful(args) else []),
         *args.overrides,
     ]
     env = {}
@@ -343,3 +361,25 @@ def print_summary(console, s: dict) -> None:
                 ),
             )
         console.print(k)
+
+
+def print_stateful(console, st: dict) -> None:
+    """The stateful experiment's fidelity acceptance (`launch.report.thesis.stateful_fidelity`)."""
+    from rich.table import Table
+
+    t = Table(title="stateful experiment: simulator fidelity (arm c, held out)")
+    for name in ("", "observations", "exact (masked)", "goal"):
+        t.add_column(name, justify="left" if not name else "right")
+    t.add_row("overall", _fmt(st["observations"]), _fmt(st["exact_masked"]), ">= 0.90")
+    t.add_row("return codes", "", _fmt(st["exit_code_agreement"]), ">= 0.99")
+    for depth, v in st["by_depth"].items():
+        t.add_row(f"depth {depth}", _fmt(v["observations"]), _fmt(v["exact_masked"]), ">= 0.85")
+    v = st["state_distance_3plus"]
+    t.add_row("state distance >= 3", _fmt(v["observations"]), _fmt(v["exact_masked"]), ">= 0.85")
+    console.print(t)
+    console.print(
+        "stateful acceptance: "
+        + ", ".join(
+            f"{k.replace('_', ' ')} {'yes' if v else 'NO'}" for k, v in st["acceptance"].items()
+        )
+    )

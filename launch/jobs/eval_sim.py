@@ -121,7 +121,9 @@ async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
             finally:
                 writer.close()
                 runner.metrics.write(rundir.MetricsLog(out), stage="eval_sim", arm="replay")
-    result = replay_fidelity(replays, context_edges=cfg.eval_sim.context_edges)
+    result = replay_fidelity(
+        replays, context_edges=cfg.eval_sim.context_edges, depth_edges=cfg.eval_sim.depth_edges
+    )
     result["wall_s"] = runner.metrics.summary()["wall_s"]
     (out / rundir.FIDELITY).write_text(json.dumps(result, indent=1))
     # The headline scores also go to the metrics log (and so to TensorBoard / W&B).

@@ -116,3 +116,47 @@ def thesis(run_dir: str | Path, *, min_gain: float = 0.10, max_gap: float = 0.05
         f"rl_in_sim_at_most_{max_gap}_below_rl_in_real": gap >= -max_gap,
     }
     return out
+
+
+def stateful_fidelity(
+    fidelity: dict[str, Any],
+    *,
+    min_exact: float = 0.90,
+    min_depth: float = 0.85,
+    min_exit_code: float = 0.99,
+    max_depth: int = 8,
+) -> dict[str, Any]:
+    """The stateful experiment's simulator acceptance from eval-sim's `fidelity.json`: exact
+    (masked) overall and at every depth bucket up to `max_depth` turns, return-code agreement,
+    and the pairs at state distance >= 3 (reported; their goal is `min_depth` too, and a
+    bucket with no observations does not pass)."""
+    pairs = fidelity.get("pairs", {})
+    depth = {}
+    for name, v in fidelity.get("by_depth", {}).items():
+        low = name.split("-")[0].rstrip("+")
+        if low.isdigit() and int(low) < max_depth:
+            depth[name] = {"observations": v.get("count", 0), "exact_masked": v.get("exact_masked")}
+    far = fidelity.get("state_distance_3plus", {})
+    far_row = {"observations": far.get("count", 0), "exact_masked": far.get("exact_masked")}
+
+    def meets(v: Any, goal: float) -> bool:
+        return isinstance(v, int | float) and v >= goal
+
+    return {
+        "observations": pairs.get("count", 0),
+        "exact_masked": pairs.get("exact_masked"),
+        "exit_code_agreement": pairs.get("exit_code_agreement"),
+        "by_depth": depth,
+        "state_dependent": fidelity.get("state_dependent"),
+        "state_distance_3plus": far_row,
+        "acceptance": {
+            f"exact_at_least_{min_exact}": meets(pairs.get("exact_masked"), min_exact),
+            f"exact_at_least_{min_depth}_at_every_depth_to_{max_depth}": bool(depth)
+            and all(meets(v["exact_masked"], min_depth) for v in depth.values()),
+            f"return_codes_at_least_{min_exit_code}": meets(
+                pairs.get("exit_code_agreement"), min_exit_code
+            ),
+            f"state_distance_3plus_at_least_{min_depth}": far_row["observations"] > 0
+            and meets(far_row["exact_masked"], min_depth),
+        },
+    }

@@ -1,0 +1,42 @@
+"""`simloop demo --experiment stateful`: the fileops experiment's flags and its simulator
+acceptance (`launch.report.thesis.stateful_fidelity`), read from eval-sim's fidelity.json."""
+
+import pytest
+
+from launch.report.thesis import stateful_fidelity
+
+
+def fidelity(overall=0.95, codes=1.0, depth=None, far=0.9, far_n=12):
+    depth = depth if depth is not None else {f"{d}-{d + 1}": 0.9 for d in range(8)}
+    return {
+        "pairs": {"count": 400, "exact_masked": overall, "exit_code_agreement": codes},
+        "by_depth": {
+            **{k: {"count": 40, "exact_masked": v} for k, v in depth.items()},
+            "8-inf": {"count": 3, "exact_masked": 0.0},  # beyond depth 8: reported, not judged
+        },
+        "state_dependent": {"count": 150, "share": 0.375},
+        "state_distance_3plus": {"count": far_n, "exact_masked": far},
+    }
+
+
+def test_every_goal_met():
+    s = stateful_fidelity(fidelity())
+    assert all(s["acceptance"].values())
+    assert list(s["by_depth"]) == [f"{d}-{d + 1}" for d in range(8)]
+    assert s["state_distance_3plus"] == {"observations": 12, "exact_masked": 0.9}
+
+
+@pytest.mark.parametrize(
+    "kwargs,failed",
+    [
+        ({"overall": 0.89}, "exact_at_least_0.9"),
+        ({"codes": 0.985}, "return_codes_at_least_0.99"),
+        ({"depth": {"0-1": 0.99, "5-6": 0.84}}, "exact_at_least_0.85_at_every_depth_to_8"),
+        ({"depth": {}}, "exact_at_least_0.85_at_every_depth_to_8"),
+        ({"far": 0.5}, "state_distance_3plus_at_least_0.85"),
+        ({"far_n": 0}, "state_distance_3plus_at_least_0.85"),
+    ],
+)
+def test_each_goal_can_fail_alone(kwargs, failed):
+    acceptance = stateful_fidelity(fidelity(**kwargs))["acceptance"]
+    assert [k for k, v in acceptance.items() if not v] == [failed]
