@@ -28,6 +28,7 @@ from envs.config import FileopsConfig
 from envs.rewards import RewardContext, register_reward
 from envs.shell import TaskSetup
 from envs.tasks import RewardSpec, Task
+from envs.terminal import SUBMIT_MARKER
 from envs.textops import submit_printed
 
 _WORDS = (
@@ -221,33 +222,81 @@ the right one; `failed_retry`, a step run with a wrong path (it fails), then the
 An append is never run twice (it would change the answer): there `out_of_order` becomes
 `failed_retry`."""
 
+SLIPS = ("other_op",)
+"""Mistakes `FileopsSolver` does not recover from, drawn only when asked for (`mistakes=`):
+`other_op`, a `chain` step run with another transformation (so the answer is wrong), as
+textops' scripted agent picks another operation. Other kinds make a recovered mistake
+instead."""
+
 
 def _bash(command: str) -> str:
     return f"```bash\n{command}\n```"
 
 
+FILEOPS_STYLES = ("two_step", "marker")
+"""How `FileopsSolver` submits: `two_step`, `submit <what the last command printed>` in a
+turn of its own; `marker`, the last command runs behind `echo COMPLETE_TASK_AND_SUBMIT_
+FINAL_OUTPUT`, whose output is the submission (no answer copied by the agent)."""
+
+
 class FileopsSolver:
     """A scripted agent: `act(last_observation)` returns the assistant's text. It runs the
-    task's `plan`, with one of `MISTAKES` inserted (recovering from it) with probability
-    `noise`, then submits what the last command printed."""
+    task's `plan`, with one of `mistakes` inserted with probability `noise` (each of
+    `MISTAKES` is recovered from; `SLIPS` are not), then submits (`style`)."""
 
-    def __init__(self, task: Task, *, noise: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        task: Task,
+        *,
+        noise: float = 0.0,
+        seed: int = 0,
+        style: str = "two_step",
+        mistakes: tuple[str, ...] = MISTAKES,
+    ):
         if task.reward.name != "fileops":
             raise ValueError(f"FileopsSolver solves fileops tasks, not {task.reward.name!r}")
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"FileopsSolver noise={noise!r} is invalid: a probability in [0, 1]")
+        if style not in FILEOPS_STYLES:
+            raise ValueError(f"FileopsSolver style={style!r} is invalid: one of {FILEOPS_STYLES}")
+        unknown = [m for m in mistakes if m not in MISTAKES + SLIPS]
+        if not mistakes or unknown:
+            raise ValueError(
+                f"FileopsSolver mistakes={mistakes!r} is invalid: drawn from {MISTAKES + SLIPS}"
+            )
         rng = random.Random(f"{seed}:{task.id}")
-        steps = plan(dict(task.reward.params))
-        self.mistake = rng.choice(MISTAKES) if rng.random() < noise else None
-        self.commands = _with_mistake(steps, self.mistake, rng)
+        params = dict(task.reward.params)
+        steps = plan(params)
+        self.mistake = rng.choice(mistakes) if rng.random() < noise else None
+        if self.mistake == "other_op":
+            if params["kind"] == "chain":
+                self.commands = _other_op(params, rng)
+            else:
+                self.mistake = rng.choice(MISTAKES)
+        if self.mistake != "other_op":
+            self.commands = _with_mistake(steps, self.mistake, rng)
+        self.style = style
+        if style == "marker":
+            self.commands[-1] = f"echo {SUBMIT_MARKER}\n{self.commands[-1]}"
         self._step = 0
 
     def act(self, last_observation: str | None) -> str:
         if self._step < len(self.commands):
             cmd = self.commands[self._step]
             self._step += 1
-            return f"Next step.\n\n{_bash(cmd)}"
+            note = "Submit." if cmd.startswith(f"echo {SUBMIT_MARKER}") else "Next step."
+            return f"{note}\n\n{_bash(cmd)}"
         return submit_printed(last_observation, "The last command printed the answer.")
+
+
+def _other_op(params: dict, rng: random.Random) -> list[str]:
+    """A chain's plan with one transformation swapped for another (never fixed)."""
+    i = rng.randrange(len(params["steps"]))
+    step = params["steps"][i]
+    op = rng.choice([o for o in TRANSFORMS if o != step["op"]])
+    swapped = {"op": op, "k": step.get("k", 2)}
+    steps = [*params["steps"][:i], swapped, *params["steps"][i + 1 :]]
+    return plan({**params, "steps": steps})
 
 
 def _with_mistake(steps: list[str], mistake: str | None, rng: random.Random) -> list[str]:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 
-from envs.fileops import FileopsSolver
+from envs.fileops import MISTAKES, SLIPS, FileopsSolver
 from envs.tasks import RewardSpec, Task
 from envs.textops import HIDEABLE, TRANSFORMS, TextopsSolver, wanted
 from rl.data.tokenizer import IM_START, Tokenizer
@@ -109,7 +109,13 @@ class ScriptedAgentClient:
     def _fileops(self, task: Task, text: str, turn: int) -> str:
         """A `fileops` task's reply: `FileopsSolver`'s, its mistake (if any) drawn once per
         episode with probability `noise` (seeded by the task)."""
-        solver = FileopsSolver(task, noise=self.noise, seed=self.seed)
+        solver = FileopsSolver(
+            task,
+            noise=self.noise,
+            seed=self.seed,
+            style="marker" if self.style == "marker" else "two_step",
+            mistakes=MISTAKES + (SLIPS if "other_op" in self.noise_kinds else ()),
+        )
         solver._step = min(turn, len(solver.commands))
         return solver.act(text.rsplit(f"{IM_START}user\n", 1)[-1])
 

@@ -136,3 +136,26 @@ async def test_scripted_fileops_episodes_through_the_runner_in_real_bash():
         mistake = FileopsSolver(task, noise=0.5, seed=1).mistake
         assert len(t.turns) == len(plan(dict(task.reward.params))) + 1 + (mistake is not None)
     assert any(FileopsSolver(t, noise=0.5, seed=1).mistake for t in tasks)
+
+
+async def test_marker_style_submits_the_last_commands_output_without_copying_it():
+    for task in generate_fileops(FileopsConfig(num_tasks=6, seed=4)):
+        results, env = await solve(task, style="marker")
+        assert results[-1].reward == 1.0, (task.instruction, env.submission)
+        assert len(results) == len(plan(dict(task.reward.params)))  # no separate submit turn
+
+
+async def test_an_other_op_slip_is_never_fixed_and_only_when_asked_for():
+    chains = generate_fileops(FileopsConfig(num_tasks=8, seed=6, kinds=["chain"]))
+    wrong = 0
+    for i, task in enumerate(chains):
+        solver = FileopsSolver(task, noise=1.0, seed=i, mistakes=("other_op",), style="marker")
+        assert solver.mistake == "other_op" and len(solver.commands) == 3
+        results, env = await solve(task, noise=1.0, seed=i, mistakes=("other_op",), style="marker")
+        wrong += results[-1].reward == 0.0  # another transformation rarely gives the same answer
+    assert wrong >= 5
+    assert all(FileopsSolver(t, noise=1.0).mistake != "other_op" for t in chains)
+    with pytest.raises(ValueError, match="mistakes"):
+        FileopsSolver(chains[0], mistakes=("nap",))
+    with pytest.raises(ValueError, match="style"):
+        FileopsSolver(chains[0], style="loud")
