@@ -346,24 +346,31 @@ class DemoConfig:
     stateful_overrides: list[str] = field(
         default_factory=lambda: [
             "--env.family", "fileops",
-            "--env.terminal.max_turns", "8",
+            "--env.fileops.kinds", "[chain]",
+            "--env.terminal.max_turns", "6",
             "--simulator.weights", "pretrained/sim-fileops",
             "--env.shell.simulated.workspace", "true",
             "--env.shell.simulated.max_prompt_tokens", "512",
+            "--demo.sim_max_tokens_from_data", "false",
             "--orchestrator.max_context_tokens", "1536",
             "--serve.engine.max_seq_len", "1536",
-            "--train_agent.warm_start.data.seq_len", "1536",
+            "--collect.episodes", "480",
+            "--collect.num_tasks", "480",
+            "--train_sim.steps", "200",
+            "--train_sim.eval_every", "0",
+            "--train_agent.warm_start.data.seq_len", "1024",
             "--train_agent.warm_start.data.batch_size", "4",
-            "--collect.noise_kinds", "[]",
-            "--collect.noise", "0.3",
             "--eval_sim.depth_edges", "[1, 2, 3, 4, 5, 6, 7, 8]",
         ]
     )  # fmt: skip
     """`simloop demo --experiment stateful`: what turns the demo's config into the deciding
-    experiment on the `fileops` family (tasks whose later commands read what earlier ones
-    wrote): its tasks, the workspace-mode simulator pretrained for them, the turns and the
-    contexts multi-turn episodes need, one fidelity row per depth. They come after the config
-    file and before `--quick`'s and the user's overrides."""
+    experiment on `fileops` `chain` tasks (transform `input.txt` into `a.txt`, `a.txt` into
+    `b.txt`, submit a property of `b.txt`: every answer depends on two files the episode
+    wrote): the workspace-mode simulator pretrained for the family, the turns and contexts
+    multi-turn episodes need, a cap on the simulator's reply that holds its changes (not one
+    derived from the observations alone), one fidelity row per depth. The tiny byte-level
+    agent gets `chain` only: the other kinds make it copy words and names it cannot yet. They
+    come after the config file and before `--quick`'s and the user's overrides."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
     args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
     if _stateful(args):  # the thesis table on fileops: the config file, then these, then --quick
-        args.quick_overrides = list(cfg.demo.stateful_overrides) + args.quick_overrides
+        args.quick_overrides = stateful_overrides(cfg, args.config) + args.quick_overrides
     if getattr(args, "dry_run", False):
         return print_processes(args, demo_processes(args, cfg))
     if not args.out:
@@ -127,6 +127,20 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             print_stateful(console, summary["stateful"])
     console.print(f"simloop demo: summary -> {out / rundir.SUMMARY}, report -> {report}")
     return 0
+
+
+def stateful_overrides(cfg: SimloopConfig, config: str | None) -> list[str]:
+    """`demo.stateful_overrides`, with a relative model path in them read as one written in
+    the config file is: relative to that file's folder (`pretrained/...` under `configs/`)."""
+    over = list(cfg.demo.stateful_overrides)
+    folder = Path(config).resolve().parent if config else Path.cwd()
+    for i, flag in enumerate(over[:-1]):
+        if (
+            flag in ("--simulator.weights", "--agent.weights")
+            and not Path(over[i + 1]).is_absolute()
+        ):
+            over[i + 1] = str(folder / over[i + 1])
+    return over
 
 
 def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[str, Any]]:

@@ -40,3 +40,29 @@ def test_every_goal_met():
 def test_each_goal_can_fail_alone(kwargs, failed):
     acceptance = stateful_fidelity(fidelity(**kwargs))["acceptance"]
     assert [k for k, v in acceptance.items() if not v] == [failed]
+
+
+def test_the_stateful_experiment_runs_the_thesis_table_on_fileops(tmp_path, capsys):
+    import json
+
+    from launch.cli import main
+    from launch.config import load_config
+    from launch.config.schema import SimloopConfig
+    from launch.jobs.demo import stateful_overrides
+
+    assert main(["demo", "--experiment", "stateful", "--out", str(tmp_path / "d"),
+                 "--dry-run", "--format", "json"]) == 0  # fmt: skip
+    procs = json.loads(capsys.readouterr().out)["processes"]
+    assert [p["stage"] for p in procs][-1] == "demo"
+    assert procs[-1]["command"][-2:] == ["--experiment", "stateful"]
+    agent = [p for p in procs if p["stage"] == "agent" and p["role"] == "agent_serve"]
+    assert agent[0]["command"][agent[0]["command"].index("--max-seq-len") + 1] == "1536"
+    # the pretrained simulator is found from the config's folder, whatever the working dir
+    from pathlib import Path
+
+    demo_cfg = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+    cfg = load_config(SimloopConfig, demo_cfg, stateful_overrides(
+        load_config(SimloopConfig, demo_cfg, []), demo_cfg))  # fmt: skip
+    assert cfg.env.family == "fileops" and cfg.env.shell.simulated.workspace
+    assert cfg.simulator.weights.endswith("configs/pretrained/sim-fileops")
+    assert (Path(cfg.simulator.weights) / "manifest.json").is_file()
