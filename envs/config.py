@@ -501,7 +501,7 @@ class TerminalConfig:
         )
 
 
-FILEOPS_KINDS = ("chain", "append", "move")
+FILEOPS_KINDS = ("chain", "append", "move", "fanout")
 
 
 @dataclass(frozen=True)

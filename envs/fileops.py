@@ -10,7 +10,10 @@ Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that m
 - `append`: append given lines to `log.txt` (which already holds some), then submit its line
   count or its last line;
 - `move`: make `archive/`, move two of `inbox/`'s files into it (one renamed), then submit
-  `archive/`'s listing (sorted, comma-separated).
+  `archive/`'s listing (sorted, comma-separated);
+- `fanout`: transform `input.txt` three ways into `a.txt`, `b.txt` and `c.txt`, then submit
+  a property of `a.txt`, which the episode wrote three commands before it reads it (state
+  distance 3).
 
 `generate_fileops(cfg)` makes the tasks; the `fileops` reward recomputes the truth from
 `reward.params`; `FileopsSolver` is a scripted agent that solves them in a real shell, with
@@ -75,6 +78,9 @@ def fileops_truth(params: dict) -> str:
         for step in params["steps"]:
             lines = TRANSFORMS[step["op"]][1](lines, step)
         return _property(lines, params["property"])
+    if kind == "fanout":
+        step = params["steps"][0]
+        return _property(TRANSFORMS[step["op"]][1](list(params["lines"]), step), params["property"])
     if kind == "append":
         return _property([*params["existing"], *params["appended"]], params["property"])
     if kind == "move":
@@ -153,7 +159,27 @@ def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
     return params, files, instruction
 
 
-_KINDS = {"chain": _chain, "append": _append, "move": _move}
+def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
+    steps = []
+    for op in rng.sample(list(TRANSFORMS), 3):
+        step: dict = {"op": op}
+        if op in ("head", "tail"):
+            step["k"] = rng.randint(2, max(2, len(lines) - 1))
+        steps.append(step)
+    prop = rng.choice(PROPERTIES)
+    params = {"kind": "fanout", "lines": lines, "steps": steps, "property": prop}
+    files = {"input.txt": "\n".join(lines) + "\n"}
+    describe = [_DESCRIBE[s["op"]].format(k=s.get("k")) for s in steps]
+    instruction = " ".join(
+        f"{i + 1}. Write `input.txt` with {d} into `{f}`."
+        for i, (d, f) in enumerate(zip(describe, ("a.txt", "b.txt", "c.txt"), strict=True))
+    )
+    instruction += f" 4. Submit {_PROPERTY_WORDS[prop]} `a.txt`."
+    return params, files, instruction
+
+
+_KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout}
 
 
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
@@ -202,6 +228,12 @@ def plan(params: dict) -> list[str]:
             for i, s in enumerate(params["steps"])
         ]
         return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="b.txt")]
+    if kind == "fanout":
+        cmds = [
+            TRANSFORMS[s["op"]][0].format(src="input.txt", dst=dst, k=s.get("k"))
+            for s, dst in zip(params["steps"], ("a.txt", "b.txt", "c.txt"), strict=True)
+        ]
+        return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="a.txt")]
     if kind == "append":
         cmds = [f"echo '{line}' >> log.txt" for line in params["appended"]]
         return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="log.txt")]
@@ -224,9 +256,9 @@ An append is never run twice (it would change the answer): there `out_of_order` 
 
 SLIPS = ("other_op",)
 """Mistakes `FileopsSolver` does not recover from, drawn only when asked for (`mistakes=`):
-`other_op`, a `chain` step run with another transformation (so the answer is wrong), as
-textops' scripted agent picks another operation. Other kinds make a recovered mistake
-instead."""
+`other_op`, a `chain` step (or `fanout`'s `a.txt`) run with another transformation (so
+the answer is wrong), as textops' scripted agent picks another operation. Other kinds make
+a recovered mistake instead."""
 
 
 def _bash(command: str) -> str:
@@ -269,7 +301,7 @@ class FileopsSolver:
         steps = plan(params)
         self.mistake = rng.choice(mistakes) if rng.random() < noise else None
         if self.mistake == "other_op":
-            if params["kind"] == "chain":
+            if params["kind"] in ("chain", "fanout"):
                 self.commands = _other_op(params, rng)
             else:
                 self.mistake = rng.choice(MISTAKES)
@@ -290,8 +322,9 @@ class FileopsSolver:
 
 
 def _other_op(params: dict, rng: random.Random) -> list[str]:
-    """A chain's plan with one transformation swapped for another (never fixed)."""
-    i = rng.randrange(len(params["steps"]))
+    """A chain's (or fanout's) plan with one transformation that its answer depends on swapped
+    for another (never fixed)."""
+    i = 0 if params["kind"] == "fanout" else rng.randrange(len(params["steps"]))
     step = params["steps"][i]
     op = rng.choice([o for o in TRANSFORMS if o != step["op"]])
     swapped = {"op": op, "k": step.get("k", 2)}

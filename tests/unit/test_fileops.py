@@ -159,3 +159,12 @@ async def test_an_other_op_slip_is_never_fixed_and_only_when_asked_for():
         FileopsSolver(chains[0], mistakes=("nap",))
     with pytest.raises(ValueError, match="style"):
         FileopsSolver(chains[0], style="loud")
+
+
+def test_fanout_reads_a_file_written_three_commands_before():
+    from envs.shellstate import state_distances
+
+    tasks = generate_fileops(FileopsConfig(num_tasks=6, seed=7, kinds=["fanout"]))
+    for task in tasks:
+        commands = plan(dict(task.reward.params))
+        assert len(commands) == 4 and state_distances(commands)[-1] == 3, commands
