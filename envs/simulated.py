@@ -107,6 +107,8 @@ class SimulatedShell(ShellLifecycle):
             raise ValueError("SimulatedShellConfig.max_context_tokens needs a renderer")
         self.history: list[tuple[str, Observation]] = []
         self.workspace = start_workspace(self.setup.files)
+        self._changes: str | None = None
+        """Workspace mode: the changes block the last observation came with (None: none)."""
         """The files as the simulator has written them (`config.workspace`; else the start)."""
         self._lock = asyncio.Lock()
         self._closed = False
@@ -316,6 +318,7 @@ class SimulatedShell(ShellLifecycle):
         }
         if cfg.workspace:
             info["workspace_files"] = len(self.workspace)
+            info["changes"] = self._changes
         return Observation(
             output=output,
             exit_code=exit_code,
@@ -329,6 +332,7 @@ class SimulatedShell(ShellLifecycle):
         changes block the simulator wrote after its observation is applied to `workspace`;
         one that does not parse, or was cut off by the token cap, changes nothing."""
         text, body = split_changes(text)
+        self._changes = body
         if body is None:
             # no block: nothing changed, unless the reply was cut inside one
             cut = text.find("</output>\n<changes>")

@@ -473,6 +473,12 @@ async def run_replay_episode(
                                 "exact_masked": pair.exact_masked,
                                 "prompt_tokens": obs.info.get("prompt_tokens"),
                                 "completion_tokens": obs.info.get("completion_tokens"),
+                                # workspace mode: the files the simulator said changed
+                                **(
+                                    {"sim_changes": obs.info["changes"]}
+                                    if "changes" in obs.info
+                                    else {}
+                                ),
                             },
                         )
                     )

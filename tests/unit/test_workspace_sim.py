@@ -196,6 +196,7 @@ async def test_the_shell_keeps_what_the_simulator_wrote_and_shows_no_history():
     shell, client = workspace_shell([ok, format_workspace_reply("a\n", 0, "")])
     await shell.run("sort in.txt > out.txt", 5.0)
     assert shell.workspace == {"in.txt": "b\na\n", "out.txt": "a\nb\n"}
+    assert shell.history[-1][1].info["changes"] == "--- out.txt ---\na\nb\n"
     obs = await shell.run("head -n 1 out.txt", 5.0)
     assert (obs.output, obs.exit_code, obs.info["malformed"]) == ("a\n", 0, False)
     second = client.prompts[1]
