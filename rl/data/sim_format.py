@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from rl.data.chat import Message
 from rl.data.tokenizer import END_THINK, THINK
@@ -117,6 +117,8 @@ created, changed or removed, in this format and nothing else:
 <changes>
 --- path ---
 (the file's whole new content)
+--- path --- appended
+(the lines added at the end of a file)
 --- path/ ---     (a new empty directory)
 --- path --- removed
 </changes>
@@ -125,7 +127,17 @@ Leave out the changes block when no file changed."""
 WORKSPACE_HEADER = "Files in the working directory:"
 _NO_NEWLINE = "\\ no newline at end of file"
 _CHANGES = re.compile(r"\n<changes>\n(.*)</changes>\s*\Z", re.S)
-_ENTRY = re.compile(r"^--- (.+?) ---( removed)?$")
+_ENTRY = re.compile(r"^--- (.+?) ---(?: (removed|appended))?$")
+
+
+class Change(NamedTuple):
+    """One entry of a changes block: `path`'s new content, or the text `append`ed to it, or
+    (`content` None) its removal."""
+
+    path: str
+    content: str | None
+    append: bool = False
+
 
 Workspace = dict[str, str]
 """A working directory as the simulator sees it: path -> content for every file, and
@@ -193,8 +205,14 @@ def workspace_changes(before: Mapping[str, str], after: Mapping[str, str]) -> st
             if path in after and path not in old_dirs:
                 parts.append(_file_block(path, ""))
         elif path in after:
-            if before.get(path) != after[path]:
-                parts.append(_file_block(path, after[path]))
+            old, new = before.get(path), after[path]
+            if old and old.endswith("\n") and new != old and new.startswith(old):
+                # lines added at the end: only they are written (an append, a `>>`)
+                parts.append(
+                    _file_block(path, new[len(old) :]).replace(" ---\n", " --- appended\n", 1)
+                )
+            elif old != new:
+                parts.append(_file_block(path, new))
         else:
             parts.append(f"--- {path} --- removed\n")
     return "".join(parts)
@@ -215,10 +233,10 @@ def split_changes(text: str) -> tuple[str, str | None]:
     return text[: m.start()], m.group(1)
 
 
-def parse_changes(body: str) -> list[tuple[str, str | None]]:
-    """[(path, new content, or None for removed)] from a changes body (or a workspace
-    description without its header); `ObservationFormatError` when it is not one."""
-    entries: list[tuple[str, str | None]] = []
+def parse_changes(body: str) -> list[Change]:
+    """The `Change`s of a changes body (or of a workspace description without its header);
+    `ObservationFormatError` when it is not one."""
+    entries: list[tuple[str, list[str] | None, bool]] = []
     lines = body.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -230,42 +248,44 @@ def parse_changes(body: str) -> list[tuple[str, str | None]]:
                 raise ObservationFormatError(f"changes: expected '--- path ---', got {line[:60]!r}")
             current.append(line)
             continue
-        path, removed = m.group(1), bool(m.group(2))
+        path, kind = m.group(1), m.group(2)
         if not path or path.startswith("/") or ".." in path.split("/"):
             raise ObservationFormatError(f"changes: path {path!r} is not inside the workspace")
-        if removed:
-            entries.append((path, None))
+        if kind == "appended" and path.endswith("/"):
+            raise ObservationFormatError(f"changes: directory {path!r} cannot be appended to")
+        if kind == "removed":
+            entries.append((path, None, False))
             current = None
         else:
             current = []
-            entries.append((path, current))  # type: ignore[arg-type] - filled below
+            entries.append((path, current, kind == "appended"))
     out = []
-    for path, body_lines in entries:
+    for path, body_lines, append in entries:
         if body_lines is None:
-            out.append((path, None))
+            out.append(Change(path, None))
             continue
         if path.endswith("/"):
             if body_lines:
                 raise ObservationFormatError(f"changes: directory {path!r} has content")
-            out.append((path, ""))
+            out.append(Change(path, ""))
             continue
         if body_lines and body_lines[-1] == _NO_NEWLINE:
-            out.append((path, "\n".join(body_lines[:-1])))
+            out.append(Change(path, "\n".join(body_lines[:-1]), append))
         else:
-            out.append((path, "".join(f"{ln}\n" for ln in body_lines)))
+            out.append(Change(path, "".join(f"{ln}\n" for ln in body_lines), append))
     return out
 
 
-def apply_changes(files: Mapping[str, str], changes: list[tuple[str, str | None]]) -> Workspace:
+def apply_changes(files: Mapping[str, str], changes: Sequence[Change]) -> Workspace:
     """The workspace after `changes` (`parse_changes`): a path written takes its new content
-    and moves to the end (newest last); a removed path goes with everything below it, and
-    its directory stays (listed empty, at the end, when nothing is left in it). The result
-    is normalized."""
+    (or, appended, its old content and the text) and moves to the end (newest last); a
+    removed path goes with everything below it, and its directory stays (listed empty, at
+    the end, when nothing is left in it). The result is normalized."""
     out = dict(files)
-    for path, content in changes:
+    for path, content, append in changes:
         if content is not None:
-            out.pop(path, None)
-            out[path] = content
+            old = out.pop(path, "")
+            out[path] = old + content if append else content
             continue
         base = path.rstrip("/")
         for p in [p for p in out if p.rstrip("/") == base or p.startswith(base + "/")]:

@@ -247,3 +247,18 @@ async def test_the_file_just_written_is_shown_last():
     await shell.run("cat a.txt", 5.0)
     assert client.prompts[0].index("a.txt") < client.prompts[0].index("z.txt")
     assert client.prompts[1].index("z.txt") < client.prompts[1].index("a.txt")
+
+
+def test_lines_added_at_the_end_are_written_alone():
+    before = {"log.txt": "a\nb\n", "x": "keep\n"}
+    for after_text, body in [
+        ("a\nb\nc-12\n", "--- log.txt --- appended\nc-12\n"),
+        ("a\nb\nc", "--- log.txt --- appended\nc\n\\ no newline at end of file\n"),
+        ("b\nc\n", "--- log.txt ---\nb\nc\n"),  # not an append: the whole file
+    ]:
+        after = {"x": "keep\n", "log.txt": after_text}
+        assert workspace_changes(before, after) == body
+        assert apply_changes(before, parse_changes(body)) == after
+        assert list(apply_changes(before, parse_changes(body))) == ["x", "log.txt"]
+    with pytest.raises(ObservationFormatError, match="appended"):
+        parse_changes("--- d/ --- appended\n")
