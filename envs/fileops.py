@@ -110,15 +110,20 @@ def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
     return out
 
 
+def _transform_step(rng: random.Random, op: str, lines: list[str]) -> dict:
+    """A step of `op` (with a line count `k` for head and tail) on a file of `lines`."""
+    step: dict = {"op": op}
+    if op in ("head", "tail"):
+        step["k"] = rng.randint(2, max(2, len(lines) - 1))
+    return step
+
+
 def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
     lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
-    steps = []
+    steps: list[dict] = []
     for _ in range(2):
         op = rng.choice([o for o in TRANSFORMS if not steps or o != steps[-1]["op"]])
-        step: dict = {"op": op}
-        if op in ("head", "tail"):
-            step["k"] = rng.randint(2, max(2, len(lines) - 1))
-        steps.append(step)
+        steps.append(_transform_step(rng, op, lines))
     prop = rng.choice(PROPERTIES)
     params = {"kind": "chain", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}
@@ -161,12 +166,7 @@ def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
 
 def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
     lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
-    steps = []
-    for op in rng.sample(list(TRANSFORMS), 3):
-        step: dict = {"op": op}
-        if op in ("head", "tail"):
-            step["k"] = rng.randint(2, max(2, len(lines) - 1))
-        steps.append(step)
+    steps = [_transform_step(rng, op, lines) for op in rng.sample(list(TRANSFORMS), 3)]
     prop = rng.choice(PROPERTIES)
     params = {"kind": "fanout", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}
