@@ -107,9 +107,9 @@ class SimulatedShell(ShellLifecycle):
             raise ValueError("SimulatedShellConfig.max_context_tokens needs a renderer")
         self.history: list[tuple[str, Observation]] = []
         self.workspace = start_workspace(self.setup.files)
+        """The files as the simulator has written them (`config.workspace`; else the start)."""
         self._changes: str | None = None
         """Workspace mode: the changes block the last observation came with (None: none)."""
-        """The files as the simulator has written them (`config.workspace`; else the start)."""
         self._lock = asyncio.Lock()
         self._closed = False
         self._session: str | None = None
@@ -290,7 +290,7 @@ class SimulatedShell(ShellLifecycle):
         cap_hit = result.finish_reason == "length"
         malformed = False
         if cfg.workspace:
-            text, workspace_malformed = self._keep_changes(text, cap_hit)
+            text, workspace_malformed = self._keep_changes(text)
         try:
             output, exit_code = parse_observation(text)
         except ObservationFormatError:
@@ -327,7 +327,7 @@ class SimulatedShell(ShellLifecycle):
             info=info,
         )
 
-    def _keep_changes(self, text: str, cap_hit: bool) -> tuple[str, bool]:
+    def _keep_changes(self, text: str) -> tuple[str, bool]:
         """Workspace mode: (the observation text, whether the changes were malformed). The
         changes block the simulator wrote after its observation is applied to `workspace`;
         one that does not parse, or was cut off by the token cap, changes nothing."""
