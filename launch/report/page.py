@@ -63,6 +63,29 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
     )
 
 
+def _section_stateful(st: dict) -> str:
+    """`simloop demo --experiment stateful`: the simulator's acceptance by depth and state
+    distance (`launch.report.thesis.stateful_fidelity`)."""
+    rows = [["overall", st["observations"], st["exact_masked"], ">= 0.90"]]
+    rows.append(["return codes", "", st["exit_code_agreement"], ">= 0.99"])
+    for depth, v in st["by_depth"].items():
+        rows.append([f"depth {depth}", v["observations"], v["exact_masked"], ">= 0.85"])
+    far = st["state_distance_3plus"]
+    rows.append(["state distance >= 3", far["observations"], far["exact_masked"], ">= 0.85"])
+    verdicts = "".join(
+        f"<li>{html.escape(k.replace('_', ' '))}: "
+        + ('<span class="ok">yes</span>' if v else '<span class="bad">no</span>')
+        + "</li>"
+        for k, v in st["acceptance"].items()
+    )
+    return (
+        '<p class="note">The stateful experiment: every answer depends on files the episode '
+        "wrote, and each replay carries the simulator's own workspace.</p>"
+        + table(["observations", "n", "exact (masked)", "goal"], rows)
+        + f"<ul>{verdicts}</ul>"
+    )
+
+
 def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: list[dict]) -> str:
     t = (summary or {}).get("thesis")
     if not t:
@@ -444,6 +467,7 @@ def write_report(run_dir: str | Path) -> Path:
         "<h2>The simulator</h2>",
         _section_simulator(summary, sim_metrics, pretrain),
         "<h2>Simulator fidelity (arm c)</h2>",
+        *([_section_stateful(summary["stateful"])] if summary and summary.get("stateful") else []),
         fidelity_section(fid),
         "<h2>Training curves</h2>",
         _section_training(metrics, sim_metrics),

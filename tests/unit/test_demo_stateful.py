@@ -66,3 +66,19 @@ def test_the_stateful_experiment_runs_the_thesis_table_on_fileops(tmp_path, caps
     assert cfg.env.family == "fileops" and cfg.env.shell.simulated.workspace
     assert cfg.simulator.weights.endswith("configs/pretrained/sim-fileops")
     assert (Path(cfg.simulator.weights) / "manifest.json").is_file()
+
+
+def test_the_report_shows_the_stateful_acceptance(tmp_path):
+    import json
+
+    from launch.report.page import write_report
+
+    summary = {
+        "experiment": "stateful",
+        "fidelity": {"observations": 400},
+        "stateful": stateful_fidelity(fidelity(far=0.5)),
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+    assert "The stateful experiment" in page and "state distance &gt;= 3" in page
+    assert 'state distance 3plus at least 0.85: <span class="bad">no</span>' in page
