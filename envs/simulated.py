@@ -108,8 +108,6 @@ class SimulatedShell(ShellLifecycle):
         self.history: list[tuple[str, Observation]] = []
         self.workspace = start_workspace(self.setup.files)
         """The files as the simulator has written them (`config.workspace`; else the start)."""
-        self._changes: str | None = None
-        """Workspace mode: the changes block the last observation came with (None: none)."""
         self._lock = asyncio.Lock()
         self._closed = False
         self._session: str | None = None
@@ -290,7 +288,7 @@ class SimulatedShell(ShellLifecycle):
         cap_hit = result.finish_reason == "length"
         malformed = False
         if cfg.workspace:
-            text, workspace_malformed = self._keep_changes(text)
+            text, changes, workspace_malformed = self._keep_changes(text)
         try:
             output, exit_code = parse_observation(text)
         except ObservationFormatError:
@@ -318,7 +316,7 @@ class SimulatedShell(ShellLifecycle):
         }
         if cfg.workspace:
             info["workspace_files"] = len(self.workspace)
-            info["changes"] = self._changes
+            info["changes"] = changes
         return Observation(
             output=output,
             exit_code=exit_code,
@@ -327,20 +325,19 @@ class SimulatedShell(ShellLifecycle):
             info=info,
         )
 
-    def _keep_changes(self, text: str) -> tuple[str, bool]:
-        """Workspace mode: (the observation text, whether the changes were malformed). The
-        changes block the simulator wrote after its observation is applied to `workspace`;
+    def _keep_changes(self, text: str) -> tuple[str, str | None, bool]:
+        """Workspace mode: (the observation text, the changes block the simulator wrote after
+        it or None, whether that block was malformed). The block is applied to `workspace`;
         one that does not parse, or was cut off by the token cap, changes nothing."""
         text, body = split_changes(text)
-        self._changes = body
         if body is None:
             # no block: nothing changed, unless the reply was cut inside one
             cut = text.find("</output>\n<changes>")
             if cut >= 0:
-                return text[: cut + len("</output>")], True
-            return text, False
+                return text[: cut + len("</output>")], None, True
+            return text, None, False
         try:
             self.workspace = apply_changes(self.workspace, parse_changes(body))
         except ObservationFormatError:
-            return text, True
-        return text, False
+            return text, body, True
+        return text, body, False
