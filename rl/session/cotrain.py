@@ -75,6 +75,8 @@ class SimCoTrainer:
         self.history: list[dict[str, Any]] = []
         self._trainer = None
         self._base: list | None = None
+        self._states: dict[int, Any] = {}
+        """Workspace mode: each trajectory's replayed states, by `id`, across rounds."""
         self._rng = random.Random(seed)
 
     def add(self, traj) -> None:
@@ -121,7 +123,10 @@ class SimCoTrainer:
         if sim.workspace:  # the real files after each command (`envs.workspace`)
             from envs.workspace import trajectory_workspaces
 
-            workspaces, _ = trajectory_workspaces(real + base)
+            new = [t for t in real + base if id(t) not in self._states]
+            states, _ = trajectory_workspaces(new)
+            self._states.update((id(t), states(t)) for t in new)  # each replayed once
+            workspaces = lambda traj: self._states.get(id(traj))  # noqa: E731
         ds, stats = sim_sft_dataset(
             real + base,
             self._tok,
