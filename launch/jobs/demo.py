@@ -381,15 +381,13 @@ def print_stateful(console, st: dict) -> None:
     """The stateful experiment's fidelity acceptance (`launch.report.thesis.stateful_fidelity`)."""
     from rich.table import Table
 
+    from launch.report.thesis import stateful_rows
+
     t = Table(title="stateful experiment: simulator fidelity (arm c, held out)")
     for name in ("", "observations", "exact (masked)", "goal"):
         t.add_column(name, justify="left" if not name else "right")
-    t.add_row("overall", _fmt(st["observations"]), _fmt(st["exact_masked"]), ">= 0.90")
-    t.add_row("return codes", "", _fmt(st["exit_code_agreement"]), ">= 0.99")
-    for depth, v in st["by_depth"].items():
-        t.add_row(f"depth {depth}", _fmt(v["observations"]), _fmt(v["exact_masked"]), ">= 0.85")
-    v = st["state_distance_3plus"]
-    t.add_row("state distance >= 3", _fmt(v["observations"]), _fmt(v["exact_masked"]), ">= 0.85")
+    for name, n, exact, goal in stateful_rows(st):
+        t.add_row(name, _fmt(n), _fmt(exact), goal)
     console.print(t)
     console.print(
         "stateful acceptance: "

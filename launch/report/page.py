@@ -21,6 +21,7 @@ from launch.report.charts import bar_chart, line_chart
 from launch.report.fidelity import fidelity_section
 from launch.report.markup import document, fmt, interval, missing, pre_block, table
 from launch.report.rundir import find, read_evals, read_json, read_metrics, trajectories
+from launch.report.thesis import stateful_rows
 from rl.data import rundir
 
 SAMPLE_EPISODES = 6
@@ -66,12 +67,7 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
 def _section_stateful(st: dict) -> str:
     """`simloop demo --experiment stateful`: the simulator's acceptance by depth and state
     distance (`launch.report.thesis.stateful_fidelity`)."""
-    rows = [["overall", st["observations"], st["exact_masked"], ">= 0.90"]]
-    rows.append(["return codes", "", st["exit_code_agreement"], ">= 0.99"])
-    for depth, v in st["by_depth"].items():
-        rows.append([f"depth {depth}", v["observations"], v["exact_masked"], ">= 0.85"])
-    far = st["state_distance_3plus"]
-    rows.append(["state distance >= 3", far["observations"], far["exact_masked"], ">= 0.85"])
+    rows = stateful_rows(st)
     verdicts = "".join(
         f"<li>{html.escape(k.replace('_', ' '))}: "
         + ('<span class="ok">yes</span>' if v else '<span class="bad">no</span>')

@@ -160,3 +160,17 @@ def stateful_fidelity(
             and meets(far_row["exact_masked"], min_depth),
         },
     }
+
+
+def stateful_rows(st: dict[str, Any]) -> list[list[Any]]:
+    """The `stateful_fidelity` block as table rows (what, observations, exact (masked), goal),
+    for the console and the report alike."""
+    rows = [
+        ["overall", st["observations"], st["exact_masked"], ">= 0.90"],
+        ["return codes", "", st["exit_code_agreement"], ">= 0.99"],
+    ]
+    for depth, v in st["by_depth"].items():
+        rows.append([f"depth {depth}", v["observations"], v["exact_masked"], ">= 0.85"])
+    far = st["state_distance_3plus"]
+    rows.append(["state distance >= 3", far["observations"], far["exact_masked"], ">= 0.85"])
+    return rows
