@@ -49,8 +49,8 @@ from envs.config import ShapingConfig, TerminalConfig
 from envs.rewards import RewardContext, compute_grade, task_verdict
 from envs.shell import Observation, Shell, ShellError, setup_hash, truncate_middle
 from envs.tasks import Task
+from rl.data.outcome import shaped_reward
 from rl.data.sim_format import strip_think
-from rl.data.trajectory import shaped_reward
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl.data import rundir
-from rl.data.trajectory import unshaped_reward
+from rl.data.outcome import unshaped_reward
 
 Z95 = 1.959963984540054
 SIM_RUN, REAL_RUN = "agent", "agent_real"

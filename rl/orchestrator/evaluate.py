@@ -16,7 +16,8 @@ from typing import Any
 
 from envs.config import TerminalConfig
 from envs.tasks import Task
-from rl.data.trajectory import Trajectory, success_trial, trial_metrics, unshaped_reward
+from rl.data.outcome import success_trial, trial_metrics, unshaped_reward
+from rl.data.trajectory import Trajectory
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 
@@ -45,7 +46,7 @@ class EvalResult:
     """The action distribution: share of the agent's commands by `command_key` (the programs
     of the command's last pipeline), most frequent first."""
     trials: dict[str, Any] = field(default_factory=dict)
-    """Multi-trial episodes (`rl.data.trajectory.trial_metrics`): success by trial k, the
+    """Multi-trial episodes (`rl.data.outcome.trial_metrics`): success by trial k, the
     adaptation delta, turns per trial. Empty for single-trial episodes."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,8 +8,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from rl.data.outcome import unshaped_reward
 from rl.data.rundir import MetricsLog
-from rl.data.trajectory import unshaped_reward
 
 
 class RolloutMetrics:

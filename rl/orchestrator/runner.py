@@ -30,7 +30,8 @@ from envs.backends import Backends
 from envs.config import TerminalConfig
 from envs.tasks import Task
 from rl.data.chat import ChatRenderer
-from rl.data.trajectory import Exclusion, Trajectory, unshaped_reward
+from rl.data.outcome import unshaped_reward
+from rl.data.trajectory import Exclusion, Trajectory
 from rl.orchestrator.admission import AdmissionController
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.episode import (

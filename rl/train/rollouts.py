@@ -19,8 +19,9 @@ from typing import Protocol
 
 import numpy as np
 
+from rl.data.outcome import success_trial, trial_metrics, unshaped_reward
 from rl.data.packing import pack_rows, replay_segments
-from rl.data.trajectory import Trajectory, success_trial, trial_metrics, unshaped_reward
+from rl.data.trajectory import Trajectory
 from rl.train.config import PolicyLossConfig
 
 USABLE = ("ok", "truncated")
@@ -134,7 +135,7 @@ class BatchStats:
     trials: dict[str, float] = field(default_factory=dict)
     """Multi-trial batches: `success_by_trial_k` (share of the used episodes that succeeded by
     trial k) and `adaptation_delta` (by trial 2 minus by trial 1), as the evaluations report
-    them (`rl.data.trajectory.trial_metrics`); empty for single-trial episodes."""
+    them (`rl.data.outcome.trial_metrics`); empty for single-trial episodes."""
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("trials", "shaping")}

@@ -20,15 +20,8 @@ from launch.config.loading import ConfigError, dump_config, load_config
 from launch.config.schema import SimloopConfig
 from launch.report.thesis import success_rate as thesis_success_rate
 from rl.data import ByteTokenizer, ChatRenderer
-from rl.data.trajectory import (
-    Trajectory,
-    read_jsonl,
-    shaped_reward,
-    success_trial,
-    unshaped_reward,
-    validate,
-    write_jsonl,
-)
+from rl.data.outcome import shaped_reward, success_trial, unshaped_reward
+from rl.data.trajectory import Trajectory, read_jsonl, validate, write_jsonl
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.evaluate import score
 from rl.orchestrator.runner import Backends, RolloutRunner

@@ -20,7 +20,8 @@ from envs.tasks import RewardSpec, Task
 from envs.terminal import TrialEnv
 from envs.textops import generate_textops, textops_truth
 from rl.data import ByteTokenizer, ChatRenderer
-from rl.data.trajectory import Trajectory, Trial, trial_metrics, validate
+from rl.data.outcome import trial_metrics
+from rl.data.trajectory import Trajectory, Trial, validate
 from rl.orchestrator.config import OrchestratorConfig
 from rl.orchestrator.runner import Backends, RolloutRunner
 from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
