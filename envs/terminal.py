@@ -49,7 +49,7 @@ from envs.config import ShapingConfig, TerminalConfig
 from envs.rewards import RewardContext, compute_grade, task_verdict
 from envs.shell import Observation, Shell, ShellError, setup_hash, truncate_middle
 from envs.tasks import Task
-from rl.data.outcome import shaped_reward
+from rl.data.outcome import SUCCESS_REWARD, shaped_reward
 from rl.data.sim_format import strip_think
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,6 @@ Status = Literal[
     "error",
     "trial_timeout",
 ]
-SUCCESS_REWARD = 1.0
-"""A trial succeeds when its reward reaches this (textops and SWE rewards are 0 or 1)."""
 OUTCOMES = {
     "submitted": "the submitted answer was not accepted",
     "max_turns": "the turn limit was reached without a submission",
