@@ -124,12 +124,29 @@ async def _replay(cfg: SimloopConfig, out: Path, trajs: list) -> dict[str, Any]:
     result = replay_fidelity(
         replays, context_edges=cfg.eval_sim.context_edges, depth_edges=cfg.eval_sim.depth_edges
     )
+    if cfg.env.shell.simulated.workspace:
+        # (in a thread: the real-bash replays run their own event loop)
+        result["workspace"] = await asyncio.to_thread(_workspace_fidelity, cfg, replays)
     result["wall_s"] = runner.metrics.summary()["wall_s"]
     (out / rundir.FIDELITY).write_text(json.dumps(result, indent=1))
     # The headline scores also go to the metrics log (and so to TensorBoard / W&B).
     rundir.MetricsLog(out).write(
         {"stage": "fidelity", "pairs": result["pairs"], "hygiene": result["hygiene"]}
     )
+    return result
+
+
+def _workspace_fidelity(cfg: SimloopConfig, replays: list) -> dict[str, Any]:
+    """Workspace mode: the simulator's own files against the real ones, turn by turn
+    (`rl.orchestrator.evaluate.workspace_fidelity`); the real workspaces come from running
+    each replay's commands again in real bash (`envs.workspace`, ~20 replays a second)."""
+    from envs.workspace import trajectory_workspaces
+    from rl.orchestrator.evaluate import workspace_fidelity
+
+    ok = [t for t in replays if t.status == "ok"]
+    states, failed = trajectory_workspaces(ok, config=cfg.env.shell.local)
+    result = workspace_fidelity(ok, states)
+    result["real_replays_failed"] = failed
     return result
 
 
@@ -191,4 +208,20 @@ def print_fidelity(result: dict[str, Any]) -> None:
                 num(s, "exit_code_agreement"),
                 num(s, "similarity"),
             )
+        console.print(t)
+    ws = result.get("workspace")
+    if ws and ws.get("turns"):
+        console.print(
+            f"Workspace kept by the simulator ({ws['replays']} replays, {ws['turns']} turns): "
+            f"its files right after {num(ws, 'state_exact')} of the turns; "
+            f"{num(ws, 'write_exact')} of {ws['writes']} writes from right files left them right; "
+            f"observations exact {num(ws, 'observation_exact_state_right')} with its files "
+            f"right before, {num(ws, 'observation_exact_state_wrong')} with them wrong "
+            f"({ws['turns_state_wrong']} turns)"
+        )
+        t = Table(title="Where the files first went wrong (writes from right files)")
+        for col in ("command", "writes", "wrong"):
+            t.add_column(col, justify="right" if col != "command" else "left")
+        for name, s in ws["first_wrong_write"].items():
+            t.add_row(name, str(s["writes"]), str(s["wrong"]))
         console.print(t)

@@ -149,6 +149,8 @@ def stateful_fidelity(
         "by_depth": depth,
         "state_dependent": fidelity.get("state_dependent"),
         "state_distance_3plus": far_row,
+        # workspace mode: how well the simulator's own files track the real ones (reported)
+        "workspace": fidelity.get("workspace"),
         "acceptance": {
             f"exact_at_least_{min_exact}": meets(pairs.get("exact_masked"), min_exact),
             f"exact_at_least_{min_depth}_at_every_depth_to_{max_depth}": bool(depth)
@@ -173,4 +175,10 @@ def stateful_rows(st: dict[str, Any]) -> list[list[Any]]:
         rows.append([f"depth {depth}", v["observations"], v["exact_masked"], ">= 0.85"])
     far = st["state_distance_3plus"]
     rows.append(["state distance >= 3", far["observations"], far["exact_masked"], ">= 0.85"])
+    ws = st.get("workspace") or {}
+    if ws.get("turns"):
+        rows += [
+            ["its files right after the command", ws["turns"], ws["state_exact"], "reported"],
+            ["writes from right files left right", ws["writes"], ws["write_exact"], "reported"],
+        ]
     return rows

@@ -248,3 +248,87 @@ def replay_fidelity(
         "by_command": commands,
         "by_kind": {k: summarize_pairs(v) for k, v in sorted(by_kind.items())},
     }
+
+
+def workspace_fidelity(
+    replays: Sequence[Trajectory],
+    real_states: Callable[[Trajectory], Sequence[dict[str, str]] | None],
+    *,
+    top_commands: int = 8,
+) -> dict[str, Any]:
+    """How a workspace-mode simulator keeps the files, from arm (c) replays (each turn's
+    `info["sim_changes"]`: the changes block it wrote, None for none) against the real
+    workspaces (`real_states(replay)`: [at the start, after each replayed command], as
+    `envs.workspace.replay_workspaces` reads them). Its own files start as the task's and take
+    each block it wrote, as `SimulatedShell` applies them (a block that does not parse
+    changes nothing).
+
+    Returns `state_exact` (turns after which its files equal the real ones), `write_exact`
+    (turns that changed files, in reality or by its account, taken with its files right
+    before: the share that left them right), observation exact match with its files right
+    and with them wrong before the command, and `first_wrong_write` by command: where each
+    replay first lost the state (`writes`: that command's writes from a right state,
+    `wrong`: those that left it wrong). Replays without `sim_changes` (not workspace mode)
+    or without real states are left out (`skipped`)."""
+    from envs.fidelity import compare_observations
+    from rl.data.sim_format import (
+        ObservationFormatError,
+        apply_changes,
+        parse_changes,
+        start_workspace,
+    )
+
+    turns = state_right = writes = writes_right = skipped = 0
+    obs_right: list[bool] = []
+    obs_wrong: list[bool] = []
+    by_command: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for traj in replays:
+        scored = [t for t in traj.turns if t.sim_observation is not None]
+        states = real_states(traj) if scored else None
+        if (
+            not scored
+            or any("sim_changes" not in (t.info or {}) for t in scored)
+            or states is None
+            or len(states) != len(scored) + 1
+        ):
+            skipped += 1
+            continue
+        mine = start_workspace(states[0])
+        for k, turn in enumerate(scored):
+            before_right = dict(mine) == dict(states[k])
+            body = turn.info["sim_changes"]
+            if body is not None:
+                try:
+                    mine = apply_changes(mine, parse_changes(body))
+                except ObservationFormatError:
+                    pass
+            after_right = dict(mine) == dict(states[k + 1])
+            exact = compare_observations(
+                turn.sim_observation, turn.observation, turn.sim_exit_code, turn.exit_code
+            ).exact_masked
+            (obs_right if before_right else obs_wrong).append(exact)
+            turns += 1
+            state_right += after_right
+            if before_right and (body is not None or states[k] != states[k + 1]):
+                writes += 1
+                writes_right += after_right
+                counts = by_command[command_key(turn.command or "")]
+                counts[0] += 1
+                counts[1] += not after_right
+
+    def rate(num: float, den: int) -> float | None:
+        return num / den if den else None
+
+    ranked = sorted(by_command.items(), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
+    return {
+        "replays": len(replays) - skipped,
+        "skipped": skipped,
+        "turns": turns,
+        "state_exact": rate(state_right, turns),
+        "writes": writes,
+        "write_exact": rate(writes_right, writes),
+        "observation_exact_state_right": rate(sum(obs_right), len(obs_right)),
+        "observation_exact_state_wrong": rate(sum(obs_wrong), len(obs_wrong)),
+        "turns_state_wrong": len(obs_wrong),
+        "first_wrong_write": {k: {"writes": n, "wrong": w} for k, (n, w) in ranked[:top_commands]},
+    }

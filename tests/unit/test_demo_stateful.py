@@ -26,6 +26,16 @@ def test_every_goal_met():
     assert s["state_distance_3plus"] == {"observations": 12, "exact_masked": 0.9}
 
 
+def test_the_workspace_rows_are_reported_when_eval_sim_measured_them():
+    from launch.report.thesis import stateful_rows
+
+    plain = stateful_rows(stateful_fidelity(fidelity()))
+    ws = {"turns": 40, "state_exact": 0.5, "writes": 20, "write_exact": 0.75}
+    rows = stateful_rows(stateful_fidelity({**fidelity(), "workspace": ws}))
+    assert rows[: len(plain)] == plain
+    assert [r[1:3] for r in rows[len(plain) :]] == [[40, 0.5], [20, 0.75]]
+
+
 @pytest.mark.parametrize(
     "kwargs,failed",
     [

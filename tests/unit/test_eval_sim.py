@@ -199,3 +199,62 @@ def test_eval_sim_cli_errors(tmp_path, capsys):
     assert main([*args, "--eval_sim.context_edges", "[512, 256]"]) == 2
     assert "increasing positive integers" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing is written before the inputs check out
+
+
+def _ws_turn(cmd, real, sim, changes):
+    turn = _turn(cmd, real, sim)
+    turn.info["sim_changes"] = changes
+    return turn
+
+
+def test_workspace_fidelity_follows_the_simulators_own_files_against_real_bash():
+    """Its files start as the task's and take each block it wrote; the real ones come from
+    running the commands again in real bash. A wrong write is counted where it happened
+    (the first from right files), and later observations are split by whether its files
+    were right before them."""
+    from envs.workspace import trajectory_workspaces
+    from rl.orchestrator.evaluate import workspace_fidelity
+
+    good = _replay(
+        "t1",
+        [
+            _ws_turn("sort input.txt > a.txt", "", "", "--- a.txt ---\napple\npear\n"),
+            _ws_turn("tac a.txt > b.txt", "", "", "--- b.txt ---\napple\npear\n"),  # wrong
+            _ws_turn("cat b.txt", "pear\napple\n", "apple\npear\n", None),
+        ],
+    )
+    good.setup_files = {"input.txt": "pear\napple\n"}
+    malformed = _replay(
+        "t2",
+        [
+            _ws_turn("echo x >> log.txt", "", "", "--- log.txt \nx\n"),  # does not parse
+            _ws_turn("cat log.txt", "x\n", "", None),
+        ],
+    )
+    malformed.setup_files = {}
+    history_mode = _replay("t3", [_turn("ls", "a\n", "a\n")])
+    replays = [good, malformed, history_mode]
+    states, failed = trajectory_workspaces(replays)
+    assert failed == 0
+    result = workspace_fidelity(replays, states)
+    assert result["replays"] == 2 and result["skipped"] == 1
+    assert result["turns"] == 5
+    # right after: sort only (the malformed block left log.txt unwritten)
+    assert result["state_exact"] == pytest.approx(1 / 5)
+    assert result["writes"] == 3 and result["write_exact"] == pytest.approx(1 / 3)
+    # files right before: sort, tac and the echo (all print nothing, as the simulator said)
+    assert result["observation_exact_state_right"] == 1.0
+    assert result["observation_exact_state_wrong"] == 0.0 and result["turns_state_wrong"] == 2
+    assert result["first_wrong_write"] == {
+        "echo": {"writes": 1, "wrong": 1},
+        "tac": {"writes": 1, "wrong": 1},
+        "sort": {"writes": 1, "wrong": 0},
+    }
+
+
+def test_workspace_fidelity_of_nothing():
+    from rl.orchestrator.evaluate import workspace_fidelity
+
+    result = workspace_fidelity([], lambda traj: None)
+    assert result["turns"] == 0 and result["state_exact"] is None
+    assert result["first_wrong_write"] == {}
