@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "pretrain-sim": ("the simulator learns bash output on a real-bash utility grammar", True),
     "train-sim": ("supervised fine-tuning of the simulator on real trajectories", True),
     "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
+    "deepen": ("a deeper copy of trained weights that computes the same (block expansion)", False),
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
     "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
     "rollout": ("run a rollout job and write trajectories", True),
@@ -64,6 +65,7 @@ MODULES: dict[str, str] = {
     "pretrain-sim": "launch.jobs.pretrain_sim",
     "train-sim": "launch.jobs.train_sim",
     "eval-sim": "launch.jobs.eval_sim",
+    "deepen": "launch.jobs.deepen",
     "train-agent": "launch.jobs.train_agent",
     "eval-agent": "launch.jobs.eval_agent",
     "rollout": "launch.jobs.rollout",
@@ -90,7 +92,17 @@ DRY_RUN = (
     "train-sim",
 )
 # commands whose module adds flags of its own (`add_arguments(parser)`)
-OWN_FLAGS = ("serve", "rollout", "plan-chips", "gke", "tpu-vm", "import", "e2b", "rehearse")
+OWN_FLAGS = (
+    "serve",
+    "rollout",
+    "plan-chips",
+    "gke",
+    "tpu-vm",
+    "import",
+    "e2b",
+    "rehearse",
+    "deepen",
+)
 # The embedded default (docs/architecture.md §6): `simloop demo` without --config runs the CPU
 # demo's config.
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
