@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.config import LocalShellConfig
-from envs.isolation import (  # noqa: F401 - _start_time: the sweep's, patched by tests
+from envs.isolation import (  # _start_time: the sweep's, patched by tests
     _OWNER,
     _PATH,
     _REAP_TIMEOUT_S,

@@ -22,9 +22,8 @@ from envs.shell import Observation, ShellError, ShellLifecycle, TaskSetup
 from rl.data.chat import ChatRenderer, render_text
 from rl.data.sim_format import (
     ObservationFormatError,
-    apply_changes,
+    apply_written_block,
     kept_history,
-    parse_changes,
     parse_observation,
     parse_observation_prefix,
     render_sim_messages,
@@ -336,8 +335,5 @@ class SimulatedShell(ShellLifecycle):
             if cut >= 0:
                 return text[: cut + len("</output>")], None, True
             return text, None, False
-        try:
-            self.workspace = apply_changes(self.workspace, parse_changes(body))
-        except ObservationFormatError:
-            return text, body, True
-        return text, body, False
+        self.workspace, parsed = apply_written_block(self.workspace, body)
+        return text, body, not parsed

@@ -296,6 +296,16 @@ def apply_changes(files: Mapping[str, str], changes: Sequence[Change]) -> Worksp
     return normalize_workspace(out)
 
 
+def apply_written_block(files: Mapping[str, str], body: str) -> tuple[Workspace, bool]:
+    """(the workspace after a changes block a simulator wrote, whether the block parsed): a
+    block that does not parse changes nothing. What `SimulatedShell` keeps, and what arm (c)
+    follows when it checks the simulator's files against the real ones."""
+    try:
+        return apply_changes(files, parse_changes(body)), True
+    except ObservationFormatError:
+        return dict(files), False
+
+
 def render_workspace_messages(
     task_instruction: str,
     workspace: Mapping[str, str],

@@ -54,7 +54,7 @@ def deepen(params: dict, cfg: ModelConfig, num_layers: int) -> tuple[dict, Model
                 f"the config says {cfg.num_layers}"
             )
         out = arr[np.array(source)]
-        if ".".join(path) in {f"{z}" for z in ZEROED}:
+        if ".".join(path) in ZEROED:
             out = np.where(zero.reshape((-1,) + (1,) * (arr.ndim - 1)), 0, out).astype(arr.dtype)
         return out
 

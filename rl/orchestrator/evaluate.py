@@ -271,12 +271,7 @@ def workspace_fidelity(
     `wrong`: those that left it wrong). Replays without `sim_changes` (not workspace mode)
     or without real states are left out (`skipped`)."""
     from envs.fidelity import compare_observations
-    from rl.data.sim_format import (
-        ObservationFormatError,
-        apply_changes,
-        parse_changes,
-        start_workspace,
-    )
+    from rl.data.sim_format import apply_written_block, start_workspace
 
     turns = state_right = writes = writes_right = skipped = 0
     obs_right: list[bool] = []
@@ -298,10 +293,7 @@ def workspace_fidelity(
             before_right = dict(mine) == dict(states[k])
             body = turn.info["sim_changes"]
             if body is not None:
-                try:
-                    mine = apply_changes(mine, parse_changes(body))
-                except ObservationFormatError:
-                    pass
+                mine, _ = apply_written_block(mine, body)
             after_right = dict(mine) == dict(states[k + 1])
             exact = compare_observations(
                 turn.sim_observation, turn.observation, turn.sim_exit_code, turn.exit_code
