@@ -246,13 +246,15 @@ def plan(params: dict) -> list[str]:
     ]
 
 
-MISTAKES = ("early_read", "out_of_order", "typo", "failed_retry")
+MISTAKES = ("early_read", "out_of_order", "typo", "failed_retry", "garble")
 """What `FileopsSolver` gets wrong, with probability `noise` per task (one mistake each):
 `early_read`, reading the step's output file before writing it; `out_of_order`, running a
 step before the one whose file it reads; `typo`, a misspelt command (command not found), then
-the right one; `failed_retry`, a step run with a wrong path (it fails), then the right one.
-An append is never run twice (it would change the answer): there `out_of_order` becomes
-`failed_retry`."""
+the right one; `failed_retry`, a step run with a wrong path (it fails), then the right one;
+`garble`, a step garbled the way a small model garbles it (`GARBLES`: a flag turned into a
+word, a file name stuttered, a lost `>`, a stray operand, a broken program name, a stray line),
+then the right one. An append is never run twice (it would change the answer): there
+`out_of_order` becomes `failed_retry`, and a garbled append never writes `log.txt`."""
 
 SLIPS = ("other_op",)
 """Mistakes `FileopsSolver` does not recover from, drawn only when asked for (`mistakes=`):
@@ -347,12 +349,89 @@ def _with_mistake(steps: list[str], mistake: str | None, rng: random.Random) -> 
         word, _, rest = step.partition(" ")
         typo = word[:-2] + word[-1] + word[-2] if len(word) > 2 else word + word[-1]
         return [*steps[:i], f"{typo} {rest}".strip(), *steps[i:]]
+    if mistake == "garble":
+        return [*steps[:i], _garble(step, rng), *steps[i:]]
     # failed_retry (and out_of_order where no step may run early): a wrong path, which fails
     candidates = [j for j in range(len(steps) - 1) if ".txt" in steps[j]]
     j = rng.choice(candidates) if candidates else i
     wrong = steps[j].replace(">> ", ">> missing/") if ">>" in steps[j] else steps[j]
     wrong = wrong.replace(".txt", "_.txt", 1) if wrong == steps[j] else wrong
     return [*steps[:j], wrong, *steps[j:]]
+
+
+GARBLES = (
+    "flag_word",
+    "bad_count",
+    "stutter",
+    "lost_redirect",
+    "stray_arg",
+    "bad_name",
+    "stray_line",
+)
+"""How `garble` breaks a command; one or two of them, each where it applies. Taken from what
+the stateful demo's agent wrote after RL in the simulator (e.g. `head in 2 input.txtxt a.txt`,
+`sort input.txt T`, `heac -n 2 a.txt > b.txt`, `tac a.txt > b.txt` followed by `Nextxt b.txt`):
+a simulator that never saw them answered them with silence where bash prints errors."""
+_STRAYS = ("T", "in", "a.txt", "txt")
+_JUNK_LINES = ("Next.", "Nextxt b.txt", "txt", "Neac a.txt")
+
+
+def _garble_once(command: str, kind: str, rng: random.Random) -> str | None:
+    """`command` broken one way (`kind`, of `GARBLES`), or None where that does not apply. A
+    garbled append never writes `log.txt`, and a garbled `mv` never moves its file (either would
+    change the answer): appends take only a broken name or a stuttered target, `mv` no
+    stuttered target."""
+    words = command.split(" ")
+    appends, moves = ">>" in command, words[0] == "mv"
+    if appends and kind not in ("bad_name", "stutter"):
+        return None
+    if kind == "flag_word" and re.search(r" -[nr]\b", command):
+        return re.sub(r" -[nr]\b", " " + rng.choice(("in", "n", "T")), command, count=1)
+    if kind == "bad_count" and re.search(r" -n \d+", command):
+        return re.sub(r" -n \d+", " -n " + rng.choice(("v", "txt", "T", "")), command, count=1)
+    if kind == "stutter":
+        names = [j for j, w in enumerate(words) if w.endswith(".txt")]
+        if appends:  # the target, so the append goes elsewhere
+            names = names[-1:]
+        elif moves:  # the source, so the move fails
+            names = names[:1]
+        if not names:
+            return None
+        j = rng.choice(names)
+        words[j] = words[j][:-4] + rng.choice((".txtxt", "xtxt", ".txtxtxt", ".t.txt"))
+        return " ".join(words)
+    if kind == "lost_redirect" and " > " in command:
+        head, _, tail = command.rpartition(" > ")
+        return f"{head} {tail}"
+    if kind == "stray_arg":
+        stray = rng.choice(_STRAYS)
+        if " > " in command:
+            head, _, tail = command.rpartition(" > ")
+            return f"{head} {stray} > {tail}"
+        return f"{command} {stray}"
+    if kind == "bad_name":
+        prog = words[0]
+        broken = rng.choice(
+            [prog[:k] for k in range(1, len(prog))] + [prog + rng.choice("ct"), "Next", "txt"]
+        )
+        return " ".join([broken, *words[1:]])
+    if kind == "stray_line":
+        return f"{command}\n{rng.choice(_JUNK_LINES)}"
+    return None
+
+
+def _garble(command: str, rng: random.Random) -> str:
+    """`command` with one or two of `GARBLES` applied (never unchanged)."""
+    out = command
+    for _ in range(rng.choice((1, 1, 2))):
+        kinds = list(GARBLES)
+        rng.shuffle(kinds)
+        for kind in kinds:
+            broken = _garble_once(out, kind, rng)
+            if broken is not None and broken != out:
+                out = broken
+                break
+    return out
 
 
 def _written(command: str) -> str | None:

@@ -247,6 +247,11 @@ class CollectConfig:
     noise_kinds: list[str] = field(default_factory=lambda: list(_noise_kinds()))
     """Which mistakes. `other_op` matters most for a simulator: the same file under every
     command shows it that the output follows the command, not the task."""
+    fileops_mistakes: list[str] | None = None
+    """`fileops` episodes: which of the scripted solver's mistakes to draw from
+    (`envs.fileops.MISTAKES`, recovered from, and `SLIPS`, not); None: every recovered
+    mistake, and the `other_op` slip when `noise_kinds` holds `other_op`. E.g. `[garble]`
+    collects the broken commands a small agent writes, so a simulator learns bash's errors."""
     task_seed: int | None = None
     """Seed of the tasks collected on (of `env.family`); None: the family's own seed (the
     agent's training tasks). Another seed collects on tasks the agent never trains on."""
@@ -267,6 +272,16 @@ class CollectConfig:
             "noise_kinds",
             f"a non-empty list drawn from {list(NOISE_KINDS)}",
         )
+        if self.fileops_mistakes is not None:
+            from envs.fileops import MISTAKES, SLIPS
+
+            validate.require(
+                bool(self.fileops_mistakes)
+                and all(m in MISTAKES + SLIPS for m in self.fileops_mistakes),
+                self,
+                "fileops_mistakes",
+                f"null or a non-empty list drawn from {list(MISTAKES + SLIPS)}",
+            )
         validate.integer(self, "commands", low=1)
         validate.integer(self, "task_seed", low=0, optional=True)
         validate.integer(self, "num_tasks", low=1, optional=True)

@@ -81,6 +81,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
         seed=cfg.run.seed,
         trial_marker=marker,
         commands=c.commands,
+        fileops_mistakes=c.fileops_mistakes,
     )
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")

@@ -52,6 +52,7 @@ class ScriptedAgentClient:
         trial_marker: str | None = None,
         adapt: bool = True,
         commands: int = 8,
+        fileops_mistakes: Sequence[str] | None = None,
     ):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
@@ -61,6 +62,16 @@ class ScriptedAgentClient:
                 f"{list(NOISE_KINDS)}"
             )
         self.noise_kinds = tuple(noise_kinds)
+        # A `fileops` episode's mistakes: those named, else every recovered one (and the
+        # `other_op` slip where the noise kinds hold it).
+        if fileops_mistakes is None:
+            fileops_mistakes = MISTAKES + (SLIPS if "other_op" in self.noise_kinds else ())
+        if not fileops_mistakes or any(m not in MISTAKES + SLIPS for m in fileops_mistakes):
+            raise ValueError(
+                f"fileops_mistakes={list(fileops_mistakes)!r} is invalid: a non-empty subset "
+                f"of {list(MISTAKES + SLIPS)}"
+            )
+        self.fileops_mistakes = tuple(fileops_mistakes)
         # Tasks with the same instruction (e.g. the same operation on a file's word) have the
         # same script: the plan depends only on what the instruction says.
         self.tasks = {t.instruction: t for t in tasks}
@@ -114,7 +125,7 @@ class ScriptedAgentClient:
             noise=self.noise,
             seed=self.seed,
             style="marker" if self.style == "marker" else "two_step",
-            mistakes=MISTAKES + (SLIPS if "other_op" in self.noise_kinds else ()),
+            mistakes=self.fileops_mistakes,
         )
         solver._step = min(turn, len(solver.commands))
         return solver.act(text.rsplit(f"{IM_START}user\n", 1)[-1])

@@ -11,6 +11,7 @@ import pytest
 from envs.config import FILEOPS_KINDS, FileopsConfig, TerminalConfig
 from envs.fileops import (
     MISTAKES,
+    SLIPS,
     FileopsSolver,
     fileops_truth,
     generate_fileops,
@@ -105,6 +106,15 @@ def test_bad_config_names_the_field():
 
     with pytest.raises(ValueError, match=r"EnvConfig.family='files' is invalid"):
         EnvConfig(family="files")
+    from launch.config.schema import CollectConfig
+    from rl.data import ByteTokenizer
+    from rl.orchestrator.scripted import ScriptedAgentClient
+
+    for bad in (["nap"], []):
+        with pytest.raises(ValueError, match=r"fileops_mistakes=.* drawn from \['early_read'"):
+            CollectConfig(fileops_mistakes=bad)
+        with pytest.raises(ValueError, match="fileops_mistakes"):
+            ScriptedAgentClient([], ByteTokenizer(), fileops_mistakes=bad)
 
 
 async def test_scripted_fileops_episodes_through_the_runner_in_real_bash():
@@ -132,10 +142,16 @@ async def test_scripted_fileops_episodes_through_the_runner_in_real_bash():
     assert len(trajs) == 6
     for t, task in zip(trajs, tasks, strict=True):
         validate(t)
-        assert t.status == "ok" and t.reward == 1.0, (task.instruction, t.status, t.reason)
-        mistake = FileopsSolver(task, noise=0.5, seed=1).mistake
-        assert len(t.turns) == len(plan(dict(task.reward.params))) + 1 + (mistake is not None)
-    assert any(FileopsSolver(t, noise=0.5, seed=1).mistake for t in tasks)
+        # The client's solver, as it draws its mistakes (the slips too: other_op is among the
+        # client's default noise kinds).
+        solver = FileopsSolver(task, noise=0.5, seed=1, mistakes=MISTAKES + SLIPS)
+        assert t.status == "ok", (task.instruction, t.status, t.reason)
+        assert [turn.command for turn in t.turns[:-1]] == solver.commands
+        if solver.mistake != "other_op":  # every other mistake is recovered from
+            assert t.reward == 1.0, (task.instruction, solver.commands)
+    assert any(
+        FileopsSolver(t, noise=0.5, seed=1, mistakes=MISTAKES + SLIPS).mistake for t in tasks
+    )
 
 
 async def test_marker_style_submits_the_last_commands_output_without_copying_it():
@@ -168,3 +184,40 @@ def test_fanout_reads_a_file_written_three_commands_before():
     for task in tasks:
         commands = plan(dict(task.reward.params))
         assert len(commands) == 4 and state_distances(commands)[-1] == 3, commands
+
+
+async def test_garbled_commands_fail_or_miss_in_real_bash_and_the_retry_still_solves():
+    """`garble`: the kinds of broken command the demo's agent wrote after RL in the simulator.
+    Each is run in real bash before the right one; whatever it printed or left behind, the
+    episode still reaches the truth, and most garbles fail (bash says so, as the simulator must
+    learn to)."""
+    from envs.fileops import GARBLES, _garble_once
+
+    tasks = generate_fileops(FileopsConfig(num_tasks=40, seed=8))
+    failed = episodes = 0
+    for i, task in enumerate(tasks):
+        solver = FileopsSolver(task, noise=1.0, seed=i, mistakes=("garble",))
+        steps = plan(dict(task.reward.params))
+        assert solver.mistake == "garble" and len(solver.commands) == len(steps) + 1
+        extra = [c for c in solver.commands if c not in steps]
+        assert len(extra) == 1, solver.commands
+        results, env = await solve(task, noise=1.0, seed=i, mistakes=("garble",))
+        assert results[-1].reward == 1.0, (task.instruction, solver.commands, env.submission)
+        garbled = results[solver.commands.index(extra[0])]
+        failed += garbled.info.get("exit_code", 0) != 0
+        episodes += 1
+    assert episodes == 40 and failed >= 24, f"only {failed} of 40 garbled commands failed"
+    # `collect.fileops_mistakes` reaches the scripted client's solver.
+    from rl.data import ByteTokenizer
+    from rl.orchestrator.scripted import ScriptedAgentClient
+
+    client = ScriptedAgentClient(tasks, ByteTokenizer(), noise=1.0, fileops_mistakes=["garble"])
+    assert client.fileops_mistakes == ("garble",)
+    # Every kind applies somewhere; an append is only ever broken in its name or its target.
+    import random
+
+    rng = random.Random(0)
+    chain_step, append_step = "head -n 2 input.txt > a.txt", "echo 'x-1' >> log.txt"
+    assert all(_garble_once(chain_step, k, rng) not in (None, chain_step) for k in GARBLES)
+    allowed = {k for k in GARBLES if _garble_once(append_step, k, rng) is not None}
+    assert allowed == {"bad_name", "stutter"}
