@@ -19,7 +19,14 @@ async def collect_demos(
 ) -> list:
     """`warm_start.num_demos` scripted episodes (marker style) over `tasks`, in the real shell
     of `backends`: experts, with `warm_start.noise` of them imperfect (those are kept: they
-    are the demonstrations). Returns the usable ones."""
+    are the demonstrations). Returns the usable ones.
+
+    `warm_start.noise_kinds` name the imperfect demonstrations' mistakes in every family: on
+    `fileops` tasks, `other_op` is a step run with another transformation (never fixed) and
+    `typo` a misspelt command then the right one, so the default (`[other_op]`) gives a warm
+    start that picks a wrong transformation about `noise` of the time, which RL can fix, as
+    on textops."""
+    from envs.fileops import MISTAKES, SLIPS
     from rl.orchestrator.runner import RolloutRunner
     from rl.orchestrator.scripted import ScriptedAgentClient, feedback_marker
 
@@ -42,6 +49,7 @@ async def collect_demos(
         # Multi-trial demonstrations restart their script after each feedback and, on a
         # hidden-operation task, do what the checker's verdict names: they adapt.
         trial_marker=feedback_marker(terminal.trial_feedback_template),
+        fileops_mistakes=[k for k in warm_start.noise_kinds if k in MISTAKES + SLIPS] or None,
     )
     runner = RolloutRunner(ocfg, terminal, renderer, backends, client=client)
     n = warm_start.num_demos

@@ -221,3 +221,33 @@ async def test_garbled_commands_fail_or_miss_in_real_bash_and_the_retry_still_so
     assert all(_garble_once(chain_step, k, rng) not in (None, chain_step) for k in GARBLES)
     allowed = {k for k in GARBLES if _garble_once(append_step, k, rng) is not None}
     assert allowed == {"bad_name", "stutter"}
+
+
+async def test_warm_start_demonstrations_make_the_mistakes_its_noise_kinds_name():
+    """The warm start's `noise_kinds` name its fileops demonstrations' mistakes: the default
+    `[other_op]` gives chains with one wrong transformation (RL has something to fix), never
+    a recovered mistake; `[typo]` a misspelt command then the right one."""
+    from envs.local import LocalShell
+    from rl.data import ByteTokenizer, ChatRenderer
+    from rl.orchestrator.config import OrchestratorConfig
+    from rl.orchestrator.runner import Backends
+    from rl.session.demos import collect_demos
+    from rl.train.config import WarmStartConfig
+
+    tasks = generate_fileops(FileopsConfig(num_tasks=8, seed=9, kinds=["chain"]))
+    renderer = ChatRenderer(ByteTokenizer())
+    backends = Backends(real=lambda task: LocalShell(setup=task.setup))
+    orch = OrchestratorConfig(max_context_tokens=4096, max_tokens_per_turn=256)
+    for kinds, n_commands in ((["other_op"], 3), (["typo"], 4)):
+        ws = WarmStartConfig(num_demos=8, noise=1.0, noise_kinds=kinds)
+        demos = await collect_demos(ws, orch, TERMINAL, renderer, backends, tasks, seed=3)
+        assert len(demos) == 8
+        for d in demos:
+            task = next(t for t in tasks if t.id == d.task_id)
+            steps = plan(dict(task.reward.params))
+            commands = [turn.command for turn in d.turns]
+            assert len(commands) == n_commands and commands[-1].endswith(steps[-1]), commands
+            if kinds == ["other_op"]:  # one transformation swapped, never fixed
+                assert sum(c != s for c, s in zip(commands[:2], steps[:2])) == 1, commands
+            else:  # a misspelt command, then the plan
+                assert d.reward == 1.0 and len(set(commands) - set(steps)) == 2, commands
