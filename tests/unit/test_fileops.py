@@ -248,6 +248,8 @@ async def test_warm_start_demonstrations_make_the_mistakes_its_noise_kinds_name(
             commands = [turn.command for turn in d.turns]
             assert len(commands) == n_commands and commands[-1].endswith(steps[-1]), commands
             if kinds == ["other_op"]:  # one transformation swapped, never fixed
-                assert sum(c != s for c, s in zip(commands[:2], steps[:2])) == 1, commands
+                assert sum(c != s for c, s in zip(commands[:2], steps[:2], strict=True)) == 1, (
+                    commands
+                )
             else:  # a misspelt command, then the plan
                 assert d.reward == 1.0 and len(set(commands) - set(steps)) == 2, commands
