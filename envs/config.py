@@ -521,9 +521,14 @@ class FileopsConfig:
     """Most lines of a `chain` task's input (and of an `append` task's log)."""
     distractors: int = 2
     """Files beside the task's own that no step reads or writes."""
+    max_k: int | None = None
+    """Most lines a `head` or `tail` step keeps (`its first K lines`); None: up to the input's
+    lines minus one. 2 makes every such step keep 2, so the instruction's number never needs
+    copying (what the demo's tiny byte-level agent cannot learn, 2026-12-06); at least 2."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "num_tasks", "min_lines", "max_lines")
+        validate.integer(self, "max_k", low=2, optional=True)
         validate.integer(self, "seed", "distractors", low=0)
         kinds = self.kinds
         validate.require(

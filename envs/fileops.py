@@ -110,11 +110,15 @@ def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
     return out
 
 
-def _transform_step(rng: random.Random, op: str, lines: list[str]) -> dict:
-    """A step of `op` (with a line count `k` for head and tail) on a file of `lines`."""
+def _transform_step(
+    rng: random.Random, op: str, lines: list[str], max_k: int | None = None
+) -> dict:
+    """A step of `op` (with a line count `k` for head and tail, at most `max_k`) on a file of
+    `lines`."""
     step: dict = {"op": op}
     if op in ("head", "tail"):
-        step["k"] = rng.randint(2, max(2, len(lines) - 1))
+        top = len(lines) - 1 if max_k is None else min(max_k, len(lines) - 1)
+        step["k"] = rng.randint(2, max(2, top))
     return step
 
 
@@ -123,7 +127,7 @@ def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str]
     steps: list[dict] = []
     for _ in range(2):
         op = rng.choice([o for o in TRANSFORMS if not steps or o != steps[-1]["op"]])
-        steps.append(_transform_step(rng, op, lines))
+        steps.append(_transform_step(rng, op, lines, cfg.max_k))
     prop = rng.choice(PROPERTIES)
     params = {"kind": "chain", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}
@@ -166,7 +170,7 @@ def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
 
 def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
     lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
-    steps = [_transform_step(rng, op, lines) for op in rng.sample(list(TRANSFORMS), 3)]
+    steps = [_transform_step(rng, op, lines, cfg.max_k) for op in rng.sample(list(TRANSFORMS), 3)]
     prop = rng.choice(PROPERTIES)
     params = {"kind": "fanout", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}

@@ -37,7 +37,9 @@ def replay_length(t: Trajectory) -> int:
     return sum(len(idx) - 1 for idx, _, _ in replay_segments(t))
 
 
-def pack_rows(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> list[list[int]] | None:
+def pack_rows(
+    episodes: Sequence[Trajectory], *, rows: int, seq_len: int, dense: bool = False
+) -> list[list[int]] | None:
     """Which episodes (by index) go in each row; None when they do not fit in `rows`.
 
     One episode per row while there are no more episodes than rows. Otherwise the segments of
@@ -46,12 +48,17 @@ def pack_rows(episodes: Sequence[Trajectory], *, rows: int, seq_len: int) -> lis
     rollouts in one row: a row then holds one rollout's advantage and `rollout_mean` weights
     stay per rollout. A segment longer than `seq_len` keeps a row to itself (and is cut, as
     any long episode is). Packing changes only what sits side by side in a row: each segment
-    keeps its own segment ids and positions, so no token attends across segments."""
-    if len(episodes) <= rows:
+    keeps its own segment ids and positions, so no token attends across segments.
+
+    `dense`: every episode is packed so, whoever's rollout it is (as few rows as fit, even
+    with fewer episodes than rows): for losses whose value does not depend on which tokens
+    share a row (`token_mean`), so the trainer can take fewer rows."""
+    if len(episodes) <= rows and not dense:
         return [[i] for i in range(len(episodes))]
     by_rollout: dict[str, list[int]] = {}
     for i, t in enumerate(episodes):
-        by_rollout.setdefault(t.rollout_id or f"\0row{i}", []).append(i)
+        key = "" if dense else (t.rollout_id or f"\0row{i}")
+        by_rollout.setdefault(key, []).append(i)
     layout: list[list[int]] = []
     for members in by_rollout.values():
         bins: list[tuple[int, list[int]]] = []  # (free positions, episodes)

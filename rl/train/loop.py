@@ -549,6 +549,7 @@ async def rl_loop(
                     cfg=loss_cfg,
                     version=version,  # the trainer's own: staleness is measured against it
                     pad_id=pad_id,
+                    row_multiple=trainer.row_multiple,
                 )
                 if stats.truncated_context and not warned_context:
                     warned_context = True
@@ -566,6 +567,17 @@ async def rl_loop(
                         example,
                     )
                 if multi:  # process 0's batch, on every process (each places its own rows)
+                    # Its row count first: a densely packed batch takes only the rows it needs.
+                    n = await asyncio.to_thread(
+                        multihost.broadcast,
+                        np.asarray(len(batch["tokens"]), np.int32),
+                        name=f"rl batch {step} rows",
+                        timeout_s=batch_timeout_s,
+                    )
+                    if not multihost.is_primary():  # shapes to receive into (values unused)
+                        batch = {
+                            k: np.zeros((int(n), *v.shape[1:]), v.dtype) for k, v in batch.items()
+                        }
                     batch = await asyncio.to_thread(
                         multihost.broadcast,
                         batch,

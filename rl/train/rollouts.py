@@ -196,10 +196,19 @@ def build_rl_batch(
     cfg: PolicyLossConfig,
     version: int,
     pad_id: int = 0,
+    row_multiple: int | None = None,
 ) -> tuple[dict[str, np.ndarray], BatchStats]:
     """`[rows, seq_len]` arrays `tokens, targets, loss_mask, segment_ids, positions,
     behavior_logprobs, advantages` from `episodes` (unusable ones are skipped and counted;
-    extra episodes beyond `rows` are an error, the loop sizes batches)."""
+    extra episodes beyond `rows` are an error, the loop sizes batches).
+
+    `row_multiple` (the trainer's data-parallel size x gradient accumulation): where the loss
+    is the mean over the batch's tokens (`token_mean`, not Dr.GRPO's constant) and no episode
+    carries compaction epochs, the episodes are packed densely (`pack_rows(dense=True)`) and
+    the batch takes only `row_multiple x 2^i` rows, the fewest such that hold them (at most
+    `rows`): the same loss and gradient from a fraction of the positions. A few row counts
+    means a few compiled step shapes. Multi-turn episodes fill ~a third of a row sized for the
+    longest context, so this halves the step."""
     stats = BatchStats(episodes=len(episodes))
     stats.truncated_context = sum(
         t.status == "truncated" and (t.reason or "").startswith("context full") for t in episodes
@@ -212,12 +221,20 @@ def build_rl_batch(
             skipped[reason] += 1
         else:
             used.append(t)
-    layout = pack_rows(used, rows=rows, seq_len=seq_len)
+    dense = (
+        row_multiple is not None
+        and cfg.aggregation == "token_mean"
+        and cfg.advantage != "drgrpo"
+        and not any(t.kv_epochs for t in used)
+    )
+    layout = pack_rows(used, rows=rows, seq_len=seq_len, dense=dense)
     if layout is None:
         raise ValueError(
             f"{len(used)} usable episodes do not fit in {rows} rows, even with the segments of "
             "each rollout packed together"
         )
+    if dense:
+        rows = dense_rows(len(layout), row_multiple, rows)
     stats.skipped, stats.used = dict(skipped), len(used)
     T = seq_len
     batch = {
@@ -305,6 +322,17 @@ def build_rl_batch(
         keys = [used[members[0]] for members in layout]
         batch["rollout_tokens"] = rollout_tokens(keys, batch["loss_mask"], rows=rows)
     return batch, stats
+
+
+def dense_rows(needed: int, multiple: int, rows: int) -> int:
+    """The fewest rows of the form `multiple x 2^i` that hold `needed` (`rows` where that
+    is more than `rows`, or where `rows` is not a multiple of `multiple`)."""
+    if multiple <= 0 or rows % multiple:
+        return rows
+    out = multiple
+    while out < needed:
+        out *= 2
+    return min(out, rows)
 
 
 def rollout_tokens(

@@ -298,9 +298,15 @@ class Trainer:
         }
         return grads, metrics
 
+    @property
+    def row_multiple(self) -> int:
+        """What a batch's row count must be a multiple of: the data-parallel devices times
+        the micro-batches of gradient accumulation."""
+        return data_parallel_size(self.mesh) * self.optim_cfg.grad_accum
+
     def device_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         rows = next(iter(batch.values())).shape[0]
-        dp = data_parallel_size(self.mesh) * self.optim_cfg.grad_accum
+        dp = self.row_multiple
         if rows % dp:
             raise ValueError(
                 f"batch of {rows} rows does not split over {data_parallel_size(self.mesh)} "

@@ -745,3 +745,50 @@ def test_greedy_exact_is_greedy_decoding_in_one_forward(shared_a):
     ((n, batch),) = padded_batches(rows, batch_size=4, pad_id=0)
     assert n == 3 and batch["tokens"].shape == (4, 12)
     assert np.asarray(trainer.greedy_exact(batch)).tolist()[:3] == [True, True, False]
+
+
+def test_a_densely_packed_rl_batch_gives_each_token_the_logprob_it_has_alone(run_a):
+    """`build_rl_batch(row_multiple=...)` puts several episodes in a row: each must see only
+    itself (its segment ids and positions), so every trained token's log-probability is the
+    one it gets in a row of its own, and a `token_mean` loss over the batch is unchanged."""
+    from rl.data.trajectory import Trajectory, Turn
+    from rl.train.rollouts import build_rl_batch
+
+    rng = np.random.default_rng(7)
+    eps = []
+    for i in range(6):
+        n_prompt, n_gen = 5 + i, 4 + (i % 3)
+        ids = rng.integers(1, VALID, n_prompt + n_gen).tolist()
+        eps.append(
+            Trajectory(
+                task_id=f"t{i % 2}", arm="real", env_backend="local", status="ok",
+                reward=float(i % 2), group_id=f"g{i % 2}", turns=[Turn(agent_text="x", command="ls",
+                token_span=(n_prompt, n_prompt + n_gen))], source="sampler", token_ids=ids,
+                loss_mask=[0] * n_prompt + [1] * n_gen,
+                behavior_logprobs=[None] * n_prompt + [-1.0] * n_gen,
+                policy_version=[None] * n_prompt + [0] * n_gen, tokenizer="byte",
+            )
+        )  # fmt: skip
+    cfg = PolicyLossConfig()
+    sparse, _ = build_rl_batch(eps, rows=8, seq_len=T, cfg=cfg, version=0)
+    dense, _ = build_rl_batch(eps, rows=8, seq_len=T, cfg=cfg, version=0, row_multiple=2)
+    assert dense["tokens"].shape == (4, T)
+    assert max(len(set(r.tolist()) - {0}) for r in dense["segment_ids"]) >= 2
+
+    def by_target(batch):
+        lp = np.asarray(run_a.trainer.logprobs(batch), np.float64)
+        m = batch["loss_mask"].astype(bool)
+        out = {}
+        for r in range(len(m)):
+            for s in set(batch["segment_ids"][r][m[r]].tolist()):
+                at = m[r] & (batch["segment_ids"][r] == s)
+                out[tuple(batch["targets"][r][at].tolist())] = lp[r][at]
+        return out
+
+    want, got = by_target(sparse), by_target(dense)
+    assert sorted(got) == sorted(want) and len(got) == len(eps)
+    # The same float32 forward over the same keys, the masked ones adding exact zeros; only the
+    # order of the sums over the row (T terms, ~|log p| each) may differ: T ulps of |log p|.
+    scale = max(np.abs(v).max() for v in want.values())
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=0, atol=T * EPS32 * scale)

@@ -473,3 +473,56 @@ def test_multi_trial_batches_report_success_by_trial_and_context_truncations():
     assert d["adaptation_delta"] == 0.25 and "trials" not in d
     _, single = build_rl_batch([make_traj()], rows=1, seq_len=32, cfg=CFG, version=0)
     assert "adaptation_delta" not in single.to_dict() and single.truncated_context == 0
+
+
+# ----- dense packing (fewer rows for token_mean) -----------------------------------------------
+
+
+def _segments_by_target(batch):
+    """{first target id of a segment: (tokens, targets, loss_mask, advantages, behavior
+    logprobs, positions)} over every segment of every row."""
+    out = {}
+    for r in range(len(batch["tokens"])):
+        seg = batch["segment_ids"][r]
+        for s in sorted(set(seg.tolist()) - {0}):
+            at = seg == s
+            key = int(batch["targets"][r][at][0])
+            assert key not in out
+            out[key] = tuple(
+                batch[k][r][at].tolist()
+                for k in ("tokens", "targets", "loss_mask", "advantages", "behavior_logprobs",
+                          "positions")
+            )  # fmt: skip
+    return out
+
+
+def test_dense_packing_holds_every_episode_as_one_per_row_does_in_fewer_rows():
+    from rl.train.rollouts import dense_rows
+
+    assert [dense_rows(n, 4, 64) for n in (0, 1, 4, 5, 9, 17, 33, 64)] == [
+        4, 4, 4, 8, 16, 32, 64, 64]  # fmt: skip
+    assert dense_rows(3, 4, 6) == 6  # rows not a multiple: never shrink
+    assert dense_rows(40, 8, 48) == 48  # the ladder's 64 is more than the rows: all of them
+    # 12 episodes of 2 groups (9-15 positions each) over 16 rows of 40 positions.
+    eps = [
+        make_traj(gens=((3 + i % 4, 0), (2 + i % 3, 0)), reward=float(i % 2), group=f"g{i % 2}",
+                  task=f"t{i % 2}", first_id=1000 * (i + 1))
+        for i in range(12)
+    ]  # fmt: skip
+    cfg = PolicyLossConfig()  # grpo, token_mean
+    sparse, s_stats = build_rl_batch(eps, rows=16, seq_len=40, cfg=cfg, version=0)
+    dense, d_stats = build_rl_batch(eps, rows=16, seq_len=40, cfg=cfg, version=0, row_multiple=2)
+    assert sum(replay_length(t) for t in eps) == 138  # 4 rows of 40 at least
+    assert len(pack_rows(eps, rows=16, seq_len=40, dense=True)) == 4
+    assert dense["tokens"].shape == (4, 40) and sparse["tokens"].shape == (16, 40)
+    # The same segments, token for token, with the same advantages: token_mean is a sum over
+    # them divided by their count, whichever row each sits in.
+    assert _segments_by_target(dense) == _segments_by_target(sparse)
+    assert int(dense["loss_mask"].sum()) == int(sparse["loss_mask"].sum())
+    assert d_stats.to_dict() == s_stats.to_dict()
+    # Rows hold several episodes, each its own segment (no token attends across them).
+    assert max(len(set(r.tolist()) - {0}) for r in dense["segment_ids"]) >= 3
+    # Losses whose value depends on the rows keep one episode per row.
+    for other in (PolicyLossConfig(aggregation="seq_mean"), PolicyLossConfig(advantage="drgrpo")):
+        kept, _ = build_rl_batch(eps, rows=16, seq_len=40, cfg=other, version=0, row_multiple=2)
+        assert kept["tokens"].shape == (16, 40)
