@@ -373,9 +373,10 @@ class DemoConfig:
             "--collect.num_tasks", "480",
             "--train_sim.steps", "200",
             "--train_sim.eval_every", "0",
-            "--env.fileops.num_tasks", "512",
-            "--train_agent.warm_start.num_demos", "384",
-            "--train_agent.warm_start.steps", "1200",
+            "--env.fileops.max_k", "2",
+            "--env.fileops.num_tasks", "2048",
+            "--train_agent.warm_start.num_demos", "1536",
+            "--train_agent.warm_start.steps", "600",
             "--train_agent.warm_start.data.seq_len", "1024",
             "--train_agent.warm_start.data.batch_size", "4",
             "--eval_sim.depth_edges", "[1, 2, 3, 4, 5, 6, 7, 8]",
@@ -387,12 +388,15 @@ class DemoConfig:
     wrote): the workspace-mode simulator pretrained for the family, the turns and contexts
     multi-turn episodes need, a cap on the simulator's reply that holds its changes (not one
     derived from the observations alone), one fidelity row per depth. The tiny byte-level
-    agent gets `chain` only: the other kinds make it copy words and names it cannot yet. Its
-    warm start sees 384 demonstrations over 512 training tasks for 1,200 steps: at the
-    textops demo's 300 it had not yet learnt to read the instruction (0.089 held-out success,
-    its first transformation right 36 of 188 times, chance 1 in 6; 0.615 after 1,200,
-    2026-12-06). They come after the config file and before `--quick`'s and the user's
-    overrides."""
+    agent gets `chain` only, with every `head`/`tail` keeping 2 lines (`max_k`): the other
+    kinds make it copy words and names, and the line counts numbers, that it cannot learn to
+    copy (it wrote the instruction's count a third of the time, and RL never changed that).
+    Its warm start sees 1,536 demonstrations (one per training task: at 384 over 1,200 steps
+    it learnt their mistakes by heart) for 600 steps: 0.693 held-out success, its mistakes
+    choices RL can fix (a wrong transformation or property; 0.885 after 1,200 steps, too
+    little left to gain; at 300 steps it had not learnt to read the instruction). RL in the
+    real shell from there: 0.865 (2026-12-06). They come after the config file and before
+    `--quick`'s and the user's overrides."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""
