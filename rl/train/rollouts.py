@@ -205,10 +205,10 @@ def build_rl_batch(
     `row_multiple` (the trainer's data-parallel size x gradient accumulation): where the loss
     is the mean over the batch's tokens (`token_mean`, not Dr.GRPO's constant) and no episode
     carries compaction epochs, the episodes are packed densely (`pack_rows(dense=True)`) and
-    the batch takes only `row_multiple x 2^i` rows, the fewest such that hold them (at most
-    `rows`): the same loss and gradient from a fraction of the positions. A few row counts
-    means a few compiled step shapes. Multi-turn episodes fill ~a third of a row sized for the
-    longest context, so this halves the step."""
+    the batch takes only the rows they need (`dense_rows`: in steps of an eighth of `rows`):
+    the same loss and gradient from a fraction of the positions. A few row counts means a few
+    compiled step shapes. 64 multi-turn `fileops` episodes (~700 tokens each, up to 1,536)
+    pack into ~35 rows of 1,536: the step takes 40 rows instead of 64."""
     stats = BatchStats(episodes=len(episodes))
     stats.truncated_context = sum(
         t.status == "truncated" and (t.reason or "").startswith("context full") for t in episodes
@@ -325,14 +325,18 @@ def build_rl_batch(
 
 
 def dense_rows(needed: int, multiple: int, rows: int) -> int:
-    """The fewest rows of the form `multiple x 2^i` that hold `needed` (`rows` where that
-    is more than `rows`, or where `rows` is not a multiple of `multiple`)."""
+    """The fewest rows that hold `needed` packed rows, in steps of an eighth of `rows` (rounded
+    to `multiple`; below the first step, `multiple x 2^i`): few step shapes to compile.
+    `rows` where `rows` is not a multiple of `multiple`."""
     if multiple <= 0 or rows % multiple:
         return rows
-    out = multiple
-    while out < needed:
-        out *= 2
-    return min(out, rows)
+    step = max(multiple, rows // 8 // multiple * multiple)
+    if needed <= step:
+        out = multiple
+        while out < needed:
+            out *= 2
+        return min(out, step)
+    return min(rows, -(-needed // step) * step)
 
 
 def rollout_tokens(

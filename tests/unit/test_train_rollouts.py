@@ -499,10 +499,12 @@ def _segments_by_target(batch):
 def test_dense_packing_holds_every_episode_as_one_per_row_does_in_fewer_rows():
     from rl.train.rollouts import dense_rows
 
-    assert [dense_rows(n, 4, 64) for n in (0, 1, 4, 5, 9, 17, 33, 64)] == [
-        4, 4, 4, 8, 16, 32, 64, 64]  # fmt: skip
+    # Steps of 8 (an eighth of 64), and below 8 the powers of two times 4.
+    assert [dense_rows(n, 4, 64) for n in (0, 1, 4, 5, 8, 9, 17, 33, 57, 64)] == [
+        4, 4, 4, 8, 8, 16, 24, 40, 64, 64]  # fmt: skip
     assert dense_rows(3, 4, 6) == 6  # rows not a multiple: never shrink
-    assert dense_rows(40, 8, 48) == 48  # the ladder's 64 is more than the rows: all of them
+    assert dense_rows(17, 8, 48) == 24  # an eighth of 48 is 6: steps of the multiple, 8
+    assert dense_rows(3, 1, 16) == 4 and dense_rows(5, 1, 16) == 6  # steps of 2
     # 12 episodes of 2 groups (9-15 positions each) over 16 rows of 40 positions.
     eps = [
         make_traj(gens=((3 + i % 4, 0), (2 + i % 3, 0)), reward=float(i % 2), group=f"g{i % 2}",
