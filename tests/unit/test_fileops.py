@@ -86,15 +86,14 @@ def test_tasks_are_seeded_and_the_held_out_split_is_prefix_stable():
 
 
 def test_max_k_caps_the_lines_head_and_tail_keep():
-    def ks(cfg):
-        tasks = generate_fileops(cfg)
+    def ks(tasks):
         return [s["k"] for t in tasks for s in t.reward.params.get("steps", []) if "k" in s]
 
     base = FileopsConfig(num_tasks=80, seed=5, kinds=["chain", "fanout"], max_lines=6)
-    assert max(ks(base)) == 5  # up to the input's lines minus one
-    assert set(ks(dataclasses.replace(base, max_k=3))) == {2, 3}
+    assert max(ks(generate_fileops(base))) == 5  # up to the input's lines minus one
+    assert set(ks(generate_fileops(dataclasses.replace(base, max_k=3)))) == {2, 3}
     two = generate_fileops(dataclasses.replace(base, max_k=2))
-    assert set(ks(dataclasses.replace(base, max_k=2))) == {2}
+    assert set(ks(two)) == {2}
     said = [n for t in two for n in re.findall(r"its (?:first|last) (\d+) lines", t.instruction)]
     assert said and set(said) == {"2"}
     with pytest.raises(ValueError, match=r"max_k=1 is invalid: an integer >= 2"):
