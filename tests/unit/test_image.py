@@ -275,8 +275,8 @@ def test_the_refresh_writes_a_file_that_pins_each_side_its_own_versions():
     ("old", "new"),
     [
         (
-            "$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e .\n",
-            "$(BIN)/python -m pip install -q -e .\n",
+            "$(BIN)/python -m pip install -q --no-compile -c $(CONSTRAINTS) -e .\n",
+            "$(BIN)/python -m pip install -q --no-compile -e .\n",
         ),
         ("-c $(CONSTRAINTS) -e '.[test]'", "-e '.[test]'"),
         ("$(BASE_STAMP): pyproject.toml $(CONSTRAINTS)", "$(BASE_STAMP): pyproject.toml"),
