@@ -23,9 +23,9 @@ halved to 48 tasks to keep the suite's minutes; on 48, 0.656 -> 0.854 (gain 0.19
 lower 99% bound 0.138). On 2026-12-06, to keep the suite's minutes, 12 steps: at lr 3e-4 they
 gave 0.656 -> 0.807 (gain 0.151, lower bound 0.092), at 5e-4 0.656 -> 0.870 (gain 0.214, se
 0.032, lower bound 0.140; every operation up: reverse 0.59 -> 0.83, sort 0.81 -> 0.94, upper
-0.67 -> 0.89), the margin 16 steps at 3e-4 had. A shorter warm start does not make a cheaper test: 120 SFT
-steps left an agent at 0.37 that 10 RL steps took only to 0.44 (it still wrote malformed
-commands, which RL fixes slowly)."""
+0.67 -> 0.89), the margin 16 steps at 3e-4 had. A shorter warm start does not make a
+cheaper test: 120 SFT steps left an agent at 0.37 that 10 RL steps took only to 0.44 (it
+still wrote malformed commands, which RL fixes slowly)."""
 
 from __future__ import annotations
 
