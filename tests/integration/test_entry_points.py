@@ -54,7 +54,7 @@ def test_installed_demo_script_checks_its_arguments_first():
 @pytest.mark.slow
 def test_model_bench_runs_and_reports_numbers(tmp_path):
     out = tmp_path / "bench.json"
-    env = user_env()  # one CPU device, as a user
+    env = user_env(cheap_compile=True)  # one CPU device, as a user
     subprocess.run(
         [sys.executable, "bench/model_forward.py", "--sizes", "tiny", "--repeats", "1",
          "--seq", "32", "--prompt", "8", "--decode-steps", "4", "--json", str(out)],

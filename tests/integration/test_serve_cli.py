@@ -43,7 +43,7 @@ def _request(url: str, body: dict | None = None) -> tuple[int, dict]:
 
 @pytest.mark.slow
 def test_simloop_serve_answers_and_stops_on_sigterm(tmp_path):
-    env = user_env()  # one CPU device, as a user
+    env = user_env(cheap_compile=True)  # one CPU device, as a user
     env["JAX_PLATFORMS"] = "cpu"
     stderr = (tmp_path / "serve.err").open("w")
     proc = subprocess.Popen(

@@ -29,7 +29,7 @@ SIMLOOP = Path(sys.executable).parent / "simloop"
 
 @pytest.fixture(scope="module")
 def server_url():
-    env = user_env()
+    env = user_env(cheap_compile=True)
     proc = subprocess.Popen(
         [SIMLOOP, "serve", "--preset", "tiny", "--port", "0", "--max-seq-len", "1024",
          "--num-slots", "4"],
