@@ -48,35 +48,24 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 # The files whose module fixtures run whole jobs (minutes each) go first: under `make test`'s
 # two workers (one file per worker at a time) a long file started last would leave the other
 # worker idle at the end.
-LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026-12-06)
-    "test_demo.py",  # ~215 (demo --quick, the gating experiment, a rerun)
-    "test_npm_harnesses.py",  # ~145 (npm installs when not cached; 14-18k-token prompts)
-    "test_train_agent.py",  # ~125 (the learning criterion)
-    "test_multihost.py",  # ~115 (SFT as one and as two processes, a killed process; RL)
-    "test_harness.py",  # ~115 (mini-swe-agent, and train-agent through it)
-    "test_entry_points.py",  # ~105 (the bench smoke runs)
-    "test_train_cli.py",  # ~85
-    "test_replica_restart.py",  # ~75
-    "test_rehearse.py",  # ~75 (gke-v6e-32's eight pods on CPU)
-    "test_pretrain_sim.py",  # ~70
-    "test_vllm_backend_e2e.py",  # ~55
-    "test_rollout_e2e.py",  # ~50
-    # The longest unit-test files go next, before the hundred short ones: handed out last,
-    # one of them kept a worker busy while the other had nothing left (the last two minutes
-    # of the suite ran at ~80% of the two cores).
-    "test_engine.py",  # ~27
-    "test_train_core.py",  # ~25
-    "test_compaction_parity.py",  # ~24
-    "test_simulated_shell_live.py",  # ~22
-    "test_chip_plan_cpu.py",  # ~21
-    "test_bench_sessions.py",  # ~17
-    "test_speculate.py",  # ~16
-    "test_fileops.py",  # ~16
-    "test_checkpoint_hardening.py",  # ~16
-    "test_model.py",  # ~15
-    "test_pool_sessions.py",  # ~12
-    "test_compile_cache.py",  # ~12
-    "test_middleware_cli.py",  # ~10
+LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026-12-05)
+    "test_demo.py",  # ~290 (demo --quick, the gating experiment, a rerun)
+    "test_multihost.py",  # ~215 (SFT as one and as two processes, a killed process; RL)
+    "test_train_agent.py",  # ~210 (the learning criterion)
+    "test_entry_points.py",  # ~195 (the bench smoke runs)
+    "test_npm_harnesses.py",  # ~160 (npm installs when not cached; 14-18k-token prompts)
+    "test_harness.py",  # ~155 (mini-swe-agent, and train-agent through it)
+    "test_replica_restart.py",  # ~130
+    "test_train_cli.py",  # ~105
+    "test_vllm_backend_e2e.py",  # ~100
+    "test_rehearse.py",  # ~90 (gke-v6e-32's eight pods on CPU)
+    "test_rollout_e2e.py",  # ~65
+    "test_pretrain_sim.py",  # ~55
+    "test_simulated_shell_live.py",  # ~35
+    "test_compaction_parity.py",  # ~35
+    "test_chip_plan_cpu.py",  # ~30
+    "test_bench_sessions.py",  # ~20
+    "test_pool_sessions.py",  # ~15
 )
 
 
