@@ -527,7 +527,7 @@ class LocalShell(ShellLifecycle):
                 left = await asyncio.to_thread(kill_uid, self._uid)
                 if left:  # acquire sweeps again before anyone reuses it
                     log.warning("LocalShell: uid %d still runs %s at close", self._uid, left)
-                UIDS.release(self._uid)
+                UIDS.release(self._uid, clean=not left)
 
 
 if __name__ == "__main__":  # python -m envs.local: what containment this machine gives a shell

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 import envs.local as local_mod
+import envs.local_uids as local_uids
 from envs.config import LocalShellConfig
 from envs.local import LocalShell, detect_isolation, sweep_stale_workspaces
+from envs.local_uids import UidSlots
 from envs.shell import ShellError
 from launch.deploy.processes import local_server_args
 from launch.jobs import serve
@@ -271,6 +273,52 @@ async def test_a_uid_is_handed_out_only_once_nothing_of_it_runs():
         stray.kill()
         stray.wait()
     assert _procs_of_uid(uid) == []  # close waited for its processes to be gone
+
+
+def _locked_elsewhere(uid: int) -> bool:
+    """Whether another process finds `uid`'s lock file taken."""
+    probe = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "except BlockingIOError: sys.exit(3)"
+    )
+    path = os.path.join(UidSlots._folder(), f"{uid}.lock")
+    code = subprocess.run([sys.executable, "-c", probe, path], timeout=30).returncode
+    assert code in (0, 3)
+    return code == 3
+
+
+def test_a_cleanly_closed_uid_stays_held_and_is_reused_without_a_sweep(monkeypatch):
+    """Each sweep reads every process's status; a uid this process held the whole time and
+    found empty at close needs none, and no other process can take it meanwhile. A uid given
+    back with processes left loses its lock: whoever takes it next sweeps it."""
+    sweeps = []
+    monkeypatch.setattr(local_uids, "pids_of_uid", lambda uid: sweeps.append(uid) or [])
+    base = 3_200_000 + os.getpid() % 64
+    slots = UidSlots()
+    uid = slots.acquire(base, 2)
+    assert (uid, sweeps) == (base, [base])
+    slots.release(uid, clean=True)
+    assert _locked_elsewhere(uid)
+    assert slots.acquire(base, 2) == uid and sweeps == [base]  # taken back, no sweep
+    other = slots.acquire(base, 2)
+    assert other == base + 1 and sweeps == [base, base + 1]
+    slots.release(uid)  # not clean: the lock goes
+    assert not _locked_elsewhere(uid)
+    assert slots.acquire(base, 2) == uid and sweeps == [base, base + 1, base]
+    slots.release(uid, clean=True)
+    slots.release(other, clean=True)
+    assert slots.acquire(base + 1, 1) == other  # the idle pool honours the asked range
+
+
+def test_the_status_scan_finds_a_process_by_its_real_uid():
+    me = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert me.pid in local_uids.pids_of_uid(os.getuid())
+        assert me.pid not in local_uids.pids_of_uid(os.getuid() + 12345)
+    finally:
+        me.kill()
+        me.wait()
 
 
 def _read(path: Path) -> str:
