@@ -76,7 +76,11 @@ browser:
 # `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
 
-test: lint browser
+# Debian's chromium installs (when missing: ~10 s of apt on a fresh machine) while pip fills the
+# venv and the linters run; pytest starts once both are done.
+test:
+	@$(MAKE) --no-print-directory browser & browser=$$!; \
+	$(MAKE) --no-print-directory lint; lint=$$?; wait $$browser; exit $$lint
 	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 demo: $(BASE_STAMP)
