@@ -66,16 +66,17 @@ class Checkpointer:
 
         self.directory = Path(directory).absolute()
         self.cfg = cfg
-        # Rotation is ours (`_seal`): Orbax's would delete old checkpoints before the new
-        # one is known to be sound.
-        # Orbax 0.12 creates a save's directories in the background by default, beside the
-        # array writes; under a loaded CPU a write once made the item's directory first, and
-        # the creation then found it "left over" and deleted it under the writer ("Directory
-        # not empty", a failed save; 2026-12-06). Creating them in `save` costs a few mkdirs.
         options = ocp.CheckpointManagerOptions(
+            # Rotation is ours (`_seal`): Orbax's would delete old checkpoints before the new
+            # one is known to be sound.
             max_to_keep=None,
             enable_async_checkpointing=cfg.async_save,
             create=True,
+            # Orbax 0.12 creates a save's directories in the background by default, beside
+            # the array writes; under a loaded CPU a write once made the item's directory
+            # first, and the creation then took it for a leftover and deleted it under the
+            # writer ("Directory not empty", a failed save; 2026-12-06). Made in `save`, they
+            # cost a few mkdirs.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         self._ocp = ocp
