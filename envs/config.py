@@ -259,13 +259,6 @@ class SimulatedShellConfig:
     state, nothing is executed. `simloop train-sim` builds its examples the same way, from
     the real workspace after each command (`envs.workspace`). For small workspaces (task
     files), not repositories. Off: the prompt is the starting files and the session."""
-    number_lines: bool = False
-    """Workspace mode: each file in the prompt is headed by its line count and shows its
-    lines numbered (`--- log.txt --- 2 lines`, `1|xenon`, `2|tulip`), so that a command that
-    counts lines or reads the last ones (`wc -l`, `tail -n 1`) copies a number, or a line
-    found by its number, instead of counting. The model still writes every observation and
-    every change (unnumbered, as the files hold them). train-sim builds its examples with the
-    same setting, and a simulator serves only the prompts it was trained on."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "max_tokens", "repetition_min_lines")
@@ -292,13 +285,7 @@ class SimulatedShellConfig:
         validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
         validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
         validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
-        validate.boolean(self, "sessions", "workspace", "number_lines")
-        validate.require(
-            self.workspace or not self.number_lines,
-            self,
-            "number_lines",
-            "true only with workspace: true (it numbers the workspace prompt's lines)",
-        )
+        validate.boolean(self, "sessions", "workspace")
         validate.require(
             not (self.workspace and self.session_compaction),
             self,

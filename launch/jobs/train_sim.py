@@ -69,7 +69,6 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     )
     if sim_shell.workspace:  # the real files after each command, for the simulator to keep
         prompt["workspaces"] = replayed_workspaces(trajs, cfg)
-        prompt["number_lines"] = sim_shell.number_lines
     ds, stats = sim_sft_dataset(
         weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data, **prompt
     )

@@ -156,7 +156,6 @@ def sim_sft_examples(
     context_budget: int | None = None,
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
-    number_lines: bool = False,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -173,8 +172,7 @@ def sim_sft_examples(
     With `workspaces` (`SimulatedShellConfig.workspace`), each example is instead the
     workspace prompt (`render_workspace_messages`: the real files before the command, the
     command) and its target the observation with the files it changed
-    (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
-    `number_lines` numbers the prompt's lines as `SimulatedShellConfig.number_lines`."""
+    (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`)."""
     stats = SFTStats()
     examples = [
         e
@@ -189,7 +187,6 @@ def sim_sft_examples(
             context_budget=context_budget,
             cut_targets=cut_targets,
             workspaces=workspaces,
-            number_lines=number_lines,
         )
     ]
     return examples, stats
@@ -207,7 +204,6 @@ def _sim_examples(
     context_budget: int | None = None,
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
-    number_lines: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -235,7 +231,6 @@ def _sim_examples(
                 target_room=max_len,
                 system_prompt=system_prompt,
                 show_task=show_task,
-                number_lines=number_lines,
                 cut_targets=cut_targets,
             )
             continue
@@ -295,7 +290,6 @@ def _workspace_examples(
     target_room: int,
     system_prompt: str | None,
     show_task: bool,
-    number_lines: bool,
     cut_targets: bool,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
@@ -315,7 +309,6 @@ def _workspace_examples(
             command,
             system_prompt=system_prompt,
             show_task=show_task,
-            number_lines=number_lines,
         )
         changes = workspace_changes(states[k], states[k + 1])
         current = apply_changes(current, parse_changes(changes))
@@ -491,7 +484,6 @@ def sim_sft_dataset(
     show_task: bool = True,
     context_budget: int | None = None,
     workspaces: WorkspaceStates | None = None,
-    number_lines: bool = False,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -504,7 +496,6 @@ def sim_sft_dataset(
         context_budget=context_budget,
         cut_targets=cfg.cut_targets,
         workspaces=workspaces,
-        number_lines=number_lines,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

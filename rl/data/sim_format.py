@@ -167,27 +167,12 @@ def start_workspace(files: Mapping[str, str]) -> Workspace:
     return normalize_workspace({p: files[p] for p in sorted(files)})
 
 
-def _numbered_block(path: str, content: str) -> str:
-    if path.endswith("/"):
-        return f"--- {path} ---\n"
-    lines = content.split("\n")
-    if content.endswith("\n") or not content:
-        lines.pop()
-    body = "".join(f"{i}|{line}\n" for i, line in enumerate(lines, 1))
-    if content and not content.endswith("\n"):
-        body += f"{_NO_NEWLINE}\n"
-    return f"--- {path} --- {len(lines)} line{'' if len(lines) == 1 else 's'}\n{body}"
-
-
-def workspace_description(files: Mapping[str, str], *, number_lines: bool = False) -> str:
+def workspace_description(files: Mapping[str, str]) -> str:
     """The current workspace in the simulator's prompt, in the workspace's order: the start's
     files by path, then each file as it was last written, newest last (`apply_changes`), so
     the file a command most likely reads (the one just written) sits right before it.
-    Plain, it is lossless in the changes format: `parse_changes` reads the same blocks back.
-    With `number_lines` (`SimulatedShellConfig.number_lines`) each file's header carries its
-    line count and each line its number (`--- log.txt --- 2 lines`, `1|xenon`, `2|tulip`)."""
-    block = _numbered_block if number_lines else _file_block
-    body = "".join(block(p, files[p]) for p in files)
+    Lossless: `parse_changes` reads the same blocks back."""
+    body = "".join(_file_block(p, files[p]) for p in files)
     return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
 
 
@@ -328,17 +313,15 @@ def render_workspace_messages(
     *,
     system_prompt: str | None = None,
     show_task: bool = True,
-    number_lines: bool = False,
 ) -> list[Message]:
     """The workspace-mode simulator's chat for `command`: the system message (instructions,
-    the task when `show_task`, the workspace as it is now, its lines numbered when
-    `number_lines`) and the command; no history, since
+    the task when `show_task`, the workspace as it is now) and the command; no history, since
     each command runs in a fresh `bash -c` and only the files carry over. The target is
     `format_workspace_reply(...)` followed by the end-of-turn token."""
     system = SIM_WORKSPACE_SYSTEM_PROMPT if system_prompt is None else system_prompt
     if show_task:
         system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
-    files = workspace_description(workspace, number_lines=number_lines)
+    files = workspace_description(workspace)
     system = f"{system}\n\n{files}" if system else files
     return [{"role": "system", "content": system}, {"role": "user", "content": command}]
 

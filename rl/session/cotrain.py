@@ -135,7 +135,6 @@ class SimCoTrainer:
             show_task=sim.show_task,
             context_budget=sim.prompt_budget,
             workspaces=workspaces,
-            number_lines=sim.number_lines,
         )
         target = self._trainer.step_count + g.cotrain_steps
         s = sft_loop(

@@ -4,7 +4,6 @@ format, `envs.workspace`'s real replays, `SimulatedShell` applying what the mode
 
 import asyncio
 import random
-import re
 
 import pytest
 
@@ -65,28 +64,6 @@ def test_the_workspace_prompt_is_the_changes_format():
     assert header == "Files in the working directory:"
     assert apply_changes({}, parse_changes(body)) == ws
     assert workspace_description({}).endswith("(empty)\n")
-
-
-def test_numbered_lines_show_counts_and_numbers_and_no_more():
-    ws = {"a.txt": "x\ny\n", "n": "p\nno newline", "e/": "", "z": "", "one": "|q\n"}
-    text = workspace_description(ws, number_lines=True)
-    assert text.split("\n")[1:] == [
-        "--- a.txt --- 2 lines", "1|x", "2|y",
-        "--- n --- 2 lines", "1|p", "2|no newline", "\\ no newline at end of file",
-        "--- e/ ---",
-        "--- z --- 0 lines",
-        "--- one --- 1 line", "1||q",
-        "",
-    ]  # fmt: skip
-    # the numbers and counts are all it adds: without them it is the plain description
-    plain = re.sub(r"^\d+\|", "", re.sub(r" --- \d+ lines?$", " ---", text, flags=re.M), flags=re.M)
-    assert plain == workspace_description(ws)
-
-
-def test_number_lines_needs_workspace_mode():
-    with pytest.raises(ValueError, match="number_lines.*workspace: true"):
-        SimulatedShellConfig(number_lines=True)
-    assert SimulatedShellConfig(workspace=True, number_lines=True).number_lines
 
 
 @pytest.mark.parametrize(
@@ -160,9 +137,7 @@ async def run_all(shell, commands):
     return [await shell.run(c, 10.0) for c in commands]
 
 
-@pytest.mark.parametrize(
-    "prompt", [{"system_prompt": "", "show_task": False}, {}, {"number_lines": True}]
-)
+@pytest.mark.parametrize("prompt", [{"system_prompt": "", "show_task": False}, {}])
 def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt):
     """Teacher forcing: a simulator that answers each prompt with its training target sees,
     turn after turn, exactly the contexts train-sim built, and ends holding the real files."""
