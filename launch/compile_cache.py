@@ -35,14 +35,14 @@ import os
 import threading
 from pathlib import Path
 
+from serving.xla_cache import use_compile_cache
+
 CACHE_DIR_ENV = "SIMLOOP_COMPILE_CACHE_DIR"
 STATS_ENV = "SIMLOOP_COMPILE_STATS"
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 """JAX's event around each XLA compile, or its load from the persistent cache."""
 COMPILE_EVENTS = ("/jax/core/compile/", "/jax/compilation_cache/")
 """The events `SIMLOOP_COMPILE_STATS` keeps (others, e.g. Orbax's, are left out)."""
-MAX_SIZE_BYTES = 4 << 30
-"""Least recently used entries go beyond this."""
 
 
 def compile_cache_dir(run_cfg) -> Path:
@@ -73,15 +73,7 @@ def enable_compile_cache(run_cfg, *, single_device: bool = False) -> Path | None
     except OSError as e:  # a read-only home: run on, compiling as before
         print(f"simloop: compilation cache off ({path} cannot be created: {e})", flush=True)
         return None
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    # A size cap turns on JAX's LRU eviction, and with it a file lock around every read and
-    # write: without it, a server reading an entry another process is still writing could
-    # load half an executable (JAX's plain writes are not atomic).
-    jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
-    # Tiny CPU programs compile in well under JAX's default 1 s threshold, and together they
-    # are most of a server's start-up: cache every program.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_compile_cache(path)
     return path
 
 

@@ -26,6 +26,10 @@ leaves), in tpu-inference's layout, which is simloop's without the stacked layer
 (the extension sets new `state_leaves`), the engine is reloaded from them before the call
 answers, so tokens generated after a publish come from the published weights.
 
+Compiled programs go to JAX's persistent cache in `VLLM_XLA_CACHE_PATH`, as vLLM-TPU's go to
+its XLA cache there (`SIMLOOP_COMPILE_CACHE_DIR` first, when set), so a restarted server loads
+them (`_compile_cache`).
+
 Fake-only conveniences, not vLLM behaviour: without `tokenizer.json` (in MODEL_DIR or at
 `--tokenizer`) simloop's byte tokenizer is used; `--seed` is accepted and unused (a request's
 `seed` makes its samples reproducible); `--gpu-memory-utilization` is only validated.
@@ -633,6 +637,29 @@ def _engine_config(args: argparse.Namespace, model_cfg):
     )
 
 
+CACHE_ENVS = ("SIMLOOP_COMPILE_CACHE_DIR", "VLLM_XLA_CACHE_PATH")
+
+
+def _compile_cache() -> None:
+    """Keep compiled programs where vLLM-TPU keeps its own, `VLLM_XLA_CACHE_PATH` (the launcher
+    sets one per server), so that a restarted server loads them instead of compiling again;
+    `SIMLOOP_COMPILE_CACHE_DIR`, when set, comes first (the test suite's cache for one run).
+    The engine runs on one device, whose programs the cache serves on every backend
+    (`launch/compile_cache.py`)."""
+    path = next((os.environ[k] for k in CACHE_ENVS if os.environ.get(k)), None)
+    if path is None:
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compilation cache off (%s cannot be created: %s)", path, e)
+        return
+    from serving.xla_cache import use_compile_cache
+
+    use_compile_cache(path)
+    log.info("compilation cache: %s", path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)  # exits 2 on a bad flag, before anything heavy is imported
     from serving.lifetime import die_with_parent
@@ -646,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log.info("vLLM API server version %s", VERSION)
     log.info("non-default args: %s", {k: v for k, v in vars(args).items() if v is not None})
+    _compile_cache()
     try:
         model, tokenizer, cls = _load(args)
         engine_cfg = _engine_config(args, model.cfg)

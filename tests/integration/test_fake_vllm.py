@@ -10,9 +10,12 @@ check.
 """
 
 import dataclasses
+import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -157,6 +160,11 @@ async def test_the_launcher_starts_the_fake_and_it_answers_like_vllm(server, cli
     assert await _workers(client, "simloop_weight_version") == [{"version": None, "path": None}] * 2
     assert "Uvicorn running on" in server.log_tail()
     assert "n-gram speculation 4" in server.log_tail()  # --speculative-config reached the engine
+    # It compiled into the suite's cache (SIMLOOP_COMPILE_CACHE_DIR comes before the launcher's
+    # VLLM_XLA_CACHE_PATH), where a restarted server finds its programs.
+    (cache,) = re.findall(r"compilation cache: (\S+)", server.log_path.read_text())
+    assert cache == os.environ["SIMLOOP_COMPILE_CACHE_DIR"]
+    assert any(p.is_file() for p in Path(cache).rglob("*"))
 
 
 @on_server
