@@ -35,9 +35,8 @@ import os
 import threading
 from pathlib import Path
 
-from serving.xla_cache import use_compile_cache
+from serving.xla_cache import CACHE_DIR_ENV, use_compile_cache
 
-CACHE_DIR_ENV = "SIMLOOP_COMPILE_CACHE_DIR"
 STATS_ENV = "SIMLOOP_COMPILE_STATS"
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 """JAX's event around each XLA compile, or its load from the persistent cache."""

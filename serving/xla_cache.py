@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+CACHE_DIR_ENV = "SIMLOOP_COMPILE_CACHE_DIR"
+"""The cache directory simloop's processes (and the fake `vllm serve`) use when it is set."""
 MAX_SIZE_BYTES = 4 << 30
 """Least recently used entries go beyond this."""
 

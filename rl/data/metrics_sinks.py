@@ -120,6 +120,12 @@ def _field_bytes(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
+def _value_bytes(tag: str, value: float) -> bytes:
+    """One `Summary.Value`: its tag (left out when empty) and its float32 `simple_value`."""
+    tag_field = _field_bytes(1, tag.encode()) if tag else b""
+    return tag_field + _varint(2 << 3 | 5) + struct.pack("<f", value)
+
+
 def event_bytes(
     wall_time: float,
     *,
@@ -142,15 +148,7 @@ def event_bytes(
     if file_version is not None:
         out += _field_bytes(3, file_version.encode())
     if scalars is not None:
-        values = b"".join(
-            _field_bytes(
-                1,
-                (_field_bytes(1, tag.encode()) if tag else b"")
-                + _varint(2 << 3 | 5)
-                + struct.pack("<f", v),
-            )
-            for tag, v in scalars.items()
-        )
+        values = b"".join(_field_bytes(1, _value_bytes(t, v)) for t, v in scalars.items())
         out += _field_bytes(5, values)
     return bytes(out)
 

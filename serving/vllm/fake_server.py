@@ -637,24 +637,22 @@ def _engine_config(args: argparse.Namespace, model_cfg):
     )
 
 
-CACHE_ENVS = ("SIMLOOP_COMPILE_CACHE_DIR", "VLLM_XLA_CACHE_PATH")
-
-
 def _compile_cache() -> None:
     """Keep compiled programs where vLLM-TPU keeps its own, `VLLM_XLA_CACHE_PATH` (the launcher
     sets one per server), so that a restarted server loads them instead of compiling again;
     `SIMLOOP_COMPILE_CACHE_DIR`, when set, comes first (the test suite's cache for one run).
     The engine runs on one device, whose programs the cache serves on every backend
     (`launch/compile_cache.py`)."""
-    path = next((os.environ[k] for k in CACHE_ENVS if os.environ.get(k)), None)
-    if path is None:
+    from serving.xla_cache import CACHE_DIR_ENV, use_compile_cache
+
+    path = os.environ.get(CACHE_DIR_ENV) or os.environ.get("VLLM_XLA_CACHE_PATH")
+    if not path:
         return
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         log.warning("compilation cache off (%s cannot be created: %s)", path, e)
         return
-    from serving.xla_cache import use_compile_cache
 
     use_compile_cache(path)
     log.info("compilation cache: %s", path)
