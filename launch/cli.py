@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "train-sim": ("supervised fine-tuning of the simulator on real trajectories", True),
     "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
     "deepen": ("a deeper copy of trained weights that computes the same (block expansion)", False),
+    "widen": ("a wider copy of trained weights that computes the same (width expansion)", False),
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
     "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
     "rollout": ("run a rollout job and write trajectories", True),
@@ -66,6 +67,7 @@ MODULES: dict[str, str] = {
     "train-sim": "launch.jobs.train_sim",
     "eval-sim": "launch.jobs.eval_sim",
     "deepen": "launch.jobs.deepen",
+    "widen": "launch.jobs.widen",
     "train-agent": "launch.jobs.train_agent",
     "eval-agent": "launch.jobs.eval_agent",
     "rollout": "launch.jobs.rollout",
@@ -102,6 +104,7 @@ OWN_FLAGS = (
     "e2b",
     "rehearse",
     "deepen",
+    "widen",
 )
 # The embedded default (docs/architecture.md §6): `simloop demo` without --config runs the CPU
 # demo's config.
