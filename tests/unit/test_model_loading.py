@@ -74,3 +74,34 @@ def test_a_dtype_is_applied_to_every_source(tmp_path):
         half = source.build(seed=0, dtype="bfloat16")
         assert (half.cfg.param_dtype, half.cfg.dtype) == ("bfloat16", "bfloat16")
         assert {str(v.dtype) for v in _params(half).values()} == {"bfloat16"}
+
+
+def test_weights_load_onto_the_default_device_without_a_random_init(tmp_path, monkeypatch):
+    """A server under `jax.default_device` gets its weights there, as an eager init put them;
+    and no parameter is drawn at random first (only shapes are traced)."""
+    import jax
+
+    import rl.model.layers as layers
+
+    model = Qwen3(tiny(), rngs=nnx.Rngs(3))
+    save_params(model, tmp_path / "w")
+    drawn = []
+    real_normal = jax.random.normal
+
+    def normal(key, shape, dtype=float):
+        if not isinstance(key, jax.core.Tracer):
+            drawn.append(shape)
+        return real_normal(key, shape, dtype)
+
+    monkeypatch.setattr(layers.jax.random, "normal", normal)
+    device = jax.devices()[-1]
+    with jax.default_device(device):
+        built = ModelSource(weights=str(tmp_path / "w")).build(seed=0)
+    assert drawn == []
+    for got, want in zip(
+        jax.tree.leaves(nnx.state(built, nnx.Param)),
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        strict=True,
+    ):
+        assert got.devices() == {device}
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
