@@ -29,9 +29,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from flax import nnx
 
     from rl.model.deepen import deepen
-    from rl.model.loading import ModelSource
+    from rl.model.loading import ModelSource, model_from_params
     from rl.model.params_io import read_model_config, save_params
-    from rl.model.transformer import Qwen3
 
     src, out = Path(args.weights), Path(args.out)
     old = read_model_config(src)  # FileNotFoundError (exit 2) when it is not weights
@@ -44,11 +43,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         raise UsageError(f"--out {out} is not empty: choose a new directory")
     model = ModelSource(weights=str(src)).build(seed=0)
     params, new_cfg = deepen(nnx.to_pure_dict(nnx.state(model, nnx.Param)), old, args.num_layers)
-    deeper = Qwen3(new_cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(deeper, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(deeper, state)
-    save_params(deeper, out)
+    save_params(model_from_params(new_cfg, params), out)
     print(
         f"simloop deepen: {src} ({old.num_layers} blocks) -> {out} ({args.num_layers} blocks; "
         f"the new ones pass their input through until trained)"

@@ -38,9 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     from flax import nnx
 
-    from rl.model.loading import ModelSource
+    from rl.model.loading import ModelSource, model_from_params
     from rl.model.params_io import read_model_config, save_params
-    from rl.model.transformer import Qwen3
     from rl.model.widen import widen
 
     src, out = Path(args.weights), Path(args.out)
@@ -60,11 +59,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    wider = Qwen3(new_cfg, rngs=nnx.Rngs(0))
-    state = nnx.state(wider, nnx.Param)
-    nnx.replace_by_pure_dict(state, params)
-    nnx.update(wider, state)
-    save_params(wider, out)
+    save_params(model_from_params(new_cfg, params), out)
     shape = ", ".join(f"{name} {getattr(old, name)} -> {getattr(new_cfg, name)}" for name in grow)
     print(f"simloop widen: {src} -> {out} ({shape}; the new units change nothing until trained)")
     return 0

@@ -101,3 +101,17 @@ class ModelSource:
             cfg, model = load_hf(self.hf_path)
             return cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return self.architecture, None
+
+
+def model_from_params(cfg, params: dict):
+    """A `Qwen3` of `cfg` holding `params` (a pure dict, `nnx.to_pure_dict` layout; host or
+    device arrays), built from shapes only: no random init drawn and thrown away."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rl.model.transformer import Qwen3
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
