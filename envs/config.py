@@ -259,6 +259,12 @@ class SimulatedShellConfig:
     state, nothing is executed. `simloop train-sim` builds its examples the same way, from
     the real workspace after each command (`envs.workspace`). For small workspaces (task
     files), not repositories. Off: the prompt is the starting files and the session."""
+    replay_cache: bool = True
+    """Workspace mode: train-sim and eval-sim keep each episode's replayed workspaces (the real
+    files after each command, from running its commands again in bash) in a cache on this
+    machine and read them from it the next time the same episode comes (`envs.workspace`'s
+    `ReplayCache`: `$SIMLOOP_REPLAY_CACHE`, else `~/.cache/simloop/workspace-replays.sqlite`).
+    Off: every run replays every episode."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "max_tokens", "repetition_min_lines")

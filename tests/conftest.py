@@ -36,6 +36,15 @@ if "SIMLOOP_COMPILE_CACHE_DIR" not in os.environ:
 
     os.environ["SIMLOOP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="simloop-test-xla-")
     atexit.register(shutil.rmtree, os.environ["SIMLOOP_COMPILE_CACHE_DIR"], True)
+# The same for train-sim's and eval-sim's cache of replayed workspaces (envs/workspace.py).
+if "SIMLOOP_REPLAY_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _replays = tempfile.mkdtemp(prefix="simloop-test-replays-")
+    os.environ["SIMLOOP_REPLAY_CACHE"] = os.path.join(_replays, "workspace-replays.sqlite")
+    atexit.register(shutil.rmtree, _replays, True)
 
 import pytest  # noqa: E402
 

@@ -140,14 +140,22 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
 
 def replayed_workspaces(trajs: list, cfg: SimloopConfig):
     """`SimulatedShellConfig.workspace`: each trajectory's commands run again in real bash
-    (`envs.workspace`), for the workspace after every command; says how long it took."""
+    (`envs.workspace`), for the workspace after every command, or read from the machine's
+    replay cache (`replay_cache`); says how long it took."""
     import time
 
-    from envs.workspace import trajectory_workspaces
+    from envs.workspace import open_replay_cache, trajectory_workspaces
 
     began = time.perf_counter()
-    states, failed = trajectory_workspaces(trajs, config=cfg.env.shell.local)
+    cache = open_replay_cache(cfg.env.shell.simulated.replay_cache)
+    try:
+        states, failed = trajectory_workspaces(trajs, config=cfg.env.shell.local, cache=cache)
+    finally:
+        if cache:
+            cache.close()
     note = f", {failed} failed (their trajectories give no examples)" if failed else ""
+    if cache and cache.hits:
+        note += f"; {cache.hits} read from the replay cache {cache.path}"
     print(
         f"simloop train-sim: replayed {len(trajs)} trajectories in real bash for their "
         f"workspaces ({time.perf_counter() - began:.0f}s{note})",

@@ -3,6 +3,7 @@ format, `envs.workspace`'s real replays, `SimulatedShell` applying what the mode
 `simloop train-sim` trains on exactly the prompts the shell sends."""
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -262,3 +263,65 @@ def test_lines_added_at_the_end_are_written_alone():
         assert list(apply_changes(before, parse_changes(body))) == ["x", "log.txt"]
     with pytest.raises(ObservationFormatError, match="appended"):
         parse_changes("--- d/ --- appended\n")
+
+
+def test_replays_are_cached_by_episode_and_the_cache_never_stops_a_job(
+    tmp_path, monkeypatch, capsys
+):
+    """`ReplayCache`: a second replay of the same episodes runs no bash and returns the same
+    states; a changed command or starting file is a new episode; failed replays are not kept;
+    a file that is not a cache is reported and the replay runs without it."""
+    import envs.workspace as ws
+
+    tasks = generate_fileops(FileopsConfig(seed=4, num_tasks=4, kinds=("chain",)))
+    trajs = []
+    for task in tasks[:2]:
+        commands = plan(dict(task.reward.params))
+        trajs.append(fileops_trajectory(task, commands, asyncio.run(real_outputs(task, commands))))
+    cache = ws.ReplayCache(tmp_path / "c" / "replays.sqlite")
+    first, failed = trajectory_workspaces(trajs, cache=cache)
+    assert failed == 0 and cache.hits == 0 and cache.stored == 2
+    cache.close()
+
+    ran = []
+    real_replay_many = ws.replay_many
+
+    async def counting(episodes, **kw):
+        ran.extend(episodes)
+        return await real_replay_many(episodes, **kw)
+
+    monkeypatch.setattr(ws, "replay_many", counting)
+    again = ws.ReplayCache(tmp_path / "c" / "replays.sqlite")  # another process, later
+    second, failed = trajectory_workspaces(trajs, cache=again)
+    assert failed == 0 and again.hits == 2 and ran == []
+    assert [second(t) for t in trajs] == [first(t) for t in trajs]
+
+    # another command (or another starting file) is another episode: replayed, and added
+    changed = dataclasses.replace(trajs[0], setup_files={**trajs[0].setup_files, "x.txt": "x\n"})
+    failing = dataclasses.replace(trajs[1], setup_files={"../escape": "no"})
+    third, failed = trajectory_workspaces([trajs[0], changed, failing], cache=again)
+    assert again.hits == 3 and len(ran) == 2  # trajs[0] from the cache; the other two ran
+    assert third(changed)[0]["x.txt"] == "x\n" and third(trajs[0]) == first(trajs[0])
+    assert failed == 1 and third(failing) is None
+    assert again.stored == 1  # the failed replay is not kept: it runs again next time
+    again.close()
+
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"not a database, " * 64)
+    broken = ws.ReplayCache(junk)
+    states, failed = trajectory_workspaces(trajs[:1], cache=broken)
+    assert failed == 0 and states(trajs[0]) == first(trajs[0])
+    err = capsys.readouterr().err
+    assert f"the replay cache {junk} is unusable" in err and "replaying without it" in err
+    assert junk.read_bytes() == b"not a database, " * 64  # left alone
+
+
+def test_the_replay_cache_lives_where_the_environment_says(tmp_path, monkeypatch):
+    import envs.workspace as ws
+
+    monkeypatch.setenv(ws.REPLAY_CACHE_ENV, str(tmp_path / "r.sqlite"))
+    assert ws.replay_cache_path() == tmp_path / "r.sqlite"
+    monkeypatch.delenv(ws.REPLAY_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ws.replay_cache_path() == tmp_path / "xdg" / "simloop" / "workspace-replays.sqlite"
+    assert ws.open_replay_cache(False) is None
