@@ -75,9 +75,15 @@ class DatasetConfig:
     and first lines are what the simulator most needs of it (a long usage text after a
     misspelt program); the simulator is stopped at its token cap on such outputs anyway, and
     no end-of-turn is taught where the real output does not end."""
+    observation_weight: int = 1
+    """Simulator examples in workspace mode: how many times each token of the observation
+    counts in the loss against one token of the changes block after it (`loss_mask` holds
+    the weight; the loss is the weighted mean). The changes repeat whole files, so at 1 a
+    two-byte `wc -l` answer is a sliver of its example's loss."""
 
     def __post_init__(self) -> None:
         validate.integer(self, "seq_len", low=2)
+        validate.integer(self, "observation_weight", low=1)
         validate.integer(self, "batch_size", low=1)
         validate.integer(self, "seed", low=0)
         validate.integer(self, "num_epochs", low=1, optional=True)
@@ -113,11 +119,24 @@ def _header(exit_code: int) -> str:
     return format_observation("", exit_code).split("\n</output>")[0]
 
 
-def _example(context: Sequence[int], target: Sequence[int]) -> Example:
+def _example(
+    context: Sequence[int], target: Sequence[int], *, weighted: int = 0, weight: int = 1
+) -> Example:
+    """The tokens and their loss mask: 1 on the target, `weight` on its first `weighted`."""
     tokens = np.asarray([*context, *target], dtype=np.int32)
     mask = np.zeros(len(tokens), dtype=np.int32)
     mask[len(context) :] = 1
+    mask[len(context) : len(context) + weighted] = weight
     return {"tokens": tokens, "loss_mask": mask}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _sim_pairs(traj: Trajectory, missing_exit_code: int | None) -> list[tuple[str, _Obs]] | None:
@@ -156,6 +175,7 @@ def sim_sft_examples(
     context_budget: int | None = None,
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
+    observation_weight: int = 1,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -172,7 +192,9 @@ def sim_sft_examples(
     With `workspaces` (`SimulatedShellConfig.workspace`), each example is instead the
     workspace prompt (`render_workspace_messages`: the real files before the command, the
     command) and its target the observation with the files it changed
-    (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`)."""
+    (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
+    There `observation_weight` (`DatasetConfig.observation_weight`) is the loss weight of the
+    observation's tokens, the changes block's being 1."""
     stats = SFTStats()
     examples = [
         e
@@ -187,6 +209,7 @@ def sim_sft_examples(
             context_budget=context_budget,
             cut_targets=cut_targets,
             workspaces=workspaces,
+            observation_weight=observation_weight,
         )
     ]
     return examples, stats
@@ -204,6 +227,7 @@ def _sim_examples(
     context_budget: int | None = None,
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
+    observation_weight: int = 1,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -232,6 +256,7 @@ def _sim_examples(
                 system_prompt=system_prompt,
                 show_task=show_task,
                 cut_targets=cut_targets,
+                observation_weight=observation_weight,
             )
             continue
         messages = render_sim_messages(
@@ -291,6 +316,7 @@ def _workspace_examples(
     system_prompt: str | None,
     show_task: bool,
     cut_targets: bool,
+    observation_weight: int = 1,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
     files before command k (`max_len` bounds it: the shell's prompt budget), the target the
@@ -316,6 +342,11 @@ def _workspace_examples(
         context = renderer.render(messages, add_generation_prompt=True, enable_thinking=False)
         reply = format_workspace_reply(obs.output, obs.exit_code, changes)
         target = text(reply) + [end_of_turn]
+        # the observation's tokens: those the reply shares with the observation alone (all of
+        # them with a byte tokenizer; a BPE merge across the boundary leaves that token at 1)
+        weighted = 0
+        if observation_weight != 1:
+            weighted = _common_prefix(target, text(format_observation(obs.output, obs.exit_code)))
         if len(context) > max_len:
             stats.skipped["too_long"] += 1
             continue
@@ -328,7 +359,7 @@ def _workspace_examples(
         stats.examples += 1
         stats.target_tokens += len(target)
         stats.context_tokens += len(context)
-        yield traj, k, _example(context, target)
+        yield traj, k, _example(context, target, weighted=weighted, weight=observation_weight)
 
 
 def labelled_sim_examples(
@@ -496,6 +527,7 @@ def sim_sft_dataset(
         context_budget=context_budget,
         cut_targets=cfg.cut_targets,
         workspaces=workspaces,
+        observation_weight=cfg.observation_weight,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

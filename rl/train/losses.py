@@ -65,14 +65,15 @@ def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 @register_loss("sft")
 def sft_loss(logits_BTV: jax.Array, batch: Batch, cfg: object = None):
-    """Mean cross-entropy over the tokens whose `loss_mask` is 1."""
+    """Mean cross-entropy over the tokens whose `loss_mask` is not 0, each weighted by its
+    `loss_mask` (1 but where `DatasetConfig.observation_weight` says more)."""
     logp_BT, entropy_BT = token_logprobs(logits_BTV, batch["targets"])
     mask_BT = batch["loss_mask"].astype(jnp.float32)
     loss = -_masked_mean(logp_BT, mask_BT)
     metrics = {
         "loss": loss,
         "entropy": _masked_mean(entropy_BT, mask_BT),
-        "tokens": jnp.sum(mask_BT),
+        "tokens": jnp.sum(mask_BT > 0).astype(jnp.float32),
         "weight": jnp.sum(mask_BT),
     }
     return loss, metrics

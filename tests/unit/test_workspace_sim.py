@@ -325,3 +325,46 @@ def test_the_replay_cache_lives_where_the_environment_says(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ws.replay_cache_path() == tmp_path / "xdg" / "simloop" / "workspace-replays.sqlite"
     assert ws.open_replay_cache(False) is None
+
+
+def test_observation_weight_marks_the_observation_tokens_and_weights_the_loss():
+    """`DatasetConfig.observation_weight`: in a workspace example the observation's tokens
+    carry the weight, the changes block and end-of-turn 1, the prompt 0; the SFT loss is the
+    weighted mean of the tokens' cross-entropy and `tokens` still counts tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rl.data.datasets import DatasetConfig
+    from rl.data.sim_format import format_observation
+    from rl.train.losses import sft_loss
+
+    task = generate_fileops(FileopsConfig(seed=5, num_tasks=6, kinds=("chain",)))[0]
+    commands = [*plan(dict(task.reward.params)), "cat missing.txt"]
+    traj = fileops_trajectory(task, commands, asyncio.run(real_outputs(task, commands)))
+    states, _ = trajectory_workspaces([traj])
+    plain, _ = sim_sft_examples([traj], BYTES, max_len=4096, workspaces=states)
+    heavy, _ = sim_sft_examples(
+        [traj], BYTES, max_len=4096, workspaces=states, observation_weight=4
+    )
+    assert len(plain) == len(heavy) == len(commands)
+    for e, h, turn in zip(plain, heavy, traj.turns, strict=True):
+        assert (e["tokens"] == h["tokens"]).all() and set(np.unique(e["loss_mask"])) == {0, 1}
+        start = int(np.argmax(e["loss_mask"]))
+        n_obs = len(BYTES.encode_text(format_observation(turn.observation, turn.exit_code)))
+        assert (h["loss_mask"][:start] == 0).all()
+        assert (h["loss_mask"][start : start + n_obs] == 4).all()
+        assert (h["loss_mask"][start + n_obs :] == 1).all()  # changes (writes), end of turn
+    with pytest.raises(ValueError, match="observation_weight"):
+        DatasetConfig(observation_weight=0)
+
+    # the loss: weighted mean of -log p over the marked tokens
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, 6, 5)), jnp.float32)
+    targets = jnp.asarray([[1, 2, 3, 4, 0, 1]], jnp.int32)
+    mask = jnp.asarray([[0, 4, 4, 1, 1, 0]], jnp.int32)
+    loss, m = sft_loss(logits, {"targets": targets, "loss_mask": mask})
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))[0, np.arange(6), np.asarray(targets)[0]]
+    w = np.asarray(mask, np.float64)[0]
+    assert abs(float(loss) + (w * logp).sum() / w.sum()) < 1e-5
+    assert float(m["tokens"]) == 4 and float(m["weight"]) == 10
