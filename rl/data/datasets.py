@@ -78,8 +78,8 @@ class DatasetConfig:
     observation_weight: int = 1
     """Simulator examples in workspace mode: how many times each token of the observation
     counts in the loss against one token of the changes block after it (`loss_mask` holds
-    the weight; the loss is the weighted mean). The changes repeat whole files, so at 1 a
-    two-byte `wc -l` answer is a sliver of its example's loss."""
+    the weight; the loss is the weighted mean). A read's answer is a few bytes of its
+    observation, where a write's changes repeat whole files."""
 
     def __post_init__(self) -> None:
         validate.integer(self, "seq_len", low=2)
