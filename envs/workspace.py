@@ -122,6 +122,20 @@ def open_replay_cache(enabled: bool) -> ReplayCache | None:
     return ReplayCache(replay_cache_path()) if enabled else None
 
 
+def cached_workspaces(
+    trajectories: Sequence, *, config: LocalShellConfig | None, use_cache: bool
+) -> tuple[WorkspaceStates, int, int]:
+    """`trajectory_workspaces` through the machine's replay cache when `use_cache`
+    (`SimulatedShellConfig.replay_cache`): (states, replays failed, episodes read from it)."""
+    cache = open_replay_cache(use_cache)
+    try:
+        states, failed = trajectory_workspaces(trajectories, config=config, cache=cache)
+        return states, failed, cache.hits if cache else 0
+    finally:
+        if cache:
+            cache.close()
+
+
 class ReplayCache:
     """Replayed workspaces by episode, in one SQLite file (`SimulatedShellConfig.replay_cache`):
     train-sim and eval-sim replay the same collections run after run (21,500 episodes took 13

@@ -140,16 +140,13 @@ def _workspace_fidelity(cfg: SimloopConfig, replays: list) -> dict[str, Any]:
     """Workspace mode: the simulator's own files against the real ones, turn by turn
     (`rl.orchestrator.evaluate.workspace_fidelity`); the real workspaces come from running
     each replay's commands again in real bash (`envs.workspace`, ~20 replays a second)."""
-    from envs.workspace import open_replay_cache, trajectory_workspaces
+    from envs.workspace import cached_workspaces
     from rl.orchestrator.evaluate import workspace_fidelity
 
     ok = [t for t in replays if t.status == "ok"]
-    cache = open_replay_cache(cfg.env.shell.simulated.replay_cache)
-    try:
-        states, failed = trajectory_workspaces(ok, config=cfg.env.shell.local, cache=cache)
-    finally:
-        if cache:
-            cache.close()
+    states, failed, _ = cached_workspaces(
+        ok, config=cfg.env.shell.local, use_cache=cfg.env.shell.simulated.replay_cache
+    )
     result = workspace_fidelity(ok, states)
     result["real_replays_failed"] = failed
     return result

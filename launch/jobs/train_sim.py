@@ -146,18 +146,15 @@ def replayed_workspaces(trajs: list, cfg: SimloopConfig):
     replay cache (`replay_cache`); says how long it took."""
     import time
 
-    from envs.workspace import open_replay_cache, trajectory_workspaces
+    from envs.workspace import cached_workspaces, replay_cache_path
 
     began = time.perf_counter()
-    cache = open_replay_cache(cfg.env.shell.simulated.replay_cache)
-    try:
-        states, failed = trajectory_workspaces(trajs, config=cfg.env.shell.local, cache=cache)
-    finally:
-        if cache:
-            cache.close()
+    states, failed, hits = cached_workspaces(
+        trajs, config=cfg.env.shell.local, use_cache=cfg.env.shell.simulated.replay_cache
+    )
     note = f", {failed} failed (their trajectories give no examples)" if failed else ""
-    if cache and cache.hits:
-        note += f"; {cache.hits} read from the replay cache {cache.path}"
+    if hits:
+        note += f"; {hits} read from the replay cache {replay_cache_path()}"
     print(
         f"simloop train-sim: replayed {len(trajs)} trajectories in real bash for their "
         f"workspaces ({time.perf_counter() - began:.0f}s{note})",

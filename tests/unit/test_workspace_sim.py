@@ -325,6 +325,15 @@ def test_the_replay_cache_lives_where_the_environment_says(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ws.replay_cache_path() == tmp_path / "xdg" / "simloop" / "workspace-replays.sqlite"
     assert ws.open_replay_cache(False) is None
+    # what train-sim and eval-sim call: the second run reads the episode from the cache
+    task = generate_fileops(FileopsConfig(seed=6, num_tasks=2, kinds=("append",)))[0]
+    commands = plan(dict(task.reward.params))
+    traj = fileops_trajectory(task, commands, asyncio.run(real_outputs(task, commands)))
+    runs = [ws.cached_workspaces([traj], config=None, use_cache=True) for _ in range(2)]
+    assert [(failed, hits) for _, failed, hits in runs] == [(0, 0), (0, 1)]
+    assert runs[0][0](traj) == runs[1][0](traj)
+    assert (tmp_path / "xdg" / "simloop" / "workspace-replays.sqlite").is_file()
+    assert ws.cached_workspaces([traj], config=None, use_cache=False)[2] == 0
 
 
 def test_observation_weight_marks_the_observation_tokens_and_weights_the_loss():
