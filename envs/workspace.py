@@ -161,7 +161,8 @@ class ReplayCache:
     def _warn(self, e: Exception) -> None:
         print(
             f"simloop: the replay cache {self.path} is unusable ({e}); replaying without it "
-            "(set env.shell.simulated.replay_cache to another file, or null for none)",
+            f"(point ${REPLAY_CACHE_ENV} at another file, or set "
+            "env.shell.simulated.replay_cache false)",
             file=sys.stderr,
             flush=True,
         )

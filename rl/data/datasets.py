@@ -2,7 +2,8 @@
 fixed `[B, T]` batches with a checkpointable iterator. `DatasetConfig` imports no JAX (grain,
 which does, is imported when a dataset is built).
 
-Examples are dicts of int32 arrays `tokens` and `loss_mask` (1 on the tokens to learn):
+Examples are dicts of int32 arrays `tokens` and `loss_mask` (1 on the tokens to learn; a
+workspace-mode simulator example holds `DatasetConfig.observation_weight` on its observation):
 - simulator: context = the session up to and including the command, rendered by
   `rl.data.sim_format` (the format `SimulatedShell` prompts with, thinking disabled, generation
   prompt included); target = `format_observation(output, exit_code)` + `<|im_end|>`.
@@ -14,7 +15,8 @@ crosses a segment): for every row b and position t,
   restarting at every segment); `segment_ids[b, t]` is 1, 2, ... per packed example and 0 on
   padding. Attention must be causal and within one segment id.
 - `targets[b, t]` is the token that follows `tokens[b, t]` in the same example: the trainer's
-  loss is `CE(logits[b, t], targets[b, t])` where `loss_mask[b, t] == 1` (never on padding).
+  loss is `CE(logits[b, t], targets[b, t])` where `loss_mask[b, t] >= 1` (never on padding),
+  weighted by it.
 """
 
 from __future__ import annotations
