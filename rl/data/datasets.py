@@ -43,7 +43,7 @@ from rl.data.sim_format import (
     start_workspace,
     workspace_changes,
 )
-from rl.data.tokenizer import IM_END, Tokenizer
+from rl.data.tokenizer import IM_END, Tokenizer, common_prefix_len
 from rl.data.trajectory import Trajectory, render_token_view
 
 if TYPE_CHECKING:
@@ -130,15 +130,6 @@ def _example(
     mask[len(context) :] = 1
     mask[len(context) : len(context) + weighted] = weight
     return {"tokens": tokens, "loss_mask": mask}
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _sim_pairs(traj: Trajectory, missing_exit_code: int | None) -> list[tuple[str, _Obs]] | None:
@@ -348,7 +339,8 @@ def _workspace_examples(
         # them with a byte tokenizer; a BPE merge across the boundary leaves that token at 1)
         weighted = 0
         if observation_weight != 1:
-            weighted = _common_prefix(target, text(format_observation(obs.output, obs.exit_code)))
+            observed = text(format_observation(obs.output, obs.exit_code))
+            weighted = common_prefix_len(target, observed)
         if len(context) > max_len:
             stats.skipped["too_long"] += 1
             continue
