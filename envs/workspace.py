@@ -240,7 +240,8 @@ def trajectory_workspaces(
             [episodes[i] for i in todo], config=config, concurrency=concurrency, timeout_s=timeout_s
         )
     )
-    states: list[list[Workspace] | None] = [known.get(k) for k in keys] or [None] * len(episodes)
+    states: list[list[Workspace] | None] = [known.get(k) for k in keys] if cache else []
+    states += [None] * (len(episodes) - len(states))
     for i, s in zip(todo, fresh, strict=True):
         states[i] = s
     if cache:
