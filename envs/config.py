@@ -508,6 +508,7 @@ class TerminalConfig:
 
 
 FILEOPS_KINDS = ("chain", "append", "move", "fanout")
+FILEOPS_WORDS = ("fixed", "random")
 
 
 @dataclass(frozen=True)
@@ -531,6 +532,12 @@ class FileopsConfig:
     """Most lines a `head` or `tail` step keeps (`its first K lines`); None: up to the input's
     lines minus one. 2 makes every such step keep 2, so the instruction's number never needs
     copying (what the demo's tiny byte-level agent cannot learn, 2026-12-06); at least 2."""
+    words: str = "fixed"
+    """Where the tasks' words (lines, appended lines, file names) come from: `fixed`, a list
+    of 26 (`amber` ... `zephyr`: the demo's tasks and the held-out collections); `random`,
+    fresh lowercase strings of 4-7 letters, so a simulator trained on them has to copy what
+    it reads instead of recalling one of 26 words (a drill: a fixed pool of strings favours
+    memorising over copying)."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "num_tasks", "min_lines", "max_lines")
@@ -548,6 +555,7 @@ class FileopsConfig:
             f"at least 3 and at most max_lines ({self.max_lines})",
         )  # fmt: skip
         validate.require(self.distractors <= 6, self, "distractors", "an integer in [0, 6]")
+        validate.require(self.words in FILEOPS_WORDS, self, "words", f"one of {FILEOPS_WORDS}")
 
 
 @dataclass(frozen=True)

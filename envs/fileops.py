@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import string
 
 from envs.config import FileopsConfig
 from envs.rewards import RewardContext, register_reward
@@ -97,7 +98,20 @@ def _property(lines: list[str], prop: str) -> str:
     return lines[0] if prop == "first_line" else lines[-1]
 
 
-def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
+def _words(rng: random.Random, cfg: FileopsConfig, n: int) -> list[str]:
+    """`n` distinct words: drawn from the 26 (`cfg.words == "fixed"`, the same draws as
+    always) or fresh lowercase strings of 4-7 letters (`"random"`)."""
+    if cfg.words == "fixed":
+        return rng.sample(_WORDS, n)
+    out: list[str] = []
+    while len(out) < n:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 7)))
+        if word not in out:
+            out.append(word)
+    return out
+
+
+def _distractors(rng: random.Random, cfg: FileopsConfig, n: int, taken: set[str]) -> dict[str, str]:
     """`n` files that no step reads or writes, with plausible names and content."""
     names = ["notes.txt", "a_old.txt", "backup/input.txt", "b.txt.bak", "todo.txt", "tmp/log.txt"]
     rng.shuffle(names)
@@ -106,7 +120,7 @@ def _distractors(rng: random.Random, n: int, taken: set[str]) -> dict[str, str]:
         if len(out) == n:
             break
         if name not in taken:
-            out[name] = "\n".join(rng.sample(_WORDS, 3)) + "\n"
+            out[name] = "\n".join(_words(rng, cfg, 3)) + "\n"
     return out
 
 
@@ -123,7 +137,7 @@ def _transform_step(
 
 
 def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
+    lines = _words(rng, cfg, rng.randint(cfg.min_lines, cfg.max_lines))
     steps: list[dict] = []
     for _ in range(2):
         op = rng.choice([o for o in TRANSFORMS if not steps or o != steps[-1]["op"]])
@@ -141,8 +155,8 @@ def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str]
 
 
 def _append(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    existing = rng.sample(_WORDS, rng.randint(1, cfg.max_lines))
-    appended = [f"{w}-{rng.randint(10, 99)}" for w in rng.sample(_WORDS, rng.randint(2, 3))]
+    existing = _words(rng, cfg, rng.randint(1, cfg.max_lines))
+    appended = [f"{w}-{rng.randint(10, 99)}" for w in _words(rng, cfg, rng.randint(2, 3))]
     prop = rng.choice(("last_line", "line_count"))
     params = {"kind": "append", "existing": existing, "appended": appended, "property": prop}
     files = {"log.txt": "\n".join(existing) + "\n"}
@@ -154,7 +168,7 @@ def _append(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str
 
 
 def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    names = [f"{w}.txt" for w in rng.sample(_WORDS, rng.randint(3, 5))]
+    names = [f"{w}.txt" for w in _words(rng, cfg, rng.randint(3, 5))]
     first, second = rng.sample(names, 2)
     renamed = f"{second.removesuffix('.txt')}_{rng.choice(['old', 'v2', 'done'])}.txt"
     params = {"kind": "move", "inbox": names, "moves": [[first, None], [second, renamed]]}
@@ -169,7 +183,7 @@ def _move(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
 
 
 def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    lines = rng.sample(_WORDS, rng.randint(cfg.min_lines, cfg.max_lines))
+    lines = _words(rng, cfg, rng.randint(cfg.min_lines, cfg.max_lines))
     steps = [_transform_step(rng, op, lines, cfg.max_k) for op in rng.sample(list(TRANSFORMS), 3)]
     prop = rng.choice(PROPERTIES)
     params = {"kind": "fanout", "lines": lines, "steps": steps, "property": prop}
@@ -189,7 +203,7 @@ _KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout}
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
     kind = rng.choice(list(cfg.kinds))
     params, files, instruction = _KINDS[kind](rng, cfg)
-    files = {**files, **_distractors(rng, cfg.distractors, set(files))}
+    files = {**files, **_distractors(rng, cfg, cfg.distractors, set(files))}
     return Task(
         id=f"fileops-{cfg.seed}-{index}",
         instruction=instruction,

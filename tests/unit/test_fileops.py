@@ -11,6 +11,7 @@ import pytest
 
 from envs.config import FILEOPS_KINDS, FileopsConfig, TerminalConfig
 from envs.fileops import (
+    _WORDS,
     MISTAKES,
     SLIPS,
     FileopsSolver,
@@ -98,6 +99,28 @@ def test_max_k_caps_the_lines_head_and_tail_keep():
     assert said and set(said) == {"2"}
     with pytest.raises(ValueError, match=r"max_k=1 is invalid: an integer >= 2"):
         FileopsConfig(max_k=1)
+
+
+async def test_random_words_are_fresh_strings_the_solver_still_solves_in_real_bash():
+    tasks = generate_fileops(FileopsConfig(num_tasks=40, seed=6, words="random"))
+    words = set()
+    for t in tasks:
+        p = t.reward.params
+        words |= set(p.get("lines", []) + p.get("existing", []))
+        words |= {a.rsplit("-", 1)[0] for a in p.get("appended", [])}
+        words |= {n.removesuffix(".txt") for n in p.get("inbox", [])}
+    # Fresh strings of 4-7 lowercase letters, far more of them than the fixed list's 26.
+    assert len(words) > 100 and all(re.fullmatch(r"[a-z]{4,7}", w) for w in words), words
+    for kind in FILEOPS_KINDS:
+        task = next(t for t in tasks if t.metadata["kind"] == kind)
+        _, env = await solve(task, style="marker")
+        assert env.reward == 1.0, (kind, task.setup.files)
+    # The fixed words draw as they always did: the held-out collections (seed 11) depend on it.
+    first = generate_fileops(FileopsConfig(num_tasks=1, seed=11))[0]
+    assert first.instruction.startswith("1. Write `input.txt` with its lines in upper case")
+    assert set(first.setup.files["input.txt"].split()) <= set(_WORDS)
+    with pytest.raises(ValueError, match=r"words='some' is invalid: one of \('fixed', 'random'\)"):
+        FileopsConfig(words="some")
 
 
 async def test_a_wrong_or_missing_submission_earns_nothing():
