@@ -111,13 +111,13 @@ def _words(rng: random.Random, cfg: FileopsConfig, n: int) -> list[str]:
     return out
 
 
-def _distractors(rng: random.Random, cfg: FileopsConfig, n: int, taken: set[str]) -> dict[str, str]:
-    """`n` files that no step reads or writes, with plausible names and content."""
+def _distractors(rng: random.Random, cfg: FileopsConfig, taken: set[str]) -> dict[str, str]:
+    """`cfg.distractors` files that no step reads or writes, with plausible names and content."""
     names = ["notes.txt", "a_old.txt", "backup/input.txt", "b.txt.bak", "todo.txt", "tmp/log.txt"]
     rng.shuffle(names)
     out = {}
     for name in names:
-        if len(out) == n:
+        if len(out) == cfg.distractors:
             break
         if name not in taken:
             out[name] = "\n".join(_words(rng, cfg, 3)) + "\n"
@@ -203,7 +203,7 @@ _KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout}
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
     kind = rng.choice(list(cfg.kinds))
     params, files, instruction = _KINDS[kind](rng, cfg)
-    files = {**files, **_distractors(rng, cfg, cfg.distractors, set(files))}
+    files = {**files, **_distractors(rng, cfg, set(files))}
     return Task(
         id=f"fileops-{cfg.seed}-{index}",
         instruction=instruction,
