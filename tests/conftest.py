@@ -66,7 +66,6 @@ LONG_FILES = (  # longest first (wall seconds in a fresh-clone `make test`, 2026
     "test_harness.py",  # ~155 (mini-swe-agent, and train-agent through it)
     "test_replica_restart.py",  # ~130
     "test_train_cli.py",  # ~105
-    "test_vllm_backend_e2e.py",  # ~100
     "test_rehearse.py",  # ~90 (gke-v6e-32's eight pods on CPU)
     "test_rollout_e2e.py",  # ~65
     "test_pretrain_sim.py",  # ~55

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ from launch.config.loading import load_config
 from launch.config.schema import SimloopConfig
 from launch.jobs.episodes import agent_tasks
 from rl.data.trajectory import load_trajectories
-from tests.fakes import user_env
+from tests.fakes import free_port, user_env
+from tests.unit.test_metrics_log import read_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -286,7 +288,15 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     its collection, warm start and real-only arm are the demo's (finished stages are skipped),
     the rest runs: the weak simulator (a few train-sim steps on the collection with `upper`
     misreported), its arm (c), and RL gated (co-training after every step, published to a real
-    simulator server)."""
+    simulator server).
+
+    The gated arm's agent is served by the vllm backend (`serve.backends: {agent: vllm}`, the
+    fake vLLM of `serving.vllm.fake_server` through `vllm.command`): the job starts it from the
+    chip plan, publishes each policy version to it with `VllmPublisher` (Orbax export -> worker
+    extension over `/collective_rpc`), and the next rollout's tokens carry the version
+    published before them; the co-trained simulator versions reach the JAX simulator server
+    with `EnginePublisher`. So one run covers both publishers, and the vLLM backend end to end
+    (until 2026-12-07 a separate test ran a second gated train-agent for it)."""
     out, _ = demo
     run = tmp_path / "gating"
     shutil.copytree(out / "collect", run / "collect")
@@ -300,10 +310,15 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     shutil.copytree(out / "agent", run / "ungated")
     # Three RL steps: a round trains during one version and serves from the next boundary, so
     # one co-trained version (begun after step 1) serves step 3.
+    port = free_port()
+    fake = f"[{sys.executable}, -m, serving.vllm.fake_server, serve]"
     cmd = [sys.executable, "-m", "launch", "demo", "--experiment", "gating", "--quick",
            "--out", str(run), "--train_agent.steps", "3",
            "--orchestrator.gate.cotrain_every", "1", "--orchestrator.gate.cotrain_steps", "2",
-           "--orchestrator.gate.threshold", "0.5"]  # fmt: skip
+           "--orchestrator.gate.threshold", "0.5",
+           "--serve.backends", "{agent: vllm}", "--vllm.command", fake,
+           "--vllm.start_stagger_s", "0", "--vllm.max_model_len", "2048",
+           "--chips.http_port_base", str(port)]  # fmt: skip
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -340,3 +355,39 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     misreported = load_trajectories([run / "sim" / "data" / "trajectories"])
     assert len(misreported) == len(load_trajectories([run / "collect" / "trajectories"]))
     assert "the gating experiment" in (run / "report.html").read_text()
+
+    # The vllm backend: the agent's server was the fake vLLM, stopped when the job ended.
+    gated = run / "gated"
+    assert "1 vLLM agent server(s)" in proc.stdout
+    (agent_log,) = (gated / "logs").glob(f"vllm-agent_serve-{port}.log")
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "a vLLM server outlived its job"
+    # Policy versions 2 to 4 were published to it (the warm start was version 1), each one
+    # reloading its engine from the workers' parameters ...
+    records = [json.loads(x) for x in (gated / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in records if r.get("stage") == "rl" and "step" in r]
+    assert [r["version"] for r in rl] == [2, 3, 4]
+    assert all(r["publish_load_s"] > 0 for r in rl)
+    reloads = agent_log.read_text().count("engine reloaded from the workers' parameters")
+    assert reloads == 1 + len(rl), reloads  # the start version, then one per step
+    # ... and every generated token carries the version served when it was sampled: in
+    # synchronous RL, the version its episode was admitted at (exact), so the first batch's
+    # tokens carry version 1 and the next batch's version 2.
+    versions = set()
+    for f in (gated / "trajectories").glob("rl-*.jsonl"):
+        for line in f.read_text().splitlines():
+            t = json.loads(line)
+            mine = {v for v, m in zip(t["policy_version"], t["loss_mask"], strict=True) if m}
+            assert mine <= {t["admitted_version"]}, (mine, t["admitted_version"])
+            versions |= mine
+    assert versions == {1, 2, 3}, versions
+    # TensorBoard has each operation's live fidelity bound and routing at every policy version
+    # that saw it, and the simulator version the router was on.
+    scalars = read_scalars(gated / "tensorboard")
+    ops = {op for r in gates for op in r["units"]}
+    assert ops, gates
+    for op in ops:
+        seen = [r["policy_version"] for r in gates if op in r["units"]]
+        assert [s for s, _ in scalars[f"gate/units/{op}/lower"]] == seen, (op, sorted(scalars))
+        assert [s for s, _ in scalars[f"gate/units/{op}/routed_real"]] == seen
+    assert [v for _, v in scalars["gate/sim_version"]] == [0, 0, 1]
