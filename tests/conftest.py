@@ -101,7 +101,8 @@ def swe_agent_trajectories() -> Path:
 
 if os.environ.get(CPU_REPORT_ENV):
     # `SIMLOOP_TEST_CPU=FILE make test`: each test's CPU seconds, this process's and those of
-    # the processes it started and reaped (servers, jobs), one line per test appended to FILE;
+    # the processes it started and reaped (servers, jobs), its wall seconds, its worker and
+    # when it ended, one line per test appended to FILE;
     # `python -m tests.cpu_report FILE` sums them by file. On 2 cores the suite's wall time is
     # its CPU time over 2, so this says where the minutes go.
     import time
@@ -114,5 +115,6 @@ if os.environ.get(CPU_REPORT_ENV):
         with open(os.environ[CPU_REPORT_ENV], "a") as f:
             f.write(
                 f"{item.nodeid}\t{own1 - own0:.2f}\t{children1 - children0:.2f}\t"
-                f"{time.monotonic() - wall0:.2f}\n"
+                f"{time.monotonic() - wall0:.2f}\t"
+                f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{time.time():.2f}\n"
             )
