@@ -107,6 +107,13 @@ def test_sizes_the_machine_cannot_hold_say_how_much_they_need():
             ["--train_agent.publish_every", "3", "--orchestrator.max_staleness", "1"],
             "publish_every=3 is invalid",
         ),
+        # the demo's policy trainer splits each step's rows over 4 devices
+        (
+            ["--orchestrator.batch_size", "6", "--orchestrator.group_size", "2"],
+            "orchestrator.batch_size=6 does not split over the policy trainer's 4 data-parallel"
+            " devices (agent.mesh data x fsdp) x train_agent.optim.grad_accum 1: use a multiple "
+            "of 4",
+        ),
     ],
 )
 def test_train_agent_cli_refuses_impossible_settings_before_starting(tmp_path, overrides, message):
