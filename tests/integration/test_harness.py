@@ -256,7 +256,11 @@ def test_train_agent_on_a_swe_task_file_trains_through_mini_swe_agent(tmp_path):
            "--agent.tokenizer", json.dumps({"kind": "hf", "path": str(agent)}),
            "--train_agent.steps", "2", "--train_agent.seq_len", "2048",
            "--train_agent.loss.aggregation", "rollout_mean", "--train_agent.eval.tasks", "0",
-           "--orchestrator.batch_size", "4", "--orchestrator.group_size", "4",
+           # Two rollouts a step: the policy trainer on 2 of the 8 fake devices, so that a
+           # step's 2 rows split over its data-parallel devices.
+           "--chips.roles", "{policy_train: 2, sim_train: 2, agent_serve: 1, sim_serve: 1}",
+           "--agent.mesh", "{fsdp: 2}",
+           "--orchestrator.batch_size", "2", "--orchestrator.group_size", "2",
            "--orchestrator.max_staleness", "0", "--orchestrator.max_context_tokens", "2048",
            "--serve.engine.max_seq_len", "2048", "--serve.engine.num_slots", "4",
            "--harness.kind", "mini-swe-agent", "--harness.step_limit", "3",
@@ -275,7 +279,7 @@ def test_train_agent_on_a_swe_task_file_trains_through_mini_swe_agent(tmp_path):
     trajs = [
         t for p in sorted((out / "trajectories").glob("middleware-*.jsonl")) for t in read_jsonl(p)
     ]
-    assert len(trajs) == 8  # 2 steps x 4 rollouts, one segment each
+    assert len(trajs) == 4  # 2 steps x 2 rollouts, one segment each
     for t in trajs:
         assert t.meta["harness"] == "mini-swe-agent" and t.status == "ok", (t.status, t.reason)
         commands = [
@@ -288,8 +292,8 @@ def test_train_agent_on_a_swe_task_file_trains_through_mini_swe_agent(tmp_path):
         assert t.reward == float(grade["resolved"]) == float(fix in commands), (commands, grade)
         if grade["resolved"]:
             assert grade["FAIL_TO_PASS"] == grade["PASS_TO_PASS"] == {"passed": 1, "of": 1}
-    # Both grades occur but with probability 2/256 (every rollout the same call, as likely as
-    # any other sequence of choices), so the test asserts each grade's cause, not their mix.
+    # All four rollouts make the same call with probability 2/16 (as likely as any other
+    # sequence of choices), so the test asserts each grade's cause, not their mix.
     assert {t.task_id for t in trajs} <= {"calc-0", "calc-1", "calc-2"}
     versions = sorted({v for t in trajs for v in t.policy_version if v is not None})
     assert versions == [1, 2]  # step 2's rollouts ran on the version step 1 published
