@@ -30,7 +30,9 @@ def read_lines(path: Path) -> list[list[str]]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         parts = line.split("\t")
         if len(parts) not in (4, 6):
-            raise ValueError(f"{path}:{n}: expected 6 tab-separated fields, got {len(parts)}")
+            raise ValueError(
+                f"{path}:{n}: expected 6 (or 4) tab-separated fields, got {len(parts)}"
+            )
         out.append(parts)
     return out
 
