@@ -111,10 +111,6 @@ def _set(cfg: SimloopConfig, dotted: str, value: Any) -> SimloopConfig:
     return dataclasses.replace(cfg, **{head: _set(getattr(cfg, head), rest, value)})
 
 
-def _mesh_rows(mesh) -> int:
-    return mesh.data * mesh.fsdp
-
-
 def _pod_prefixes(cfg: SimloopConfig, target: str) -> list[str]:
     """The absolute paths of a pod's file system that the rehearsal moves under `out/fs`."""
     from launch.deploy.gke import CONFIG_DIR
@@ -171,10 +167,10 @@ def rehearsal_config(
         cfg = dataclasses.replace(cfg, **{role: rcfg})
     for key, value in OVERRIDES.items():
         cfg = _set(cfg, key, value)
-    rows = _mesh_rows(cfg.agent.mesh)
+    rows = cfg.agent.mesh.data_parallel
     batch = rows * max(1, -(-8 // rows))  # >= 8 episodes, a multiple of the trainer's rows
     cfg = _set(cfg, "orchestrator.batch_size", batch)
-    cfg = _set(cfg, "train_sim.data.batch_size", _mesh_rows(cfg.simulator.mesh))
+    cfg = _set(cfg, "train_sim.data.batch_size", cfg.simulator.mesh.data_parallel)
     cfg = _set(cfg, "vllm.command", [sys.executable, "-m", "serving.vllm.fake_server", "serve"])
     base = _free_base(2 * PORTS)  # one free range: the HTTP ports, then the TPU/coordinator ones
     cfg = _set(cfg, "chips.http_port_base", base)

@@ -70,15 +70,14 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             f"orchestrator.batch_size={ocfg.batch_size} must be a multiple of "
             f"orchestrator.group_size={ocfg.group_size}"
         )
-    mesh, accum = cfg.agent.mesh, cfg.train_agent.optim.grad_accum
-    rows = mesh.data * mesh.fsdp * accum  # what the policy trainer splits each step's rows by
-    if ocfg.batch_size % rows:
+    dp, accum = cfg.agent.mesh.data_parallel, cfg.train_agent.optim.grad_accum
+    if ocfg.batch_size % (dp * accum):
         # Checked here, not at the first RL step: by then the servers, the warm start and a
         # batch of episodes would have run for nothing.
         raise UsageError(
             f"orchestrator.batch_size={ocfg.batch_size} does not split over the policy "
-            f"trainer's {mesh.data * mesh.fsdp} data-parallel devices (agent.mesh data x fsdp) "
-            f"x train_agent.optim.grad_accum {accum}: use a multiple of {rows}"
+            f"trainer's {dp} data-parallel devices (agent.mesh data x fsdp) "
+            f"x train_agent.optim.grad_accum {accum}: use a multiple of {dp * accum}"
         )
     publish_every = cfg.train_agent.publish_every
     if publish_every > 1 + ocfg.max_staleness:

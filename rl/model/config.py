@@ -402,3 +402,9 @@ class MeshConfig:
     @property
     def size(self) -> int:
         return self.data * self.fsdp * self.tensor
+
+    @property
+    def data_parallel(self) -> int:
+        """Devices a batch's rows are split over (data x fsdp): a trainer's batch must hold a
+        multiple of it (`Trainer.row_multiple`, with gradient accumulation)."""
+        return self.data * self.fsdp

@@ -360,8 +360,8 @@ def test_gating_experiment_quick_from_the_demos_collection_and_warm_start(demo, 
     gated = run / "gated"
     assert "1 vLLM agent server(s)" in proc.stdout
     (agent_log,) = (gated / "logs").glob(f"vllm-agent_serve-{port}.log")
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0, "a vLLM server outlived its job"
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "a vLLM server outlived its job"
     # Policy versions 2 to 4 were published to it (the warm start was version 1), each one
     # reloading its engine from the workers' parameters ...
     records = [json.loads(x) for x in (gated / "metrics.jsonl").read_text().splitlines()]
