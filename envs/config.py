@@ -508,7 +508,7 @@ class TerminalConfig:
 
 
 FILEOPS_KINDS = ("chain", "append", "move", "fanout")
-FILEOPS_WORDS = ("fixed", "random")
+FILEOPS_WORDS = ("fixed", "random", "mixed")
 
 
 @dataclass(frozen=True)
@@ -537,7 +537,8 @@ class FileopsConfig:
     of 26 (`amber` ... `zephyr`: the demo's tasks and the held-out collections); `random`,
     fresh lowercase strings of 4-7 letters, so a simulator trained on them has to copy what
     it reads instead of recalling one of 26 words (a drill: a fixed pool of strings favours
-    memorising over copying)."""
+    memorising over copying); `mixed`, each task's words fixed or fresh with even odds (one
+    collection that keeps the 26 and teaches copying)."""
 
     def __post_init__(self) -> None:
         validate.positive_int(self, "num_tasks", "min_lines", "max_lines")

@@ -100,7 +100,8 @@ def _property(lines: list[str], prop: str) -> str:
 
 def _words(rng: random.Random, cfg: FileopsConfig, n: int) -> list[str]:
     """`n` distinct words: drawn from the 26 (`cfg.words == "fixed"`, the same draws as
-    always) or fresh lowercase strings of 4-7 letters (`"random"`)."""
+    always) or fresh lowercase strings of 4-7 letters (`"random"`). `"mixed"` is decided per
+    task by the caller (`_task_words`), never here."""
     if cfg.words == "fixed":
         return rng.sample(_WORDS, n)
     out: list[str] = []
@@ -202,6 +203,8 @@ _KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout}
 
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
     kind = rng.choice(list(cfg.kinds))
+    if cfg.words == "mixed":
+        cfg = dataclasses.replace(cfg, words=rng.choice(("fixed", "random")))
     params, files, instruction = _KINDS[kind](rng, cfg)
     files = {**files, **_distractors(rng, cfg, set(files))}
     return Task(
@@ -210,7 +213,7 @@ def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
         setup=TaskSetup(files=files),
         reward=RewardSpec("fileops", params),
         family="fileops",
-        metadata={"kind": kind},
+        metadata={"kind": kind, "words": cfg.words},
     )
 
 
