@@ -101,7 +101,7 @@ def _property(lines: list[str], prop: str) -> str:
 def _words(rng: random.Random, cfg: FileopsConfig, n: int) -> list[str]:
     """`n` distinct words: drawn from the 26 (`cfg.words == "fixed"`, the same draws as
     always) or fresh lowercase strings of 4-7 letters (`"random"`). `"mixed"` is decided per
-    task by the caller (`_task_words`), never here."""
+    task by `make_task`, never here."""
     if cfg.words == "fixed":
         return rng.sample(_WORDS, n)
     out: list[str] = []
