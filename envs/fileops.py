@@ -297,7 +297,8 @@ FINAL_OUTPUT`, whose output is the submission (no answer copied by the agent).""
 class FileopsSolver:
     """A scripted agent: `act(last_observation)` returns the assistant's text. It runs the
     task's `plan`, with one of `mistakes` inserted with probability `noise` (each of
-    `MISTAKES` is recovered from; `SLIPS` are not), then submits (`style`)."""
+    `MISTAKES` is recovered from; `SLIPS` are not), then submits (`style`). With `checks`
+    (a probability per write), it looks at what it wrote (`CHECK_READS`) as it goes."""
 
     def __init__(
         self,
@@ -307,11 +308,14 @@ class FileopsSolver:
         seed: int = 0,
         style: str = "two_step",
         mistakes: tuple[str, ...] = MISTAKES,
+        checks: float = 0.0,
     ):
         if task.reward.name != "fileops":
             raise ValueError(f"FileopsSolver solves fileops tasks, not {task.reward.name!r}")
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"FileopsSolver noise={noise!r} is invalid: a probability in [0, 1]")
+        if not 0.0 <= checks <= 1.0:
+            raise ValueError(f"FileopsSolver checks={checks!r} is invalid: a probability in [0, 1]")
         if style not in FILEOPS_STYLES:
             raise ValueError(f"FileopsSolver style={style!r} is invalid: one of {FILEOPS_STYLES}")
         unknown = [m for m in mistakes if m not in MISTAKES + SLIPS]
@@ -330,6 +334,10 @@ class FileopsSolver:
                 self.mistake = rng.choice(MISTAKES)
         if self.mistake != "other_op":
             self.commands = _with_mistake(steps, self.mistake, rng)
+        if checks:  # its own stream: the mistakes above are drawn as without checks
+            self.commands = _with_checks(
+                self.commands, steps, checks, random.Random(f"{seed}:{task.id}:checks")
+            )
         self.style = style
         if style == "marker":
             self.commands[-1] = f"echo {SUBMIT_MARKER}\n{self.commands[-1]}"
@@ -342,6 +350,40 @@ class FileopsSolver:
             note = "Submit." if cmd.startswith(f"echo {SUBMIT_MARKER}") else "Next step."
             return f"{note}\n\n{_bash(cmd)}"
         return submit_printed(last_observation, "The last command printed the answer.")
+
+
+CHECK_READS = ("cat {f}", "tail -n 1 {f}", "head -n 1 {f}", "wc -l < {f}", "tail -n 2 {f}")
+"""How `FileopsSolver` checks a file it wrote (`checks`), as an agent verifying its work
+does; a directory is listed (`ls`)."""
+MAX_CHECKS = 2
+"""Checks per episode at most, so a task with a mistake stays within 8 commands."""
+
+
+def _with_checks(
+    commands: list[str], steps: list[str], prob: float, rng: random.Random
+) -> list[str]:
+    """`commands` with a read inserted after a plan step that writes, with probability `prob`
+    each (`MAX_CHECKS` at most; never after the last command): the file just written half the
+    time, else one written earlier (or a starting file the plan read), so the reads come at
+    several state distances."""
+    out: list[str] = []
+    written: list[str] = []
+    inputs = [f for f in ("input.txt", "log.txt") if any(f in s for s in steps)]
+    n = 0
+    for i, command in enumerate(commands):
+        out.append(command)
+        target = _written(command) if command in steps[:-1] else None
+        if target is None or i == len(commands) - 1:
+            continue
+        written.append(target)
+        if n == MAX_CHECKS or rng.random() >= prob:
+            continue
+        older = [f for f in dict.fromkeys(written[:-1] + inputs) if f != target]
+        f = target if not older or rng.random() < 0.5 else rng.choice(older)
+        is_dir = f.endswith("/") or not f.endswith(".txt")
+        out.append(f"ls {f}" if is_dir else rng.choice(CHECK_READS).format(f=f))
+        n += 1
+    return out
 
 
 def _other_op(params: dict, rng: random.Random) -> list[str]:

@@ -252,6 +252,11 @@ class CollectConfig:
     (`envs.fileops.MISTAKES`, recovered from, and `SLIPS`, not); None: every recovered
     mistake, and the `other_op` slip when `noise_kinds` holds `other_op`. E.g. `[garble]`
     collects the broken commands a small agent writes, so a simulator learns bash's errors."""
+    fileops_checks: float = 0.0
+    """`fileops` episodes: probability that the solver reads back a file after a step that
+    writes one (`cat`, `tail -n 1`, `wc -l <`, ...: `envs.fileops.CHECK_READS`; two per episode
+    at most), the file just written or an older one. More reads of episode-written files, at
+    several state distances, for simulator training data."""
     task_seed: int | None = None
     """Seed of the tasks collected on (of `env.family`); None: the family's own seed (the
     agent's training tasks). Another seed collects on tasks the agent never trains on."""
@@ -282,6 +287,7 @@ class CollectConfig:
                 "fileops_mistakes",
                 f"null or a non-empty list drawn from {list(MISTAKES + SLIPS)}",
             )
+        validate.fraction(self, "fileops_checks")
         validate.integer(self, "commands", low=1)
         validate.integer(self, "task_seed", low=0, optional=True)
         validate.integer(self, "num_tasks", low=1, optional=True)

@@ -82,6 +82,7 @@ async def collect(cfg: SimloopConfig, out: Path) -> dict:
         trial_marker=marker,
         commands=c.commands,
         fileops_mistakes=c.fileops_mistakes,
+        fileops_checks=c.fileops_checks,
     )
     ocfg = dataclasses.replace(cfg.orchestrator, arm="real", group_size=1, max_staleness=None)
     writer = TrajectoryWriter(out, prefix="collect")

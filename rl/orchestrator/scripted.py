@@ -53,6 +53,7 @@ class ScriptedAgentClient:
         adapt: bool = True,
         commands: int = 8,
         fileops_mistakes: Sequence[str] | None = None,
+        fileops_checks: float = 0.0,
     ):
         if not 0.0 <= noise <= 1.0:
             raise ValueError(f"noise={noise!r} is invalid: a probability in [0, 1]")
@@ -72,6 +73,11 @@ class ScriptedAgentClient:
                 f"of {list(MISTAKES + SLIPS)}"
             )
         self.fileops_mistakes = tuple(fileops_mistakes)
+        if not 0.0 <= fileops_checks <= 1.0:
+            raise ValueError(
+                f"fileops_checks={fileops_checks!r} is invalid: a probability in [0, 1]"
+            )
+        self.fileops_checks = fileops_checks
         # Tasks with the same instruction (e.g. the same operation on a file's word) have the
         # same script: the plan depends only on what the instruction says.
         self.tasks = {t.instruction: t for t in tasks}
@@ -126,6 +132,7 @@ class ScriptedAgentClient:
             seed=self.seed,
             style="marker" if self.style == "marker" else "two_step",
             mistakes=self.fileops_mistakes,
+            checks=self.fileops_checks,
         )
         solver._step = min(turn, len(solver.commands))
         return solver.act(text.rsplit(f"{IM_START}user\n", 1)[-1])

@@ -300,3 +300,42 @@ async def test_warm_start_demonstrations_make_the_mistakes_its_noise_kinds_name(
                 )
             else:  # a misspelt command, then the plan
                 assert d.reward == 1.0 and len(set(commands) - set(steps)) == 2, commands
+
+
+async def test_checks_read_back_written_files_without_changing_the_episode_otherwise():
+    """`checks`: reads of files the episode wrote, inserted after writes (two at most), on
+    their own random stream: the mistakes, the plan's order and the answer are unchanged, and
+    the episode still solves its task in real bash."""
+    from envs.fileops import CHECK_READS, MAX_CHECKS
+
+    tasks = generate_fileops(FileopsConfig(num_tasks=40, seed=5))
+    reads = tuple(r.split(" {f}")[0].rstrip(" <") for r in CHECK_READS) + ("ls",)
+    checked = 0
+    for task in tasks:
+        plain = FileopsSolver(task, noise=0.6, seed=3, style="marker")
+        solver = FileopsSolver(task, noise=0.6, seed=3, style="marker", checks=1.0)
+        assert solver.mistake == plain.mistake
+        extra = list(solver.commands)
+        for command in plain.commands:  # the plain episode is a subsequence, the rest checks
+            extra = extra[extra.index(command) + 1 :] if command in extra else ["missing"]
+        added = [c for c in solver.commands if c not in plain.commands]
+        assert extra != ["missing"] and solver.commands[-1] == plain.commands[-1]
+        assert 1 <= len(added) <= MAX_CHECKS and len(solver.commands) <= 8, solver.commands
+        assert all(c.startswith(reads) for c in added), added
+        checked += len(added)
+        assert FileopsSolver(task, noise=0.6, seed=3, style="marker", checks=0.0).commands == (
+            plain.commands
+        )
+    assert checked > 40  # two checks in most episodes at checks=1
+    for task in tasks[:4]:
+        results, env = await solve(task, noise=0.6, seed=3, checks=1.0)
+        assert results[-1].reward == 1.0, (task.instruction, env.submission)
+    with pytest.raises(ValueError, match=r"checks=1.5 is invalid: a probability in \[0, 1\]"):
+        FileopsSolver(tasks[0], checks=1.5)
+    from launch.config.schema import CollectConfig
+    from rl.data import ByteTokenizer
+    from rl.orchestrator.scripted import ScriptedAgentClient
+
+    with pytest.raises(ValueError, match="fileops_checks"):
+        CollectConfig(fileops_checks=-0.1)
+    assert ScriptedAgentClient(tasks, ByteTokenizer(), fileops_checks=0.5).fileops_checks == 0.5
