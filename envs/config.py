@@ -508,6 +508,8 @@ class TerminalConfig:
 
 
 FILEOPS_KINDS = ("chain", "append", "move", "fanout")
+FILEOPS_DRILL_KINDS = ("read",)
+"""Kinds for simulator training data, never drawn unless named (`FileopsConfig.kinds`)."""
 FILEOPS_WORDS = ("fixed", "random", "mixed")
 
 
@@ -521,7 +523,8 @@ class FileopsConfig:
     seed: int = 0
     """Generator seed: the same seed gives the same tasks."""
     kinds: list[str] = field(default_factory=lambda: list(FILEOPS_KINDS))
-    """Which kinds to draw from."""
+    """Which kinds to draw from: `FILEOPS_KINDS`, and the drill `read` (one file, one
+    command that reads it: a copying drill for a simulator, one command long)."""
     min_lines: int = 3
     """Fewest lines of a `chain` task's input."""
     max_lines: int = 6
@@ -546,10 +549,12 @@ class FileopsConfig:
         validate.integer(self, "seed", "distractors", low=0)
         kinds = self.kinds
         validate.require(
-            isinstance(kinds, list | tuple) and kinds and all(k in FILEOPS_KINDS for k in kinds),
+            isinstance(kinds, list | tuple)
+            and kinds
+            and all(k in FILEOPS_KINDS + FILEOPS_DRILL_KINDS for k in kinds),
             self,
             "kinds",
-            f"a non-empty list drawn from {list(FILEOPS_KINDS)}",
+            f"a non-empty list drawn from {list(FILEOPS_KINDS + FILEOPS_DRILL_KINDS)}",
         )
         validate.require(
             self.max_lines >= self.min_lines >= 3, self, "min_lines",

@@ -13,7 +13,9 @@ Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that m
   `archive/`'s listing (sorted, comma-separated);
 - `fanout`: transform `input.txt` three ways into `a.txt`, `b.txt` and `c.txt`, then submit
   a property of `a.txt`, which the episode wrote three commands before it reads it (state
-  distance 3).
+  distance 3);
+- `read` (a drill, drawn only when named): submit a property of one file, or its whole
+  contents; one command, which copies from the file (lines of words, half of them numbered).
 
 `generate_fileops(cfg)` makes the tasks; the `fileops` reward recomputes the truth from
 `reward.params`; `FileopsSolver` is a scripted agent that solves them in a real shell, with
@@ -63,11 +65,13 @@ _PROPERTY_COMMAND = {
     "first_line": "head -n 1 {f}",
     "last_line": "tail -n 1 {f}",
     "line_count": "wc -l < {f}",
+    "contents": "cat {f}",
 }
 _PROPERTY_WORDS = {
     "first_line": "the first line of",
     "last_line": "the last line of",
     "line_count": "the number of lines of",
+    "contents": "the contents of",
 }
 
 
@@ -87,12 +91,16 @@ def fileops_truth(params: dict) -> str:
     if kind == "move":
         moved = [new or old for old, new in params["moves"]]
         return ",".join(sorted(moved))
+    if kind == "read":
+        return _property(list(params["lines"]), params["property"])
     raise ValueError(f"fileops kind {kind!r} is unknown")
 
 
 def _property(lines: list[str], prop: str) -> str:
     if prop == "line_count":
         return str(len(lines))
+    if prop == "contents":
+        return "\n".join(lines)
     if not lines:
         return ""
     return lines[0] if prop == "first_line" else lines[-1]
@@ -198,7 +206,17 @@ def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str
     return params, files, instruction
 
 
-_KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout}
+def _read(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    name = rng.choice(["notes.txt", "log.txt", "data.txt", "list.txt"])
+    words = _words(rng, cfg, rng.randint(1, cfg.max_lines))
+    lines = [f"{w}-{rng.randint(10, 99)}" if rng.random() < 0.5 else w for w in words]
+    prop = rng.choice((*PROPERTIES, "contents"))
+    params = {"kind": "read", "file": name, "lines": lines, "property": prop}
+    files = {name: "\n".join(lines) + "\n"}
+    return params, files, f"1. Submit {_PROPERTY_WORDS[prop]} `{name}`."
+
+
+_KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout, "read": _read}
 
 
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
@@ -258,6 +276,8 @@ def plan(params: dict) -> list[str]:
     if kind == "append":
         cmds = [f"echo '{line}' >> log.txt" for line in params["appended"]]
         return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="log.txt")]
+    if kind == "read":
+        return [_PROPERTY_COMMAND[params["property"]].format(f=params["file"])]
     (first, _), (second, renamed) = params["moves"]
     return [
         "mkdir archive",
@@ -326,7 +346,8 @@ class FileopsSolver:
         rng = random.Random(f"{seed}:{task.id}")
         params = dict(task.reward.params)
         steps = plan(params)
-        self.mistake = rng.choice(mistakes) if rng.random() < noise else None
+        # A one-command plan (`read`) has no step before its answer to get wrong.
+        self.mistake = rng.choice(mistakes) if len(steps) > 1 and rng.random() < noise else None
         if self.mistake == "other_op":
             if params["kind"] in ("chain", "fanout"):
                 self.commands = _other_op(params, rng)

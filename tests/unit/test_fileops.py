@@ -339,3 +339,23 @@ async def test_checks_read_back_written_files_without_changing_the_episode_other
     with pytest.raises(ValueError, match="fileops_checks"):
         CollectConfig(fileops_checks=-0.1)
     assert ScriptedAgentClient(tasks, ByteTokenizer(), fileops_checks=0.5).fileops_checks == 0.5
+
+
+async def test_the_read_drill_copies_one_file_and_is_drawn_only_when_named():
+    """`read`: one file, one command that prints a property of it or all of it; the truth is
+    what bash prints, in marker style too. Never among the default kinds."""
+    assert "read" not in FileopsConfig().kinds
+    cfg = FileopsConfig(num_tasks=24, seed=7, kinds=["read"], words="mixed")
+    tasks = generate_fileops(cfg)
+    props = {t.reward.params["property"] for t in tasks}
+    assert props == {"first_line", "last_line", "line_count", "contents"}
+    numbered = [ln for t in tasks for ln in t.reward.params["lines"] if re.search(r"-\d\d$", ln)]
+    assert numbered and len(numbered) < sum(len(t.reward.params["lines"]) for t in tasks)
+    for task in tasks[:8]:
+        solver = FileopsSolver(task, noise=1.0, seed=1, style="marker")
+        assert solver.mistake is None and len(solver.commands) == 1
+        results, env = await solve(task, noise=1.0, seed=1, style="marker")
+        assert results[-1].reward == 1.0, (task.instruction, env.submission)
+        assert env.submission.strip() == fileops_truth(dict(task.reward.params))
+    with pytest.raises(ValueError, match=r"kinds.*'fanout', 'read'\]"):
+        FileopsConfig(kinds=["reads"])
