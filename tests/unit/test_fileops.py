@@ -357,5 +357,13 @@ async def test_the_read_drill_copies_one_file_and_is_drawn_only_when_named():
         results, env = await solve(task, noise=1.0, seed=1, style="marker")
         assert results[-1].reward == 1.0, (task.instruction, env.submission)
         assert env.submission.strip() == fileops_truth(dict(task.reward.params))
+    # `submit` in a turn of its own carries a whole file (several lines) too.
+    whole = next(
+        t
+        for t in tasks
+        if t.reward.params["property"] == "contents" and len(t.reward.params["lines"]) > 1
+    )
+    results, env = await solve(whole, style="two_step")
+    assert results[-1].reward == 1.0, env.submission
     with pytest.raises(ValueError, match=r"kinds.*'fanout', 'read'\]"):
         FileopsConfig(kinds=["reads"])
