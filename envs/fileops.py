@@ -391,18 +391,18 @@ def _with_checks(
     written: list[str] = []
     inputs = [f for f in ("input.txt", "log.txt") if any(f in s for s in steps)]
     n = 0
-    for i, command in enumerate(commands):
+    for command in commands:
         out.append(command)
+        # Only a plan step that writes; the answer's command (`steps[-1]`) writes nothing.
         target = _written(command) if command in steps[:-1] else None
-        if target is None or i == len(commands) - 1:
+        if target is None:
             continue
         written.append(target)
         if n == MAX_CHECKS or rng.random() >= prob:
             continue
         older = [f for f in dict.fromkeys(written[:-1] + inputs) if f != target]
         f = target if not older or rng.random() < 0.5 else rng.choice(older)
-        is_dir = f.endswith("/") or not f.endswith(".txt")
-        out.append(f"ls {f}" if is_dir else rng.choice(CHECK_READS).format(f=f))
+        out.append(f"ls {f}" if f.endswith("/") else rng.choice(CHECK_READS).format(f=f))
         n += 1
     return out
 
