@@ -508,7 +508,7 @@ class TerminalConfig:
 
 
 FILEOPS_KINDS = ("chain", "append", "move", "fanout")
-FILEOPS_DRILL_KINDS = ("read",)
+FILEOPS_DRILL_KINDS = ("read", "lookup")
 """Kinds for simulator training data, never drawn unless named (`FileopsConfig.kinds`)."""
 FILEOPS_WORDS = ("fixed", "random", "mixed")
 
@@ -523,8 +523,9 @@ class FileopsConfig:
     seed: int = 0
     """Generator seed: the same seed gives the same tasks."""
     kinds: list[str] = field(default_factory=lambda: list(FILEOPS_KINDS))
-    """Which kinds to draw from: `FILEOPS_KINDS`, and the drill `read` (one file, one
-    command that reads it: a copying drill for a simulator, one command long)."""
+    """Which kinds to draw from: `FILEOPS_KINDS`, and the drills `read` (one file, one
+    command that reads it: a copying drill for a simulator, one command long) and `lookup`
+    (one numbered file, one `grep` for a word's line: a find-by-content drill)."""
     min_lines: int = 3
     """Fewest lines of a `chain` task's input."""
     max_lines: int = 6

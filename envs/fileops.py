@@ -16,6 +16,9 @@ Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that m
   distance 3);
 - `read` (a drill, drawn only when named): submit a property of one file, or its whole
   contents; one command, which copies from the file (lines of words, half of them numbered).
+- `lookup` (a drill, drawn only when named): submit the line of one file that starts with a
+  given word; one command, `grep '^word-' file`, whose output is found by content: every
+  line is numbered (`word-NN`), and the number is in the file alone.
 
 `generate_fileops(cfg)` makes the tasks; the `fileops` reward recomputes the truth from
 `reward.params`; `FileopsSolver` is a scripted agent that solves them in a real shell, with
@@ -93,6 +96,8 @@ def fileops_truth(params: dict) -> str:
         return ",".join(sorted(moved))
     if kind == "read":
         return _property(list(params["lines"]), params["property"])
+    if kind == "lookup":
+        return next(ln for ln in params["lines"] if ln.startswith(f"{params['word']}-"))
     raise ValueError(f"fileops kind {kind!r} is unknown")
 
 
@@ -216,7 +221,24 @@ def _read(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
     return params, files, f"1. Submit {_PROPERTY_WORDS[prop]} `{name}`."
 
 
-_KINDS = {"chain": _chain, "append": _append, "move": _move, "fanout": _fanout, "read": _read}
+def _lookup(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    name = rng.choice(["notes.txt", "log.txt", "data.txt", "list.txt"])
+    words = _words(rng, cfg, rng.randint(2, cfg.max_lines))
+    lines = [f"{w}-{rng.randint(10, 99)}" for w in words]
+    word = rng.choice(words)
+    params = {"kind": "lookup", "file": name, "lines": lines, "word": word}
+    files = {name: "\n".join(lines) + "\n"}
+    return params, files, f"1. Submit the line of `{name}` that starts with `{word}-`."
+
+
+_KINDS = {
+    "chain": _chain,
+    "append": _append,
+    "move": _move,
+    "fanout": _fanout,
+    "read": _read,
+    "lookup": _lookup,
+}
 
 
 def make_task(index: int, rng: random.Random, cfg: FileopsConfig) -> Task:
@@ -278,6 +300,8 @@ def plan(params: dict) -> list[str]:
         return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="log.txt")]
     if kind == "read":
         return [_PROPERTY_COMMAND[params["property"]].format(f=params["file"])]
+    if kind == "lookup":
+        return [f"grep '^{params['word']}-' {params['file']}"]
     (first, _), (second, renamed) = params["moves"]
     return [
         "mkdir archive",
@@ -346,7 +370,7 @@ class FileopsSolver:
         rng = random.Random(f"{seed}:{task.id}")
         params = dict(task.reward.params)
         steps = plan(params)
-        # A one-command plan (`read`) has no step before its answer to get wrong.
+        # A one-command plan (`read`, `lookup`) has no step before its answer to get wrong.
         self.mistake = rng.choice(mistakes) if len(steps) > 1 and rng.random() < noise else None
         if self.mistake == "other_op":
             if params["kind"] in ("chain", "fanout"):

@@ -15,6 +15,7 @@ from envs.fileops import (
     MISTAKES,
     SLIPS,
     FileopsSolver,
+    fileops_reward,
     fileops_truth,
     generate_fileops,
     plan,
@@ -365,5 +366,33 @@ async def test_the_read_drill_copies_one_file_and_is_drawn_only_when_named():
     )
     results, env = await solve(whole, style="two_step")
     assert results[-1].reward == 1.0, env.submission
-    with pytest.raises(ValueError, match=r"kinds.*'fanout', 'read'\]"):
+    with pytest.raises(ValueError, match=r"kinds.*'fanout', 'read', 'lookup'\]"):
         FileopsConfig(kinds=["reads"])
+
+
+async def test_the_lookup_drill_finds_a_line_by_its_word_and_is_drawn_only_when_named():
+    """`lookup`: every line of one file is `word-NN`, with distinct words; the one command
+    greps for one word's line, so its number is in the file alone. The truth is bash's
+    output, and a wrong number gets no reward."""
+    assert "lookup" not in FileopsConfig().kinds
+    tasks = generate_fileops(FileopsConfig(num_tasks=16, seed=3, kinds=["lookup"], words="mixed"))
+    for task in tasks:
+        params = dict(task.reward.params)
+        lines = params["lines"]
+        assert len(lines) >= 2 and all(re.fullmatch(r"[a-z]+-\d\d", ln) for ln in lines)
+        words = [ln.split("-")[0] for ln in lines]
+        assert len(set(words)) == len(words) and params["word"] in words
+        assert plan(params) == [f"grep '^{params['word']}-' {params['file']}"]
+        assert params["word"] not in task.setup.files[params["file"]].split("\n")
+    for task in tasks[:6]:
+        solver = FileopsSolver(task, noise=1.0, seed=2, style="marker")
+        assert solver.mistake is None and len(solver.commands) == 1
+        results, env = await solve(task, noise=1.0, seed=2, style="marker")
+        assert results[-1].reward == 1.0, (task.instruction, env.submission)
+        truth = fileops_truth(dict(task.reward.params))
+        assert env.submission.strip() == truth
+        assert truth.startswith(f"{task.reward.params['word']}-")
+    wrong = truth[:-1] + str((int(truth[-1]) + 1) % 10)
+    ctx = None
+    assert await fileops_reward(tasks[5], wrong, ctx) == 0.0
+    assert await fileops_reward(tasks[5], truth + "\n", ctx) == 1.0
