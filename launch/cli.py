@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
     "deepen": ("a deeper copy of trained weights that computes the same (block expansion)", False),
     "widen": ("a wider copy of trained weights that computes the same (width expansion)", False),
+    "lookup-drill": ("teach trained weights to find a line by its content (a warm-up)", False),
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
     "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
     "rollout": ("run a rollout job and write trajectories", True),
@@ -68,6 +69,7 @@ MODULES: dict[str, str] = {
     "eval-sim": "launch.jobs.eval_sim",
     "deepen": "launch.jobs.deepen",
     "widen": "launch.jobs.widen",
+    "lookup-drill": "launch.jobs.lookup_drill",
     "train-agent": "launch.jobs.train_agent",
     "eval-agent": "launch.jobs.eval_agent",
     "rollout": "launch.jobs.rollout",
@@ -105,6 +107,7 @@ OWN_FLAGS = (
     "rehearse",
     "deepen",
     "widen",
+    "lookup-drill",
 )
 # The embedded default (docs/architecture.md §6): `simloop demo` without --config runs the CPU
 # demo's config.
