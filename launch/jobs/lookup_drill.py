@@ -96,7 +96,9 @@ def lookup_batch(rng: random.Random, rows: int, length: int, min_lines: int, max
 
 
 def _row_length(max_lines: int) -> int:
-    # header 15 + lines of at most 7 + 1 + 2 + 1 bytes + query 9 + 7 + 1 + 7 + 1 + target 3
+    # the longest row: "== notes.txt ==\n" (16 bytes), lines of a 7-letter word, "-NN" and
+    # a newline (11 each, the last newline starting the query), "$ lookup " + word + "\n" +
+    # word + "-" (25), the target "NN\n" (3)
     return 16 + 11 * max_lines + 28
 
 
