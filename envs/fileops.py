@@ -211,8 +211,12 @@ def _fanout(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str
     return params, files, instruction
 
 
+DRILL_FILES = ("notes.txt", "log.txt", "data.txt", "list.txt")
+"""The one file a drill task (`read`, `lookup`) holds is one of these."""
+
+
 def _read(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    name = rng.choice(["notes.txt", "log.txt", "data.txt", "list.txt"])
+    name = rng.choice(DRILL_FILES)
     words = _words(rng, cfg, rng.randint(1, cfg.max_lines))
     lines = [f"{w}-{rng.randint(10, 99)}" if rng.random() < 0.5 else w for w in words]
     prop = rng.choice((*PROPERTIES, "contents"))
@@ -222,7 +226,7 @@ def _read(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str],
 
 
 def _lookup(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
-    name = rng.choice(["notes.txt", "log.txt", "data.txt", "list.txt"])
+    name = rng.choice(DRILL_FILES)
     words = _words(rng, cfg, rng.randint(2, cfg.max_lines))
     lines = [f"{w}-{rng.randint(10, 99)}" for w in words]
     word = rng.choice(words)

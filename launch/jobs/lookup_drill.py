@@ -57,7 +57,7 @@ def _word(rng: random.Random) -> str:
 def lookup_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str, str]:
     """(context, target): a listing of numbered lines and a query whose answer is the number
     of one line, found by the word it starts with."""
-    from envs.fileops import _WORDS
+    from envs.fileops import _WORDS, DRILL_FILES
 
     n = rng.randint(min_lines, max_lines)
     if rng.random() < 0.5:
@@ -70,7 +70,7 @@ def lookup_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str,
                 words.append(w)
     lines = [f"{w}-{rng.randint(0, 99):02d}" for w in words]
     word, number = rng.choice(lines).split("-")
-    name = rng.choice(["notes.txt", "log.txt", "data.txt", "list.txt"])
+    name = rng.choice(DRILL_FILES)
     context = f"== {name} ==\n" + "\n".join(lines) + f"\n$ lookup {word}\n{word}-"
     return context, f"{number}\n"
 
@@ -129,6 +129,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
     from rl.model.loading import ModelSource
     from rl.model.params_io import read_model_config, save_params
+    from rl.train.config import OptimConfig
+    from rl.train.losses import token_logprobs
+    from rl.train.optim import make_optimizer
 
     read_model_config(Path(args.weights))  # FileNotFoundError (exit 2) when it is not weights
     model = ModelSource(weights=str(args.weights)).build(seed=0)
@@ -138,19 +141,17 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     def loss_fn(params, tokens, mask):
         logits = nnx.merge(graphdef, params)(tokens)[:, :-1]
         targets = tokens[:, 1:]
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+        nll = -token_logprobs(logits, targets)[0]
         m = mask[:, :-1]
         right = (jnp.argmax(logits, -1) == targets) | (m == 0)
         return (nll * m).sum() / m.sum(), right.all(-1).mean()
 
-    schedule = optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, args.lr, WARMUP),
-            optax.cosine_decay_schedule(args.lr, max(args.steps - WARMUP, 1), alpha=0.1),
-        ],
-        [WARMUP],
+    # The trainers' optimizer (warmup, cosine to 0.1 of the peak, clipping), with Adam's
+    # usual b2: the rows are fresh every step and the gradients noisy.
+    opt = make_optimizer(
+        OptimConfig(lr=args.lr, warmup_steps=WARMUP, b2=0.999, weight_decay=0.0, clip_norm=1.0),
+        args.steps,
     )
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     opt_state = opt.init(params)
 
     @jax.jit
