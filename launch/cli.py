@@ -31,7 +31,10 @@ SUBCOMMANDS: dict[str, tuple[str, bool]] = {
     "eval-sim": ("arm (c): replay real commands against the simulator, score fidelity", True),
     "deepen": ("a deeper copy of trained weights that computes the same (block expansion)", False),
     "widen": ("a wider copy of trained weights that computes the same (width expansion)", False),
-    "lookup-drill": ("teach trained weights to find a line by its content (a warm-up)", False),
+    "lookup-drill": (
+        "teach trained weights to find a line by its content, or count lines (a warm-up)",
+        False,
+    ),
     "train-agent": ("SFT warm start, then RL in closed loop with the simulator", True),
     "eval-agent": ("the agent in real and simulated shells: success and transfer gap", True),
     "rollout": ("run a rollout job and write trajectories", True),

@@ -13,6 +13,13 @@ number and its newline only. Rows are fresh every step (never repeated), so the 
 memorise them. A held-out set of rows is scored every `--eval-every` steps (exact: both
 digits right) and the curve goes to `lookup_drill.json` beside the weights.
 
+`--task count` drills the other read a simulator gets wrong with its files right, `wc -l <
+file`: a listing of one to three files (`== name ==`, then 1..N lines of words or numbered
+lines), then `$ count name`; the loss is on the named file's line count and its newline. Of
+sim-fileops' 19 `wc -l` misses on seed 11, 16 miscount a file it holds right (dev/LOG.md,
+2026-12-07 fifth). `--task both` draws each row from either drill, and the held-out curve is
+scored per drill.
+
 It is a warm-up, not a simulator: the rows are not in the simulator's prompt format, so
 fine-tune after it (`simloop train-sim --simulator.weights OUT/weights/final ...`).
 Measured on sim-fileops with the defaults (dev/LOG.md, 2026-12-07 fourth): held-out exact
@@ -33,6 +40,8 @@ from launch.config.schema import SimloopConfig
 from launch.errors import UsageError
 
 RESULT = "lookup_drill.json"
+TASKS = ("lookup", "count", "both")
+COUNT_FILES = 3  # the most files a count row lists
 EVAL_ROWS = 128
 WARMUP = 30
 
@@ -48,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lines", type=int, default=6, help="most listed lines (default 6)")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out scores")
     p.add_argument("--seed", type=int, default=1, help="the rows' random seed (default 1)")
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="lookup",
+        help="lookup (a line's number by its word), count (a file's lines) or both "
+        "(default lookup)",
+    )
 
 
 def _word(rng: random.Random) -> str:
@@ -57,27 +73,57 @@ def _word(rng: random.Random) -> str:
 def lookup_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str, str]:
     """(context, target): a listing of numbered lines and a query whose answer is the number
     of one line, found by the word it starts with."""
-    from envs.fileops import _WORDS, DRILL_FILES
+    from envs.fileops import DRILL_FILES
 
     n = rng.randint(min_lines, max_lines)
-    if rng.random() < 0.5:
-        words = rng.sample(_WORDS, n)
-    else:
-        words = []
-        while len(words) < n:
-            w = _word(rng)
-            if w not in words:
-                words.append(w)
-    lines = [f"{w}-{rng.randint(0, 99):02d}" for w in words]
+    lines = [f"{w}-{rng.randint(0, 99):02d}" for w in _distinct_words(rng, n)]
     word, number = rng.choice(lines).split("-")
     name = rng.choice(DRILL_FILES)
     context = f"== {name} ==\n" + "\n".join(lines) + f"\n$ lookup {word}\n{word}-"
     return context, f"{number}\n"
 
 
-def lookup_batch(rng: random.Random, rows: int, length: int, min_lines: int, max_lines: int):
-    """(tokens [rows, length], loss mask [rows, length]): the mask marks the positions that
-    predict the target's bytes."""
+def _distinct_words(rng: random.Random, n: int) -> list[str]:
+    from envs.fileops import _WORDS
+
+    if rng.random() < 0.5:
+        return rng.sample(_WORDS, n)
+    words: list[str] = []
+    while len(words) < n:
+        w = _word(rng)
+        if w not in words:
+            words.append(w)
+    return words
+
+
+def count_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str, str]:
+    """(context, target): a listing of one to three files and a query whose answer is the
+    number of lines of one of them, named by its file."""
+    from envs.fileops import DRILL_FILES
+
+    names = rng.sample(DRILL_FILES, rng.randint(1, min(COUNT_FILES, len(DRILL_FILES))))
+    blocks, counts = [], {}
+    for name in names:
+        n = rng.randint(min_lines, max_lines)
+        words = _distinct_words(rng, n)
+        if rng.random() < 0.5:
+            words = [f"{w}-{rng.randint(0, 99):02d}" for w in words]
+        blocks.append(f"== {name} ==\n" + "".join(f"{w}\n" for w in words))
+        counts[name] = n
+    name = rng.choice(names)
+    return "".join(blocks) + f"$ count {name}\n", f"{counts[name]}\n"
+
+
+def lookup_batch(
+    rng: random.Random,
+    rows: int,
+    length: int,
+    min_lines: int,
+    max_lines: int,
+    task: str = "lookup",
+):
+    """(tokens [rows, length], loss mask [rows, length]) of `task`'s rows (`both`: each row
+    from either drill): the mask marks the positions that predict the target's bytes."""
     import numpy as np
 
     from rl.data.tokenizer import ByteTokenizer
@@ -86,7 +132,9 @@ def lookup_batch(rng: random.Random, rows: int, length: int, min_lines: int, max
     tokens = np.zeros((rows, length), np.int32)
     mask = np.zeros((rows, length), np.float32)
     for i in range(rows):
-        context, target = lookup_row(rng, min_lines, max_lines)
+        kind = task if task != "both" else rng.choice(("lookup", "count"))
+        row = lookup_row if kind == "lookup" else count_row
+        context, target = row(rng, min_lines, max_lines)
         ctx, ids = tok.encode(context), tok.encode(context + target)
         if len(ids) > length:
             raise ValueError(f"a row of {len(ids)} tokens does not fit {length}")
@@ -95,11 +143,14 @@ def lookup_batch(rng: random.Random, rows: int, length: int, min_lines: int, max
     return tokens, mask
 
 
-def _row_length(max_lines: int) -> int:
-    # the longest row: "== notes.txt ==\n" (16 bytes), lines of a 7-letter word, "-NN" and
-    # a newline (11 each, the last newline starting the query), "$ lookup " + word + "\n" +
-    # word + "-" (25), the target "NN\n" (3)
-    return 16 + 11 * max_lines + 28
+def _row_length(max_lines: int, task: str = "lookup") -> int:
+    # the longest lookup row: "== notes.txt ==\n" (16 bytes), lines of a 7-letter word, "-NN"
+    # and a newline (11 each, the last newline starting the query), "$ lookup " + word +
+    # "\n" + word + "-" (25), the target "NN\n" (3)
+    lookup = 16 + 11 * max_lines + 28
+    # the longest count row: three such files, "$ count notes.txt\n" (18), the target "NN\n"
+    count = COUNT_FILES * (16 + 11 * max_lines) + 18 + 3
+    return {"lookup": lookup, "count": count, "both": max(lookup, count)}[task]
 
 
 def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
@@ -136,7 +187,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     read_model_config(Path(args.weights))  # FileNotFoundError (exit 2) when it is not weights
     model = ModelSource(weights=str(args.weights)).build(seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
-    length = _row_length(args.max_lines)
+    length = _row_length(args.max_lines, args.task)
 
     def loss_fn(params, tokens, mask):
         logits = nnx.merge(graphdef, params)(tokens)[:, :-1]
@@ -161,17 +212,35 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         return optax.apply_updates(params, updates), opt_state, loss
 
     score = jax.jit(loss_fn)
-    held = lookup_batch(
-        random.Random(f"{args.seed}:held-out"), EVAL_ROWS, length, args.min_lines, args.max_lines
-    )
+    drills = ("lookup", "count") if args.task == "both" else (args.task,)
+    held = {
+        d: lookup_batch(
+            # the lookup rows as they were before `--task` (the measured curves)
+            random.Random(f"{args.seed}:held-out" + ("" if d == "lookup" else f":{d}")),
+            EVAL_ROWS,
+            length,
+            args.min_lines,
+            args.max_lines,
+            d,
+        )
+        for d in drills
+    }
     curve: list[dict] = []
 
     def evaluate(at: int) -> None:
-        loss, exact = score(params, jnp.asarray(held[0]), jnp.asarray(held[1]))
-        curve.append({"step": at, "loss": round(float(loss), 4), "exact": float(exact)})
+        point: dict = {"step": at}
+        for d, (tokens, mask) in held.items():
+            loss, exact = score(params, jnp.asarray(tokens), jnp.asarray(mask))
+            point[f"loss_{d}"], point[f"exact_{d}"] = round(float(loss), 4), float(exact)
+        point["loss"] = round(sum(point[f"loss_{d}"] for d in drills) / len(drills), 4)
+        point["exact"] = sum(point[f"exact_{d}"] for d in drills) / len(drills)
+        curve.append(point)
+        each = (
+            ", ".join(f"{d} {point[f'exact_{d}']:.3f}" for d in drills) if len(drills) > 1 else ""
+        )
         print(
-            f"simloop lookup-drill: step {at}: held-out loss {float(loss):.3f}, "
-            f"exact {float(exact):.3f}",
+            f"simloop lookup-drill: step {at}: held-out loss {point['loss']:.3f}, "
+            f"exact {point['exact']:.3f}" + (f" ({each})" if each else ""),
             flush=True,
         )
 
@@ -179,7 +248,9 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     start = time.time()
     evaluate(0)
     for i in range(1, args.steps + 1):
-        tokens, mask = lookup_batch(rng, args.batch, length, args.min_lines, args.max_lines)
+        tokens, mask = lookup_batch(
+            rng, args.batch, length, args.min_lines, args.max_lines, args.task
+        )
         params, opt_state, _ = step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
         if i % args.eval_every == 0 or i == args.steps:
             evaluate(i)
@@ -191,6 +262,7 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         "steps": args.steps,
         "batch": args.batch,
         "lr": args.lr,
+        "task": args.task,
         "lines": [args.min_lines, args.max_lines],
         "seed": args.seed,
         "wall_s": round(time.time() - start, 1),

@@ -7,10 +7,11 @@ import json
 import random
 import re
 
+import pytest
 from flax import nnx
 
 from launch.cli import main
-from launch.jobs.lookup_drill import _row_length, lookup_batch, lookup_row
+from launch.jobs.lookup_drill import _row_length, count_row, lookup_batch, lookup_row
 from rl.data.tokenizer import ByteTokenizer
 from rl.model import Qwen3, tiny
 from rl.model.loading import ModelSource
@@ -31,6 +32,33 @@ def test_a_row_asks_for_the_number_of_one_listed_line():
         assert f"{word}-{target.strip()}" in listed and re.fullmatch(r"\d\d\n", target)
 
 
+def test_a_count_row_asks_for_the_line_count_of_one_listed_file():
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(300):
+        context, target = count_row(rng, 1, 9)
+        *blocks, query = re.split(r"(?m)^(?=== |\$ )", context)
+        assert query.startswith("$ count ") and query.endswith("\n") and blocks[0] == ""
+        files = {}
+        for block in blocks[1:]:
+            head, *lines = block.rstrip("\n").split("\n")
+            name = re.fullmatch(r"== (\S+) ==", head).group(1)
+            assert name not in files and all(re.fullmatch(r"[a-z]+(-\d\d)?", ln) for ln in lines)
+            files[name] = len(lines)
+        assert 1 <= len(files) <= 3 and all(1 <= n <= 9 for n in files.values())
+        asked = query.removeprefix("$ count ").strip()
+        assert target == f"{files[asked]}\n"
+        seen.add(len(files))
+    assert seen == {1, 2, 3}
+
+
+@pytest.mark.parametrize("task", ["lookup", "count", "both"])
+def test_every_drill_fits_its_row_length(task):
+    rng = random.Random(7)
+    for _ in range(50):
+        lookup_batch(rng, 16, _row_length(26, task), 26, 26, task)  # raises when a row spills
+
+
 def test_the_loss_mask_covers_the_target_bytes_and_nothing_else():
     tokens, mask = lookup_batch(random.Random(0), 16, _row_length(6), 2, 6)
     tok = ByteTokenizer()
@@ -38,6 +66,11 @@ def test_the_loss_mask_covers_the_target_bytes_and_nothing_else():
         picked = [int(row[i + 1]) for i in range(len(m)) if m[i]]
         text = tok.decode(picked)
         assert re.fullmatch(r"\d\d\n", text), text  # each marked position predicts the next
+    tokens, mask = lookup_batch(random.Random(0), 16, _row_length(9, "count"), 1, 9, "count")
+    for row, m in zip(tokens, mask, strict=True):
+        text = tok.decode([int(row[i + 1]) for i in range(len(m)) if m[i]])
+        assert re.fullmatch(r"[1-9]\n", text), text
+        assert tok.decode([int(t) for t in row]).rstrip("\0").endswith(f"\n{text}")
 
 
 def test_the_drill_trains_and_writes_weights_that_load(tmp_path, capsys):
@@ -53,6 +86,11 @@ def test_the_drill_trains_and_writes_weights_that_load(tmp_path, capsys):
     )
     ModelSource(weights=str(tmp_path / "d" / "weights" / "final")).build(seed=0)
     assert "held-out exact" in capsys.readouterr().out
+    args = ["lookup-drill", str(tmp_path / "w"), "--out", str(tmp_path / "both"), "--task", "both"]
+    assert main([*args, "--steps", "2", "--batch", "4", "--eval-every", "2"]) == 0
+    point = json.loads((tmp_path / "both" / "lookup_drill.json").read_text())["curve"][-1]
+    assert {"exact_lookup", "exact_count", "loss_lookup", "loss_count"} <= set(point)
+    assert point["exact"] == (point["exact_lookup"] + point["exact_count"]) / 2
 
 
 def test_lookup_drill_errors_name_the_problem(tmp_path, capsys):
