@@ -16,7 +16,7 @@ digits right) and the curve goes to `lookup_drill.json` beside the weights.
 `--task count` drills the other read a simulator gets wrong with its files right, `wc -l <
 file`: a listing of one to three files (`== name ==`, then 1..N lines of words or numbered
 lines), then `$ count name`; the loss is on the named file's line count and its newline. Of
-sim-fileops' 19 `wc -l` misses on seed 11, 16 miscount a file it holds right (dev/LOG.md,
+stage 7's 19 `wc -l` misses on seed 11, 16 miscount a file it holds right (dev/LOG.md,
 2026-12-07 fifth). `--task both` draws each row from either drill, and the held-out curve is
 scored per drill. Measured there: the count drill's rows are learned (0.414 in 400 steps,
 mixed with lookups) but fine-tuning after it does not carry the count into `wc -l <`.
