@@ -23,7 +23,7 @@ mixed with lookups) but fine-tuning after it does not carry the count into `wc -
 
 It is a warm-up, not a simulator: the rows are not in the simulator's prompt format, so
 fine-tune after it (`simloop train-sim --simulator.weights OUT/weights/final ...`).
-Measured on sim-fileops with the defaults (dev/LOG.md, 2026-12-07 fourth): held-out exact
+Measured on sim-fileops' stage 7 with the defaults (dev/LOG.md, 2026-12-07 fourth): held-out exact
 0.000 -> 0.836 in 600 steps, 206 s on 2 cores.
 """
 
