@@ -40,7 +40,7 @@ from envs.tasks import RewardSpec, Task
 from envs.terminal import SUBMIT_MARKER
 from envs.textops import submit_printed
 
-_WORDS = (
+WORDS = (
     "amber", "birch", "cedar", "delta", "ember", "fable", "grove", "harbor", "ivory", "jolly",
     "kayak", "lemon", "maple", "noble", "ocean", "pearl", "quill", "raven", "solar", "tulip",
     "umbra", "vivid", "willow", "xenon", "yarrow", "zephyr",
@@ -116,10 +116,16 @@ def _words(rng: random.Random, cfg: FileopsConfig, n: int) -> list[str]:
     always) or fresh lowercase strings of 4-7 letters (`"random"`). `"mixed"` is decided per
     task by `make_task`, never here."""
     if cfg.words == "fixed":
-        return rng.sample(_WORDS, n)
+        return rng.sample(WORDS, n)
+    return fresh_words(rng, n)
+
+
+def fresh_words(rng: random.Random, n: int, shortest: int = 4) -> list[str]:
+    """`n` distinct fresh lowercase strings of `shortest`-7 letters (the words no simulator
+    can recall; `simloop lookup-drill` draws them from 3 letters)."""
     out: list[str] = []
     while len(out) < n:
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 7)))
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(shortest, 7)))
         if word not in out:
             out.append(word)
     return out

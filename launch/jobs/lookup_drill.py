@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import string
 import sys
 import time
 from pathlib import Path
@@ -67,10 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
-
-
 def lookup_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str, str]:
     """(context, target): a listing of numbered lines and a query whose answer is the number
     of one line, found by the word it starts with."""
@@ -85,16 +80,10 @@ def lookup_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str,
 
 
 def _distinct_words(rng: random.Random, n: int) -> list[str]:
-    from envs.fileops import _WORDS
+    """`n` distinct words: half the time the fileops words, else fresh 3-7-letter strings."""
+    from envs.fileops import WORDS, fresh_words
 
-    if rng.random() < 0.5:
-        return rng.sample(_WORDS, n)
-    words: list[str] = []
-    while len(words) < n:
-        w = _word(rng)
-        if w not in words:
-            words.append(w)
-    return words
+    return rng.sample(WORDS, n) if rng.random() < 0.5 else fresh_words(rng, n, shortest=3)
 
 
 def count_row(rng: random.Random, min_lines: int, max_lines: int) -> tuple[str, str]:
@@ -163,10 +152,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     ):
         if value < least:
             raise UsageError(f"{flag} must be at least {least}; got {value}")
-    if not args.min_lines <= args.max_lines <= 26:
+    from envs.fileops import WORDS
+
+    if not args.min_lines <= args.max_lines <= len(WORDS):
         raise UsageError(
-            f"--max-lines must be between --min-lines ({args.min_lines}) and 26 (the fileops "
-            f"words); got {args.max_lines}"
+            f"--max-lines must be between --min-lines ({args.min_lines}) and {len(WORDS)} (the "
+            f"fileops words); got {args.max_lines}"
         )
     if not 0 < args.lr < 1:
         raise UsageError(f"--lr must be in (0, 1); got {args.lr}")
@@ -236,12 +227,10 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
         point["loss"] = round(sum(point[f"loss_{d}"] for d in drills) / len(drills), 4)
         point["exact"] = sum(point[f"exact_{d}"] for d in drills) / len(drills)
         curve.append(point)
-        each = (
-            ", ".join(f"{d} {point[f'exact_{d}']:.3f}" for d in drills) if len(drills) > 1 else ""
-        )
+        each = ", ".join(f"{d} {point[f'exact_{d}']:.3f}" for d in drills)
         print(
             f"simloop lookup-drill: step {at}: held-out loss {point['loss']:.3f}, "
-            f"exact {point['exact']:.3f}" + (f" ({each})" if each else ""),
+            f"exact {point['exact']:.3f}" + (f" ({each})" if len(drills) > 1 else ""),
             flush=True,
         )
 

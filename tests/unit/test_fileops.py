@@ -11,9 +11,9 @@ import pytest
 
 from envs.config import FILEOPS_KINDS, FileopsConfig, TerminalConfig
 from envs.fileops import (
-    _WORDS,
     MISTAKES,
     SLIPS,
+    WORDS,
     FileopsSolver,
     fileops_reward,
     fileops_truth,
@@ -119,15 +119,15 @@ async def test_random_words_are_fresh_strings_the_solver_still_solves_in_real_ba
     # The fixed words draw as they always did: the held-out collections (seed 11) depend on it.
     first = generate_fileops(FileopsConfig(num_tasks=1, seed=11))[0]
     assert first.instruction.startswith("1. Write `input.txt` with its lines in upper case")
-    assert set(first.setup.files["input.txt"].split()) <= set(_WORDS)
+    assert set(first.setup.files["input.txt"].split()) <= set(WORDS)
     # `mixed`: each task is one or the other, and both come up.
     mixed = generate_fileops(FileopsConfig(num_tasks=40, seed=6, words="mixed"))
     by = {w: [t for t in mixed if t.metadata["words"] == w] for w in ("fixed", "random")}
     assert len(by["fixed"]) + len(by["random"]) == 40 and by["fixed"] and by["random"]
     for t in by["fixed"]:
         p = t.reward.params
-        assert set(p.get("lines", []) + p.get("existing", [])) <= set(_WORDS), t.id
-    assert any(set(t.reward.params.get("lines", [])) - set(_WORDS) for t in by["random"])
+        assert set(p.get("lines", []) + p.get("existing", [])) <= set(WORDS), t.id
+    assert any(set(t.reward.params.get("lines", [])) - set(WORDS) for t in by["random"])
     with pytest.raises(ValueError, match=r"words='some' is invalid: one of \('fixed', 'random', "):
         FileopsConfig(words="some")
 
