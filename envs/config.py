@@ -259,13 +259,6 @@ class SimulatedShellConfig:
     state, nothing is executed. `simloop train-sim` builds its examples the same way, from
     the real workspace after each command (`envs.workspace`). For small workspaces (task
     files), not repositories. Off: the prompt is the starting files and the session."""
-    workspace_line_counts: bool = False
-    """Workspace mode: each file's header in the prompt ends with its line count
-    (`--- a.txt --- 3 lines`, what `wc -l` prints), so the simulator reads a file's length
-    instead of counting the lines it sees. The simulator still writes every observation and
-    file; the count is only stated. `simloop train-sim` renders its examples the same way,
-    and a simulator must be served with the value it was trained on (`sim-fileops` stages
-    1-8: false)."""
     replay_cache: bool = True
     """Workspace mode: train-sim and eval-sim keep each episode's replayed workspaces (the real
     files after each command, from running its commands again in bash) in a cache on this
@@ -298,7 +291,7 @@ class SimulatedShellConfig:
         validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
         validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
         validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
-        validate.boolean(self, "sessions", "workspace", "workspace_line_counts")
+        validate.boolean(self, "sessions", "workspace")
         validate.require(
             not (self.workspace and self.session_compaction),
             self,

@@ -194,7 +194,6 @@ class SimulatedShell(ShellLifecycle):
                 command,
                 system_prompt=cfg.system_prompt,
                 show_task=cfg.show_task,
-                line_counts=cfg.workspace_line_counts,
             )
             history = []
         else:

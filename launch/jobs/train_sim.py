@@ -66,7 +66,6 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         system_prompt=sim_shell.system_prompt,
         show_task=sim_shell.show_task,
         context_budget=sim_shell.prompt_budget,
-        line_counts=sim_shell.workspace_line_counts,
     )
     if sim_shell.workspace:  # the real files after each command, for the simulator to keep
         prompt["workspaces"] = replayed_workspaces(trajs, cfg)

@@ -169,7 +169,6 @@ def sim_sft_examples(
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
-    line_counts: bool = False,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -188,8 +187,7 @@ def sim_sft_examples(
     command) and its target the observation with the files it changed
     (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
     There `observation_weight` (`DatasetConfig.observation_weight`) is the loss weight of the
-    observation's tokens, the changes block's being 1, and `line_counts`
-    (`SimulatedShellConfig.workspace_line_counts`) puts each file's line count in its header."""
+    observation's tokens, the changes block's being 1."""
     stats = SFTStats()
     examples = [
         e
@@ -205,7 +203,6 @@ def sim_sft_examples(
             cut_targets=cut_targets,
             workspaces=workspaces,
             observation_weight=observation_weight,
-            line_counts=line_counts,
         )
     ]
     return examples, stats
@@ -224,7 +221,6 @@ def _sim_examples(
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
-    line_counts: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -254,7 +250,6 @@ def _sim_examples(
                 show_task=show_task,
                 cut_targets=cut_targets,
                 observation_weight=observation_weight,
-                line_counts=line_counts,
             )
             continue
         messages = render_sim_messages(
@@ -315,7 +310,6 @@ def _workspace_examples(
     show_task: bool,
     cut_targets: bool,
     observation_weight: int = 1,
-    line_counts: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
     files before command k (`max_len` bounds it: the shell's prompt budget), the target the
@@ -334,7 +328,6 @@ def _workspace_examples(
             command,
             system_prompt=system_prompt,
             show_task=show_task,
-            line_counts=line_counts,
         )
         changes = workspace_changes(states[k], states[k + 1])
         current = apply_changes(current, parse_changes(changes))
@@ -516,7 +509,6 @@ def sim_sft_dataset(
     show_task: bool = True,
     context_budget: int | None = None,
     workspaces: WorkspaceStates | None = None,
-    line_counts: bool = False,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -530,7 +522,6 @@ def sim_sft_dataset(
         cut_targets=cfg.cut_targets,
         workspaces=workspaces,
         observation_weight=cfg.observation_weight,
-        line_counts=line_counts,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

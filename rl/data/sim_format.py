@@ -127,7 +127,7 @@ Leave out the changes block when no file changed."""
 WORKSPACE_HEADER = "Files in the working directory:"
 _NO_NEWLINE = "\\ no newline at end of file"
 _CHANGES = re.compile(r"\n<changes>\n(.*)</changes>\s*\Z", re.S)
-_ENTRY = re.compile(r"^--- (.+?) ---(?: (removed|appended|\d+ lines?))?$")
+_ENTRY = re.compile(r"^--- (.+?) ---(?: (removed|appended))?$")
 
 
 class Change(NamedTuple):
@@ -154,22 +154,12 @@ def normalize_workspace(files: Mapping[str, str]) -> Workspace:
     return out
 
 
-def line_count(content: str) -> int:
-    """A file's newline-terminated lines (what `wc -l` counts): the number a workspace
-    description with `line_counts` puts after each file's path."""
-    return content.count("\n")
-
-
-def _file_block(path: str, content: str, line_counts: bool = False) -> str:
+def _file_block(path: str, content: str) -> str:
     if path.endswith("/"):
         return f"--- {path} ---\n"
-    note = ""
-    if line_counts:
-        n = line_count(content)
-        note = f" {n} line" if n == 1 else f" {n} lines"
     if content and not content.endswith("\n"):
         content += f"\n{_NO_NEWLINE}\n"
-    return f"--- {path} ---{note}\n{content}"
+    return f"--- {path} ---\n{content}"
 
 
 def start_workspace(files: Mapping[str, str]) -> Workspace:
@@ -177,15 +167,12 @@ def start_workspace(files: Mapping[str, str]) -> Workspace:
     return normalize_workspace({p: files[p] for p in sorted(files)})
 
 
-def workspace_description(files: Mapping[str, str], *, line_counts: bool = False) -> str:
+def workspace_description(files: Mapping[str, str]) -> str:
     """The current workspace in the simulator's prompt, in the workspace's order: the start's
     files by path, then each file as it was last written, newest last (`apply_changes`), so
     the file a command most likely reads (the one just written) sits right before it.
-    With `line_counts` (`SimulatedShellConfig.workspace_line_counts`) each file's header ends
-    with its `line_count` (`--- a.txt --- 3 lines`): a property of the file the prompt states,
-    so the model reads a length instead of counting lines it can see. Lossless:
-    `parse_changes` reads the same blocks back (a count is read as a plain write)."""
-    body = "".join(_file_block(p, files[p], line_counts) for p in files)
+    Lossless: `parse_changes` reads the same blocks back."""
+    body = "".join(_file_block(p, files[p]) for p in files)
     return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
 
 
@@ -326,17 +313,15 @@ def render_workspace_messages(
     *,
     system_prompt: str | None = None,
     show_task: bool = True,
-    line_counts: bool = False,
 ) -> list[Message]:
     """The workspace-mode simulator's chat for `command`: the system message (instructions,
-    the task when `show_task`, the workspace as it is now, each file's line count in its
-    header when `line_counts`) and the command; no history, since each command runs in a
-    fresh `bash -c` and only the files carry over. The target is
+    the task when `show_task`, the workspace as it is now) and the command; no history, since
+    each command runs in a fresh `bash -c` and only the files carry over. The target is
     `format_workspace_reply(...)` followed by the end-of-turn token."""
     system = SIM_WORKSPACE_SYSTEM_PROMPT if system_prompt is None else system_prompt
     if show_task:
         system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
-    files = workspace_description(workspace, line_counts=line_counts)
+    files = workspace_description(workspace)
     system = f"{system}\n\n{files}" if system else files
     return [{"role": "system", "content": system}, {"role": "user", "content": command}]
 

@@ -135,7 +135,6 @@ class SimCoTrainer:
             show_task=sim.show_task,
             context_budget=sim.prompt_budget,
             workspaces=workspaces,
-            line_counts=sim.workspace_line_counts,
         )
         target = self._trainer.step_count + g.cotrain_steps
         s = sft_loop(

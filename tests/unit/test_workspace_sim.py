@@ -20,7 +20,6 @@ from rl.data.sim_format import (
     ObservationFormatError,
     apply_changes,
     format_workspace_reply,
-    line_count,
     normalize_workspace,
     parse_changes,
     parse_observation,
@@ -66,25 +65,6 @@ def test_the_workspace_prompt_is_the_changes_format():
     assert header == "Files in the working directory:"
     assert apply_changes({}, parse_changes(body)) == ws
     assert workspace_description({}).endswith("(empty)\n")
-
-
-def test_line_counts_state_each_files_length_and_read_back_the_same():
-    """Each file's header ends with what `wc -l` prints for it (newlines: a last line without
-    one is not counted); directories get none; the blocks still parse to the same files."""
-    ws = {"a.txt": "x\ny\nz\n", "one": "w\n", "n": "no\nnewline", "empty": "", "e/": ""}
-    text = workspace_description(ws, line_counts=True)
-    headers = [ln for ln in text.split("\n") if ln.startswith("--- ")]
-    assert headers == [
-        "--- a.txt --- 3 lines",
-        "--- one --- 1 line",
-        "--- n --- 1 line",
-        "--- empty --- 0 lines",
-        "--- e/ ---",
-    ]
-    assert [line_count(ws[p]) for p in ("a.txt", "one", "n", "empty")] == [3, 1, 1, 0]
-    assert apply_changes({}, parse_changes(text.partition("\n")[2])) == ws
-    assert workspace_description(ws) != text  # off by default: the format sim-fileops
-    # stages 1-8 were trained on
 
 
 @pytest.mark.parametrize(
@@ -158,14 +138,10 @@ async def run_all(shell, commands):
     return [await shell.run(c, 10.0) for c in commands]
 
 
-@pytest.mark.parametrize(
-    ("prompt", "line_counts"),
-    [({"system_prompt": "", "show_task": False}, False), ({}, False), ({}, True)],
-)
-def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, line_counts):
+@pytest.mark.parametrize("prompt", [{"system_prompt": "", "show_task": False}, {}])
+def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt):
     """Teacher forcing: a simulator that answers each prompt with its training target sees,
-    turn after turn, exactly the contexts train-sim built, and ends holding the real files
-    (with and without line counts in the file headers)."""
+    turn after turn, exactly the contexts train-sim built, and ends holding the real files."""
     tasks = generate_fileops(FileopsConfig(seed=5, num_tasks=6))
     renderer = ChatRenderer(BYTES)
     for task in tasks[:3]:
@@ -174,25 +150,13 @@ def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, lin
         traj = fileops_trajectory(task, commands, outputs)
         states, failed = trajectory_workspaces([traj])
         assert failed == 0
-        examples, stats = sim_sft_examples(
-            [traj], BYTES, max_len=4096, workspaces=states, line_counts=line_counts, **prompt
-        )
+        examples, stats = sim_sft_examples([traj], BYTES, max_len=4096, workspaces=states, **prompt)
         assert stats.examples == len(commands)
         contexts = [list(e["tokens"][e["loss_mask"] == 0]) for e in examples]
         targets = [BYTES.decode(list(e["tokens"][e["loss_mask"] == 1])[:-1]) for e in examples]
 
-        name, content = sorted(task.setup.files.items())[0]
-        n = content.count("\n")
-        counted = f"--- {name} --- {n} line{'' if n == 1 else 's'}\n"
-        assert (counted in BYTES.decode(contexts[0])) == line_counts
-
         teacher = Teacher(targets)
-        cfg = SimulatedShellConfig(
-            workspace=True,
-            max_context_tokens=4096,
-            workspace_line_counts=line_counts,
-            **prompt,
-        )
+        cfg = SimulatedShellConfig(workspace=True, max_context_tokens=4096, **prompt)
         shell = SimulatedShell(
             teacher,
             task_instruction=task.instruction,
