@@ -92,3 +92,34 @@ def test_the_report_shows_the_stateful_acceptance(tmp_path):
     page = write_report(tmp_path).read_text()
     assert "The stateful experiment" in page and "state distance &gt;= 3" in page
     assert 'state distance 3plus at least 0.85: <span class="bad">no</span>' in page
+
+
+def test_a_users_simulator_weights_is_where_train_sim_starts_not_what_arm_c_scores(tmp_path):
+    """`simloop demo --simulator.weights W`: train-sim starts from W; arm (c) and RL in the
+    simulator run on what it trained (before, the user's flag won over the stages' inputs and
+    they scored W untouched); the user's other flags still win everywhere."""
+    import argparse
+    from pathlib import Path
+
+    from launch.jobs.demo import place_start_points
+    from launch.jobs.demo_stages import Done, stage_config, thesis_stages
+
+    demo_cfg = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+    given = ["--agent.weights=/w/agent", "--simulator.weights", "/w/sim", "--train_sim.steps", "7"]
+    args = argparse.Namespace(config=demo_cfg, quick_overrides=[], overrides=list(given))
+    place_start_points(args)
+    assert args.given_overrides == given and args.overrides == ["--train_sim.steps", "7"]
+    done = Done(tmp_path)
+    done.records["collect"] = {}
+    stages = {s.name: s for s in thesis_stages(stage_config(args, []))}
+
+    def cfg(name):
+        return stage_config(args, stages[name].inputs(done) + list(stages[name].flags))
+
+    trained = str(tmp_path / "sim" / "weights" / "final")
+    assert cfg("sim").simulator.weights == "/w/sim"
+    assert cfg("eval_sim").simulator.weights == trained
+    assert cfg("agent").simulator.weights == trained
+    assert cfg("agent").agent.weights == "/w/agent"  # where the warm start starts
+    assert cfg("agent_real").agent.weights == str(tmp_path / "agent" / "weights" / "warm_start")
+    assert all(cfg(n).train_sim.steps == 7 for n in ("sim", "eval_sim", "agent"))
