@@ -28,6 +28,10 @@ summary.json's `stateful` block holds its fidelity acceptance by depth and state
 `--experiment gating` runs the gating experiment's table instead (`launch/jobs/demo_gating.py`
 says what it measures). A finished stage leaves `stage.json`; running the same command again
 skips finished stages and resumes an interrupted one from its checkpoints.
+
+Dotted overrides on the command line apply to every stage and win over the stage's own, except
+`--simulator.weights` and `--agent.weights` (`place_start_points`): those name where train-sim
+and the warm start begin, and the stages after them run on what those two made.
 """
 
 from __future__ import annotations
