@@ -30,7 +30,7 @@ says what it measures). A finished stage leaves `stage.json`; running the same c
 skips finished stages and resumes an interrupted one from its checkpoints.
 
 Dotted overrides on the command line apply to every stage and win over the stage's own, except
-`--simulator.weights` and `--agent.weights` (`place_start_points`): those name where train-sim
+`--simulator.weights` and `--agent.weights` (`demo_stages.stage_config`): those name where train-sim
 and the warm start begin, and the stages after them run on what those two made.
 """
 
@@ -79,7 +79,6 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     args.quick_overrides = list(cfg.demo.quick_overrides) if args.quick else []
     if _stateful(args):  # the thesis table on fileops: the config file, then these, then --quick
         args.quick_overrides = stateful_overrides(cfg, args.config) + args.quick_overrides
-    place_start_points(args)
     if getattr(args, "dry_run", False):
         return print_processes(args, demo_processes(args, cfg))
     if not args.out:
@@ -134,32 +133,6 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     return 0
 
 
-START_POINTS = ("--simulator.weights", "--agent.weights")
-"""The flags that name where the demo's models start."""
-
-
-def place_start_points(args: argparse.Namespace) -> None:
-    """Move a user's `START_POINTS` flags from `args.overrides` (which win over every stage's
-    own) to the end of `args.quick_overrides` (which the stages' inputs win over): the user's
-    `--simulator.weights` is then where train-sim starts, as the stateful experiment's
-    pretrained simulator is, and arm (c) and RL in the simulator run on what train-sim made
-    from it (likewise `--agent.weights` and the warm start). Every other flag still wins.
-    `args.given_overrides` keeps them as given (the demo's own command line)."""
-    args.given_overrides = list(args.overrides)
-    rest, moved, given = [], [], list(args.overrides)
-    while given:
-        flag = given.pop(0)
-        name = flag.split("=", 1)[0]
-        if name not in START_POINTS:
-            rest.append(flag)
-        elif "=" in flag:
-            moved.append(flag)
-        else:
-            moved += [flag, *given[:1]]
-            given = given[1:]
-    args.overrides, args.quick_overrides = rest, list(args.quick_overrides) + moved
-
-
 def stateful_overrides(cfg: SimloopConfig, config: str | None) -> list[str]:
     """`demo.stateful_overrides`, with a relative model path in them read as one written in
     the config file is: relative to that file's folder (`pretrained/...` under `configs/`)."""
@@ -194,7 +167,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
         str(out),
         *(["--quick"] if args.quick else []),
         *(["--experiment", args.experiment] if _gating(args) or _stateful(args) else []),
-        *getattr(args, "given_overrides", args.overrides),
+        *args.overrides,
     ]
     env = {}
     flag = cpu_device_flag(cfg, {})

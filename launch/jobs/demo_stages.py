@@ -32,12 +32,39 @@ from launch.config.schema import SimloopConfig
 from launch.errors import JobError, UsageError
 from rl.data import rundir
 
+START_POINTS = ("--simulator.weights", "--agent.weights")
+"""The user's flags that name where the demo's models start, not what later stages run on."""
+
+
+def split_start_points(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the `START_POINTS` flags with their values, every other override), each in order;
+    `--flag value` and `--flag=value` alike."""
+    starts: list[str] = []
+    rest: list[str] = []
+    k = 0
+    while k < len(overrides):
+        flag = overrides[k]
+        name, eq, _ = flag.partition("=")
+        if name not in START_POINTS:
+            rest.append(flag)
+        elif eq:
+            starts.append(flag)
+        else:
+            starts += overrides[k : k + 2]
+            k += 1
+        k += 1
+    return starts, rest
+
 
 def stage_config(args: argparse.Namespace, stage_overrides: list[str]) -> SimloopConfig:
-    """The config of one stage: the file, `--quick`'s overrides, the stage's own (its flags
-    and inputs), then the user's overrides (which win)."""
+    """The config of one stage: the file, `--quick`'s overrides, the user's `START_POINTS`,
+    the stage's own (its flags and inputs), then the user's other overrides (which win). A
+    user's `--simulator.weights` is thus where train-sim starts, as the stateful experiment's
+    pretrained simulator is, and arm (c) and RL in the simulator run on what train-sim made
+    from it (likewise `--agent.weights` and the warm start)."""
+    starts, rest = split_start_points(args.overrides)
     return load_config(
-        SimloopConfig, args.config, args.quick_overrides + stage_overrides + args.overrides
+        SimloopConfig, args.config, args.quick_overrides + starts + stage_overrides + rest
     )
 
 

@@ -101,14 +101,12 @@ def test_a_users_simulator_weights_is_where_train_sim_starts_not_what_arm_c_scor
     import argparse
     from pathlib import Path
 
-    from launch.jobs.demo import place_start_points
-    from launch.jobs.demo_stages import Done, stage_config, thesis_stages
+    from launch.jobs.demo_stages import Done, split_start_points, stage_config, thesis_stages
 
     demo_cfg = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
     given = ["--agent.weights=/w/agent", "--simulator.weights", "/w/sim", "--train_sim.steps", "7"]
     args = argparse.Namespace(config=demo_cfg, quick_overrides=[], overrides=list(given))
-    place_start_points(args)
-    assert args.given_overrides == given and args.overrides == ["--train_sim.steps", "7"]
+    assert split_start_points(given) == (given[:3], ["--train_sim.steps", "7"])
     done = Done(tmp_path)
     done.records["collect"] = {}
     stages = {s.name: s for s in thesis_stages(stage_config(args, []))}
