@@ -84,6 +84,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     notes = f" ({stats.cut_targets} observations cut to fit)" if stats.cut_targets else ""
     if sim_shell.workspace and tcfg.data.observation_weight != 1:
         notes += f", observation tokens weighted x{tcfg.data.observation_weight}"
+    if tcfg.data.exit_code_weight != 1:
+        notes += f", return codes weighted x{tcfg.data.exit_code_weight}"
     if tcfg.kind_weights:
         notes += " with " + ", ".join(f"{k} x{v}" for k, v in sorted(tcfg.kind_weights.items()))
     print(

@@ -82,10 +82,17 @@ class DatasetConfig:
     counts in the loss against one token of the changes block after it (`loss_mask` holds
     the weight; the loss is the weighted mean). A read's answer is a few bytes of its
     observation, where a write's changes repeat whole files."""
+    exit_code_weight: int = 1
+    """Simulator examples: how many times each token of the return code's digits (the `N`
+    of `<returncode>N</returncode>`) counts in the loss, whatever `observation_weight` gives
+    the rest of the observation. The return code decides everything after it (`0` and
+    silence, or `127` and `command not found`), yet it is one or two of a reply's hundred
+    tokens and nearly always `0`: a misspelt program's `127` barely moves the mean loss."""
 
     def __post_init__(self) -> None:
         validate.integer(self, "seq_len", low=2)
         validate.integer(self, "observation_weight", low=1)
+        validate.integer(self, "exit_code_weight", low=1)
         validate.integer(self, "batch_size", low=1)
         validate.integer(self, "seed", low=0)
         validate.integer(self, "num_epochs", low=1, optional=True)
@@ -122,14 +129,35 @@ def _header(exit_code: int) -> str:
 
 
 def _example(
-    context: Sequence[int], target: Sequence[int], *, weighted: int = 0, weight: int = 1
+    context: Sequence[int],
+    target: Sequence[int],
+    *,
+    weighted: int = 0,
+    weight: int = 1,
+    code: tuple[int, int] = (0, 0),
+    code_weight: int = 1,
 ) -> Example:
-    """The tokens and their loss mask: 1 on the target, `weight` on its first `weighted`."""
+    """The tokens and their loss mask: 1 on the target, `weight` on its first `weighted`,
+    `code_weight` on its tokens `code[0]:code[1]` (the return code's digits)."""
     tokens = np.asarray([*context, *target], dtype=np.int32)
     mask = np.zeros(len(tokens), dtype=np.int32)
     mask[len(context) :] = 1
     mask[len(context) : len(context) + weighted] = weight
+    if code_weight != 1:
+        mask[len(context) + code[0] : len(context) + code[1]] = code_weight
     return {"tokens": tokens, "loss_mask": mask}
+
+
+def _code_span(
+    target: Sequence[int], exit_code: int, text: Callable[[str], list[int]]
+) -> tuple[int, int]:
+    """Where the return code's digits are among `target`'s tokens: after the tokens it
+    shares with `<returncode>` alone, up to the end of those it shares with the whole
+    `<returncode>N</returncode>`, less the closing tag's tokens (exactly the digits with a
+    byte tokenizer; with a BPE one, the tokens its merges leave there)."""
+    start = common_prefix_len(target, text("<returncode>"))
+    end = common_prefix_len(target, text(f"<returncode>{int(exit_code)}</returncode>"))
+    return start, max(start, end - len(text("</returncode>")))
 
 
 def _sim_pairs(traj: Trajectory, missing_exit_code: int | None) -> list[tuple[str, _Obs]] | None:
@@ -169,6 +197,7 @@ def sim_sft_examples(
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
+    exit_code_weight: int = 1,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -187,7 +216,8 @@ def sim_sft_examples(
     command) and its target the observation with the files it changed
     (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
     There `observation_weight` (`DatasetConfig.observation_weight`) is the loss weight of the
-    observation's tokens, the changes block's being 1."""
+    observation's tokens, the changes block's being 1. In either mode `exit_code_weight`
+    (`DatasetConfig.exit_code_weight`) is the loss weight of the return code's digits."""
     stats = SFTStats()
     examples = [
         e
@@ -203,6 +233,7 @@ def sim_sft_examples(
             cut_targets=cut_targets,
             workspaces=workspaces,
             observation_weight=observation_weight,
+            exit_code_weight=exit_code_weight,
         )
     ]
     return examples, stats
@@ -221,6 +252,7 @@ def _sim_examples(
     cut_targets: bool = False,
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
+    exit_code_weight: int = 1,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -250,6 +282,7 @@ def _sim_examples(
                 show_task=show_task,
                 cut_targets=cut_targets,
                 observation_weight=observation_weight,
+                exit_code_weight=exit_code_weight,
             )
             continue
         messages = render_sim_messages(
@@ -292,7 +325,8 @@ def _sim_examples(
             stats.examples += 1
             stats.target_tokens += len(target)
             stats.context_tokens += len(context)
-            yield traj, k, _example(context, target)
+            code = _code_span(target, obs.exit_code, text)
+            yield traj, k, _example(context, target, code=code, code_weight=exit_code_weight)
 
 
 def _workspace_examples(
@@ -310,6 +344,7 @@ def _workspace_examples(
     show_task: bool,
     cut_targets: bool,
     observation_weight: int = 1,
+    exit_code_weight: int = 1,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
     files before command k (`max_len` bounds it: the shell's prompt budget), the target the
@@ -353,7 +388,19 @@ def _workspace_examples(
         stats.examples += 1
         stats.target_tokens += len(target)
         stats.context_tokens += len(context)
-        yield traj, k, _example(context, target, weighted=weighted, weight=observation_weight)
+        code = _code_span(target, obs.exit_code, text)
+        yield (
+            traj,
+            k,
+            _example(
+                context,
+                target,
+                weighted=weighted,
+                weight=observation_weight,
+                code=code,
+                code_weight=exit_code_weight,
+            ),
+        )
 
 
 def labelled_sim_examples(
@@ -522,6 +569,7 @@ def sim_sft_dataset(
         cut_targets=cfg.cut_targets,
         workspaces=workspaces,
         observation_weight=cfg.observation_weight,
+        exit_code_weight=cfg.exit_code_weight,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

@@ -377,3 +377,32 @@ def test_observation_weight_marks_the_observation_tokens_and_weights_the_loss():
     w = np.asarray(mask, np.float64)[0]
     assert abs(float(loss) + (w * logp).sum() / w.sum()) < 1e-5
     assert float(m["tokens"]) == 4 and float(m["weight"]) == 10
+
+
+def test_exit_code_weight_marks_the_return_codes_digits_in_both_modes():
+    """`DatasetConfig.exit_code_weight`: the digits of `<returncode>N</returncode>` carry it
+    (a misspelt program's `127`, a clean write's `0`), over `observation_weight`; every other
+    token keeps the weight it had, in workspace and in history mode alike."""
+    import numpy as np
+
+    from rl.data.datasets import DatasetConfig
+
+    task = generate_fileops(FileopsConfig(seed=5, num_tasks=6, kinds=("chain",)))[0]
+    first, *rest = plan(dict(task.reward.params))
+    commands = [f"sotr {first.partition(' ')[2]}", first, *rest]  # a misspelt program first
+    traj = fileops_trajectory(task, commands, asyncio.run(real_outputs(task, commands)))
+    assert traj.turns[0].exit_code == 127 and traj.turns[1].exit_code == 0
+    states, _ = trajectory_workspaces([traj])
+    for mode in ({"workspaces": states, "observation_weight": 3}, {}):
+        plain, _ = sim_sft_examples([traj], BYTES, max_len=4096, **mode)
+        heavy, _ = sim_sft_examples([traj], BYTES, max_len=4096, exit_code_weight=9, **mode)
+        assert len(plain) == len(heavy) == len(commands)
+        for e, h, turn in zip(plain, heavy, traj.turns, strict=True):
+            start = int(np.argmax(e["loss_mask"])) + len("<returncode>")
+            digits = np.arange(start, start + len(str(turn.exit_code)))
+            assert bytes(e["tokens"][digits].tolist()).decode() == str(turn.exit_code)
+            assert (h["loss_mask"][digits] == 9).all()
+            others = np.setdiff1d(np.arange(len(e["loss_mask"])), digits)
+            assert (h["loss_mask"][others] == e["loss_mask"][others]).all()
+    with pytest.raises(ValueError, match="exit_code_weight"):
+        DatasetConfig(exit_code_weight=0)
