@@ -379,6 +379,7 @@ class DemoConfig:
             "--collect.num_tasks", "480",
             "--train_sim.steps", "200",
             "--train_sim.eval_every", "0",
+            "--train_sim.data.exit_code_weight", "10",
             "--env.fileops.max_k", "2",
             "--env.fileops.num_tasks", "2048",
             "--train_agent.warm_start.num_demos", "1536",
@@ -393,7 +394,10 @@ class DemoConfig:
     `b.txt`, submit a property of `b.txt`: every answer depends on two files the episode
     wrote): the workspace-mode simulator pretrained for the family, the turns and contexts
     multi-turn episodes need, a cap on the simulator's reply that holds its changes (not one
-    derived from the observations alone), one fidelity row per depth. The tiny byte-level
+    derived from the observations alone), one fidelity row per depth, and a fine-tune that
+    weights the return code's digits 10 times (`train_sim.data.exit_code_weight`: without it
+    the demo's simulator answered `sotr -r a.txt > b.txt` and a bare `t` with silence, return
+    codes 0.977; with it 1.000, 2026-12-07). The tiny byte-level
     agent gets `chain` only, with every `head`/`tail` keeping 2 lines (`max_k`): the other
     kinds make it copy words and names, and the line counts numbers, that it cannot learn to
     copy (it wrote the instruction's count a third of the time, and RL never changed that).
