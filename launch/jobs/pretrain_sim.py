@@ -210,7 +210,11 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
     prompt = dict(
         system_prompt=sim.system_prompt, show_task=sim.show_task, context_budget=sim.prompt_budget
     )
-    built = dict(max_len=p.data.seq_len + 1, cut_targets=p.data.cut_targets)
+    built = dict(
+        max_len=p.data.seq_len + 1,
+        cut_targets=p.data.cut_targets,
+        exit_code_weight=p.data.exit_code_weight,
+    )
     examples, stats = sim_sft_examples(train, tok, **built, **prompt)
     drilled, n_drill = "", 0
     if drill:
