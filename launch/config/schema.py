@@ -395,9 +395,10 @@ class DemoConfig:
     wrote): the workspace-mode simulator pretrained for the family, the turns and contexts
     multi-turn episodes need, a cap on the simulator's reply that holds its changes (not one
     derived from the observations alone), one fidelity row per depth, and a fine-tune that
-    weights the return code's digits 10 times (`train_sim.data.exit_code_weight`: without it
-    the demo's simulator answered `sotr -r a.txt > b.txt` and a bare `t` with silence, return
-    codes 0.977; with it 1.000, 2026-12-07). The tiny byte-level
+    weights the return code's digits 10 times (`train_sim.data.exit_code_weight`: from the
+    simulator before stage 10, the demo's fine-tune without it answered `sotr -r a.txt >
+    b.txt` and a bare `t` with silence, return codes 0.977, and with it 0.989; from stage 10,
+    with it, 1.000; 2026-12-07). The tiny byte-level
     agent gets `chain` only, with every `head`/`tail` keeping 2 lines (`max_k`): the other
     kinds make it copy words and names, and the line counts numbers, that it cannot learn to
     copy (it wrote the instruction's count a third of the time, and RL never changed that).
