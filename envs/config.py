@@ -259,6 +259,15 @@ class SimulatedShellConfig:
     state, nothing is executed. `simloop train-sim` builds its examples the same way, from
     the real workspace after each command (`envs.workspace`). For small workspaces (task
     files), not repositories. Off: the prompt is the starting files and the session."""
+    workspace_named_last: bool = False
+    """Workspace mode: the files the command names (a path written in it as a whole word,
+    `rl.data.sim_format.named_paths`) are listed last in the prompt, right before the
+    command, instead of in the order they were written. A file written several turns ago
+    then sits where the file just written would, so reading it back is the same lookup. A
+    layout of the prompt only: the simulator still writes every observation and file, and
+    the order of the files it keeps is unchanged. `simloop train-sim` renders its examples
+    the same way; a simulator must be served with the value it was trained on
+    (`sim-fileops` stages 1-10: false)."""
     replay_cache: bool = True
     """Workspace mode: train-sim and eval-sim keep each episode's replayed workspaces (the real
     files after each command, from running its commands again in bash) in a cache on this
@@ -291,7 +300,7 @@ class SimulatedShellConfig:
         validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
         validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
         validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
-        validate.boolean(self, "sessions", "workspace")
+        validate.boolean(self, "sessions", "workspace", "workspace_named_last")
         validate.require(
             not (self.workspace and self.session_compaction),
             self,

@@ -194,6 +194,7 @@ class SimulatedShell(ShellLifecycle):
                 command,
                 system_prompt=cfg.system_prompt,
                 show_task=cfg.show_task,
+                named_last=cfg.workspace_named_last,
             )
             history = []
         else:

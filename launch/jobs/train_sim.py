@@ -69,6 +69,7 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     )
     if sim_shell.workspace:  # the real files after each command, for the simulator to keep
         prompt["workspaces"] = replayed_workspaces(trajs, cfg)
+        prompt["named_last"] = sim_shell.workspace_named_last
     ds, stats = sim_sft_dataset(
         weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data, **prompt
     )
@@ -84,6 +85,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     notes = f" ({stats.cut_targets} observations cut to fit)" if stats.cut_targets else ""
     if sim_shell.workspace and tcfg.data.observation_weight != 1:
         notes += f", observation tokens weighted x{tcfg.data.observation_weight}"
+    if sim_shell.workspace and sim_shell.workspace_named_last:
+        notes += ", the files each command names listed last"
     if tcfg.data.exit_code_weight != 1:
         notes += f", return codes weighted x{tcfg.data.exit_code_weight}"
     if tcfg.kind_weights:

@@ -198,6 +198,7 @@ def sim_sft_examples(
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
     exit_code_weight: int = 1,
+    named_last: bool = False,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -216,7 +217,9 @@ def sim_sft_examples(
     command) and its target the observation with the files it changed
     (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
     There `observation_weight` (`DatasetConfig.observation_weight`) is the loss weight of the
-    observation's tokens, the changes block's being 1. In either mode `exit_code_weight`
+    observation's tokens, the changes block's being 1, and `named_last`
+    (`SimulatedShellConfig.workspace_named_last`) lists the files the command names last. In
+    either mode `exit_code_weight`
     (`DatasetConfig.exit_code_weight`) is the loss weight of the return code's digits."""
     stats = SFTStats()
     examples = [
@@ -234,6 +237,7 @@ def sim_sft_examples(
             workspaces=workspaces,
             observation_weight=observation_weight,
             exit_code_weight=exit_code_weight,
+            named_last=named_last,
         )
     ]
     return examples, stats
@@ -253,6 +257,7 @@ def _sim_examples(
     workspaces: WorkspaceStates | None = None,
     observation_weight: int = 1,
     exit_code_weight: int = 1,
+    named_last: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -283,6 +288,7 @@ def _sim_examples(
                 cut_targets=cut_targets,
                 observation_weight=observation_weight,
                 exit_code_weight=exit_code_weight,
+                named_last=named_last,
             )
             continue
         messages = render_sim_messages(
@@ -345,6 +351,7 @@ def _workspace_examples(
     cut_targets: bool,
     observation_weight: int = 1,
     exit_code_weight: int = 1,
+    named_last: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
     files before command k (`max_len` bounds it: the shell's prompt budget), the target the
@@ -363,6 +370,7 @@ def _workspace_examples(
             command,
             system_prompt=system_prompt,
             show_task=show_task,
+            named_last=named_last,
         )
         changes = workspace_changes(states[k], states[k + 1])
         current = apply_changes(current, parse_changes(changes))
@@ -556,6 +564,7 @@ def sim_sft_dataset(
     show_task: bool = True,
     context_budget: int | None = None,
     workspaces: WorkspaceStates | None = None,
+    named_last: bool = False,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -570,6 +579,7 @@ def sim_sft_dataset(
         workspaces=workspaces,
         observation_weight=cfg.observation_weight,
         exit_code_weight=cfg.exit_code_weight,
+        named_last=named_last,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

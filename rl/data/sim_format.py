@@ -167,12 +167,42 @@ def start_workspace(files: Mapping[str, str]) -> Workspace:
     return normalize_workspace({p: files[p] for p in sorted(files)})
 
 
-def workspace_description(files: Mapping[str, str]) -> str:
+def named_paths(files: Mapping[str, str], command: str) -> list[str]:
+    """The workspace's paths that `command` names, in the workspace's order: a path written
+    in it as a whole word (a directory without its `/`), bounded by anything but a letter,
+    digit, `_`, `.`, `-` or `/` (so `a.txt` is named in `wc -l < a.txt` and `cat a.txt>b`,
+    not in `aa.txt` or `x/a.txt`), and each path under a directory so named (`ls archive`
+    names `archive/notes.txt`). Text matching only: nothing here knows what a program does
+    with a path."""
+    found: dict[str, bool] = {}
+
+    def named(name: str) -> bool:
+        if name not in found:
+            word = rf"(?<![\w./-]){re.escape(name)}(?![\w./-])"
+            found[name] = bool(name) and re.search(word, command) is not None
+        return found[name]
+
+    out = []
+    for path in files:
+        parts = path.rstrip("/").split("/")
+        if any(named("/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            out.append(path)
+    return out
+
+
+def workspace_description(files: Mapping[str, str], *, command: str | None = None) -> str:
     """The current workspace in the simulator's prompt, in the workspace's order: the start's
     files by path, then each file as it was last written, newest last (`apply_changes`), so
     the file a command most likely reads (the one just written) sits right before it.
-    Lossless: `parse_changes` reads the same blocks back."""
-    body = "".join(_file_block(p, files[p]) for p in files)
+    Given `command` (`SimulatedShellConfig.workspace_named_last`), the files it names
+    (`named_paths`) move after the others, in their order, so the file a command reads sits
+    right before it however long ago it was written. Lossless either way: `parse_changes`
+    reads the same blocks back (in the prompt's order)."""
+    order = list(files)
+    if command is not None:
+        named = named_paths(files, command)
+        order = [p for p in order if p not in named] + named
+    body = "".join(_file_block(p, files[p]) for p in order)
     return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
 
 
@@ -313,15 +343,17 @@ def render_workspace_messages(
     *,
     system_prompt: str | None = None,
     show_task: bool = True,
+    named_last: bool = False,
 ) -> list[Message]:
     """The workspace-mode simulator's chat for `command`: the system message (instructions,
-    the task when `show_task`, the workspace as it is now) and the command; no history, since
-    each command runs in a fresh `bash -c` and only the files carry over. The target is
-    `format_workspace_reply(...)` followed by the end-of-turn token."""
+    the task when `show_task`, the workspace as it is now, the files `command` names last
+    when `named_last`) and the command; no history, since each command runs in a fresh
+    `bash -c` and only the files carry over. The target is `format_workspace_reply(...)`
+    followed by the end-of-turn token."""
     system = SIM_WORKSPACE_SYSTEM_PROMPT if system_prompt is None else system_prompt
     if show_task:
         system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
-    files = workspace_description(workspace)
+    files = workspace_description(workspace, command=command if named_last else None)
     system = f"{system}\n\n{files}" if system else files
     return [{"role": "system", "content": system}, {"role": "user", "content": command}]
 

@@ -135,6 +135,7 @@ class SimCoTrainer:
             show_task=sim.show_task,
             context_budget=sim.prompt_budget,
             workspaces=workspaces,
+            named_last=sim.workspace_named_last,
         )
         target = self._trainer.step_count + g.cotrain_steps
         s = sft_loop(

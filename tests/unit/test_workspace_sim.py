@@ -20,9 +20,11 @@ from rl.data.sim_format import (
     ObservationFormatError,
     apply_changes,
     format_workspace_reply,
+    named_paths,
     normalize_workspace,
     parse_changes,
     parse_observation,
+    render_workspace_messages,
     split_changes,
     workspace_changes,
     workspace_description,
@@ -56,6 +58,33 @@ def test_changes_round_trip_between_any_two_workspaces():
         assert parse_observation(text) == ("out\n", 3)
         assert apply_changes(before, parse_changes(got) if got else []) == after
         assert (got is None) == (before == after)
+
+
+def test_named_paths_match_whole_words_and_the_files_under_a_named_directory():
+    ws = {"input.txt": "x\n", "a.txt": "1\n", "aa.txt": "", "x/a.txt": "", "arch/z.txt": "z\n"}
+    assert named_paths(ws, "wc -l < a.txt") == ["a.txt"]
+    assert named_paths(ws, "cat a.txt>input.txt") == ["input.txt", "a.txt"]
+    assert named_paths(ws, "tail -n 1 aa.txt") == ["aa.txt"]
+    assert named_paths(ws, "sed -i s/a/b/ x/a.txt") == ["x/a.txt"]
+    assert named_paths(ws, "ls arch | paste -sd, -") == ["arch/z.txt"]
+    assert named_paths(ws, "ls") == []
+    assert named_paths(ws, "grep a.txtx input.txt2") == []
+
+
+def test_named_last_moves_the_named_files_before_the_command_and_reads_back_the_same():
+    """The files a command names follow the others, each group in the workspace's order; the
+    blocks still parse to the same files, and without a command the order is the written
+    one (what sim-fileops stages 1-10 were trained on)."""
+    ws = {"input.txt": "x\n", "a.txt": "1\n", "b.txt": "2\n", "c.txt": "3\n"}
+    text = workspace_description(ws, command="wc -l < a.txt && cat input.txt")
+    heads = [ln for ln in text.split("\n") if ln.startswith("--- ")]
+    assert heads == ["--- b.txt ---", "--- c.txt ---", "--- input.txt ---", "--- a.txt ---"]
+    assert apply_changes({}, parse_changes(text.partition("\n")[2])) == ws
+    plain = [ln for ln in workspace_description(ws).split("\n") if ln.startswith("--- ")]
+    assert plain == [f"--- {p} ---" for p in ws]
+    messages = render_workspace_messages("t", ws, "tail -n 1 b.txt", named_last=True)
+    assert messages[0]["content"].endswith("--- b.txt ---\n2\n")
+    assert messages[1]["content"] == "tail -n 1 b.txt"
 
 
 def test_the_workspace_prompt_is_the_changes_format():
@@ -138,25 +167,38 @@ async def run_all(shell, commands):
     return [await shell.run(c, 10.0) for c in commands]
 
 
-@pytest.mark.parametrize("prompt", [{"system_prompt": "", "show_task": False}, {}])
-def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt):
+@pytest.mark.parametrize(
+    ("prompt", "named_last"),
+    [({"system_prompt": "", "show_task": False}, False), ({}, False), ({}, True)],
+)
+def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, named_last):
     """Teacher forcing: a simulator that answers each prompt with its training target sees,
-    turn after turn, exactly the contexts train-sim built, and ends holding the real files."""
+    turn after turn, exactly the contexts train-sim built, and ends holding the real files
+    (with the named files last too, which changes some prompts)."""
     tasks = generate_fileops(FileopsConfig(seed=5, num_tasks=6))
     renderer = ChatRenderer(BYTES)
+    changed = 0  # examples whose prompt named_last reorders
     for task in tasks[:3]:
         commands = [*plan(dict(task.reward.params)), "cat missing.txt"]
         outputs = asyncio.run(real_outputs(task, commands))
         traj = fileops_trajectory(task, commands, outputs)
         states, failed = trajectory_workspaces([traj])
         assert failed == 0
-        examples, stats = sim_sft_examples([traj], BYTES, max_len=4096, workspaces=states, **prompt)
+        built = dict(max_len=4096, workspaces=states, **prompt)
+        examples, stats = sim_sft_examples([traj], BYTES, named_last=named_last, **built)
         assert stats.examples == len(commands)
+        if named_last:
+            plain, _ = sim_sft_examples([traj], BYTES, **built)
+            changed += sum(
+                list(a["tokens"]) != list(b["tokens"]) for a, b in zip(examples, plain, strict=True)
+            )
         contexts = [list(e["tokens"][e["loss_mask"] == 0]) for e in examples]
         targets = [BYTES.decode(list(e["tokens"][e["loss_mask"] == 1])[:-1]) for e in examples]
 
         teacher = Teacher(targets)
-        cfg = SimulatedShellConfig(workspace=True, max_context_tokens=4096, **prompt)
+        cfg = SimulatedShellConfig(
+            workspace=True, workspace_named_last=named_last, max_context_tokens=4096, **prompt
+        )
         shell = SimulatedShell(
             teacher,
             task_instruction=task.instruction,
@@ -169,6 +211,7 @@ def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt):
         assert [(o.output, o.exit_code) for o in seen] == [(o.output, code) for o, code in outputs]
         assert not any(o.info["malformed"] for o in seen)
         assert shell.workspace == states(traj)[-1]
+    assert changed > 0 if named_last else changed == 0
 
 
 def workspace_shell(replies, files=None, renderer=None, **cfg):
