@@ -267,7 +267,7 @@ class SimulatedShellConfig:
     layout of the prompt only: the simulator still writes every observation and file, and
     the order of the files it keeps is unchanged. `simloop train-sim` renders its examples
     the same way; a simulator must be served with the value it was trained on
-    (`sim-fileops` stages 1-10: false)."""
+    (`sim-fileops` stages 1-10: false; from stage 11: true)."""
     replay_cache: bool = True
     """Workspace mode: train-sim and eval-sim keep each episode's replayed workspaces (the real
     files after each command, from running its commands again in bash) in a cache on this

@@ -371,6 +371,7 @@ class DemoConfig:
             "--env.terminal.max_turns", "6",
             "--simulator.weights", "pretrained/sim-fileops",
             "--env.shell.simulated.workspace", "true",
+            "--env.shell.simulated.workspace_named_last", "true",
             "--env.shell.simulated.max_prompt_tokens", "512",
             "--demo.sim_max_tokens_from_data", "false",
             "--orchestrator.max_context_tokens", "1536",
@@ -398,7 +399,8 @@ class DemoConfig:
     weights the return code's digits 10 times (`train_sim.data.exit_code_weight`: from the
     simulator before stage 10, the demo's fine-tune without it answered `sotr -r a.txt >
     b.txt` and a bare `t` with silence, return codes 0.977, and with it 0.989; from stage 10,
-    with it, 1.000; 2026-12-07). The tiny byte-level
+    with it, 1.000; 2026-12-07), served as it was trained from stage 11: the files each
+    command names listed last in its prompt (`workspace_named_last`). The tiny byte-level
     agent gets `chain` only, with every `head`/`tail` keeping 2 lines (`max_k`): the other
     kinds make it copy words and names, and the line counts numbers, that it cannot learn to
     copy (it wrote the instruction's count a third of the time, and RL never changed that).

@@ -74,6 +74,8 @@ def test_the_stateful_experiment_runs_the_thesis_table_on_fileops(tmp_path, caps
     cfg = load_config(SimloopConfig, demo_cfg, stateful_overrides(
         load_config(SimloopConfig, demo_cfg, []), demo_cfg))  # fmt: skip
     assert cfg.env.family == "fileops" and cfg.env.shell.simulated.workspace
+    # sim-fileops from stage 11 was trained with the named files last: served the same way
+    assert cfg.env.shell.simulated.workspace_named_last
     assert cfg.train_sim.data.exit_code_weight == 10  # the fine-tune learns bash's 127s
     assert cfg.simulator.weights.endswith("configs/pretrained/sim-fileops")
     assert (Path(cfg.simulator.weights) / "manifest.json").is_file()
