@@ -388,6 +388,7 @@ class DemoConfig:
             "--train_agent.warm_start.data.seq_len", "1024",
             "--train_agent.warm_start.data.batch_size", "4",
             "--eval_sim.depth_edges", "[1, 2, 3, 4, 5, 6, 7, 8]",
+            "--demo.wide_heldout_episodes", "240",
         ]
     )  # fmt: skip
     """`simloop demo --experiment stateful`: what turns the demo's config into the deciding
@@ -410,6 +411,29 @@ class DemoConfig:
     little left to gain; at 300 steps it had not learnt to read the instruction). RL in the
     real shell from there: 0.865 (2026-12-06). They come after the config file and before
     `--quick`'s and the user's overrides."""
+    wide_heldout_episodes: int = 0
+    """With N > 0, two stages after arm (c): a second held-out collection of N scripted
+    episodes (`collect_wide`, made by `wide_heldout_overrides` on top of the experiment's
+    config) and arm (c) on all of it (`eval_sim_wide`), so the fidelity at depths and state
+    distances the experiment's own tasks never reach is measured on the simulator the demo
+    trained; summary.json's `stateful.wide` holds its acceptance. The stateful experiment
+    sets 240; 0: none."""
+    wide_heldout_overrides: list[str] = field(
+        default_factory=lambda: [
+            "--env.fileops.kinds", "[chain, append, move, fanout]",
+            "--env.fileops.max_k", "null",
+            "--env.fileops.num_tasks", "64",
+            "--env.terminal.max_turns", "8",
+            "--collect.task_seed", "11",
+            "--collect.noise", "0.3",
+            "--orchestrator.max_context_tokens", "4096",
+            "--orchestrator.max_tokens_per_turn", "200",
+        ]
+    )  # fmt: skip
+    """What makes the wider held-out collection (`wide_heldout_episodes`): every fileops
+    kind with the family's defaults, up to 8 turns, the scripted agent's mistakes in 30% of
+    the episodes, task seed 11 (no collection a shipped simulator trained on uses it): the
+    collection `configs/pretrained/README.md` scores sim-fileops on as "seed 11"."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""
@@ -460,7 +484,16 @@ class DemoConfig:
             "trials",
             "0 (no multi-trial stage) or an integer >= 2",
         )
-        validate.integer(self, "gating_sim_steps", "gating_eval_tasks", low=0)
+        validate.integer(
+            self, "gating_sim_steps", "gating_eval_tasks", "wide_heldout_episodes", low=0
+        )
+        w_over = self.wide_heldout_overrides
+        validate.require(
+            isinstance(w_over, list | tuple) and all(isinstance(f, str) for f in w_over),
+            self,
+            "wide_heldout_overrides",
+            "a list of override strings (--flag, value, ...)",
+        )
         w = self.gating_wrong_ops
         validate.require(
             isinstance(w, list | tuple) and all(op in TRANSFORM_OPS for op in w),

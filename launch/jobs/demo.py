@@ -117,6 +117,14 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             summary["stateful"] = stateful_fidelity(
                 json.loads((out / "eval_sim" / rundir.FIDELITY).read_text())
             )
+            wide = out / "eval_sim_wide" / rundir.FIDELITY
+            if wide.is_file():  # demo.wide_heldout_episodes: the wider held-out collection
+                d = stage_config(args, []).demo
+                summary["stateful"]["wide"] = {
+                    **stateful_fidelity(json.loads(wide.read_text())),
+                    "episodes": d.wide_heldout_episodes,
+                    "overrides": list(d.wide_heldout_overrides),
+                }
     summary["wall_s"] = round(time.perf_counter() - began, 1)
     (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))
     rundir.MetricsLog(out).write({"stage": "demo", **summary})  # its numbers in TensorBoard too
@@ -387,15 +395,20 @@ def print_stateful(console, st: dict) -> None:
 
     from launch.report.thesis import stateful_rows
 
-    t = Table(title="stateful experiment: simulator fidelity (arm c, held out)")
-    for name in ("", "observations", "exact (masked)", "goal"):
-        t.add_column(name, justify="left" if not name else "right")
-    for name, n, exact, goal in stateful_rows(st):
-        t.add_row(name, _fmt(n), _fmt(exact), goal)
-    console.print(t)
-    console.print(
-        "stateful acceptance: "
-        + ", ".join(
-            f"{k.replace('_', ' ')} {'yes' if v else 'NO'}" for k, v in st["acceptance"].items()
+    blocks = [("held-out episodes of the experiment's tasks", "", st)]
+    if st.get("wide"):
+        blocks.append(("the wider held-out collection", " (wider collection)", st["wide"]))
+    for what, tag, block in blocks:
+        t = Table(title=f"stateful experiment: simulator fidelity (arm c, {what})")
+        for name in ("", "observations", "exact (masked)", "goal"):
+            t.add_column(name, justify="left" if not name else "right")
+        for name, n, exact, goal in stateful_rows(block):
+            t.add_row(name, _fmt(n), _fmt(exact), goal)
+        console.print(t)
+        console.print(
+            f"stateful acceptance{tag}: "
+            + ", ".join(
+                f"{k.replace('_', ' ')} {'yes' if v else 'NO'}"
+                for k, v in block["acceptance"].items()
+            )
         )
-    )

@@ -99,7 +99,7 @@ class Stage:
     inputs: Callable[[Done], list[str]] = _none
     """The overrides naming what earlier stages wrote; they come before `flags`."""
     runs: bool = True
-    """False: this config leaves the stage out (it keeps its number)."""
+    """False: this config leaves the stage out (the console numbers only those that run)."""
 
 
 # ----- the two tables ---------------------------------------------------------------------------
@@ -151,6 +151,25 @@ def _replayed(simulator: Callable[[Done], list[str]]) -> Callable[[Done], list[s
     return inputs
 
 
+def _wide_replayed(done: Done) -> list[str]:
+    """The wider arm (c)'s inputs: the trained simulator and the whole wider collection (none
+    of its tasks is among those the simulator trained on)."""
+    return _trained_sim(done) + [
+        "--eval_sim.trajectories",
+        json.dumps([str(done.dir("collect_wide") / rundir.TRAJECTORIES)]),
+    ]
+
+
+def wide_flags(base: SimloopConfig) -> tuple[list[str], list[str]]:
+    """(the wider held-out collection's flags, its arm (c)'s): `demo.wide_heldout_overrides`
+    with `demo.wide_heldout_episodes` episodes on as many tasks; eval-sim replays them under
+    the same overrides (the same turn limit and shell)."""
+    d = base.demo
+    n = str(d.wide_heldout_episodes)
+    over = list(d.wide_heldout_overrides)
+    return [*over, "--collect.episodes", n, "--collect.num_tasks", n], over
+
+
 def _control_arm(done: Done) -> list[str]:
     """The thesis control arm's inputs: the trained simulator and stage agent's warm start."""
     return _trained_sim(done) + ["--agent.weights", _weights(done, "agent", "warm_start")]
@@ -170,6 +189,7 @@ def thesis_stages(base: SimloopConfig) -> list[Stage]:
     the control arm (RL in the real shell from the same warm start, same episodes) and, with
     `demo.trials`, several trials per episode; `base` is the demo's config."""
     d = base.demo
+    wide = wide_flags(base)
     return [
         Stage("collect", "collect", "collect", "scripted noisy agent in the real shell"),
         Stage("sim", "train-sim", "train-sim", "simulator SFT on the real trajectories",
@@ -177,6 +197,12 @@ def thesis_stages(base: SimloopConfig) -> list[Stage]:
         Stage("eval_sim", "eval-sim", "eval-sim",
               "arm (c): held-out real commands vs the simulator",
               inputs=_replayed(_trained_sim)),
+        Stage("collect_wide", "collect", "collect",
+              "a wider held-out collection (demo.wide_heldout_overrides)",
+              flags=tuple(wide[0]), runs=bool(d.wide_heldout_episodes)),
+        Stage("eval_sim_wide", "eval-sim", "eval-sim",
+              "arm (c) on it: deeper turns, state distance 3+",
+              flags=tuple(wide[1]), inputs=_wide_replayed, runs=bool(d.wide_heldout_episodes)),
         Stage("agent", "train-agent", "train-agent", f"SFT warm start, then RL ({d.rl_arm})",
               flags=("--orchestrator.arm", d.rl_arm,
                      "--train_agent.eval.arms", json.dumps(list(d.eval_arms))),
@@ -290,11 +316,10 @@ def run_stages(
 ) -> dict[str, dict]:
     """Run `stages` in order, skipping finished ones; every stage's record by name."""
     done = Done(out)
-    for k, stage in enumerate(stages, start=1):
-        if not stage.runs:
-            continue
+    running = [stage for stage in stages if stage.runs]
+    for k, stage in enumerate(running, start=1):
         path = done.dir(stage.name)
-        console.rule(f"[bold]{k}/{len(stages)} {stage.title}[/]: {stage.text}")
+        console.rule(f"[bold]{k}/{len(running)} {stage.title}[/]: {stage.text}")
         record = read_stage(path)
         if record is not None:
             console.print(f"simloop demo: {stage.title} done: skipped (delete {path} to redo it)")

@@ -64,22 +64,37 @@ def _section_pipeline(summary: dict | None, run_dir: Path) -> str:
     )
 
 
-def _section_stateful(st: dict) -> str:
-    """`simloop demo --experiment stateful`: the simulator's acceptance by depth and state
-    distance (`launch.report.thesis.stateful_fidelity`)."""
-    rows = stateful_rows(st)
+def _stateful_acceptance(st: dict) -> str:
+    """One `stateful_fidelity` block: its table and its verdicts."""
     verdicts = "".join(
         f"<li>{html.escape(k.replace('_', ' '))}: "
         + ('<span class="ok">yes</span>' if v else '<span class="bad">no</span>')
         + "</li>"
         for k, v in st["acceptance"].items()
     )
-    return (
+    return table(["observations", "n", "exact (masked)", "goal"], stateful_rows(st)) + (
+        f"<ul>{verdicts}</ul>"
+    )
+
+
+def _section_stateful(st: dict) -> str:
+    """`simloop demo --experiment stateful`: the simulator's acceptance by depth and state
+    distance (`launch.report.thesis.stateful_fidelity`), on the held-out episodes of the
+    experiment's tasks and, with `demo.wide_heldout_episodes`, on the wider collection."""
+    out = (
         '<p class="note">The stateful experiment: every answer depends on files the episode '
         "wrote, and each replay carries the simulator's own workspace.</p>"
-        + table(["observations", "n", "exact (masked)", "goal"], rows)
-        + f"<ul>{verdicts}</ul>"
+        + _stateful_acceptance(st)
     )
+    wide = st.get("wide")
+    if wide:
+        out += (
+            '<p class="note">The same simulator on a wider held-out collection '
+            f"({int(wide.get('episodes', 0))} scripted episodes: "
+            f"{html.escape(' '.join(wide.get('overrides', [])))}), deeper and with state "
+            "distance 3+.</p>" + _stateful_acceptance(wide)
+        )
+    return out
 
 
 def _section_thesis(summary: dict | None, metrics: list[dict], real_metrics: list[dict]) -> str:

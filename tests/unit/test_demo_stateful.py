@@ -124,3 +124,61 @@ def test_a_users_simulator_weights_is_where_train_sim_starts_not_what_arm_c_scor
     assert cfg("agent").agent.weights == "/w/agent"  # where the warm start starts
     assert cfg("agent_real").agent.weights == str(tmp_path / "agent" / "weights" / "warm_start")
     assert all(cfg(n).train_sim.steps == 7 for n in ("sim", "eval_sim", "agent"))
+
+
+def test_the_stateful_experiment_also_scores_arm_c_on_a_wider_collection(tmp_path):
+    """`demo.wide_heldout_episodes` (the stateful experiment sets 240): a second scripted
+    collection of every fileops kind, up to 8 turns, task seed 11 (what the pretrained README
+    calls seed 11), and arm (c) on all of it with the simulator the demo trained; the
+    experiment's own stages keep their chain-only settings, and the textops demo runs neither."""
+    import argparse
+    from pathlib import Path
+
+    from envs.config import FILEOPS_KINDS
+    from launch.config import load_config
+    from launch.config.schema import SimloopConfig
+    from launch.jobs.demo import stateful_overrides
+    from launch.jobs.demo_stages import Done, stage_config, thesis_stages
+
+    demo_cfg = str(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml")
+    plain = argparse.Namespace(config=demo_cfg, quick_overrides=[], overrides=[])
+    textops = {s.name: s.runs for s in thesis_stages(stage_config(plain, []))}
+    assert not textops["collect_wide"] and not textops["eval_sim_wide"]
+
+    over = stateful_overrides(load_config(SimloopConfig, demo_cfg, []), demo_cfg)
+    args = argparse.Namespace(config=demo_cfg, quick_overrides=over, overrides=[])
+    stages = {s.name: s for s in thesis_stages(stage_config(args, []))}
+    assert stages["collect_wide"].runs and stages["eval_sim_wide"].runs
+    done = Done(tmp_path)
+    done.records["collect"] = {}
+
+    def cfg(name):
+        return stage_config(args, stages[name].inputs(done) + list(stages[name].flags))
+
+    wide = cfg("collect_wide")
+    assert wide.env.fileops.kinds == list(FILEOPS_KINDS) and wide.env.fileops.max_k is None
+    assert (wide.collect.episodes, wide.collect.num_tasks, wide.collect.task_seed) == (240, 240, 11)
+    assert wide.env.terminal.max_turns == 8 and wide.collect.noise == 0.3
+    ev = cfg("eval_sim_wide")
+    assert ev.eval_sim.trajectories == [str(tmp_path / "collect_wide" / "trajectories")]
+    assert ev.eval_sim.heldout_tasks is None  # every episode: none of its tasks was trained on
+    assert ev.simulator.weights == str(tmp_path / "sim" / "weights" / "final")
+    assert ev.env.shell.simulated.workspace_named_last
+    own = cfg("collect")
+    assert own.env.fileops.kinds == ["chain"] and own.env.terminal.max_turns == 6
+
+
+def test_the_report_shows_the_wider_collections_acceptance_beside_the_experiments(tmp_path):
+    import json
+
+    from launch.report.page import write_report
+
+    st = stateful_fidelity(fidelity(far_n=0))
+    st["wide"] = {**stateful_fidelity(fidelity()), "episodes": 240, "overrides": ["--x", "1"]}
+    summary = {"experiment": "stateful", "fidelity": {"observations": 400}, "stateful": st}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+    assert "wider held-out collection (240 scripted episodes: --x 1)" in page
+    far = "state distance 3plus at least 0.85: "
+    assert page.count(far + '<span class="bad">no</span>') == 1  # the experiment's own
+    assert page.count(far + '<span class="ok">yes</span>') == 1  # the wider collection's
