@@ -24,7 +24,10 @@ Stages, each a run directory of its own under `--out`, each the same code as its
 
 `--experiment stateful` runs the same table on the `fileops` family (`demo.stateful_overrides`:
 tasks whose later commands read what earlier ones wrote, the workspace-mode simulator), and
-summary.json's `stateful` block holds its fidelity acceptance by depth and state distance.
+summary.json's `stateful` block holds its fidelity acceptance by depth and state distance;
+there arm (c) also replays a wider held-out collection (`demo.wide_heldout_episodes`: every
+fileops kind, up to 8 turns) in two more stages, `collect_wide` and `eval_sim_wide`, and
+`stateful.wide` holds the same acceptance on it.
 `--experiment gating` runs the gating experiment's table instead (`launch/jobs/demo_gating.py`
 says what it measures). A finished stage leaves `stage.json`; running the same command again
 skips finished stages and resumes an interrupted one from its checkpoints.

@@ -77,6 +77,7 @@ def test_the_stateful_experiment_runs_the_thesis_table_on_fileops(tmp_path, caps
     # sim-fileops from stage 11 was trained with the named files last: served the same way
     assert cfg.env.shell.simulated.workspace_named_last
     assert cfg.train_sim.data.exit_code_weight == 10  # the fine-tune learns bash's 127s
+    assert cfg.train_sim.optim.lr == 1e-4  # and forgets less of the kinds `chain` lacks
     assert cfg.simulator.weights.endswith("configs/pretrained/sim-fileops")
     assert (Path(cfg.simulator.weights) / "manifest.json").is_file()
 
