@@ -70,9 +70,8 @@ def _stateful(args: argparse.Namespace) -> bool:
     return getattr(args, "experiment", "thesis") == "stateful"
 
 
-def _stages(args: argparse.Namespace) -> list[Stage]:
-    """The experiment's table, from the demo's config."""
-    base = stage_config(args, [])
+def _stages(args: argparse.Namespace, base: SimloopConfig) -> list[Stage]:
+    """The experiment's table, from the demo's config (`stage_config(args, [])`)."""
     return gating_stages(base) if _gating(args) else thesis_stages(base)
 
 
@@ -95,7 +94,8 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
 
     gating = _gating(args)
     try:
-        stages = run_stages(args, out, console, _stages(args))
+        base = stage_config(args, [])
+        stages = run_stages(args, out, console, _stages(args, base))
     except ConfigError as e:
         raise UsageError(f"config error: {e}") from e
     except (TrainingDiverged, PublishError) as e:  # as train-agent says it: one line, exit 1
@@ -120,13 +120,12 @@ def run(args: argparse.Namespace, cfg: SimloopConfig) -> int:
             summary["stateful"] = stateful_fidelity(
                 json.loads((out / "eval_sim" / rundir.FIDELITY).read_text())
             )
-            wide = out / "eval_sim_wide" / rundir.FIDELITY
-            if wide.is_file():  # demo.wide_heldout_episodes: the wider held-out collection
-                d = stage_config(args, []).demo
+            if "eval_sim_wide" in stages:  # demo.wide_heldout_episodes: the wider collection
+                wide = out / "eval_sim_wide" / rundir.FIDELITY
                 summary["stateful"]["wide"] = {
                     **stateful_fidelity(json.loads(wide.read_text())),
-                    "episodes": d.wide_heldout_episodes,
-                    "overrides": list(d.wide_heldout_overrides),
+                    "episodes": base.demo.wide_heldout_episodes,
+                    "overrides": list(base.demo.wide_heldout_overrides),
                 }
     summary["wall_s"] = round(time.perf_counter() - began, 1)
     (out / rundir.SUMMARY).write_text(json.dumps(summary, indent=1))
@@ -166,7 +165,7 @@ def demo_processes(args: argparse.Namespace, cfg: SimloopConfig) -> list[tuple[s
     from launch.deploy.processes import PlannedProcess
 
     out = Path(args.out or DRY_RUN_OUT)
-    procs = stage_servers(args, _stages(args), out)
+    procs = stage_servers(args, _stages(args, stage_config(args, [])), out)
     command = [
         sys.executable,
         "-m",

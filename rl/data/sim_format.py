@@ -174,20 +174,15 @@ def named_paths(files: Mapping[str, str], command: str) -> list[str]:
     not in `aa.txt` or `x/a.txt`), and each path under a directory so named (`ls archive`
     names `archive/notes.txt`). Text matching only: nothing here knows what a program does
     with a path."""
-    found: dict[str, bool] = {}
 
     def named(name: str) -> bool:
-        if name not in found:
-            word = rf"(?<![\w./-]){re.escape(name)}(?![\w./-])"
-            found[name] = bool(name) and re.search(word, command) is not None
-        return found[name]
+        return re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w./-])", command) is not None
 
-    out = []
-    for path in files:
+    def prefixes(path: str) -> list[str]:  # `d/e/f` -> d, d/e, d/e/f
         parts = path.rstrip("/").split("/")
-        if any(named("/".join(parts[:i])) for i in range(1, len(parts) + 1)):
-            out.append(path)
-    return out
+        return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+    return [path for path in files if any(named(p) for p in prefixes(path) if p)]
 
 
 def workspace_description(files: Mapping[str, str], *, command: str | None = None) -> str:
@@ -198,10 +193,8 @@ def workspace_description(files: Mapping[str, str], *, command: str | None = Non
     (`named_paths`) move after the others, in their order, so the file a command reads sits
     right before it however long ago it was written. Lossless either way: `parse_changes`
     reads the same blocks back (in the prompt's order)."""
-    order = list(files)
-    if command is not None:
-        named = named_paths(files, command)
-        order = [p for p in order if p not in named] + named
+    named = [] if command is None else named_paths(files, command)
+    order = [p for p in files if p not in named] + named
     body = "".join(_file_block(p, files[p]) for p in order)
     return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
 
