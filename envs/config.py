@@ -519,6 +519,9 @@ class TerminalConfig:
 FILEOPS_KINDS = ("chain", "append", "move", "fanout")
 FILEOPS_DRILL_KINDS = ("read", "lookup")
 """Kinds for simulator training data, never drawn unless named (`FileopsConfig.kinds`)."""
+FILEOPS_DEEP_KINDS = ("relay",)
+"""Kinds of six to eight commands, never drawn unless named (`FileopsConfig.kinds`): adding
+them to the defaults would change every seeded collection drawn from the four."""
 FILEOPS_WORDS = ("fixed", "random", "mixed")
 
 
@@ -532,9 +535,11 @@ class FileopsConfig:
     seed: int = 0
     """Generator seed: the same seed gives the same tasks."""
     kinds: list[str] = field(default_factory=lambda: list(FILEOPS_KINDS))
-    """Which kinds to draw from: `FILEOPS_KINDS`, and the drills `read` (one file, one
+    """Which kinds to draw from: `FILEOPS_KINDS`, the deep `relay` (`FILEOPS_DEEP_KINDS`: five
+    or six transformations in a row, the turn depths up to 8), and the drills `read` (one file, one
     command that reads it: a copying drill for a simulator, one command long) and `lookup`
-    (one numbered file, one `grep` for a word's line: a find-by-content drill)."""
+    (one numbered file, one `grep` for a word's line: a find-by-content drill). A kind listed
+    twice is drawn twice as often."""
     min_lines: int = 3
     """Fewest lines of a `chain` task's input."""
     max_lines: int = 6
@@ -557,14 +562,12 @@ class FileopsConfig:
         validate.positive_int(self, "num_tasks", "min_lines", "max_lines")
         validate.integer(self, "max_k", low=2, optional=True)
         validate.integer(self, "seed", "distractors", low=0)
-        kinds = self.kinds
+        kinds, known = self.kinds, [*FILEOPS_KINDS, *FILEOPS_DEEP_KINDS, *FILEOPS_DRILL_KINDS]
         validate.require(
-            isinstance(kinds, list | tuple)
-            and kinds
-            and all(k in FILEOPS_KINDS + FILEOPS_DRILL_KINDS for k in kinds),
+            isinstance(kinds, list | tuple) and kinds and all(k in known for k in kinds),
             self,
             "kinds",
-            f"a non-empty list drawn from {list(FILEOPS_KINDS + FILEOPS_DRILL_KINDS)}",
+            f"a non-empty list drawn from {known}",
         )
         validate.require(
             self.max_lines >= self.min_lines >= 3, self, "min_lines",

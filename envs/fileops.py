@@ -14,6 +14,10 @@ Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that m
 - `fanout`: transform `input.txt` three ways into `a.txt`, `b.txt` and `c.txt`, then submit
   a property of `a.txt`, which the episode wrote three commands before it reads it (state
   distance 3);
+- `relay` (a deep kind, drawn only when named): a `chain` of five or six transformations,
+  `input.txt` into `a.txt`, `a.txt` into `b.txt`, ... `e.txt` or `f.txt`, then submit a
+  property of the last: six or seven commands, eight with a mistake, each reading what the one
+  before it wrote (the turn depths 5-8 the other kinds never reach);
 - `read` (a drill, drawn only when named): submit a property of one file, or its whole
   contents; one command, which copies from the file (lines of words, half of them numbered).
 - `lookup` (a drill, drawn only when named): submit the line of one file that starts with a
@@ -81,7 +85,7 @@ _PROPERTY_WORDS = {
 def fileops_truth(params: dict) -> str:
     """The correct submission, from the task's reward params alone."""
     kind = params["kind"]
-    if kind == "chain":
+    if kind in ("chain", "relay"):
         lines = list(params["lines"])
         for step in params["steps"]:
             lines = TRANSFORMS[step["op"]][1](lines, step)
@@ -174,6 +178,31 @@ def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str]
     return params, files, instruction
 
 
+RELAY_FILES = ("a.txt", "b.txt", "c.txt", "d.txt", "e.txt", "f.txt")
+"""What a `relay` (or `chain`) writes, step by step: `input.txt` into the first, and so on."""
+
+
+def _relay(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
+    lines = _words(rng, cfg, rng.randint(cfg.min_lines, cfg.max_lines))
+    steps: list[dict] = []
+    current = list(lines)
+    for _ in range(rng.randint(5, len(RELAY_FILES))):
+        op = rng.choice([o for o in TRANSFORMS if not steps or o != steps[-1]["op"]])
+        steps.append(_transform_step(rng, op, current, cfg.max_k))
+        current = TRANSFORMS[op][1](current, steps[-1])
+    prop = rng.choice(PROPERTIES)
+    params = {"kind": "relay", "lines": lines, "steps": steps, "property": prop}
+    files = {"input.txt": "\n".join(lines) + "\n"}
+    sources = ("input.txt", *RELAY_FILES)
+    instruction = " ".join(
+        f"{i + 1}. Write `{sources[i]}` with "
+        f"{_DESCRIBE[s['op']].format(k=s.get('k'))} into `{sources[i + 1]}`."
+        for i, s in enumerate(steps)
+    )
+    instruction += f" {len(steps) + 1}. Submit {_PROPERTY_WORDS[prop]} `{sources[len(steps)]}`."
+    return params, files, instruction
+
+
 def _append(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
     existing = _words(rng, cfg, rng.randint(1, cfg.max_lines))
     appended = [f"{w}-{rng.randint(10, 99)}" for w in _words(rng, cfg, rng.randint(2, 3))]
@@ -246,6 +275,7 @@ _KINDS = {
     "append": _append,
     "move": _move,
     "fanout": _fanout,
+    "relay": _relay,
     "read": _read,
     "lookup": _lookup,
 }
@@ -292,13 +322,14 @@ async def fileops_reward(task: Task, submission: str | None, ctx: RewardContext)
 def plan(params: dict) -> list[str]:
     """The commands that do a task's steps, in order; the last one prints the answer."""
     kind = params["kind"]
-    if kind == "chain":
-        files = ["input.txt", "a.txt", "b.txt"]
+    if kind in ("chain", "relay"):
+        files = ["input.txt", *RELAY_FILES]
         cmds = [
             TRANSFORMS[s["op"]][0].format(src=files[i], dst=files[i + 1], k=s.get("k"))
             for i, s in enumerate(params["steps"])
         ]
-        return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f="b.txt")]
+        last = files[len(params["steps"])]
+        return [*cmds, _PROPERTY_COMMAND[params["property"]].format(f=last)]
     if kind == "fanout":
         cmds = [
             TRANSFORMS[s["op"]][0].format(src="input.txt", dst=dst, k=s.get("k"))
@@ -333,7 +364,7 @@ then the right one. An append is never run twice (it would change the answer): t
 
 SLIPS = ("other_op",)
 """Mistakes `FileopsSolver` does not recover from, drawn only when asked for (`mistakes=`):
-`other_op`, a `chain` step (or `fanout`'s `a.txt`) run with another transformation (so
+`other_op`, a `chain` or `relay` step (or `fanout`'s `a.txt`) run with another transformation (so
 the answer is wrong), as textops' scripted agent picks another operation. Other kinds make
 a recovered mistake instead."""
 
@@ -383,7 +414,7 @@ class FileopsSolver:
         # A one-command plan (`read`, `lookup`) has no step before its answer to get wrong.
         self.mistake = rng.choice(mistakes) if len(steps) > 1 and rng.random() < noise else None
         if self.mistake == "other_op":
-            if params["kind"] in ("chain", "fanout"):
+            if params["kind"] in ("chain", "relay", "fanout"):
                 self.commands = _other_op(params, rng)
             else:
                 self.mistake = rng.choice(MISTAKES)
@@ -411,20 +442,22 @@ CHECK_READS = ("cat {f}", "tail -n 1 {f}", "head -n 1 {f}", "wc -l < {f}", "tail
 """How `FileopsSolver` checks a file it wrote (`checks`), as an agent verifying its work
 does; a directory is listed (`ls`)."""
 MAX_CHECKS = 2
-"""Checks per episode at most, so a task with a mistake stays within 8 commands."""
+"""Checks per episode at most."""
+MAX_COMMANDS = 8
+"""Checks never take an episode past this many commands (a `relay` with a mistake has 8)."""
 
 
 def _with_checks(
     commands: list[str], steps: list[str], prob: float, rng: random.Random
 ) -> list[str]:
     """`commands` with a read inserted after a plan step that writes, with probability `prob`
-    each (`MAX_CHECKS` at most; never after the last command): the file just written half the
-    time, else one written earlier (or a starting file the plan read), so the reads come at
-    several state distances."""
+    each (`MAX_CHECKS` at most, none past `MAX_COMMANDS` commands; never after the last one):
+    the file just written half the time, else one written earlier (or a starting file the plan
+    read), so the reads come at several state distances."""
     out: list[str] = []
     written: list[str] = []
     inputs = [f for f in ("input.txt", "log.txt") if any(f in s for s in steps)]
-    n = 0
+    n, budget = 0, min(MAX_CHECKS, max(0, MAX_COMMANDS - len(commands)))
     for command in commands:
         out.append(command)
         # Only a plan step that writes; the answer's command (`steps[-1]`) writes nothing.
@@ -432,7 +465,7 @@ def _with_checks(
         if target is None:
             continue
         written.append(target)
-        if n == MAX_CHECKS or rng.random() >= prob:
+        if n == budget or rng.random() >= prob:
             continue
         older = [f for f in dict.fromkeys(written[:-1] + inputs) if f != target]
         f = target if not older or rng.random() < 0.5 else rng.choice(older)

@@ -424,20 +424,21 @@ class DemoConfig:
     sets 240; 0: none."""
     wide_heldout_overrides: list[str] = field(
         default_factory=lambda: [
-            "--env.fileops.kinds", "[chain, append, move, fanout]",
+            "--env.fileops.kinds", "[chain, append, move, fanout, relay, relay, relay, relay]",
             "--env.fileops.max_k", "null",
             "--env.fileops.num_tasks", "64",
             "--env.terminal.max_turns", "8",
             "--collect.task_seed", "11",
-            "--collect.noise", "0.3",
+            "--collect.noise", "0.5",
             "--orchestrator.max_context_tokens", "4096",
             "--orchestrator.max_tokens_per_turn", "200",
         ]
     )  # fmt: skip
     """What makes the wider held-out collection (`wide_heldout_episodes`): every fileops
-    kind with the family's defaults, up to 8 turns, the scripted agent's mistakes in 30% of
-    the episodes, task seed 11 (no collection a shipped simulator trained on uses it): the
-    collection `configs/pretrained/README.md` scores sim-fileops on as "seed 11"."""
+    kind with the family's defaults, half of the episodes the deep `relay` (six or seven
+    commands, eight with a mistake: the turn depths 6-8 no other kind reaches), up to 8 turns,
+    the scripted agent's mistakes in half the episodes, task seed 11 (no collection a shipped
+    simulator trained on uses it)."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""

@@ -157,9 +157,11 @@ def test_the_stateful_experiment_also_scores_arm_c_on_a_wider_collection(tmp_pat
         return stage_config(args, stages[name].inputs(done) + list(stages[name].flags))
 
     wide = cfg("collect_wide")
-    assert wide.env.fileops.kinds == list(FILEOPS_KINDS) and wide.env.fileops.max_k is None
+    kinds = wide.env.fileops.kinds
+    assert set(kinds) == {*FILEOPS_KINDS, "relay"} and wide.env.fileops.max_k is None
+    assert kinds.count("relay") == len(FILEOPS_KINDS)  # half the episodes reach depths 6-8
     assert (wide.collect.episodes, wide.collect.num_tasks, wide.collect.task_seed) == (240, 240, 11)
-    assert wide.env.terminal.max_turns == 8 and wide.collect.noise == 0.3
+    assert wide.env.terminal.max_turns == 8 and wide.collect.noise == 0.5
     ev = cfg("eval_sim_wide")
     assert ev.eval_sim.trajectories == [str(tmp_path / "collect_wide" / "trajectories")]
     assert ev.eval_sim.heldout_tasks is None  # every episode: none of its tasks was trained on

@@ -234,6 +234,35 @@ def test_fanout_reads_a_file_written_three_commands_before():
         assert len(commands) == 4 and state_distances(commands)[-1] == 3, commands
 
 
+async def test_relay_is_six_to_eight_commands_each_reading_the_last_ones_file():
+    """The deep kind (issue 60's turn depths up to 8): five or six transformations in a row,
+    solved in real bash with and without a mistake, never past 8 commands even with checks;
+    drawn only when named, so the four default kinds' seeded streams are unchanged."""
+    from envs.config import FILEOPS_DEEP_KINDS
+    from envs.fileops import MAX_COMMANDS
+    from envs.shellstate import state_distances
+
+    assert "relay" in FILEOPS_DEEP_KINDS and "relay" not in FileopsConfig().kinds
+    tasks = generate_fileops(FileopsConfig(num_tasks=12, seed=9, kinds=["relay"]))
+    lengths = set()
+    for i, task in enumerate(tasks):
+        commands = plan(dict(task.reward.params))
+        lengths.add(len(commands))
+        # each transformation reads the file the one before wrote; the answer reads the last
+        assert state_distances(commands)[1:] == [1] * (len(commands) - 1), commands
+        for noise in (0.0, 1.0):
+            solver = FileopsSolver(task, noise=noise, seed=i, checks=1.0, style="marker")
+            assert len(solver.commands) <= MAX_COMMANDS, solver.commands
+            results, env = await solve(task, noise=noise, seed=i, style="marker")
+            assert results[-1].reward == 1.0, (task.instruction, env.submission)
+    assert lengths == {6, 7}
+    # the four kinds' streams do not move because relay exists
+    default = generate_fileops(FileopsConfig(num_tasks=30, seed=1))
+    assert "relay" not in {t.metadata["kind"] for t in default}
+    with pytest.raises(ValueError, match=r"relay"):
+        FileopsConfig(kinds=["relays"])
+
+
 async def test_garbled_commands_fail_or_miss_in_real_bash_and_the_retry_still_solves():
     """`garble`: the kinds of broken command the demo's agent wrote after RL in the simulator.
     Each is run in real bash before the right one; whatever it printed or left behind, the
@@ -366,7 +395,7 @@ async def test_the_read_drill_copies_one_file_and_is_drawn_only_when_named():
     )
     results, env = await solve(whole, style="two_step")
     assert results[-1].reward == 1.0, env.submission
-    with pytest.raises(ValueError, match=r"kinds.*'fanout', 'read', 'lookup'\]"):
+    with pytest.raises(ValueError, match=r"kinds.*'fanout', 'relay', 'read', 'lookup'\]"):
         FileopsConfig(kinds=["reads"])
 
 
