@@ -128,14 +128,20 @@ def stateful_fidelity(
 ) -> dict[str, Any]:
     """The stateful experiment's simulator acceptance from eval-sim's `fidelity.json`: exact
     (masked) overall and at every depth bucket up to `max_depth` turns, return-code agreement,
-    and the pairs at state distance >= 3 (reported; their goal is `min_depth` too, and a
-    bucket with no observations does not pass)."""
+    and the pairs at state distance >= 3 (reported; their goal is `min_depth` too). A goal
+    with nothing to measure does not pass: the depth goal needs observations at every depth
+    0 .. `max_depth` - 1 (`depths_unmeasured` lists those without), the state-distance goal at
+    least one pair."""
     pairs = fidelity.get("pairs", {})
-    depth = {}
+    depth, measured = {}, set()
     for name, v in fidelity.get("by_depth", {}).items():
-        low = name.split("-")[0].rstrip("+")
+        low, _, high = name.rstrip("+").partition("-")
         if low.isdigit() and int(low) < max_depth:
             depth[name] = {"observations": v.get("count", 0), "exact_masked": v.get("exact_masked")}
+            if v.get("count", 0) > 0:
+                top = int(high) if high.isdigit() else max_depth
+                measured.update(range(int(low), min(top, max_depth)))
+    unmeasured = [d for d in range(max_depth) if d not in measured]
     far = fidelity.get("state_distance_3plus", {})
     far_row = {"observations": far.get("count", 0), "exact_masked": far.get("exact_masked")}
 
@@ -147,13 +153,14 @@ def stateful_fidelity(
         "exact_masked": pairs.get("exact_masked"),
         "exit_code_agreement": pairs.get("exit_code_agreement"),
         "by_depth": depth,
+        "depths_unmeasured": unmeasured,
         "state_dependent": fidelity.get("state_dependent"),
         "state_distance_3plus": far_row,
         # workspace mode: how well the simulator's own files track the real ones (reported)
         "workspace": fidelity.get("workspace"),
         "acceptance": {
             f"exact_at_least_{min_exact}": meets(pairs.get("exact_masked"), min_exact),
-            f"exact_at_least_{min_depth}_at_every_depth_to_{max_depth}": bool(depth)
+            f"exact_at_least_{min_depth}_at_every_depth_to_{max_depth}": not unmeasured
             and all(meets(v["exact_masked"], min_depth) for v in depth.values()),
             f"return_codes_at_least_{min_exit_code}": meets(
                 pairs.get("exit_code_agreement"), min_exit_code
@@ -173,6 +180,10 @@ def stateful_rows(st: dict[str, Any]) -> list[list[Any]]:
     ]
     for depth, v in st["by_depth"].items():
         rows.append([f"depth {depth}", v["observations"], v["exact_masked"], ">= 0.85"])
+    unmeasured = st.get("depths_unmeasured") or []
+    if unmeasured:  # a depth goal with nothing measured there: not passed, and said why
+        depths = ", ".join(str(d) for d in unmeasured)
+        rows.append([f"depth {depths}", 0, None, ">= 0.85 (nothing to measure)"])
     far = st["state_distance_3plus"]
     rows.append(["state distance >= 3", far["observations"], far["exact_masked"], ">= 0.85"])
     ws = st.get("workspace") or {}

@@ -22,7 +22,11 @@ def fidelity(overall=0.95, codes=1.0, depth=None, far=0.9, far_n=12):
 def test_every_goal_met():
     s = stateful_fidelity(fidelity())
     assert all(s["acceptance"].values())
-    assert list(s["by_depth"]) == [f"{d}-{d + 1}" for d in range(8)]
+    assert list(s["by_depth"]) == [f"{d}-{d + 1}" for d in range(8)] and not s["depths_unmeasured"]
+    short = stateful_fidelity(fidelity(depth={"0-2": 0.9, "2-5": 0.9, "5+": 0.9}))
+    assert short["depths_unmeasured"] == [] and all(short["acceptance"].values())
+    holes = stateful_fidelity(fidelity(depth={f"{d}-{d + 1}": 0.95 for d in (0, 1, 2, 3, 6)}))
+    assert holes["depths_unmeasured"] == [4, 5, 7]
     assert s["state_distance_3plus"] == {"observations": 12, "exact_masked": 0.9}
 
 
@@ -34,6 +38,8 @@ def test_the_workspace_rows_are_reported_when_eval_sim_measured_them():
     rows = stateful_rows(stateful_fidelity({**fidelity(), "workspace": ws}))
     assert rows[: len(plain)] == plain
     assert [r[1:3] for r in rows[len(plain) :]] == [[40, 0.5], [20, 0.75]]
+    holes = stateful_rows(stateful_fidelity(fidelity(depth={"0-1": 0.9, "3-4": 0.9})))
+    assert ["depth 1, 2, 4, 5, 6, 7", 0, None, ">= 0.85 (nothing to measure)"] in holes
 
 
 @pytest.mark.parametrize(
@@ -43,6 +49,11 @@ def test_the_workspace_rows_are_reported_when_eval_sim_measured_them():
         ({"codes": 0.985}, "return_codes_at_least_0.99"),
         ({"depth": {"0-1": 0.99, "5-6": 0.84}}, "exact_at_least_0.85_at_every_depth_to_8"),
         ({"depth": {}}, "exact_at_least_0.85_at_every_depth_to_8"),
+        # the experiment's own chain episodes end by depth 4: depths 5-7 unmeasured, not passed
+        (
+            {"depth": {f"{d}-{d + 1}": 0.95 for d in range(5)}},
+            "exact_at_least_0.85_at_every_depth_to_8",
+        ),
         ({"far": 0.5}, "state_distance_3plus_at_least_0.85"),
         ({"far_n": 0}, "state_distance_3plus_at_least_0.85"),
     ],
