@@ -372,7 +372,7 @@ class DemoConfig:
             "--simulator.weights", "pretrained/sim-fileops",
             "--env.shell.simulated.workspace", "true",
             "--env.shell.simulated.workspace_named_last", "true",
-            "--env.shell.simulated.max_prompt_tokens", "512",
+            "--env.shell.simulated.max_prompt_tokens", "640",
             "--demo.sim_max_tokens_from_data", "false",
             "--orchestrator.max_context_tokens", "1536",
             "--serve.engine.max_seq_len", "1536",
@@ -404,8 +404,10 @@ class DemoConfig:
     with it, 1.000; 2026-12-07), at half the config's rate (1e-4: at 2e-4 the 200 steps on
     `chain` alone cost the other kinds, return codes 0.987 on the wider collection, against
     0.991; the same on `chain`), served as it was trained from stage 11: the files each
-    command names listed last in its prompt (`workspace_named_last`); and arm (c) on a
-    wider held-out collection too (`wide_heldout_episodes`). The tiny byte-level
+    command names listed last in its prompt (`workspace_named_last`), with a prompt budget
+    of 640 tokens (a deep `relay` workspace, seven files, can pass 512; a prompt within 512
+    renders the same either way); and arm (c) on a wider held-out collection too
+    (`wide_heldout_episodes`). The tiny byte-level
     agent gets `chain` only, with every `head`/`tail` keeping 2 lines (`max_k`): the other
     kinds make it copy words and names, and the line counts numbers, that it cannot learn to
     copy (it wrote the instruction's count a third of the time, and RL never changed that).
