@@ -536,7 +536,7 @@ class FileopsConfig:
     """Generator seed: the same seed gives the same tasks."""
     kinds: list[str] = field(default_factory=lambda: list(FILEOPS_KINDS))
     """Which kinds to draw from: `FILEOPS_KINDS`, the deep `relay` (`FILEOPS_DEEP_KINDS`: five
-    or six transformations in a row, the turn depths up to 8), and the drills `read` (one file, one
+    or six transformations in a row, turns 6-8), and the drills `read` (one file, one
     command that reads it: a copying drill for a simulator, one command long) and `lookup`
     (one numbered file, one `grep` for a word's line: a find-by-content drill). A kind listed
     twice is drawn twice as often."""

@@ -17,7 +17,7 @@ Kinds (`FileopsConfig.kinds`), each with distractor files beside the ones that m
 - `relay` (a deep kind, drawn only when named): a `chain` of five or six transformations,
   `input.txt` into `a.txt`, `a.txt` into `b.txt`, ... `e.txt` or `f.txt`, then submit a
   property of the last: six or seven commands, eight with a mistake, each reading what the one
-  before it wrote (the turn depths 5-8 the other kinds never reach);
+  before it wrote (turns 6-8, depths 5-7, which the other kinds never reach);
 - `read` (a drill, drawn only when named): submit a property of one file, or its whole
   contents; one command, which copies from the file (lines of words, half of them numbered).
 - `lookup` (a drill, drawn only when named): submit the line of one file that starts with a
@@ -160,6 +160,23 @@ def _transform_step(
     return step
 
 
+RELAY_FILES = ("a.txt", "b.txt", "c.txt", "d.txt", "e.txt", "f.txt")
+"""What a `relay` (or `chain`) writes, step by step: `input.txt` into the first, and so on."""
+
+
+def _in_a_row(steps: list[dict], prop: str) -> str:
+    """The instruction of a `chain` or `relay`: each step from the file the last one wrote
+    (`input.txt`, then `RELAY_FILES`), then submit `prop` of the last file."""
+    files = ("input.txt", *RELAY_FILES)
+    out = [
+        f"{i + 1}. Write `{files[i]}` with {_DESCRIBE[s['op']].format(k=s.get('k'))} "
+        f"into `{files[i + 1]}`."
+        for i, s in enumerate(steps)
+    ]
+    out.append(f"{len(steps) + 1}. Submit {_PROPERTY_WORDS[prop]} `{files[len(steps)]}`.")
+    return " ".join(out)
+
+
 def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
     lines = _words(rng, cfg, rng.randint(cfg.min_lines, cfg.max_lines))
     steps: list[dict] = []
@@ -169,17 +186,7 @@ def _chain(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str]
     prop = rng.choice(PROPERTIES)
     params = {"kind": "chain", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}
-    describe = [_DESCRIBE[s["op"]].format(k=s.get("k")) for s in steps]
-    instruction = (
-        f"1. Write `input.txt` with {describe[0]} into `a.txt`. "
-        f"2. Write `a.txt` with {describe[1]} into `b.txt`. "
-        f"3. Submit {_PROPERTY_WORDS[prop]} `b.txt`."
-    )
-    return params, files, instruction
-
-
-RELAY_FILES = ("a.txt", "b.txt", "c.txt", "d.txt", "e.txt", "f.txt")
-"""What a `relay` (or `chain`) writes, step by step: `input.txt` into the first, and so on."""
+    return params, files, _in_a_row(steps, prop)
 
 
 def _relay(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:
@@ -193,14 +200,7 @@ def _relay(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str]
     prop = rng.choice(PROPERTIES)
     params = {"kind": "relay", "lines": lines, "steps": steps, "property": prop}
     files = {"input.txt": "\n".join(lines) + "\n"}
-    sources = ("input.txt", *RELAY_FILES)
-    instruction = " ".join(
-        f"{i + 1}. Write `{sources[i]}` with "
-        f"{_DESCRIBE[s['op']].format(k=s.get('k'))} into `{sources[i + 1]}`."
-        for i, s in enumerate(steps)
-    )
-    instruction += f" {len(steps) + 1}. Submit {_PROPERTY_WORDS[prop]} `{sources[len(steps)]}`."
-    return params, files, instruction
+    return params, files, _in_a_row(steps, prop)
 
 
 def _append(rng: random.Random, cfg: FileopsConfig) -> tuple[dict, dict[str, str], str]:

@@ -438,9 +438,9 @@ class DemoConfig:
     )  # fmt: skip
     """What makes the wider held-out collection (`wide_heldout_episodes`): every fileops
     kind with the family's defaults, half of the episodes the deep `relay` (six or seven
-    commands, eight with a mistake: the turn depths 6-8 no other kind reaches), up to 8 turns,
-    the scripted agent's mistakes in half the episodes, task seed 11 (no collection a shipped
-    simulator trained on uses it)."""
+    commands, eight with a mistake: turns 6-8, depths 5-7, which no other kind reaches), up
+    to 8 turns, the scripted agent's mistakes in half the episodes, task seed 11 (no
+    collection a shipped simulator trained on uses it)."""
     gating_sim_steps: int = 400
     """`simloop demo --experiment gating`: train-sim steps of its deliberately weak simulator
     (0: the pretrained simulator as it is, never fine-tuned on the agent's dialect)."""
