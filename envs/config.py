@@ -268,6 +268,16 @@ class SimulatedShellConfig:
     the order of the files it keeps is unchanged. `simloop train-sim` renders its examples
     the same way; a simulator must be served with the value it was trained on
     (`sim-fileops` stages 1-10: false; from stage 11: true)."""
+    workspace_named_absent: bool = False
+    """Workspace mode: one line after the files lists the file names the command gives that
+    are not in the working directory (`rl.data.sim_format.absent_names`: a word shaped like
+    `name.ext` that is no file or directory there), e.g. `Not in the working directory: b.txt,
+    c.txt` for `sort -r b.txt > c.txt` before `b.txt` exists. Whether a file a command reads
+    exists is then read off the line before the command instead of searched for among the
+    blocks (stage 13 answered such reads with silence, as if they had worked). Text matching
+    only: the line says nothing of what the command does with the names; the simulator
+    still writes every observation, error and file. Trained and served alike, as
+    `workspace_named_last` (`sim-fileops` stages 1-13: false; from stage 14: true)."""
     replay_cache: bool = True
     """Workspace mode: train-sim and eval-sim keep each episode's replayed workspaces (the real
     files after each command, from running its commands again in bash) in a cache on this
@@ -300,7 +310,15 @@ class SimulatedShellConfig:
         validate.integer(self, "seed", low=0, optional=True, allowed="None or int >= 0")
         validate.number(self, "repetition_max_line_share", low=0, high=1, low_open=True)
         validate.number(self, "repetition_min_compression", low=0, high=1, high_open=True)
-        validate.boolean(self, "sessions", "workspace", "workspace_named_last")
+        validate.boolean(
+            self, "sessions", "workspace", "workspace_named_last", "workspace_named_absent"
+        )
+        validate.require(
+            self.workspace or not self.workspace_named_absent,
+            self,
+            "workspace_named_absent",
+            "false unless workspace is true (it is a line of the workspace prompt)",
+        )
         validate.require(
             not (self.workspace and self.session_compaction),
             self,

@@ -195,6 +195,7 @@ class SimulatedShell(ShellLifecycle):
                 system_prompt=cfg.system_prompt,
                 show_task=cfg.show_task,
                 named_last=cfg.workspace_named_last,
+                named_absent=cfg.workspace_named_absent,
             )
             history = []
         else:

@@ -70,6 +70,7 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     if sim_shell.workspace:  # the real files after each command, for the simulator to keep
         prompt["workspaces"] = replayed_workspaces(trajs, cfg)
         prompt["named_last"] = sim_shell.workspace_named_last
+        prompt["named_absent"] = sim_shell.workspace_named_absent
     ds, stats = sim_sft_dataset(
         weighted_by_kind(train, tcfg.kind_weights), tok, tcfg.data, **prompt
     )
@@ -87,6 +88,8 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
         notes += f", observation tokens weighted x{tcfg.data.observation_weight}"
     if sim_shell.workspace and sim_shell.workspace_named_last:
         notes += ", the files each command names listed last"
+    if sim_shell.workspace and sim_shell.workspace_named_absent:
+        notes += ", the names each command gives that are not there listed"
     if tcfg.data.exit_code_weight != 1:
         notes += f", return codes weighted x{tcfg.data.exit_code_weight}"
     if tcfg.kind_weights:

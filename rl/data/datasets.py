@@ -199,6 +199,7 @@ def sim_sft_examples(
     observation_weight: int = 1,
     exit_code_weight: int = 1,
     named_last: bool = False,
+    named_absent: bool = False,
 ) -> tuple[list[Example], SFTStats]:
     """One example per command with a real observation, rendered as `SimulatedShell` prompts
     (`system_prompt` / `show_task` as in its `SimulatedShellConfig`). A context over its
@@ -217,8 +218,9 @@ def sim_sft_examples(
     command) and its target the observation with the files it changed
     (`format_workspace_reply`); a trajectory without states is skipped (`no_workspace`).
     There `observation_weight` (`DatasetConfig.observation_weight`) is the loss weight of the
-    observation's tokens, the changes block's being 1, and `named_last`
-    (`SimulatedShellConfig.workspace_named_last`) lists the files the command names last. In
+    observation's tokens, the changes block's being 1, `named_last`
+    (`SimulatedShellConfig.workspace_named_last`) lists the files the command names last and
+    `named_absent` (`workspace_named_absent`) the names it gives that are not there. In
     either mode `exit_code_weight`
     (`DatasetConfig.exit_code_weight`) is the loss weight of the return code's digits."""
     stats = SFTStats()
@@ -238,6 +240,7 @@ def sim_sft_examples(
             observation_weight=observation_weight,
             exit_code_weight=exit_code_weight,
             named_last=named_last,
+            named_absent=named_absent,
         )
     ]
     return examples, stats
@@ -258,6 +261,7 @@ def _sim_examples(
     observation_weight: int = 1,
     exit_code_weight: int = 1,
     named_last: bool = False,
+    named_absent: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """`sim_sft_examples`, one at a time: (its trajectory, the index of its command among the
     trajectory's commands, the example), counting into `stats`."""
@@ -289,6 +293,7 @@ def _sim_examples(
                 observation_weight=observation_weight,
                 exit_code_weight=exit_code_weight,
                 named_last=named_last,
+                named_absent=named_absent,
             )
             continue
         messages = render_sim_messages(
@@ -352,6 +357,7 @@ def _workspace_examples(
     observation_weight: int = 1,
     exit_code_weight: int = 1,
     named_last: bool = False,
+    named_absent: bool = False,
 ) -> Iterator[tuple[Trajectory, int, Example]]:
     """Workspace-mode examples of one trajectory (`sim_sft_examples`): the prompt holds the
     files before command k (`max_len` bounds it: the shell's prompt budget), the target the
@@ -371,6 +377,7 @@ def _workspace_examples(
             system_prompt=system_prompt,
             show_task=show_task,
             named_last=named_last,
+            named_absent=named_absent,
         )
         changes = workspace_changes(states[k], states[k + 1])
         current = apply_changes(current, parse_changes(changes))
@@ -565,6 +572,7 @@ def sim_sft_dataset(
     context_budget: int | None = None,
     workspaces: WorkspaceStates | None = None,
     named_last: bool = False,
+    named_absent: bool = False,
 ) -> tuple[grain.IterDataset, SFTStats]:
     """Simulator SFT batches from real trajectories (prompt options as `sim_sft_examples`)."""
     examples, stats = sim_sft_examples(
@@ -580,6 +588,7 @@ def sim_sft_dataset(
         observation_weight=cfg.observation_weight,
         exit_code_weight=cfg.exit_code_weight,
         named_last=named_last,
+        named_absent=named_absent,
     )
     _check_built(examples, stats, "simulator")
     return packed_dataset(examples, cfg, pad_id=tokenizer.pad_id), stats

@@ -185,18 +185,44 @@ def named_paths(files: Mapping[str, str], command: str) -> list[str]:
     return [path for path in files if any(named(p) for p in prefixes(path) if p)]
 
 
-def workspace_description(files: Mapping[str, str], *, command: str | None = None) -> str:
+_PATH_WORD = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.[A-Za-z]\w*)(?![\w./-])")
+ABSENT_HEADER = "Not in the working directory:"
+
+
+def absent_names(files: Mapping[str, str], command: str) -> list[str]:
+    """The file names `command` gives that name nothing in the workspace, in the order it
+    gives them, each once: a word shaped like a file name (`name.ext`, maybe under
+    directories: `b.txt`, `c.txtxt`, `archive/x_v2.txt`), bounded as in `named_paths`, that is
+    neither a path in `files` nor a directory of one. Text matching only: nothing here knows
+    whether the command reads the name or writes it, or what bash would print."""
+    dirs = {d.rstrip("/") for d in _dirs(files)}
+    out: list[str] = []
+    for name in _PATH_WORD.findall(command):
+        if name not in files and name not in dirs and name not in out:
+            out.append(name)
+    return out
+
+
+def workspace_description(
+    files: Mapping[str, str], *, command: str | None = None, absent_in: str | None = None
+) -> str:
     """The current workspace in the simulator's prompt, in the workspace's order: the start's
     files by path, then each file as it was last written, newest last (`apply_changes`), so
     the file a command most likely reads (the one just written) sits right before it.
     Given `command` (`SimulatedShellConfig.workspace_named_last`), the files it names
     (`named_paths`) move after the others, in their order, so the file a command reads sits
     right before it however long ago it was written. Lossless either way: `parse_changes`
-    reads the same blocks back (in the prompt's order)."""
+    reads the same blocks back (in the prompt's order). Given `absent_in`, a command
+    (`SimulatedShellConfig.workspace_named_absent`) naming files that are not there
+    (`absent_names`), one line after the files says which (`ABSENT_HEADER`), so whether
+    the file a command reads exists is read off the line right before it, not searched for
+    among the file blocks; without such names, no line."""
     named = [] if command is None else named_paths(files, command)
     order = [p for p in files if p not in named] + named
     body = "".join(_file_block(p, files[p]) for p in order)
-    return f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
+    text = f"{WORKSPACE_HEADER}\n{body}" if body else f"{WORKSPACE_HEADER}\n(empty)\n"
+    missing = [] if absent_in is None else absent_names(files, absent_in)
+    return text + (f"{ABSENT_HEADER} {', '.join(missing)}\n" if missing else "")
 
 
 def _dirs(files: Mapping[str, str]) -> set[str]:
@@ -337,16 +363,22 @@ def render_workspace_messages(
     system_prompt: str | None = None,
     show_task: bool = True,
     named_last: bool = False,
+    named_absent: bool = False,
 ) -> list[Message]:
     """The workspace-mode simulator's chat for `command`: the system message (instructions,
     the task when `show_task`, the workspace as it is now, the files `command` names last
-    when `named_last`) and the command; no history, since each command runs in a fresh
+    when `named_last`, the names it gives that are not there when `named_absent`) and the
+    command; no history, since each command runs in a fresh
     `bash -c` and only the files carry over. The target is `format_workspace_reply(...)`
     followed by the end-of-turn token."""
     system = SIM_WORKSPACE_SYSTEM_PROMPT if system_prompt is None else system_prompt
     if show_task:
         system += f"\n\nThe user is working on this task:\n{task_instruction.strip()}"
-    files = workspace_description(workspace, command=command if named_last else None)
+    files = workspace_description(
+        workspace,
+        command=command if named_last else None,
+        absent_in=command if named_absent else None,
+    )
     system = f"{system}\n\n{files}" if system else files
     return [{"role": "system", "content": system}, {"role": "user", "content": command}]
 

@@ -136,6 +136,7 @@ class SimCoTrainer:
             context_budget=sim.prompt_budget,
             workspaces=workspaces,
             named_last=sim.workspace_named_last,
+            named_absent=sim.workspace_named_absent,
         )
         target = self._trainer.step_count + g.cotrain_steps
         s = sft_loop(

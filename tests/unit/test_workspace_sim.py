@@ -18,6 +18,7 @@ from rl.data.chat import ChatRenderer
 from rl.data.datasets import sim_sft_examples
 from rl.data.sim_format import (
     ObservationFormatError,
+    absent_names,
     apply_changes,
     format_workspace_reply,
     named_paths,
@@ -85,6 +86,21 @@ def test_named_last_moves_the_named_files_before_the_command_and_reads_back_the_
     messages = render_workspace_messages("t", ws, "tail -n 1 b.txt", named_last=True)
     assert messages[0]["content"].endswith("--- b.txt ---\n2\n")
     assert messages[1]["content"] == "tail -n 1 b.txt"
+
+
+def test_absent_names_are_the_file_shaped_words_the_workspace_lacks():
+    ws = {"input.txt": "x\n", "a.txt": "1\n", "arch/z.txt": "z\n", "e/": ""}
+    assert absent_names(ws, "sort -r b.txt > c.txt") == ["b.txt", "c.txt"]
+    assert absent_names(ws, "tail -n  a.txt > e.txtxtxt") == ["e.txtxtxt"]
+    assert absent_names(ws, "cat arch/x_v2.txt arch/z.txt") == ["arch/x_v2.txt"]
+    assert absent_names(ws, "cat b.txt; cat b.txt >> aa.txt") == ["b.txt", "aa.txt"]
+    # directories, present files and words that are no file name are never listed
+    assert absent_names(ws, "ls arch e && cat input.txt | tr a-z A-Z") == []
+    text = workspace_description(ws, command="tac b.txt > a.txt", absent_in="tac b.txt > a.txt")
+    assert text.endswith("--- a.txt ---\n1\nNot in the working directory: b.txt\n")
+    assert workspace_description(ws, absent_in="cat a.txt") == workspace_description(ws)
+    messages = render_workspace_messages("t", ws, "wc -l < q.txt", named_absent=True)
+    assert messages[0]["content"].endswith("--- e/ ---\nNot in the working directory: q.txt\n")
 
 
 def test_the_workspace_prompt_is_the_changes_format():
@@ -168,16 +184,26 @@ async def run_all(shell, commands):
 
 
 @pytest.mark.parametrize(
-    ("prompt", "named_last"),
-    [({"system_prompt": "", "show_task": False}, False), ({}, False), ({}, True)],
+    ("prompt", "named_last", "named_absent"),
+    [
+        ({"system_prompt": "", "show_task": False}, False, False),
+        ({}, False, False),
+        ({}, True, False),
+        ({}, True, True),
+        ({}, False, True),
+    ],
 )
-def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, named_last):
+def test_training_examples_are_the_prompts_the_workspace_shell_sends(
+    prompt, named_last, named_absent
+):
     """Teacher forcing: a simulator that answers each prompt with its training target sees,
     turn after turn, exactly the contexts train-sim built, and ends holding the real files
-    (with the named files last too, which changes some prompts)."""
+    (with the named files last, or the absent names listed, too, which changes some
+    prompts)."""
     tasks = generate_fileops(FileopsConfig(seed=5, num_tasks=6))
     renderer = ChatRenderer(BYTES)
-    changed = 0  # examples whose prompt named_last reorders
+    changed = 0  # examples whose prompt named_last / named_absent changes
+    layout = dict(named_last=named_last, named_absent=named_absent)
     for task in tasks[:3]:
         commands = [*plan(dict(task.reward.params)), "cat missing.txt"]
         outputs = asyncio.run(real_outputs(task, commands))
@@ -185,9 +211,9 @@ def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, nam
         states, failed = trajectory_workspaces([traj])
         assert failed == 0
         built = dict(max_len=4096, workspaces=states, **prompt)
-        examples, stats = sim_sft_examples([traj], BYTES, named_last=named_last, **built)
+        examples, stats = sim_sft_examples([traj], BYTES, **layout, **built)
         assert stats.examples == len(commands)
-        if named_last:
+        if named_last or named_absent:
             plain, _ = sim_sft_examples([traj], BYTES, **built)
             changed += sum(
                 list(a["tokens"]) != list(b["tokens"]) for a, b in zip(examples, plain, strict=True)
@@ -197,7 +223,11 @@ def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, nam
 
         teacher = Teacher(targets)
         cfg = SimulatedShellConfig(
-            workspace=True, workspace_named_last=named_last, max_context_tokens=4096, **prompt
+            workspace=True,
+            workspace_named_last=named_last,
+            workspace_named_absent=named_absent,
+            max_context_tokens=4096,
+            **prompt,
         )
         shell = SimulatedShell(
             teacher,
@@ -211,7 +241,7 @@ def test_training_examples_are_the_prompts_the_workspace_shell_sends(prompt, nam
         assert [(o.output, o.exit_code) for o in seen] == [(o.output, code) for o, code in outputs]
         assert not any(o.info["malformed"] for o in seen)
         assert shell.workspace == states(traj)[-1]
-    assert changed > 0 if named_last else changed == 0
+    assert changed > 0 if named_last or named_absent else changed == 0
 
 
 def workspace_shell(replies, files=None, renderer=None, **cfg):
