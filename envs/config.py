@@ -344,6 +344,16 @@ class SimulatedShellConfig:
             return self.max_prompt_tokens
         return self.max_context_tokens - self.max_tokens
 
+    def prompt_layout(self) -> dict[str, bool]:
+        """How this shell lays out the simulator's prompt, in the flags a simulator must be
+        served with as it was trained (`train-sim` records them beside its weights,
+        `rl.data.sim_format.PROMPT_LAYOUT_FILE`; the servers' clients check them)."""
+        return {
+            "workspace": self.workspace,
+            "workspace_named_last": self.workspace_named_last,
+            "workspace_named_absent": self.workspace_named_absent,
+        }
+
     @property
     def compacting(self) -> bool:
         """Whether the server, not the prompt renderer, bounds what the simulator sees."""

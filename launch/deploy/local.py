@@ -324,6 +324,30 @@ def role_client_config(cfg, role: str, url: str, *, named: bool = True):
 
 
 @contextlib.asynccontextmanager
+def check_prompt_layout(cfg) -> None:
+    """`JobError` when `simulator.weights` record a prompt layout (`train-sim` writes it:
+    `rl.data.sim_format.PROMPT_LAYOUT_FILE`) other than the one `env.shell.simulated` would
+    ask with: served another layout, a simulator answers worse with nothing to say so (a
+    workspace simulator trained with the named files last scored 0.777 served without, 0.970
+    with)."""
+    from rl.data.sim_format import PROMPT_LAYOUT_FILE, layout_mismatches
+
+    weights = cfg.simulator.weights
+    if not weights:
+        return
+    wrong = layout_mismatches(weights, cfg.env.shell.simulated.prompt_layout())
+    if wrong:
+        said = "; ".join(
+            f"{f} trained {str(t).lower()}, served {str(s).lower()}" for f, t, s in wrong
+        )
+        flags = " ".join(f"--env.shell.simulated.{f} {str(t).lower()}" for f, t, _ in wrong)
+        raise JobError(
+            f"simulator weights {weights} were trained on another prompt layout "
+            f"({Path(weights) / PROMPT_LAYOUT_FILE}): {said}. Serve them as trained ({flags}) "
+            "or train them for this layout (simloop train-sim)"
+        )
+
+
 async def role_clients(
     cfg,
     run_dir: str | os.PathLike,
@@ -344,6 +368,8 @@ async def role_clients(
     `/collective_rpc` instead."""
     from serving.client import InferenceClient
 
+    if "simulator" in roles:
+        check_prompt_layout(cfg)
     run_dir = Path(run_dir)
     external = external_servers()
     async with contextlib.AsyncExitStack() as stack:

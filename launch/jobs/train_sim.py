@@ -133,6 +133,12 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
             on_log=on_log,
         )
     path = export_weights(trainer, out, "final", tcfg.checkpoint)
+    if rundir.is_writer():  # the prompt layout it learnt, which clients must serve it with
+        from rl.data.sim_format import write_prompt_layout
+        from rl.model.integrity import write_manifest
+
+        write_prompt_layout(path, sim_shell.prompt_layout())
+        write_manifest(path)  # sealed again with the record in it
     last = summary["last"]
     loss = f"loss {last['loss']:.4f}" if last.get("loss") is not None else "no loss logged"
     if summary["started_at_step"] >= tcfg.steps:

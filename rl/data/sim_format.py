@@ -17,8 +17,11 @@ thinking-disabled generation prompt. Rendering is thus append-only across turns.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from rl.data.chat import Message
@@ -102,6 +105,38 @@ def setup_description(files: Mapping[str, str]) -> str:
     for path, text in sorted(files.items()):
         parts.append(f"--- {path} ---\n{text}" + ("" if text.endswith("\n") else "\n"))
     return "\n".join(parts)
+
+
+# ----- the prompt layout a simulator was trained on ----------------------------------------
+
+PROMPT_LAYOUT_FILE = "sim_prompt.json"
+"""Beside a simulator's weights (`simloop train-sim` writes it): the prompt layout flags it was
+trained with (`SimulatedShellConfig.prompt_layout`), which it must be served with."""
+
+
+def write_prompt_layout(weights: str | os.PathLike, layout: Mapping[str, bool]) -> Path:
+    """Record `layout` beside the weights in `weights` (the caller seals the directory again:
+    `rl.model.integrity.write_manifest`)."""
+    path = Path(weights) / PROMPT_LAYOUT_FILE
+    path.write_text(json.dumps(dict(layout), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def layout_mismatches(
+    weights: str | os.PathLike, layout: Mapping[str, bool]
+) -> list[tuple[str, bool, bool]]:
+    """What serving the weights in `weights` with `layout` would change from the prompts they
+    were trained on: `(flag, trained, served)` for each flag that differs (none when the
+    weights record no layout: trained before the record existed, or not by `train-sim`)."""
+    path = Path(weights) / PROMPT_LAYOUT_FILE
+    if not path.is_file():
+        return []
+    trained = json.loads(path.read_text())
+    return [
+        (flag, bool(trained[flag]), bool(layout[flag]))
+        for flag in sorted(trained)
+        if flag in layout and bool(trained[flag]) != bool(layout[flag])
+    ]
 
 
 # ----- workspace mode: the simulator keeps the files itself ----------------------------------

@@ -112,6 +112,13 @@ def test_train_sim_runs_and_resumes_exactly_after_sigkill(collected, tmp_path):
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert expected[STEPS] < expected[1]  # it learns
     assert (whole / "weights" / "final" / "model_config.json").exists()
+    # the prompt layout it learnt, sealed with the weights (a server verifies every file)
+    layout = json.loads((whole / "weights" / "final" / "sim_prompt.json").read_text())
+    assert layout == {"workspace": False, "workspace_named_absent": False,
+                      "workspace_named_last": False}  # fmt: skip
+    from rl.model.integrity import verify_checkpoint
+
+    verify_checkpoint(whole / "weights" / "final")
     assert json.loads((whole / "heldout_tasks.json").read_text())  # some tasks held out
     assert committed_steps(whole)[-1] == STEPS
     # The held-out fidelity learning curve: greedy exact by operation every eval_every steps.

@@ -479,3 +479,32 @@ def test_exit_code_weight_marks_the_return_codes_digits_in_both_modes():
             assert (h["loss_mask"][others] == e["loss_mask"][others]).all()
     with pytest.raises(ValueError, match="exit_code_weight"):
         DatasetConfig(exit_code_weight=0)
+
+
+def test_a_simulator_is_served_only_with_the_prompt_layout_it_was_trained_on(tmp_path):
+    """train-sim records the layout beside the weights; a client config with another layout is
+    refused before any server starts, naming the flags to serve them with; weights without
+    a record (older ones) are served as configured."""
+    from launch.config import load_config
+    from launch.config.schema import SimloopConfig
+    from launch.deploy.local import check_prompt_layout
+    from launch.errors import JobError
+    from rl.data.sim_format import PROMPT_LAYOUT_FILE, layout_mismatches, write_prompt_layout
+
+    trained = SimulatedShellConfig(
+        workspace=True, workspace_named_last=True, workspace_named_absent=True
+    )
+    write_prompt_layout(tmp_path, trained.prompt_layout())
+    assert layout_mismatches(tmp_path, trained.prompt_layout()) == []
+    flags = ["--simulator.weights", str(tmp_path), "--env.shell.simulated.workspace", "true"]
+    flags += ["--env.shell.simulated.workspace_named_last", "true"]
+    check_prompt_layout(load_config(SimloopConfig, None, [*flags, _ABSENT, "true"]))
+    with pytest.raises(JobError) as e:
+        check_prompt_layout(load_config(SimloopConfig, None, flags))
+    assert "workspace_named_absent trained true, served false" in str(e.value)
+    assert f"({_ABSENT} true)" in str(e.value) and PROMPT_LAYOUT_FILE in str(e.value)
+    (tmp_path / PROMPT_LAYOUT_FILE).unlink()
+    check_prompt_layout(load_config(SimloopConfig, None, flags))
+
+
+_ABSENT = "--env.shell.simulated.workspace_named_absent"
