@@ -323,7 +323,6 @@ def role_client_config(cfg, role: str, url: str, *, named: bool = True):
     )
 
 
-@contextlib.asynccontextmanager
 def check_prompt_layout(cfg) -> None:
     """`JobError` when `simulator.weights` record a prompt layout (`train-sim` writes it:
     `rl.data.sim_format.PROMPT_LAYOUT_FILE`) other than the one `env.shell.simulated` would
@@ -348,6 +347,7 @@ def check_prompt_layout(cfg) -> None:
         )
 
 
+@contextlib.asynccontextmanager
 async def role_clients(
     cfg,
     run_dir: str | os.PathLike,

@@ -487,7 +487,7 @@ def test_a_simulator_is_served_only_with_the_prompt_layout_it_was_trained_on(tmp
     a record (older ones) are served as configured."""
     from launch.config import load_config
     from launch.config.schema import SimloopConfig
-    from launch.deploy.local import check_prompt_layout
+    from launch.deploy.local import check_prompt_layout, role_clients
     from launch.errors import JobError
     from rl.data.sim_format import PROMPT_LAYOUT_FILE, layout_mismatches, write_prompt_layout
 
@@ -503,6 +503,14 @@ def test_a_simulator_is_served_only_with_the_prompt_layout_it_was_trained_on(tmp
         check_prompt_layout(load_config(SimloopConfig, None, flags))
     assert "workspace_named_absent trained true, served false" in str(e.value)
     assert f"({_ABSENT} true)" in str(e.value) and PROMPT_LAYOUT_FILE in str(e.value)
+
+    async def clients():  # every job's simulator clients come from here: refused first
+        async with role_clients(load_config(SimloopConfig, None, flags), tmp_path, ["simulator"],
+                                who="test"):  # fmt: skip
+            pytest.fail("a server started for a simulator served with another layout")
+
+    with pytest.raises(JobError, match="another prompt layout"):
+        asyncio.run(clients())
     (tmp_path / PROMPT_LAYOUT_FILE).unlink()
     check_prompt_layout(load_config(SimloopConfig, None, flags))
 
