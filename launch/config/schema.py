@@ -372,6 +372,7 @@ class DemoConfig:
             "--simulator.weights", "pretrained/sim-fileops",
             "--env.shell.simulated.workspace", "true",
             "--env.shell.simulated.workspace_named_last", "true",
+            "--env.shell.simulated.workspace_named_absent", "true",
             "--env.shell.simulated.max_prompt_tokens", "640",
             "--demo.sim_max_tokens_from_data", "false",
             "--orchestrator.max_context_tokens", "1536",
@@ -404,7 +405,10 @@ class DemoConfig:
     with it, 1.000; 2026-12-07), at half the config's rate (1e-4: at 2e-4 the 200 steps on
     `chain` alone cost the other kinds, return codes 0.987 on the wider collection, against
     0.991; the same on `chain`), served as it was trained from stage 11: the files each
-    command names listed last in its prompt (`workspace_named_last`), with a prompt budget
+    command names listed last in its prompt (`workspace_named_last`) and, from stage 14, the
+    file names it gives that are not there on a line of their own (`workspace_named_absent`:
+    stage 13 answered a relay step run before its input existed with silence, return codes
+    0.986 on the wider collection; stage 14 0.996), with a prompt budget
     of 640 tokens (a deep `relay` workspace, seven files, can pass 512; a prompt within 512
     renders the same either way); and arm (c) on a wider held-out collection too
     (`wide_heldout_episodes`). The tiny byte-level

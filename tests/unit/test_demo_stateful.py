@@ -87,6 +87,16 @@ def test_the_stateful_experiment_runs_the_thesis_table_on_fileops(tmp_path, caps
     assert cfg.env.family == "fileops" and cfg.env.shell.simulated.workspace
     # sim-fileops from stage 11 was trained with the named files last: served the same way
     assert cfg.env.shell.simulated.workspace_named_last
+    # and from stage 14 with the absent names listed: the layout its weights record
+    assert cfg.env.shell.simulated.workspace_named_absent
+    from launch.deploy.local import check_prompt_layout
+    from launch.errors import JobError
+
+    check_prompt_layout(cfg)
+    with pytest.raises(JobError, match="workspace_named_absent trained true, served false"):
+        check_prompt_layout(load_config(SimloopConfig, demo_cfg, [
+            *stateful_overrides(load_config(SimloopConfig, demo_cfg, []), demo_cfg),
+            "--env.shell.simulated.workspace_named_absent", "false"]))  # fmt: skip
     assert cfg.train_sim.data.exit_code_weight == 10  # the fine-tune learns bash's 127s
     assert cfg.train_sim.optim.lr == 1e-4  # and forgets less of the kinds `chain` lacks
     assert cfg.simulator.weights.endswith("configs/pretrained/sim-fileops")
@@ -178,6 +188,7 @@ def test_the_stateful_experiment_also_scores_arm_c_on_a_wider_collection(tmp_pat
     assert ev.eval_sim.heldout_tasks is None  # every episode: none of its tasks was trained on
     assert ev.simulator.weights == str(tmp_path / "sim" / "weights" / "final")
     assert ev.env.shell.simulated.workspace_named_last
+    assert ev.env.shell.simulated.workspace_named_absent
     own = cfg("collect")
     assert own.env.fileops.kinds == ["chain"] and own.env.terminal.max_turns == 6
 
