@@ -46,6 +46,7 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
     from launch.deploy.chips import trainer_device_ids
     from rl.data import load_tokenizer
     from rl.data.datasets import sim_sft_dataset
+    from rl.data.sim_format import PROMPT_LAYOUT_FILE, prompt_layout_record
     from rl.data.trajectory import canonical_order, load_trajectories
     from rl.train.build import build_trainer, export_weights
     from rl.train.checkpoint import Checkpointer
@@ -132,13 +133,9 @@ def _train_sim(cfg: SimloopConfig, out: Path) -> int:
             ckpt_every=tcfg.checkpoint.every_steps,
             on_log=on_log,
         )
-    path = export_weights(trainer, out, "final", tcfg.checkpoint)
-    if rundir.is_writer():  # the prompt layout it learnt, which clients must serve it with
-        from rl.data.sim_format import write_prompt_layout
-        from rl.model.integrity import write_manifest
-
-        write_prompt_layout(path, sim_shell.prompt_layout())
-        write_manifest(path)  # sealed again with the record in it
+    # With the prompt layout it learnt, which clients must serve it with.
+    layout = {PROMPT_LAYOUT_FILE: prompt_layout_record(sim_shell.prompt_layout())}
+    path = export_weights(trainer, out, "final", tcfg.checkpoint, extra_files=layout)
     last = summary["last"]
     loss = f"loss {last['loss']:.4f}" if last.get("loss") is not None else "no loss logged"
     if summary["started_at_step"] >= tcfg.steps:

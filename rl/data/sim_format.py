@@ -114,12 +114,10 @@ PROMPT_LAYOUT_FILE = "sim_prompt.json"
 trained with (`SimulatedShellConfig.prompt_layout`), which it must be served with."""
 
 
-def write_prompt_layout(weights: str | os.PathLike, layout: Mapping[str, bool]) -> Path:
-    """Record `layout` beside the weights in `weights` (the caller seals the directory again:
-    `rl.model.integrity.write_manifest`)."""
-    path = Path(weights) / PROMPT_LAYOUT_FILE
-    path.write_text(json.dumps(dict(layout), indent=1, sort_keys=True) + "\n")
-    return path
+def prompt_layout_record(layout: Mapping[str, bool]) -> str:
+    """The text of `PROMPT_LAYOUT_FILE` for `layout` (written with the weights:
+    `rl.model.params_io.save_params`'s `extra_files`)."""
+    return json.dumps(dict(layout), indent=1, sort_keys=True) + "\n"
 
 
 def layout_mismatches(

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,8 +53,16 @@ class _NoOcdbtMergeWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoOcdbtMergeWarning())
 
 
-def save_params(model: nnx.Module, path: str | os.PathLike, *, dtype: str | None = None) -> Path:
-    """Write `model`'s parameters (cast to `dtype` if given) and config under `path`."""
+def save_params(
+    model: nnx.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write `model`'s parameters (cast to `dtype` if given) and config under `path`, and each
+    of `extra_files` (file name -> text: records that travel with the weights), all sealed in
+    one manifest."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -75,6 +83,8 @@ def save_params(model: nnx.Module, path: str | os.PathLike, *, dtype: str | None
     # With several JAX processes Orbax wrote each one's shards; process 0 writes the rest.
     if jax.process_index() == 0:
         (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        for name, text in (extra_files or {}).items():
+            (path / name).write_text(text)
         write_manifest(path)  # sealed: a reader can tell a complete, unaltered checkpoint
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

@@ -9,7 +9,7 @@ it trained: what `simloop train-sim` and `simloop train-agent` share.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rl.data.rundir import WEIGHTS
@@ -82,11 +82,18 @@ def check_spans_processes(mesh) -> None:
         )
 
 
-def export_weights(trainer, run_dir: str | Path, name: str, ckpt_cfg: CheckpointConfig) -> Path:
-    """Serving weights at `<run>/weights/<name>` (and an HF copy at `<name>-hf` when
-    `export_hf`); returns the serving path."""
+def export_weights(
+    trainer,
+    run_dir: str | Path,
+    name: str,
+    ckpt_cfg: CheckpointConfig,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Serving weights at `<run>/weights/<name>` (with `extra_files` beside them, sealed in
+    their manifest; and an HF copy at `<name>-hf` when `export_hf`); returns the serving
+    path."""
     out = Path(run_dir) / WEIGHTS
-    path = trainer.export_serving(out / name, ckpt_cfg.export_dtype)
+    path = trainer.export_serving(out / name, ckpt_cfg.export_dtype, extra_files)
     if ckpt_cfg.export_hf:
         trainer.export_hf(out / f"{name}-hf", ckpt_cfg.export_dtype)
     return path

@@ -350,12 +350,18 @@ class Trainer:
 
     # ----- export -----------------------------------------------------------------------------
 
-    def export_serving(self, path: str | Path, dtype: str | None = None) -> Path:
-        """Serving weights (`rl.model.params_io` format: Orbax params + model_config.json)
-        and their manifest (`rl.model.integrity`), which servers verify before loading."""
+    def export_serving(
+        self,
+        path: str | Path,
+        dtype: str | None = None,
+        extra_files: Mapping[str, str] | None = None,
+    ) -> Path:
+        """Serving weights (`rl.model.params_io` format: Orbax params + model_config.json,
+        and `extra_files`) and their manifest (`rl.model.integrity`), which servers verify
+        before loading."""
         from rl.model.params_io import save_params
 
-        return save_params(self.model(), path, dtype=dtype)
+        return save_params(self.model(), path, dtype=dtype, extra_files=extra_files)
 
     def export_hf(self, path: str | Path, dtype: str | None = None) -> Path:
         """HF safetensors + config.json (what vLLM loads), with a manifest."""

@@ -489,12 +489,12 @@ def test_a_simulator_is_served_only_with_the_prompt_layout_it_was_trained_on(tmp
     from launch.config.schema import SimloopConfig
     from launch.deploy.local import check_prompt_layout, role_clients
     from launch.errors import JobError
-    from rl.data.sim_format import PROMPT_LAYOUT_FILE, layout_mismatches, write_prompt_layout
+    from rl.data.sim_format import PROMPT_LAYOUT_FILE, layout_mismatches, prompt_layout_record
 
     trained = SimulatedShellConfig(
         workspace=True, workspace_named_last=True, workspace_named_absent=True
     )
-    write_prompt_layout(tmp_path, trained.prompt_layout())
+    (tmp_path / PROMPT_LAYOUT_FILE).write_text(prompt_layout_record(trained.prompt_layout()))
     assert layout_mismatches(tmp_path, trained.prompt_layout()) == []
     flags = ["--simulator.weights", str(tmp_path), "--env.shell.simulated.workspace", "true"]
     flags += ["--env.shell.simulated.workspace_named_last", "true"]
